@@ -1,0 +1,3 @@
+from quilld.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""`quilld` entry point: flags -> config -> node, on uvloop, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from quilld import __version__
+from quilld.config import load, parse_size
+from quilld.errors import ConfigError
+
+log = logging.getLogger("quilld")
+
+
+def install_loop() -> str:
+    """The one place the event loop is chosen: uvloop when importable, else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quilld", description="QuillCache node: a Redis-protocol KV-block cache.")
+    p.add_argument("--config", help="TOML config file (default: $QUILLD_CONFIG, else built-in defaults)")
+    p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="RESP port (default 7379)")
+    p.add_argument("--admin-port", type=int, help="admin HTTP port (default 7380; 0 disables it)")
+    p.add_argument("--dram", help="DRAM arena size, e.g. 512MiB or 4GiB (default 1GiB)")
+    p.add_argument("--requirepass", help="password of user `default`; AUTH required when set")
+    p.add_argument("--users-file", help="file of `user password` lines (tenants)")
+    p.add_argument("--node-id", help="this node's id (default host:port)")
+    p.add_argument("--log-level", default=os.environ.get("QUILLD_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"quilld {__version__}")
+    return p
+
+
+def _overrides(a: argparse.Namespace) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+
+    def put(section: str, key: str, value) -> None:
+        if value is not None:
+            out.setdefault(section, {})[key] = value
+
+    put("server", "bind", a.bind)
+    put("server", "port", a.port)
+    put("server", "node_id", a.node_id)
+    put("admin", "port", a.admin_port)
+    put("dram", "size", parse_size(a.dram) if a.dram is not None else None)
+    put("security", "requirepass", a.requirepass)
+    put("security", "users_file", a.users_file)
+    return out
+
+
+async def _serve(cfg, config_file: str) -> None:
+    from quilld.node import Node
+
+    node = Node(cfg, config_file)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"quilld ready on {cfg.server.bind}:{node.port}", flush=True)
+    await stop.wait()
+    log.info("signal received, shutting down")
+    await node.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    config_file = args.config or os.environ.get("QUILLD_CONFIG", "")
+    try:
+        cfg = load(config_file or None, overrides=_overrides(args))
+    except ConfigError as e:
+        print(f"quilld: {e.message}", file=sys.stderr)
+        return 2
+    loop_name = install_loop()
+    log.info("event loop: %s", loop_name)
+    try:
+        asyncio.run(_serve(cfg, config_file))
+    except ConfigError as e:
+        print(f"quilld: {e.message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"quilld: cannot start: {e}", file=sys.stderr)
+        return 1
+    return 0

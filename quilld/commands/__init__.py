@@ -1,0 +1,12 @@
+"""Command families, one module each; `build_table()` assembles the command table."""
+
+from quilld.protocol.table import CommandTable
+
+
+def build_table() -> CommandTable:
+    from quilld.commands import admin, blocks, connection, strings
+
+    table = CommandTable()
+    for family in (connection, strings, blocks, admin):
+        family.register(table)
+    return table

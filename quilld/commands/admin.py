@@ -1,0 +1,125 @@
+"""Server commands: INFO, CONFIG, COMMAND."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from quilld.commands.common import text
+from quilld.errors import CommandError
+from quilld.protocol.resp import OK, Verbatim
+from quilld.protocol.table import Command, CommandTable
+
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "keyspace")
+
+
+def cmd_info(c, args):
+    wanted = [text(a).lower() for a in args[1:]] or ["default"]
+    if any(w in ("all", "everything", "default") for w in wanted):
+        names = list(DEFAULT_SECTIONS)
+    else:
+        names = [n for n in DEFAULT_SECTIONS if n in wanted]
+    sections = c.node.info_sections(c, names)
+    body = "\r\n".join(f"# {title}\r\n" + "".join(f"{k}:{v}\r\n" for k, v in fields)
+                       for title, fields in sections)
+    return Verbatim(body.encode())
+
+
+def _config_params(node) -> dict[str, str]:
+    cfg = node.cfg
+    return {
+        "bind": cfg.server.bind,
+        "port": str(cfg.server.port),
+        "maxmemory": str(node.store.capacity),
+        "maxmemory-policy": "allkeys-lru",
+        "maxclients": str(cfg.server.max_clients),
+        "proto-max-bulk-len": str(cfg.server.proto_max_bulk_len),
+        "databases": "1",
+        "save": "",
+        "appendonly": "no",
+        "timeout": "0",
+        "dram-size": str(cfg.dram.size),
+        "dram-high-watermark": str(cfg.dram.high_watermark),
+        "dram-low-watermark": str(cfg.dram.low_watermark),
+        "dram-inline-max": str(cfg.dram.inline_max),
+    }
+
+
+def cmd_config_get(c, args):
+    params = _config_params(c.node)
+    out: dict[bytes, bytes] = {}
+    for pattern in args[2:]:
+        pat = text(pattern).lower()
+        for name, value in params.items():
+            if fnmatch.fnmatchcase(name, pat):
+                out[name.encode()] = value.encode()
+    return out
+
+
+def cmd_config_set(c, args):
+    raise CommandError(f"CONFIG SET is not supported: set '{text(args[2])}' in the config file or a "
+                       "QUILLD_* variable and restart quilld")
+
+
+def cmd_config_resetstat(c, args):
+    c.node.reset_stats()
+    return OK
+
+
+def _command_info(cmd: Command) -> list:
+    subs = [_command_info(s) for s in cmd.subcommands.values()]
+    return [cmd.name.encode(), cmd.arity, {f.encode() for f in sorted(cmd.flags)}, cmd.first_key,
+            cmd.last_key, cmd.step, set(), [], [], subs]
+
+
+def _command_doc(cmd: Command) -> dict:
+    doc = {b"summary": cmd.summary.encode(), b"since": cmd.since.encode(), b"group": cmd.group.encode()}
+    if cmd.subcommands:
+        doc[b"subcommands"] = {s.name.encode(): _command_doc(s) for s in cmd.subcommands.values()}
+    return doc
+
+
+def _top(c) -> dict[bytes, Command]:
+    return c.node.table.commands
+
+
+def cmd_command(c, args):
+    return [_command_info(cmd) for cmd in _top(c).values()]
+
+
+def cmd_command_count(c, args):
+    return len(_top(c))
+
+
+def cmd_command_list(c, args):
+    return [name for name in _top(c)]
+
+
+def cmd_command_info(c, args):
+    table = _top(c)
+    names = args[2:] or list(table)
+    return [_command_info(table[bytes(n).lower()]) if bytes(n).lower() in table else None for n in names]
+
+
+def cmd_command_docs(c, args):
+    table = _top(c)
+    names = [bytes(n).lower() for n in args[2:]] or list(table)
+    return {n: _command_doc(table[n]) for n in names if n in table}
+
+
+def register(t: CommandTable) -> None:
+    t.add("info", -1, "", cmd_info, "Returns information and statistics about the server.", "server")
+    cfg = CommandTable()
+    cfg.add("config|get", -3, "", cmd_config_get, "Returns the effective values of configuration parameters.",
+            "server", "2.0.0")
+    cfg.add("config|set", -4, "", cmd_config_set, "Not supported: quilld's config is fixed at start.", "server")
+    cfg.add("config|resetstat", 2, "", cmd_config_resetstat, "Resets the server's statistics.", "server")
+    t.add("config", -2, "", lambda c, a: None, "A container for server configuration commands.", "server",
+          subcommands={n.split(b"|")[1]: cmd for n, cmd in cfg.commands.items()})
+    cmds = CommandTable()
+    cmds.add("command|count", 2, "", cmd_command_count, "Returns a count of commands.", "server", "2.8.13")
+    cmds.add("command|docs", -2, "", cmd_command_docs, "Returns documentary information about commands.",
+             "server", "7.0.0")
+    cmds.add("command|info", -2, "", cmd_command_info, "Returns information about commands.", "server", "2.8.13")
+    cmds.add("command|list", -2, "", cmd_command_list, "Returns a list of command names.", "server", "7.0.0")
+    t.add("command", -1, "", cmd_command, "Returns detailed information about all commands.", "server",
+                "2.8.13", subcommands={n.split(b"|")[1]: cmd for n, cmd in cmds.commands.items()})

@@ -1,0 +1,152 @@
+"""Block commands: PUT2PHASE, GETBLK, LOCATE; and where large payloads land.
+
+`large_target` decides where a large bulk argument is received while it is
+still on the wire: a SET/MSET value goes into a freshly reserved arena block,
+a PUT2PHASE DATA payload into its put's block at its offset, anything else
+into a plain buffer. `release_args` gives back whatever a command did not
+consume (and everything, when the connection drops mid-payload).
+"""
+
+from __future__ import annotations
+
+from quilld.commands.common import parse_int, reply_value, text
+from quilld.errors import CommandError, NoAuth, QuillError
+from quilld.model import BlockState, CacheTier
+from quilld.protocol.resp import OK, Status
+from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
+from quilld.store import Block
+from quilld.twophase import IntoBlock
+
+EXISTS = Status(b"EXISTS")
+
+
+def large_target(c, args: list, index: int, length: int):
+    """(object standing for the argument, writable view to receive it into).
+
+    Raising a QuillError makes the payload be read and dropped, and the
+    command answered with that error.
+    """
+    if not c.authenticated:
+        raise NoAuth("Authentication required.")
+    name = bytes(args[0]).lower() if args else b""
+    node = c.node
+    if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
+        block = node.store.reserve(length)
+        return block, node.store.view(block)
+    if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
+        put = node.puts.get(bytes(args[2]), c.user)
+        offset = parse_int(args[3])
+        view = node.puts.open_writer(put, offset, length)
+        return IntoBlock(put, offset, length), view
+    buf = bytearray(length)
+    return buf, memoryview(buf)
+
+
+def release_args(node, args: list) -> None:
+    """Give back reservations a command left unconsumed (or a dropped connection left)."""
+    for a in args:
+        t = type(a)
+        if t is Block and a.state in (BlockState.RESERVED, BlockState.WRITING):
+            node.store.discard(a)
+        elif t is IntoBlock and a.put is not None:
+            node.puts.close_writer(a, complete=False)
+            a.put = None
+
+
+def _put2phase_begin(c, args):
+    if len(args) not in (4, 6):
+        raise CommandError("wrong number of arguments for 'put2phase|begin' command")
+    nbytes = parse_int(args[3])
+    if nbytes < 0 or nbytes > c.node.cfg.server.proto_max_bulk_len:
+        raise CommandError(f"block size must be within 0..{c.node.cfg.server.proto_max_bulk_len} bytes")
+    lease = None
+    if len(args) == 6:
+        if bytes(args[4]).upper() != b"LEASE":
+            raise CommandError("syntax error")
+        lease = parse_int(args[5])
+    handle = c.node.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease)
+    return EXISTS if handle is None else handle
+
+
+def _put2phase_data(c, args):
+    if len(args) != 5:
+        raise CommandError("wrong number of arguments for 'put2phase|data' command")
+    payload = args[4]
+    puts = c.node.puts
+    if type(payload) is IntoBlock:
+        puts.close_writer(payload, complete=True)
+        payload.put = None
+        return OK
+    put = puts.get(bytes(args[2]), c.user)
+    puts.write(put, parse_int(args[3]), payload)
+    return OK
+
+
+def _put2phase_commit(c, args):
+    if len(args) not in (3, 5):
+        raise CommandError("wrong number of arguments for 'put2phase|commit' command")
+    crc = None
+    if len(args) == 5:
+        if bytes(args[3]).upper() != b"CRC32C":
+            raise CommandError("syntax error")
+        crc = parse_int(args[4])
+        if not 0 <= crc < 1 << 32:
+            raise CommandError("CRC32C must be an unsigned 32-bit integer")
+    puts = c.node.puts
+    puts.commit(puts.get(bytes(args[2]), c.user), crc)
+    return OK
+
+
+def _put2phase_abort(c, args):
+    if len(args) != 3:
+        raise CommandError("wrong number of arguments for 'put2phase|abort' command")
+    puts = c.node.puts
+    puts.abort(puts.get(bytes(args[2]), c.user))
+    return OK
+
+
+_PHASES = {b"BEGIN": _put2phase_begin, b"DATA": _put2phase_data,
+           b"COMMIT": _put2phase_commit, b"ABORT": _put2phase_abort}
+
+
+def cmd_put2phase(c, args):
+    phase = _PHASES.get(bytes(args[1]).upper())
+    if phase is None:
+        raise CommandError(f"unknown PUT2PHASE phase '{text(args[1])}' (expected BEGIN, DATA, COMMIT or ABORT)")
+    return phase(c, args)
+
+
+def cmd_getblk(c, args):
+    if len(args) > 3:
+        raise CommandError("wrong number of arguments for 'getblk' command")
+    if len(args) == 3 and bytes(args[2]).upper() != b"LOCAL":
+        raise CommandError("syntax error")
+    # Without a cluster this node is the only holder, so LOCAL changes nothing yet.
+    return reply_value(c.store, c.store.lookup(c.tag, args[1]))
+
+
+def cmd_locate(c, args):
+    store, node_id = c.store, c.node.node_id
+    out = []
+    for key in args[1:]:
+        value = store.data.get(c.tag + key) if store.contains(c.tag, key) else None
+        if value is None:
+            out.append([])
+            continue
+        last = int(value.last_access * 1000) if type(value) is Block else None
+        out.append([{b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
+                     b"bytes": len(value), b"last_access_ms": last}])
+    return out
+
+
+def register(t: CommandTable) -> None:
+    t.add("put2phase", -3, WRITE, cmd_put2phase,
+          "Two-phase block put: BEGIN key nbytes [LEASE ms] | DATA handle offset bytes | "
+          "COMMIT handle [CRC32C crc] | ABORT handle.", "quillcache", "0.1.0")
+    t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
+          "quillcache", "0.1.0", keys=(1, 1, 1))
+    t.add("locate", -2, f"{READONLY} {FAST}", cmd_locate, "Lists every residency of each key in the caller's scope.",
+          "quillcache", "0.1.0", keys=(1, -1, 1))
+
+
+__all__ = ["large_target", "release_args", "register", "QuillError"]

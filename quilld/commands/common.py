@@ -1,0 +1,35 @@
+"""Small helpers shared by the command families."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from quilld.errors import CommandError
+from quilld.protocol.resp import BlockReply
+from quilld.protocol.resp import _parse_len as _strict_int
+from quilld.store import Block
+
+_NOT_INT = "value is not an integer or out of range"
+
+
+def parse_int(raw: bytes, message: str = _NOT_INT) -> int:
+    """A strict signed 64-bit integer, as redis's string2ll; ERR otherwise."""
+    value = _strict_int(bytes(raw)) if raw else None
+    if value is None or not -(1 << 63) <= value < (1 << 63) or (raw[:2] == b"-0") or (
+            len(raw) > 1 and raw[:1] == b"0"):
+        raise CommandError(message)
+    return value
+
+
+def block_reply(store, block: Block) -> BlockReply:
+    """Reply with the block's bytes straight from the arena, pinned until sent."""
+    store.pin(block)
+    return BlockReply(store.view(block), partial(store.unpin, block))
+
+
+def reply_value(store, value):
+    return block_reply(store, value) if type(value) is Block else value
+
+
+def text(raw: bytes) -> str:
+    return bytes(raw).decode("utf-8", "surrogateescape")

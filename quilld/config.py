@@ -1,0 +1,194 @@
+"""One typed, frozen config tree.
+
+Precedence, lowest first: the defaults written here, then a TOML file
+(`--config`, same layout as `conf/quilld.toml`), then `QUILLD_<SECTION>_<KEY>`
+environment variables, then command-line flags. Every key is declared here;
+unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from quilld.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `1GiB`, `512MiB`, `64k`, `4096` into bytes (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"invalid size {text!r} (expected e.g. 4096, 64KiB, 512MiB, 1GiB)")
+    value = float(m.group(1)) * _SIZE_MULT[m.group(2).lower()]
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    bind: str = "127.0.0.1"
+    port: int = 7379
+    node_id: str = ""  # empty: derived from host name and port
+    max_clients: int = 10000
+    proto_max_bulk_len: int = 512 * MiB
+    client_output_high_water: int = 64 * MiB
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    port: int = 7380  # 0 disables the admin HTTP API
+    token: str = ""  # when set, every admin request needs `Authorization: Bearer <token>`
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    size: int = 1 * GiB
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    inline_max: int = 4 * KiB  # values up to this size live in the index entry, not in arena pages
+
+
+@dataclass(frozen=True)
+class BlocksConfig:
+    default_lease_ms: int = 30_000
+    max_lease_ms: int = 600_000
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    requirepass: str = ""
+    users_file: str = ""  # lines of `user password`; `#` starts a comment
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    blocks: BlocksConfig = field(default_factory=BlocksConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def validate(self) -> "Config":
+        s, d = self.server, self.dram
+        for name, port in (("server.port", s.port), ("admin.port", self.admin.port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name} must be within 0..65535, got {port}")
+        if d.size < 4 * KiB:
+            raise ConfigError(f"dram.size must be at least 4KiB, got {d.size}")
+        if not 0.0 < d.low_watermark <= d.high_watermark <= 1.0:
+            raise ConfigError("dram watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
+        if s.proto_max_bulk_len < 1:
+            raise ConfigError("server.proto_max_bulk_len must be positive")
+        if not 0 <= d.inline_max <= 64 * KiB:
+            raise ConfigError("dram.inline_max must be within 0..64KiB")
+        if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
+            raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        return self
+
+    def redacted(self) -> dict[str, dict[str, Any]]:
+        """The effective config as plain data, secrets replaced by `***`."""
+        out = dataclasses.asdict(self)
+        for section, key in _SECRETS:
+            if out[section][key]:
+                out[section][key] = "***"
+        return out
+
+
+_CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
+_SECRETS = (("security", "requirepass"), ("admin", "token"))
+_SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("server", "proto_max_bulk_len"),
+              ("server", "client_output_high_water")}
+
+
+def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
+    where = f"{section}.{key}"
+    try:
+        if (section, key) in _SIZE_KEYS:
+            return parse_size(value)
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: invalid value {value!r} (expected {kind.__name__})") from None
+
+
+def _types(section_cls: type) -> dict[str, type]:
+    hints = {"int": int, "float": float, "str": str, "bool": bool}
+    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in fields(section_cls)}
+
+
+def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -> Config:
+    sections = {f.name: f for f in fields(Config)}
+    for section, values in updates.items():
+        if section not in sections:
+            raise ConfigError(f"{origin}: unknown section [{section}]")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: [{section}] must be a table")
+        current = getattr(cfg, section)
+        types = _types(type(current))
+        changes = {}
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(f"{origin}: unknown key {section}.{key}")
+            changes[key] = _coerce(section, key, types[key], value)
+        cfg = replace(cfg, **{section: replace(current, **changes)})
+    return cfg
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    known = {f.name: _types(f.default_factory().__class__) for f in fields(Config)}  # type: ignore[misc]
+    out: dict[str, dict[str, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith("QUILLD_"):
+            continue
+        rest = name[len("QUILLD_"):].lower()
+        if rest in _CLI_ONLY:
+            continue
+        section, _, key = rest.partition("_")
+        if section not in known or key not in known[section]:
+            raise ConfigError(f"environment: {name} names no config key (expected QUILLD_<SECTION>_<KEY>)")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load(path: str | None = None, environ: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """Build the effective config: defaults < file < environment < overrides (flags)."""
+    cfg = Config()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        cfg = _apply(cfg, data, path)
+    cfg = _apply(cfg, _from_env(os.environ if environ is None else environ), "environment")
+    if overrides:
+        cfg = _apply(cfg, overrides, "flags")
+    return cfg.validate()

@@ -1,0 +1,1 @@
+"""HTTP surfaces: the admin API (and, later, the OpenAI-compatible gateway)."""

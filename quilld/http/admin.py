@@ -1,0 +1,131 @@
+"""Admin HTTP API (aiohttp): health, stats, Prometheus metrics, effective config.
+
+Routes live in one table; the node is kept in a typed AppKey. With
+`admin.token` set, every request needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from aiohttp import web
+
+from quilld import __version__
+
+NODE: web.AppKey[Any] = web.AppKey("node", object)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response({"status": "ok", "node_id": node.node_id, "version": __version__})
+
+
+async def stats(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response({
+        "node_id": node.node_id,
+        "version": __version__,
+        "tiers": {"dram": node.store.arena.stats() | node.tier_stats()},
+        "counters": node.counters(),
+        "clients": {"connected": len(node.connections), "max": node.cfg.server.max_clients},
+    })
+
+
+def _metric_lines(node: Any) -> list[str]:
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value: float) -> None:
+        lines.append(f"# HELP quilld_{name} {help_text}")
+        lines.append(f"# TYPE quilld_{name} {kind}")
+        lines.append(f"quilld_{name} {value}")
+
+    c = node.counters()
+    for name, help_text in (
+        ("total_commands_processed", "Commands executed."),
+        ("total_connections_received", "Connections accepted."),
+        ("total_net_input_bytes", "Bytes read from clients."),
+        ("total_net_output_bytes", "Bytes written to clients."),
+        ("keyspace_hits", "Lookups that found their key."),
+        ("keyspace_misses", "Lookups that did not."),
+        ("evicted_keys", "Values evicted for space."),
+        ("expired_keys", "Keys removed by their TTL."),
+        ("guard_refusals", "Lookups refused because the key exists only in another identity scope."),
+        ("auth_failures", "Failed AUTH attempts."),
+        ("put2phase_committed", "Two-phase puts committed."),
+        ("put2phase_aborted", "Two-phase puts aborted."),
+        ("put2phase_expired", "Two-phase puts reclaimed after their lease."),
+    ):
+        metric(name.removeprefix("total_") + ("_total" if not name.endswith("_total") else ""), "counter",
+               help_text, c[name])
+    lines.append("# HELP quilld_guard_refusals_by_reason_total Refused cross-scope lookups by reason.")
+    lines.append("# TYPE quilld_guard_refusals_by_reason_total counter")
+    for reason in ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"):
+        lines.append(f'quilld_guard_refusals_by_reason_total{{reason="{reason}"}} {c["guard_refusals_" + reason]}')
+    t = node.tier_stats()
+    metric("connected_clients", "gauge", "Open client connections.", len(node.connections))
+    metric("put2phase_open", "gauge", "Two-phase puts in progress.", c["put2phase_open"])
+    for name, help_text in (
+        ("dram_capacity", "DRAM tier capacity in bytes."),
+        ("dram_used", "DRAM tier bytes in use (arena pages and inline values)."),
+        ("dram_keys", "Keys resident in DRAM."),
+        ("dram_blocks", "Arena blocks resident in DRAM."),
+        ("dram_fragmentation", "1 - largest free extent / free bytes."),
+    ):
+        metric(name, "gauge", help_text, t[name])
+    return lines
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = "\n".join(_metric_lines(request.app[NODE])) + "\n"
+    return web.Response(text=body, content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def config(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE].cfg.redacted())
+
+
+ROUTES = [
+    ("GET", "/healthz", healthz),
+    ("GET", "/v1/stats", stats),
+    ("GET", "/metrics", metrics),
+    ("GET", "/v1/config", config),
+]
+
+
+def _bearer_middleware(token: str):
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+def build_app(node: Any) -> web.Application:
+    middlewares = [_bearer_middleware(node.cfg.admin.token)] if node.cfg.admin.token else []
+    app = web.Application(middlewares=middlewares)
+    app[NODE] = node
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    return app
+
+
+class AdminServer:
+    def __init__(self, node: Any) -> None:
+        self._runner = web.AppRunner(build_app(node), access_log=None)
+
+    async def start(self, host: str, port: int) -> int:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

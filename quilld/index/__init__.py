@@ -1,0 +1,1 @@
+"""Identity scopes and the guard that keeps blocks inside them."""

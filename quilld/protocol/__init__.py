@@ -1,0 +1,1 @@
+"""RESP codec (sans-IO), the asyncio server shell and the command table."""

@@ -1,0 +1,423 @@
+"""Sans-IO RESP codec: bytes in, commands out; reply values in, bytes out.
+
+No sockets, no asyncio. The server shell, the client library and peer
+transfer all share it, and its tests are plain functions on byte strings.
+
+Parsing: `feed(data)` then call `next_command()` until it returns NEED_DATA.
+It returns either a command (a list of `bytes` arguments) or a `LargeBulk`
+when a bulk argument of at least `large_bulk` bytes is announced. The caller
+answers a `LargeBulk` with `attach(target)`, a writable buffer of exactly that
+length (an arena slot); the payload then lands in `target` with no
+intermediate `bytes`. While a large bulk is being received, `sink_view()`
+exposes the unfilled part of the target so a `BufferedProtocol` can receive
+into it directly, and `sink_advance(n)` records what arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quilld.errors import ProtocolError, QuillError
+
+# Limits, with redis-server 7's precedent (src/server.h, src/networking.c).
+MAX_INLINE = 64 * 1024  # PROTO_INLINE_MAX_SIZE: inline request or a header line without CRLF
+MAX_MULTIBULK_LEN = 1024 * 1024 * 1024  # redis allows up to INT_MAX; we cap at 2**30 arguments
+MAX_BULK_LEN = 512 * 1024 * 1024  # proto-max-bulk-len default; also the largest block
+UNAUTH_MULTIBULK_LEN = 10  # before AUTH, redis refuses larger commands
+UNAUTH_BULK_LEN = 16384
+LARGE_BULK = 16 * 1024  # bulks at least this long are received straight into a target buffer
+
+NEED_DATA = None  # next_command() result while no complete command is buffered
+_SCRATCH = 256 * 1024  # receive size while dropping a refused payload
+_COMPACT_AT = 256 * 1024
+
+
+class LargeBulk:
+    """A bulk argument of `length` bytes is coming for command `args` (argument `index`)."""
+
+    __slots__ = ("args", "index", "length")
+
+    def __init__(self, args: list, index: int, length: int) -> None:
+        self.args = args
+        self.index = index
+        self.length = length
+
+
+def _parse_len(raw: bytes | bytearray) -> int | None:
+    """Strict decimal as redis's string2ll: optional '-', digits only, no spaces or '+'."""
+    if raw.isdigit():
+        return int(raw)
+    if raw[:1] == b"-" and raw[1:].isdigit():
+        return -int(raw[1:])
+    return None
+
+
+class RespParser:
+    """Incremental parser of client commands (multibulk and inline)."""
+
+    def __init__(self, max_bulk_len: int = MAX_BULK_LEN, large_bulk: int = LARGE_BULK) -> None:
+        self.max_bulk_len = max_bulk_len
+        self.large_bulk = large_bulk
+        self.authenticated = True  # the shell clears this while AUTH is required
+        self._buf = bytearray()
+        self._pos = 0
+        self._args: list | None = None  # command being assembled
+        self._remaining = 0  # bulks still expected for it
+        self._receiving = False  # a large bulk is arriving (into _sink, or dropped if _sink is None)
+        self._sink: memoryview | None = None
+        self._sink_obj: Any = None  # what stands for the bulk in the arguments
+        self._sink_len = 0
+        self._sink_filled = 0
+        self._skip_crlf = False  # the CRLF after a large bulk is still to come
+        self._scratch: memoryview | None = None
+
+    # -- input -------------------------------------------------------------
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._receiving:
+            data = memoryview(data)
+            while data and self._receiving:
+                view = self.sink_view()
+                take = min(len(view), len(data))
+                view[:take] = data[:take]
+                data = data[take:]
+                self.sink_advance(take)
+            if not data:
+                return
+        self._buf += data
+
+    def sink_view(self) -> memoryview | None:
+        """Where the large bulk being received goes next, or None when not receiving one."""
+        if not self._receiving:
+            return None
+        if self._sink is not None:
+            return self._sink[self._sink_filled:]
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH))
+        return self._scratch[:min(_SCRATCH, self._sink_len - self._sink_filled)]
+
+    def sink_advance(self, n: int) -> None:
+        """`n` bytes were written into `sink_view()` by the caller."""
+        self._sink_filled += n
+        if self._sink_filled >= self._sink_len:
+            self._args.append(self._sink_obj)
+            self._remaining -= 1
+            self._sink = self._sink_obj = None
+            self._receiving = False
+            self._skip_crlf = True
+
+    def pending_bytes(self) -> int:
+        return len(self._buf) - self._pos
+
+    def attach(self, target: Any, view: memoryview | None = None) -> None:
+        """Receive the announced LargeBulk into `view` (default: `target`'s buffer).
+
+        `target` takes the bulk's place in the command's arguments.
+        """
+        view = memoryview(target) if view is None else view
+        self._start_sink(target, view, len(view))
+
+    def drop(self, marker: Any, length: int) -> None:
+        """Read the announced LargeBulk of `length` bytes and throw it away.
+
+        `marker` (typically the error to answer with) takes its place in the arguments.
+        """
+        self._start_sink(marker, None, length)
+
+    def _start_sink(self, obj: Any, view: memoryview | None, length: int) -> None:
+        self._sink = view
+        self._sink_obj = obj
+        self._sink_len = length
+        self._sink_filled = 0
+        self._receiving = True
+        avail = len(self._buf) - self._pos
+        if avail:  # bytes already buffered after the header belong to the payload
+            take = min(avail, length)
+            if view is not None:
+                view[:take] = self._buf[self._pos:self._pos + take]
+            self._pos += take
+            self.sink_advance(take)
+        elif length == 0:
+            self.sink_advance(0)
+
+    def abandon(self) -> list:
+        """Everything a half-received command holds (its args and any large-bulk target)."""
+        held = list(self._args or [])
+        if self._receiving and self._sink_obj is not None:
+            held.append(self._sink_obj)
+        self._sink = self._sink_obj = None
+        self._receiving = False
+        self._args = None
+        return held
+
+    # -- commands ----------------------------------------------------------
+    def next_command(self) -> list | LargeBulk | None:
+        """The next complete command, a LargeBulk announcement, or NEED_DATA.
+
+        Raises ProtocolError on malformed input; the connection must then be closed.
+        """
+        if self._receiving:
+            return NEED_DATA
+        buf = self._buf
+        pos = self._pos
+        end = len(buf)
+        if self._skip_crlf:
+            if end - pos < 2:
+                return NEED_DATA
+            pos += 2  # redis skips the CRLF after a bulk without checking it
+            self._skip_crlf = False
+        args = self._args
+        if args is None:
+            if pos >= end:
+                self._reset_buffer()
+                return NEED_DATA
+            if buf[pos] != 42:  # not '*': an inline command
+                self._pos = pos
+                return self._inline()
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                if end - pos > MAX_INLINE:
+                    raise ProtocolError("too big mbulk count string")
+                self._pos = pos
+                return NEED_DATA
+            n = _parse_len(buf[pos + 1:nl])
+            if n is None or n > MAX_MULTIBULK_LEN:
+                raise ProtocolError("invalid multibulk length")
+            if not self.authenticated and n > UNAUTH_MULTIBULK_LEN:
+                raise ProtocolError("unauthenticated multibulk length")
+            pos = nl + 2
+            if n <= 0:  # '*0' and '*-1' are skipped, as redis does
+                self._pos = pos
+                return self.next_command()
+            args = self._args = []
+            self._remaining = n
+        remaining = self._remaining
+        max_bulk = self.max_bulk_len if self.authenticated else UNAUTH_BULK_LEN
+        while remaining:
+            if pos >= end:
+                break
+            if buf[pos] != 36:  # '$'
+                raise ProtocolError(f"expected '$', got '{chr(buf[pos])}'")
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                if end - pos > MAX_INLINE:
+                    raise ProtocolError("too big bulk count string")
+                break
+            n = _parse_len(buf[pos + 1:nl])
+            if n is None or n < 0 or n > max_bulk:
+                raise ProtocolError("unauthenticated bulk length" if not self.authenticated
+                                    and n is not None and n > 0 else "invalid bulk length")
+            start = nl + 2
+            if n >= self.large_bulk:
+                self._pos = start
+                self._remaining = remaining
+                return LargeBulk(args, len(args), n)
+            stop = start + n
+            if stop + 2 > end:
+                break
+            args.append(bytes(buf[start:stop]))
+            pos = stop + 2
+            remaining -= 1
+        self._pos = pos
+        self._remaining = remaining
+        if remaining:
+            self._maybe_compact()
+            return NEED_DATA
+        self._args = None
+        return args
+
+    def _inline(self) -> list | None:
+        buf = self._buf
+        pos = self._pos
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            if len(buf) - pos > MAX_INLINE:
+                raise ProtocolError("too big inline request")
+            return NEED_DATA
+        line = bytes(buf[pos:nl])
+        self._pos = nl + 1
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        args = split_args(line)
+        if args is None:
+            raise ProtocolError("unbalanced quotes in request")
+        if not args:  # an empty line is skipped, as redis does
+            return self.next_command()
+        return args
+
+    def _maybe_compact(self) -> None:
+        if self._pos > _COMPACT_AT:
+            del self._buf[:self._pos]
+            self._pos = 0
+
+    def _reset_buffer(self) -> None:
+        if self._buf:
+            self._buf.clear()
+        self._pos = 0
+
+
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("b"): b"\b", ord("a"): b"\a"}
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def split_args(line: bytes) -> list[bytes] | None:
+    """Split an inline command as redis's sdssplitargs does; None on unbalanced quotes."""
+    args: list[bytes] = []
+    i, n = 0, len(line)
+    while True:
+        while i < n and line[i] in b" \n\r\t\v\f":
+            i += 1
+        if i >= n:
+            return args
+        cur = bytearray()
+        quote = 0
+        while i < n:
+            c = line[i]
+            if quote == 34:  # inside "..."
+                if c == 92 and i + 3 < n and line[i + 1] == 120 and line[i + 2] in _HEX and line[i + 3] in _HEX:
+                    cur.append(int(line[i + 2:i + 4], 16))
+                    i += 4
+                    continue
+                if c == 92 and i + 1 < n:
+                    cur += _ESCAPES.get(line[i + 1], bytes([line[i + 1]]))
+                    i += 2
+                    continue
+                if c == 34:
+                    if i + 1 < n and line[i + 1] not in b" \n\r\t\v\f":
+                        return None  # closing quote must be followed by a space
+                    i += 1
+                    quote = 0
+                    break
+                cur.append(c)
+            elif quote == 39:  # inside '...'
+                if c == 92 and i + 1 < n and line[i + 1] == 39:
+                    cur.append(39)
+                    i += 2
+                    continue
+                if c == 39:
+                    if i + 1 < n and line[i + 1] not in b" \n\r\t\v\f":
+                        return None
+                    i += 1
+                    quote = 0
+                    break
+                cur.append(c)
+            else:
+                if c in b" \n\r\t\v\f":
+                    break
+                if c in (34, 39):
+                    quote = c
+                else:
+                    cur.append(c)
+            i += 1
+        if quote:
+            return None
+        args.append(bytes(cur))
+
+
+# -- replies ---------------------------------------------------------------
+
+class Status(bytes):
+    """A simple string reply (`+OK`)."""
+
+
+class Verbatim(bytes):
+    """A verbatim text reply (RESP3 `=`), a bulk string in RESP2 (INFO uses it)."""
+
+
+class Raw(bytes):
+    """Already-encoded reply bytes, written as they are."""
+
+
+class BlockReply:
+    """A bulk reply whose payload is a memoryview of pinned memory.
+
+    `release()` is called once the transport no longer needs the view.
+    """
+
+    __slots__ = ("view", "release")
+
+    def __init__(self, view: memoryview, release) -> None:
+        self.view = view
+        self.release = release
+
+
+OK = Status(b"OK")
+PONG = Status(b"PONG")
+NULL2 = b"$-1\r\n"
+NULL3 = b"_\r\n"
+NULL_ARRAY2 = b"*-1\r\n"
+
+
+def encode_error(err: QuillError) -> bytes:
+    """The one place a typed error becomes `-PREFIX message`."""
+    text = err.wire().replace("\r", " ").replace("\n", " ")
+    return b"-" + text.encode() + b"\r\n"
+
+
+def encode(value: Any, resp3: bool, out: list) -> None:
+    """Append the encoding of `value` to `out` (a list of byte chunks).
+
+    bytes -> bulk; Status -> simple string; int -> integer; None -> null;
+    list/tuple -> array; dict -> map; set -> set; float -> double;
+    bool -> boolean; Verbatim -> verbatim text; QuillError -> error;
+    Raw -> as is; BlockReply -> bulk header, the view, CRLF.
+    """
+    t = type(value)
+    if t is bytes or t is bytearray:
+        out.append(b"$%d\r\n%b\r\n" % (len(value), value))
+    elif t is Status:
+        out.append(b"+%b\r\n" % value)
+    elif t is int:
+        out.append(b":%d\r\n" % value)
+    elif value is None:
+        out.append(NULL3 if resp3 else NULL2)
+    elif t is list or t is tuple:
+        out.append(b"*%d\r\n" % len(value))
+        for item in value:
+            encode(item, resp3, out)
+    elif t is str:
+        raw = value.encode()
+        out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
+    elif t is Raw:
+        out.append(value)
+    elif isinstance(value, QuillError):
+        out.append(encode_error(value))
+    elif t is dict:
+        out.append((b"%%%d\r\n" if resp3 else b"*%d\r\n") % (len(value) * (1 if resp3 else 2)))
+        for k, v in value.items():
+            encode(k, resp3, out)
+            encode(v, resp3, out)
+    elif t is bool:
+        out.append((b"#t\r\n" if value else b"#f\r\n") if resp3 else (b":1\r\n" if value else b":0\r\n"))
+    elif t is float:
+        text = repr(value).encode() if value == value and abs(value) != float("inf") else (
+            b"nan" if value != value else (b"inf" if value > 0 else b"-inf"))
+        out.append(b",%b\r\n" % text if resp3 else b"$%d\r\n%b\r\n" % (len(text), text))
+    elif t is set or t is frozenset:
+        out.append((b"~%d\r\n" if resp3 else b"*%d\r\n") % len(value))
+        for item in value:
+            encode(item, resp3, out)
+    elif t is Verbatim:
+        if resp3:
+            out.append(b"=%d\r\ntxt:%b\r\n" % (len(value) + 4, value))
+        else:
+            out.append(b"$%d\r\n%b\r\n" % (len(value), value))
+    elif t is BlockReply:
+        out.append(b"$%d\r\n" % len(value.view))
+        out.append(value.view)
+        out.append(b"\r\n")
+    elif isinstance(value, bytes):  # other bytes subclasses
+        out.append(b"$%d\r\n%b\r\n" % (len(value), value))
+    else:
+        raise TypeError(f"cannot encode reply of type {t.__name__}")
+
+
+def encode_command(*args: bytes | str | int) -> bytes:
+    """A multibulk command, as clients (and peer transfer) send it."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        if isinstance(a, str):
+            a = a.encode()
+        elif isinstance(a, int):
+            a = str(a).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(a), a))
+    return b"".join(parts)

@@ -1,0 +1,156 @@
+"""The asyncio shell: moves bytes between a transport and the codec.
+
+Small commands are parsed from a reusable receive buffer. A large bulk
+argument is received straight into the buffer the command layer names for
+it (an arena block): `get_buffer` hands the transport that memory. Block
+replies are written from arena memoryviews with `writelines`; each block
+stays pinned until the transport's buffer has drained past it. Reading is
+paused while the peer does not drain what we write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from quilld.errors import ProtocolError, QuillError
+from quilld.protocol.resp import BlockReply, LargeBulk, RespParser, encode, encode_error
+from quilld.protocol.session import Session
+
+RECV_BUFFER = 256 * 1024
+
+
+class RespConnection(asyncio.BufferedProtocol):
+    """One client connection. `node` supplies the table, store and policies."""
+
+    def __init__(self, node: Any, large_target: Callable, release_args: Callable) -> None:
+        self.node = node
+        self._large_target = large_target
+        self._release_args = release_args
+        self.parser = RespParser(max_bulk_len=node.cfg.server.proto_max_bulk_len)
+        self._rbuf = memoryview(bytearray(RECV_BUFFER))
+        self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
+        self._large = False  # the command being parsed carries a large bulk
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self._write_paused = False
+
+    # -- transport callbacks ----------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        node = self.node
+        transport.set_write_buffer_limits(high=node.cfg.server.client_output_high_water)  # type: ignore[attr-defined]
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        sock = transport.get_extra_info("sockname") or ("?", 0)
+        self.session = Session(node, f"{peer[0]}:{peer[1]}", f"{sock[0]}:{sock[1]}")
+        self.parser.authenticated = self.session.authenticated
+        node.connection_opened(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        sink = self.parser.sink_view()
+        return self._rbuf if sink is None else sink
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.node.net_in += nbytes
+        if self.parser.sink_view() is not None:
+            self.parser.sink_advance(nbytes)
+        else:
+            self.parser.feed(self._rbuf[:nbytes])
+        self._process()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._release_args(self.node, self.parser.abandon())
+        self._release_pins()
+        self.node.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self.transport.resume_reading()
+        self.check_drained()
+
+    # -- the loop over buffered commands ----------------------------------
+    def _process(self) -> None:
+        parser, session, out, pins = self.parser, self.session, [], []
+        dispatch = self.node.table.dispatch
+        ncmds = 0
+        last = None
+        while True:
+            try:
+                item = parser.next_command()
+            except ProtocolError as e:
+                out.append(encode_error(e))
+                session.closing = True
+                break
+            if item is None:
+                break
+            if type(item) is LargeBulk:
+                self._attach_large(item)
+                continue
+            ncmds += 1
+            last = item
+            if self._large:
+                self._large = False
+                refused = next((a for a in item if isinstance(a, QuillError)), None)
+                reply = refused if refused is not None else dispatch(session, item)
+                self._release_args(self.node, item)
+            else:
+                reply = dispatch(session, item)
+            if type(reply) is BlockReply:
+                pins.append(reply.release)
+            encode(reply, session.resp3, out)
+            if session.closing:
+                break
+        if ncmds:
+            self.node.commands_processed += ncmds
+            session.last_cmd = bytes(last[0][:32]).lower().decode("latin-1")
+        if out:
+            self._write(out, pins)
+        if session.closing:
+            self.transport.close()
+
+    def _attach_large(self, item: LargeBulk) -> None:
+        """Name where the announced payload goes: a target buffer, or nowhere (refused)."""
+        self._large = True
+        try:
+            target, view = self._large_target(self.session, item.args, item.index, item.length)
+        except QuillError as e:
+            self.parser.drop(e, item.length)
+            return
+        self.parser.attach(target, view)
+
+    def _write(self, out: list, pins: list) -> None:
+        transport = self.transport
+        if len(out) == 1:
+            chunk = out[0]
+            self.node.net_out += len(chunk)
+            transport.write(chunk)
+        elif pins:
+            self.node.net_out += sum(len(x) for x in out)
+            transport.writelines(out)
+        else:
+            chunk = b"".join(out)
+            self.node.net_out += len(chunk)
+            transport.write(chunk)
+        if pins:
+            self._pins.extend(pins)
+            self.check_drained()
+
+    def check_drained(self) -> None:
+        """Unpin every block whose reply the transport has fully handed to the kernel."""
+        if self._pins and self.transport.get_write_buffer_size() == 0:
+            self._release_pins()
+        elif self._pins:
+            self.node.watch_drain(self)
+
+    @property
+    def has_pins(self) -> bool:
+        return bool(self._pins)
+
+    def _release_pins(self) -> None:
+        pins, self._pins = self._pins, []
+        for release in pins:
+            release()

@@ -1,0 +1,268 @@
+"""The keyspace: scoped keys -> values in DRAM, with LRU eviction, TTLs and pins.
+
+A value is either `bytes` kept in the entry itself (at most `dram.inline_max`
+bytes: a 4 KiB page each would waste most of it) or a `Block`, an extent of
+the DRAM arena. Keys are `scope tag + key` (see index/guard.py). The dict's
+order is the LRU order: a hit moves the key to the end, eviction pops from
+the front, skipping pinned blocks.
+
+A Block's life is owned here: reserve() -> WRITING (invisible) -> publish()
+-> RESIDENT -> unlinked by delete/overwrite/eviction -> EVICTING while pinned
+-> GONE when its space is back in the allocator. Pins protect readers: a
+block being sent to a client is never freed under it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter, OrderedDict
+
+from quilld.config import DramConfig
+from quilld.errors import OutOfMemory
+from quilld.index.guard import TAG_LEN, ScopeRegistry
+from quilld.model import BlockState
+from quilld.tiers.arena import NO_SPACE, PAGE, DramArena
+
+_RESERVED_STATES = (BlockState.RESERVED, BlockState.WRITING)
+
+
+class Block:
+    """An arena-resident value: the one per-block object beyond its dict entry."""
+
+    __slots__ = ("handle", "length", "pins", "state", "last_access")
+
+    def __init__(self, handle: int, length: int) -> None:
+        self.handle = handle
+        self.length = length
+        self.pins = 0
+        self.state = BlockState.WRITING
+        self.last_access = 0.0
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Store:
+    def __init__(self, cfg: DramConfig, scopes: ScopeRegistry) -> None:
+        self.cfg = cfg
+        self.scopes = scopes
+        self.arena = DramArena(cfg.size)
+        self.capacity = self.arena.capacity
+        self.high_bytes = int(self.capacity * cfg.high_watermark)
+        self.low_bytes = int(self.capacity * cfg.low_watermark)
+        self.inline_max = cfg.inline_max
+        self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
+        self.expires: dict[bytes, int] = {}
+        self._expiry_heap: list[tuple[int, bytes]] = []
+        self.per_scope: Counter[bytes] = Counter()
+        self.inline_bytes = 0
+        self.block_count = 0  # published blocks in the keyspace
+        self.reserved_blocks = 0  # blocks reserved but not yet published
+        self.unlinked_pinned = 0  # blocks out of the keyspace, waiting for their readers
+        self.stats = Counter()
+
+    # -- accounting --------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.arena.used + self.inline_bytes
+
+    def keys_in(self, tag: bytes) -> int:
+        return self.per_scope.get(tag, 0)
+
+    # -- reads -------------------------------------------------------------
+    def lookup(self, tag: bytes, key: bytes) -> bytes | Block | None:
+        """The live value of `key` in scope `tag` (a hit refreshes its LRU place)."""
+        fk = tag + key
+        value = self.data.get(fk)
+        if value is None:
+            self.stats["misses"] += 1
+            self.scopes.audit_miss(tag, key, self.data.__contains__)
+            return None
+        if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
+            self._unlink(fk)
+            self.stats["expired"] += 1
+            self.stats["misses"] += 1
+            return None
+        self.data.move_to_end(fk)
+        self.stats["hits"] += 1
+        if type(value) is Block:
+            value.last_access = time.time()
+        return value
+
+    def contains(self, tag: bytes, key: bytes) -> bool:
+        fk = tag + key
+        if fk not in self.data:
+            self.scopes.audit_miss(tag, key, self.data.__contains__)
+            return False
+        if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
+            self._unlink(fk)
+            self.stats["expired"] += 1
+            return False
+        return True
+
+    def view(self, block: Block) -> memoryview:
+        return self.arena.view(block.handle, block.length)
+
+    def pin(self, block: Block) -> None:
+        block.pins += 1
+
+    def unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.pins == 0 and block.state == BlockState.EVICTING:
+            self.unlinked_pinned -= 1
+            self._free(block)
+
+    # -- writes ------------------------------------------------------------
+    def reserve(self, nbytes: int) -> Block:
+        """Space for a block of `nbytes`, invisible until published.
+
+        Evicts least-recently-used unpinned values as needed; raises
+        OutOfMemory when the value cannot fit even after that.
+        """
+        if nbytes > self.capacity:
+            raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
+        need = -(-max(nbytes, 1) // PAGE) * PAGE
+        self._make_room(need)
+        handle = self.arena.reserve(nbytes)
+        while handle == NO_SPACE:
+            if not self._evict_one():
+                raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
+            handle = self.arena.reserve(nbytes)
+        self.reserved_blocks += 1
+        return Block(handle, nbytes)
+
+    def discard(self, block: Block) -> None:
+        """Give back a reservation that will never be published."""
+        if block.state in _RESERVED_STATES:
+            self.reserved_blocks -= 1
+            self._free(block)
+
+    def materialize(self, value: bytes | bytearray | memoryview) -> bytes | Block:
+        """A storable value: small ones as bytes, larger ones copied into the arena."""
+        n = len(value)
+        if n <= self.inline_max:
+            return bytes(value)
+        block = self.reserve(n)
+        self.view(block)[:] = value
+        return block
+
+    def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False) -> None:
+        """Make `value` the visible value of `key`, replacing (and releasing) any old one."""
+        fk = tag + key
+        old = self.data.pop(fk, None)
+        if old is None:
+            self.per_scope[tag] += 1
+        else:
+            self._release_value(old)
+            if not keep_ttl and self.expires:
+                self.expires.pop(fk, None)
+        if type(value) is bytes:
+            if len(value) > 0 and self.used + len(value) > self.high_bytes:
+                self._make_room(len(value))
+            self.inline_bytes += len(value)
+        else:
+            self.reserved_blocks -= 1
+            value.state = BlockState.RESIDENT
+            value.last_access = time.time()
+            self.block_count += 1
+        self.data[fk] = value
+        self.stats["writes"] += 1
+
+    def delete(self, tag: bytes, key: bytes) -> bool:
+        fk = tag + key
+        if fk not in self.data:
+            return False
+        expired = self.expires and fk in self.expires and self.expires[fk] <= now_ms()
+        self._unlink(fk)
+        return not expired
+
+    def flush_scope(self, tag: bytes) -> int:
+        doomed = [fk for fk in self.data if fk[:TAG_LEN] == tag]
+        for fk in doomed:
+            self._unlink(fk)
+        return len(doomed)
+
+    # -- expiry ------------------------------------------------------------
+    def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
+        fk = tag + key
+        self.expires[fk] = at_ms
+        heapq.heappush(self._expiry_heap, (at_ms, fk))
+        if len(self._expiry_heap) > 64 and len(self._expiry_heap) > 2 * len(self.expires):
+            self._expiry_heap = [(at, k) for k, at in self.expires.items()]
+            heapq.heapify(self._expiry_heap)
+
+    def ttl_ms(self, tag: bytes, key: bytes) -> int:
+        """-2 when missing, -1 when it never expires, else the milliseconds left."""
+        if not self.contains(tag, key):
+            return -2
+        at = self.expires.get(tag + key)
+        return -1 if at is None else max(0, at - now_ms())
+
+    def sweep_expired(self, limit: int = 1000) -> int:
+        """Remove up to `limit` keys whose time has come (called periodically)."""
+        heap, now, n = self._expiry_heap, now_ms(), 0
+        while heap and heap[0][0] <= now and n < limit:
+            at, fk = heapq.heappop(heap)
+            if self.expires.get(fk) == at:
+                self._unlink(fk)
+                self.stats["expired"] += 1
+                n += 1
+        return n
+
+    # -- internals ---------------------------------------------------------
+    def _unlink(self, fk: bytes) -> None:
+        value = self.data.pop(fk)
+        self.per_scope[fk[:TAG_LEN]] -= 1
+        if self.expires:
+            self.expires.pop(fk, None)
+        self._release_value(value)
+
+    def _release_value(self, value: bytes | Block) -> None:
+        if type(value) is bytes:
+            self.inline_bytes -= len(value)
+            return
+        self.block_count -= 1
+        if value.pins:
+            value.state = BlockState.EVICTING
+            self.unlinked_pinned += 1
+        else:
+            self._free(value)
+
+    def _free(self, block: Block) -> None:
+        self.arena.release(block.handle)
+        block.state = BlockState.GONE
+
+    def _make_room(self, need: int) -> None:
+        if self.used + need <= self.high_bytes:
+            return
+        while self.used + need > self.low_bytes:
+            if not self._evict_one():
+                return
+
+    def _evict_one(self) -> bool:
+        """Evict the least-recently-used unpinned value; False when none can go."""
+        data = self.data
+        for _ in range(len(data)):
+            fk, value = data.popitem(last=False)
+            if type(value) is Block and value.pins:
+                data[fk] = value  # in use: it is the most recent anyway
+                continue
+            self.per_scope[fk[:TAG_LEN]] -= 1
+            if self.expires:
+                self.expires.pop(fk, None)
+            self._release_value(value)
+            self.stats["evictions"] += 1
+            return True
+        return False
+
+    def close(self) -> None:
+        self.data.clear()
+        try:
+            self.arena.close()
+        except BufferError:  # a view is still exported somewhere; the OS reclaims it at exit
+            pass

@@ -1,0 +1,1 @@
+"""Storage tiers: the offset allocator and the DRAM arena (SSD tier to come)."""

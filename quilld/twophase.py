@@ -1,0 +1,171 @@
+"""Two-phase puts: reserve a block, fill it in any order from any connection, publish it whole.
+
+BEGIN reserves arena space and returns a handle; DATA writes a range; COMMIT
+checks that every byte arrived (and the CRC32C when given) and publishes the
+block atomically; ABORT or an expired lease gives the space back. Nothing is
+visible before COMMIT. A DATA payload that is being received straight into
+the block holds a writer count, so the space is never reused under it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+import time
+
+import crc32c
+
+from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle
+from quilld.model import BlockState
+from quilld.store import Block, Store
+
+
+class Put:
+    __slots__ = ("handle", "tag", "key", "tenant", "block", "nbytes", "deadline",
+                 "starts", "ends", "writers", "dead")
+
+    def __init__(self, handle: bytes, tag: bytes, key: bytes, tenant: str, block: Block | None,
+                 nbytes: int, deadline: float) -> None:
+        self.handle = handle
+        self.tag = tag
+        self.key = key
+        self.tenant = tenant
+        self.block = block
+        self.nbytes = nbytes
+        self.deadline = deadline
+        self.starts: list[int] = []  # received ranges, sorted and merged
+        self.ends: list[int] = []
+        self.writers = 0  # DATA payloads being received into the block right now
+        self.dead = False  # aborted or expired while a writer was active
+
+    def mark(self, start: int, end: int) -> None:
+        """Record that bytes [start, end) arrived, merging with touching ranges."""
+        if start >= end:
+            return
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_left(ends, start)
+        j = bisect.bisect_right(starts, end)
+        if i < j:
+            start = min(start, starts[i])
+            end = max(end, ends[j - 1])
+        starts[i:j] = [start]
+        ends[i:j] = [end]
+
+    def received(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+
+class IntoBlock:
+    """A DATA payload that was received directly into its put's block."""
+
+    __slots__ = ("put", "offset", "length")
+
+    def __init__(self, put: Put, offset: int, length: int) -> None:
+        self.put = put
+        self.offset = offset
+        self.length = length
+
+
+class TwoPhasePuts:
+    def __init__(self, store: Store, default_lease_ms: int, max_lease_ms: int) -> None:
+        self.store = store
+        self.default_lease_ms = default_lease_ms
+        self.max_lease_ms = max_lease_ms
+        self.open: dict[bytes, Put] = {}
+        self.expired = 0
+        self.committed = 0
+        self.aborted = 0
+
+    def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None) -> bytes | None:
+        """A new handle, or None when the key is already complete (idempotent success)."""
+        if self.store.contains(tag, key):
+            return None
+        lease = self.default_lease_ms if lease_ms is None else lease_ms
+        if not 0 < lease <= self.max_lease_ms:
+            raise CommandError(f"LEASE must be within 1..{self.max_lease_ms} ms")
+        block = self.store.reserve(nbytes) if nbytes else None
+        handle = secrets.token_hex(12).encode()
+        self.open[handle] = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
+        return handle
+
+    def get(self, handle: bytes, tenant: str) -> Put:
+        put = self.open.get(handle)
+        if put is None or put.tenant != tenant:
+            raise NoHandle("no such PUT2PHASE handle (unknown, committed, aborted or expired)")
+        if time.monotonic() > put.deadline:
+            self._drop(put)
+            self.expired += 1
+            raise NoHandle("PUT2PHASE handle expired: its lease ran out and its space was reclaimed")
+        return put
+
+    def check_range(self, put: Put, offset: int, length: int) -> None:
+        if offset < 0 or offset + length > put.nbytes:
+            raise CommandError(f"DATA range {offset}..{offset + length} is outside the block's {put.nbytes} bytes")
+
+    def write(self, put: Put, offset: int, data: bytes) -> None:
+        self.check_range(put, offset, len(data))
+        if data:
+            self.store.view(put.block)[offset:offset + len(data)] = data
+            put.mark(offset, offset + len(data))
+
+    def open_writer(self, put: Put, offset: int, length: int) -> memoryview:
+        """The slice of the block a large DATA payload is received into."""
+        self.check_range(put, offset, length)
+        put.writers += 1
+        return self.store.view(put.block)[offset:offset + length]
+
+    def close_writer(self, into: IntoBlock, complete: bool) -> None:
+        put = into.put
+        put.writers -= 1
+        if complete and not put.dead:
+            put.mark(into.offset, into.offset + into.length)
+        if put.dead and put.writers == 0 and put.block is not None:
+            self.store.discard(put.block)
+
+    def commit(self, put: Put, crc: int | None) -> None:
+        missing = put.nbytes - put.received()
+        if missing:
+            raise Incomplete(f"commit refused: {missing} of {put.nbytes} bytes were never written")
+        if put.writers:
+            raise Incomplete("commit refused: a DATA payload is still being received")
+        view = self.store.view(put.block) if put.block is not None else memoryview(b"")
+        if crc is not None:
+            actual = crc32c.crc32c(view)
+            if actual != crc:
+                raise ChecksumMismatch(f"commit refused: crc32c is {actual}, the client said {crc}")
+        del self.open[put.handle]
+        store = self.store
+        if put.block is None or put.nbytes <= store.inline_max:
+            value = bytes(view)
+            if put.block is not None:
+                store.discard(put.block)
+            store.publish(put.tag, put.key, value)
+        else:
+            store.publish(put.tag, put.key, put.block)
+        self.committed += 1
+
+    def abort(self, put: Put) -> None:
+        self._drop(put)
+        self.aborted += 1
+
+    def reclaim_expired(self) -> int:
+        """Drop every put whose lease ran out (called periodically)."""
+        now = time.monotonic()
+        late = [p for p in self.open.values() if now > p.deadline]
+        for put in late:
+            self._drop(put)
+        self.expired += len(late)
+        return len(late)
+
+    def _drop(self, put: Put) -> None:
+        self.open.pop(put.handle, None)
+        if put.block is None or put.block.state not in (BlockState.RESERVED, BlockState.WRITING):
+            return
+        if put.writers:
+            put.dead = True  # freed when the last writer finishes
+        else:
+            self.store.discard(put.block)
+
+    def close(self) -> None:
+        for put in list(self.open.values()):
+            self._drop(put)
