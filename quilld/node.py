@@ -156,6 +156,7 @@ class Node:
     def reset_stats(self) -> None:
         self.stats.clear()
         self.store.stats.clear()
+        self.store.hits = self.store.misses = self.store.writes = 0
         self.scopes.refusals.clear()
         self.commands_processed = self.net_in = self.net_out = 0
 
@@ -170,8 +171,8 @@ class Node:
             "rejected_connections": self.stats["rejected_connections"],
             "expired_keys": st["expired"],
             "evicted_keys": st["evictions"],
-            "keyspace_hits": st["hits"],
-            "keyspace_misses": st["misses"],
+            "keyspace_hits": self.store.hits,
+            "keyspace_misses": self.store.misses,
             "auth_failures": self.stats["auth_failures"],
             "guard_refusals": self.scopes.total_refusals,
         }

@@ -43,6 +43,11 @@ class Block:
         return self.length
 
 
+def _extent(nbytes: int) -> int:
+    """Arena bytes a value of `nbytes` occupies: whole pages, at least one."""
+    return max(1, -(-nbytes // PAGE)) * PAGE
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -60,17 +65,15 @@ class Store:
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
         self.per_scope: Counter[bytes] = Counter()
+        self.used = 0  # arena bytes held (whole pages) plus inline value bytes
         self.inline_bytes = 0
         self.block_count = 0  # published blocks in the keyspace
         self.reserved_blocks = 0  # blocks reserved but not yet published
         self.unlinked_pinned = 0  # blocks out of the keyspace, waiting for their readers
-        self.stats = Counter()
+        self.stats = Counter()  # cold counters: expired, evictions
+        self.hits = self.misses = self.writes = 0
 
     # -- accounting --------------------------------------------------------
-    @property
-    def used(self) -> int:
-        return self.arena.used + self.inline_bytes
-
     def keys_in(self, tag: bytes) -> int:
         return self.per_scope.get(tag, 0)
 
@@ -80,16 +83,16 @@ class Store:
         fk = tag + key
         value = self.data.get(fk)
         if value is None:
-            self.stats["misses"] += 1
+            self.misses += 1
             self.scopes.audit_miss(tag, key, self.data.__contains__)
             return None
         if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
             self.stats["expired"] += 1
-            self.stats["misses"] += 1
+            self.misses += 1
             return None
         self.data.move_to_end(fk)
-        self.stats["hits"] += 1
+        self.hits += 1
         if type(value) is Block:
             value.last_access = time.time()
         return value
@@ -134,6 +137,7 @@ class Store:
                 raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
             handle = self.arena.reserve(nbytes)
         self.reserved_blocks += 1
+        self.used += _extent(nbytes)
         return Block(handle, nbytes)
 
     def discard(self, block: Block) -> None:
@@ -154,24 +158,31 @@ class Store:
     def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False) -> None:
         """Make `value` the visible value of `key`, replacing (and releasing) any old one."""
         fk = tag + key
-        old = self.data.pop(fk, None)
+        data = self.data
+        old = data.pop(fk, None)
         if old is None:
             self.per_scope[tag] += 1
         else:
-            self._release_value(old)
-            if not keep_ttl and self.expires:
+            if old.__class__ is bytes:
+                self.inline_bytes -= len(old)
+                self.used -= len(old)
+            else:
+                self._release_value(old)
+            if self.expires and not keep_ttl:
                 self.expires.pop(fk, None)
-        if type(value) is bytes:
-            if len(value) > 0 and self.used + len(value) > self.high_bytes:
-                self._make_room(len(value))
-            self.inline_bytes += len(value)
+        if value.__class__ is bytes:
+            n = len(value)
+            self.inline_bytes += n
+            self.used += n
+            if self.used > self.high_bytes:
+                self._make_room(0)
         else:
             self.reserved_blocks -= 1
             value.state = BlockState.RESIDENT
             value.last_access = time.time()
             self.block_count += 1
-        self.data[fk] = value
-        self.stats["writes"] += 1
+        data[fk] = value
+        self.writes += 1
 
     def delete(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
@@ -225,6 +236,7 @@ class Store:
     def _release_value(self, value: bytes | Block) -> None:
         if type(value) is bytes:
             self.inline_bytes -= len(value)
+            self.used -= len(value)
             return
         self.block_count -= 1
         if value.pins:
@@ -235,6 +247,7 @@ class Store:
 
     def _free(self, block: Block) -> None:
         self.arena.release(block.handle)
+        self.used -= _extent(block.length)
         block.state = BlockState.GONE
 
     def _make_room(self, need: int) -> None:

@@ -7,7 +7,7 @@ import time
 from quilld.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass
 from quilld.model import IdentityScope
-from quilld.protocol.resp import OK, PONG
+from quilld.protocol.resp import OK, PONG, Status
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
 
 REDIS_VERSION = "7.0.15"  # the redis-server we answer like, for clients that read it
@@ -102,7 +102,7 @@ def cmd_select(c, args):
 
 def cmd_quit(c, args):
     c.closing = True
-    return OK
+    return Status(b"OK")  # not the shared OK: the shell checks `closing` on this path
 
 
 def _client_name(raw: bytes) -> bytes:

@@ -31,7 +31,10 @@ def _storable(store, value):
 def cmd_set(c, args):
     store = c.store
     if len(args) == 3:
-        store.publish(c.tag, args[1], _storable(store, args[2]))
+        value = args[2]
+        if value.__class__ is not bytes or len(value) > store.inline_max:
+            value = _storable(store, value)
+        store.publish(c.tag, args[1], value)
         return OK
     nx = xx = get = keepttl = False
     exp_opt = exp_raw = None

@@ -14,7 +14,7 @@ import asyncio
 from typing import Any, Callable
 
 from quilld.errors import ProtocolError, QuillError
-from quilld.protocol.resp import BlockReply, LargeBulk, RespParser, encode, encode_error
+from quilld.protocol.resp import OK, BlockReply, LargeBulk, RespParser, encode, encode_error
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
@@ -76,34 +76,49 @@ class RespConnection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         parser, session, out, pins = self.parser, self.session, [], []
         dispatch = self.node.table.dispatch
+        append = out.append
+        resp3 = session.resp3
         ncmds = 0
         last = None
-        while True:
-            try:
-                item = parser.next_command()
-            except ProtocolError as e:
-                out.append(encode_error(e))
-                session.closing = True
-                break
-            if item is None:
-                break
-            if type(item) is LargeBulk:
-                self._attach_large(item)
-                continue
-            ncmds += 1
-            last = item
-            if self._large:
-                self._large = False
-                refused = next((a for a in item if isinstance(a, QuillError)), None)
-                reply = refused if refused is not None else dispatch(session, item)
-                self._release_args(self.node, item)
-            else:
-                reply = dispatch(session, item)
-            if type(reply) is BlockReply:
-                pins.append(reply.release)
-            encode(reply, session.resp3, out)
-            if session.closing:
-                break
+        while not session.closing:
+            batch = parser.parsed()
+            if not batch:
+                try:
+                    item = parser.next_command()
+                except ProtocolError as e:
+                    append(encode_error(e))
+                    session.closing = True
+                    break
+                if item is None:
+                    break
+                if item.__class__ is LargeBulk:
+                    self._attach_large(item)
+                    continue
+                batch = (item,)
+            for item in batch:
+                ncmds += 1
+                last = item
+                if self._large:
+                    self._large = False
+                    refused = next((a for a in item if isinstance(a, QuillError)), None)
+                    reply = refused if refused is not None else dispatch(session, item)
+                    self._release_args(self.node, item)
+                else:
+                    reply = dispatch(session, item)
+                # the common replies inline; everything else through the codec
+                if reply is OK:
+                    append(b"+OK\r\n")
+                elif reply.__class__ is bytes:
+                    append(b"$%d\r\n%b\r\n" % (len(reply), reply))
+                elif reply is None and not resp3:
+                    append(b"$-1\r\n")
+                else:
+                    if reply.__class__ is BlockReply:
+                        pins.append(reply.release)
+                    encode(reply, session.resp3, out)
+                    resp3 = session.resp3  # HELLO may have switched the protocol
+                    if session.closing:
+                        break  # QUIT: what follows it is never run
         if ncmds:
             self.node.commands_processed += ncmds
             session.last_cmd = bytes(last[0][:32]).lower().decode("latin-1")

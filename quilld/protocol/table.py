@@ -39,6 +39,8 @@ class Command:
 class CommandTable:
     def __init__(self) -> None:
         self.commands: dict[bytes, Command] = {}
+        # name as sent (lower or upper case) -> (handler, arity), for plain commands only
+        self._fast: dict[bytes, tuple[Handler, int]] = {}
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
@@ -46,6 +48,9 @@ class CommandTable:
         cmd = Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
                       keys[0], keys[1], keys[2], subcommands or {})
         self.commands[name.encode()] = cmd
+        if not cmd.subcommands and NOAUTH not in cmd.flags:
+            for spelling in (name.encode(), name.upper().encode()):
+                self._fast[spelling] = (handler, arity)
         return cmd
 
     def lookup(self, name: bytes) -> Command | None:
@@ -56,6 +61,19 @@ class CommandTable:
 
     def dispatch(self, client: Any, args: list) -> Any:
         """Run one command; returns the reply value (errors are returned, not raised)."""
+        fast = self._fast.get(args[0])
+        if fast is not None and client.authenticated:
+            handler, arity = fast
+            n = len(args)
+            if n == arity or (arity < 0 and n >= -arity):
+                try:
+                    return handler(client, args)
+                except QuillError as e:
+                    return e
+        return self._dispatch_checked(client, args)
+
+    def _dispatch_checked(self, client: Any, args: list) -> Any:
+        """Existence, arity and auth checks in redis's order, then the handler."""
         cmd = self.commands.get(args[0])
         if cmd is None:
             cmd = self.commands.get(bytes(args[0]).lower())
