@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from itertools import chain
 from typing import Any
 
 from quilld.errors import ProtocolError, QuillError
@@ -36,9 +37,11 @@ LARGE_BULK = 16 * 1024  # bulks at least this long are received straight into a 
 
 NEED_DATA = None  # next_command() result while no complete command is buffered
 # Byte patterns hiredis must not see: a bulk of >= 10000 bytes (maybe a large bulk to
-# receive into a target), a null bulk, or a huge multibulk count. Seeing one (even inside
-# a value: a false alarm costs speed, never correctness) sends the bytes to the Python parser.
-_SUSPECT = re.compile(rb"\$(?:\d{5}|-)|\*\d{7}")
+# receive into a target), a null bulk, a huge multibulk count, or a line followed by
+# anything but a bulk or a command (a reply type, an inline command). Seeing one (even
+# inside a value: a false alarm costs speed, never correctness) sends the bytes to the
+# Python parser, which answers them exactly as redis does.
+_SUSPECT = re.compile(rb"\$(?:\d{5}|-)|\*\d{7}|\r\n[^$*]")
 _SCRATCH = 256 * 1024  # receive size while dropping a refused payload
 _COMPACT_AT = 256 * 1024
 
@@ -91,7 +94,7 @@ class RespParser:
     # -- input -------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._use_hiredis and self.authenticated and self._python_idle():
-            self._feed_hiredis(bytes(data))
+            self._feed_hiredis(data)
             return
         if self._receiving:
             data = memoryview(data)
@@ -109,11 +112,11 @@ class RespParser:
         return (self._args is None and not self._receiving and not self._skip_crlf
                 and self._pos >= len(self._buf))
 
-    def _feed_hiredis(self, data: bytes) -> None:
+    def _feed_hiredis(self, data: bytes | memoryview) -> None:
         tail = self._tail
-        if (_SUSPECT.search(data) or (tail and _SUSPECT.search(tail[-12:] + data[:12]))
+        if (_SUSPECT.search(data) or (tail and _SUSPECT.search(tail[-12:] + bytes(data[:12])))
                 or (not tail and data[:1] != b"*")):
-            self._to_python(tail + data)
+            self._to_python(tail + bytes(data))
             return
         reader = self._reader
         reader.feed(data)
@@ -122,23 +125,39 @@ class RespParser:
             while (cmd := reader.gets()) is not False:
                 cmds.append(cmd)
         except hiredis.ProtocolError:
-            self._to_python(tail + data)
+            self._to_python(tail + bytes(data))
             return
-        # How many bytes did these commands take? The rest is the partial tail hiredis holds.
-        used = 0
-        if cmds:
-            try:
-                lens = [len(a) if a.__class__ is bytes else None for c in cmds for a in c]
-                used = (sum(lens) + 5 * len(lens) + sum(map(len, map(str, lens)))
-                        + 3 * len(cmds) + sum(map(len, map(str, map(len, cmds)))))
-            except TypeError:  # not a flat array of bulk strings: let the Python parser judge
-                self._to_python(tail + data)
+        try:  # every command must be a non-empty array of bulk strings (no nested arrays)
+            if not all(c.__class__ is list and c for c in cmds):
+                raise TypeError
+            b"".join(chain.from_iterable(cmds))
+        except TypeError:
+            self._to_python(tail + bytes(data))  # the Python parser judges
+            return
+        if not reader.has_data():
+            # Everything was consumed: either hiredis is idle, or a command stopped right
+            # after one of its arguments. An empty array tells: alone it parses at once.
+            reader.feed(b"*0\r\n")
+            if reader.gets() == []:
+                self._tail = b""
+                self._queue.extend(cmds)
                 return
-        left = len(tail) + len(data) - used
-        if left < 0 or any(c.__class__ is not list or not c for c in cmds):
-            self._to_python(tail + data)
+        # hiredis holds part of a command: find where it starts by counting what the
+        # complete commands took (their canonical encoding), and keep those bytes.
+        try:
+            lens = [len(a) if a.__class__ is bytes else None for c in cmds for a in c]
+            used = (sum(lens) + 5 * len(lens) + sum(map(len, map(str, lens)))
+                    + 3 * len(cmds) + sum(map(len, map(str, map(len, cmds)))))
+        except TypeError:  # an argument that is not a bulk string: let the Python parser judge
+            self._to_python(tail + bytes(data))
             return
-        self._tail = b"" if not left else (data[-left:] if left <= len(data) else (tail + data)[-left:])
+        stream = tail + bytes(data)
+        if used > len(stream):
+            self._to_python(stream)
+            return
+        self._tail = stream[used:]
+        self._reader = hiredis.Reader()  # a fresh reader holding exactly the partial command
+        self._reader.feed(self._tail)
         self._queue.extend(cmds)
 
     def _to_python(self, data: bytes) -> None:

@@ -1,0 +1,151 @@
+"""quilld against redis-server, side by side in one run, printed as ratios.
+
+Starts redis-server and quilld on free loopback ports, then for each workload
+runs redis-benchmark against both, alternating, `--rounds` times, and prints
+the median requests/s of each and the ratio quilld/redis. Also measures
+resident memory per small key (100k keys) in both servers.
+
+    python bench/vs_redis.py                 # full table (a few minutes)
+    python bench/vs_redis.py --quick         # fewer requests, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench(port: int, test: str, n: int, clients: int, pipeline: int, size: int) -> float:
+    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", test, "-n", str(n), "-c", str(clients),
+           "-P", str(pipeline), "-d", str(size), "-q", "--csv"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    m = re.search(r'"%s","([\d.]+)"' % test.upper(), out)
+    if not m:
+        raise RuntimeError(f"redis-benchmark printed no figure for {test}: {out!r}")
+    return float(m.group(1))
+
+
+def fill_small_keys(port: int, count: int) -> None:
+    import redis
+
+    r = redis.Redis(port=port, protocol=2)
+    pipe = r.pipeline(transaction=False)
+    for i in range(count):
+        pipe.set(f"key:{i:012d}", b"x" * 64)
+        if i % 5000 == 4999:
+            pipe.execute()
+    pipe.execute()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per workload (median taken)")
+    ap.add_argument("--quick", action="store_true", help="one round, fewer requests")
+    ap.add_argument("--dram", default="4GiB", help="quilld arena size")
+    args = ap.parse_args()
+    for tool in ("redis-server", "redis-benchmark"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} not found: apt-get install redis-server redis-tools")
+    rounds = 1 if args.quick else args.rounds
+    scale = 0.2 if args.quick else 1.0
+
+    tmp = tempfile.mkdtemp(prefix="quilld-bench-")
+    rport, qport = free_port(), free_port()
+    redis_proc = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    quilld_proc = subprocess.Popen([sys.executable, "-m", "quilld", "--port", str(qport), "--admin-port", "0",
+                                    "--dram", args.dram, "--log-level", "warning"], env=env,
+                                   stdout=subprocess.DEVNULL)
+    try:
+        wait_port(rport)
+        wait_port(qport)
+        workloads = [
+            # (label, test, requests, clients, pipeline, value size)
+            ("SET -c 50", "set", 100_000, 50, 1, 3),
+            ("GET -c 50", "get", 100_000, 50, 1, 3),
+            ("SET -c 50 -P 16", "set", 1_000_000, 50, 16, 3),
+            ("GET -c 50 -P 16", "get", 1_000_000, 50, 16, 3),
+            ("SET 1 MiB -c 50", "set", 2_000, 50, 1, 1 << 20),
+            ("GET 1 MiB -c 50", "get", 2_000, 50, 1, 1 << 20),
+            ("SET 4 MiB -c 50", "set", 500, 50, 1, 4 << 20),
+            ("GET 4 MiB -c 50", "get", 500, 50, 1, 4 << 20),
+        ]
+        print(f"quilld vs redis-server {subprocess.run(['redis-server', '--version'], capture_output=True, text=True).stdout.split()[2]}"
+              f", {rounds} alternating round(s), medians; {os.cpu_count()} cores, loopback\n")
+        print("| workload | redis req/s | quilld req/s | quilld/redis |")
+        print("|---|---:|---:|---:|")
+        for label, test, n, clients, pipeline, size in workloads:
+            n = max(int(n * scale), 100)
+            theirs, ours = [], []
+            for _ in range(rounds):
+                theirs.append(bench(rport, test, n, clients, pipeline, size))
+                ours.append(bench(qport, test, n, clients, pipeline, size))
+            t, o = statistics.median(theirs), statistics.median(ours)
+            print(f"| {label} | {t:,.0f} | {o:,.0f} | {o / t:.2f}x |", flush=True)
+
+        # Memory per resident small key: fresh servers would be cleaner; FLUSHALL then measure growth.
+        count = int(100_000 * (0.2 if args.quick else 1.0))
+        import redis
+
+        for port in (rport, qport):
+            redis.Redis(port=port).flushall()
+        time.sleep(0.5)
+        before = {p.pid: rss_bytes(p.pid) for p in (redis_proc, quilld_proc)}
+        for port in (rport, qport):
+            fill_small_keys(port, count)
+        time.sleep(0.5)
+        per = {p.pid: (rss_bytes(p.pid) - before[p.pid]) / count for p in (redis_proc, quilld_proc)}
+        print(f"\nRSS growth per resident key ({count:,} keys of 64 B): redis {per[redis_proc.pid]:.0f} B, "
+              f"quilld {per[quilld_proc.pid]:.0f} B ({per[quilld_proc.pid] / max(per[redis_proc.pid], 1):.2f}x)")
+    finally:
+        for p in (redis_proc, quilld_proc):
+            p.send_signal(signal.SIGTERM)
+        for p in (redis_proc, quilld_proc):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""Hostile and broken input against a real quilld: garbage bytes, protocol limits,
+payloads cut off mid-way, puts that never commit, wrong passwords and cross-scope reads.
+
+Every case checks what a client observes (the reply bytes, whether the server closes
+the connection, GET/EXISTS, INFO counters) and that the server is still up afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+import redis
+
+from conftest import raw_exchange
+
+MiB = 1024 * 1024
+WRONGPASS = b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"
+NOAUTH = b"-NOAUTH Authentication required.\r\n"
+
+
+# -- helpers ------------------------------------------------------------------
+
+def cmd(*args: bytes | str | int) -> bytes:
+    """One RESP multibulk command."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a.encode() if isinstance(a, str) else str(a).encode() if isinstance(a, int) else a
+        out.append(b"$%d\r\n%b\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def exchange_until_close(port: int, payload: bytes, timeout: float = 5.0) -> tuple[bytes, bool]:
+    """Send `payload`, read until the server closes (True) or `timeout` passes (False)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server may close before it has read everything
+        chunks = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = s.recv(1 << 16)
+            except socket.timeout:
+                return b"".join(chunks), False
+            except ConnectionResetError:
+                return b"".join(chunks), True
+            if not data:
+                return b"".join(chunks), True
+            chunks.append(data)
+        return b"".join(chunks), False
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
+    """Poll `predicate` until it is truthy or `timeout` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
+def arena(r: redis.Redis) -> tuple[int, int]:
+    t = r.info("tiers")
+    return t["dram_used_arena"], t["dram_reserved_blocks"]
+
+
+def stats(r: redis.Redis) -> dict:
+    return r.info("stats")
+
+
+def assert_alive(q) -> None:
+    assert q.proc.poll() is None, f"quilld exited:\n{q.log()}"
+    assert raw_exchange(q.port, b"PING\r\n") == b"+PONG\r\n"
+    assert q.client().ping() is True
+
+
+# -- garbage and protocol limits ---------------------------------------------
+
+def test_random_binary_gets_only_errors_and_server_survives(quilld):
+    rng = random.Random(20240611)
+    for i in range(25):
+        payload = rng.randbytes(rng.randint(1, 16384))
+        if i % 3 == 0:
+            payload = b"*" + payload  # garbage that starts like a multibulk command
+        reply, _ = exchange_until_close(quilld.port, payload, timeout=1.5)
+        lines = [line for line in reply.split(b"\r\n") if line]
+        assert all(line.startswith(b"-ERR ") for line in lines), (i, reply[:300])
+    assert_alive(quilld)
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"A" * (70 * 1024), b"too big inline request"),
+    (b"*" + b"9" * (70 * 1024), b"too big mbulk count string"),
+    (b"*" + b"A" * (70 * 1024), b"too big mbulk count string"),
+    (b"*1\r\n$" + b"9" * (70 * 1024), b"too big bulk count string"),
+    (b"*1\r\n$" + b"A" * (70 * 1024), b"too big bulk count string"),
+], ids=["inline", "mbulk-digits", "mbulk-letters", "bulk-digits", "bulk-letters"])
+def test_line_without_crlf_over_64k_is_a_protocol_error(quilld, payload, error):
+    """redis-server answers every one of these (PROTO_INLINE_MAX_SIZE) and closes."""
+    reply, closed = exchange_until_close(quilld.port, payload, timeout=3)
+    assert reply == b"-ERR Protocol error: " + error + b"\r\n"
+    assert closed
+    assert_alive(quilld)
+
+
+@pytest.mark.parametrize("payload, reply", [
+    (b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$600000000\r\n", b"-ERR Protocol error: invalid bulk length\r\n"),
+    (b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$-5\r\n", b"-ERR Protocol error: invalid bulk length\r\n"),
+    (b"*abc\r\n", b"-ERR Protocol error: invalid multibulk length\r\n"),
+    (b"*1\r\n$4\r\nPING\r\n*2\r\n$3\r\nGET\r\nxyz\r\n", b"+PONG\r\n-ERR Protocol error: expected '$', got 'x'\r\n"),
+], ids=["oversized-bulk", "negative-bulk", "bad-mbulk-count", "missing-dollar"])
+def test_protocol_errors_close_only_that_connection(quilld, payload, reply):
+    r = quilld.client()
+    before = arena(r)
+    got, closed = exchange_until_close(quilld.port, payload, timeout=3)
+    assert got == reply
+    assert closed
+    assert arena(r) == before  # an oversized header reserves nothing
+    assert r.exists("k") == 0
+    assert r.ping() is True  # the other connection is untouched
+    assert_alive(quilld)
+
+
+def test_dollar_without_star_is_read_as_inline_commands(quilld):
+    """As redis-server does: `$3` and `foo` are two unknown inline commands."""
+    reply = raw_exchange(quilld.port, b"$3\r\nfoo\r\nPING\r\n", timeout=3)
+    assert reply == (b"-ERR unknown command '$3', with args beginning with: \r\n"
+                     b"-ERR unknown command 'foo', with args beginning with: \r\n"
+                     b"+PONG\r\n")
+    assert_alive(quilld)
+
+
+# -- payloads cut off mid-way --------------------------------------------------
+
+def _send_partial(port: int, header: bytes, body_bytes: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(header)
+    chunk = b"\xab" * MiB
+    sent = 0
+    while sent < body_bytes:
+        n = min(MiB, body_bytes - sent)
+        s.sendall(chunk[:n])
+        sent += n
+    return s
+
+
+def test_set_cut_off_mid_value_leaks_nothing_and_publishes_nothing(quilld):
+    r = quilld.client()
+    r.set("kept", b"old value")
+    base = arena(r)
+    assert base[1] == 0
+    for key in (b"fresh", b"kept"):
+        header = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, 32 * MiB)
+        s = _send_partial(quilld.port, header, 10 * MiB)
+        # While the value is arriving its space is reserved, and nothing is visible.
+        assert wait_until(lambda: arena(r) == (base[0] + 32 * MiB, 1)), arena(r)
+        assert r.get("fresh") is None
+        assert r.get("kept") == b"old value"
+        s.close()
+        assert wait_until(lambda: arena(r) == base), f"arena not reclaimed: {arena(r)} != {base}"
+        assert r.get("fresh") is None
+        assert r.exists("fresh") == 0
+        assert r.get("kept") == b"old value"  # a cut-off overwrite leaves the old value
+    assert r.info("tiers")["dram_keys"] == 1
+    assert_alive(quilld)
+
+
+def test_put2phase_data_cut_off_keeps_the_put_open_until_abort(quilld):
+    r = quilld.client()
+    base = arena(r)
+    handle = r.execute_command("PUT2PHASE", "BEGIN", "blk", 32 * MiB)
+    assert arena(r) == (base[0] + 32 * MiB, base[1] + 1)
+    r.execute_command("PUT2PHASE", "DATA", handle, 0, b"\x01" * MiB)
+    header = b"*5\r\n$9\r\nPUT2PHASE\r\n$4\r\nDATA\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (
+        len(handle), handle, len(str(MiB)), MiB, 8 * MiB)
+    s = _send_partial(quilld.port, header, 3 * MiB)
+    time.sleep(0.3)
+    s.close()
+    time.sleep(0.3)
+    assert stats(r)["put2phase_open"] == 1
+    assert r.get("blk") is None and r.exists("blk") == 0
+    # Only the first MiB counts as written: the cut-off payload never completed.
+    with pytest.raises(redis.ResponseError, match=r"^INCOMPLETE .*%d of %d" % (31 * MiB, 32 * MiB)):
+        r.execute_command("PUT2PHASE", "COMMIT", handle)
+    assert arena(r) == (base[0] + 32 * MiB, base[1] + 1)  # still reserved for the open put
+    assert r.execute_command("PUT2PHASE", "ABORT", handle) == b"OK"
+    assert wait_until(lambda: arena(r) == base), f"arena not reclaimed: {arena(r)} != {base}"
+    with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
+        r.execute_command("PUT2PHASE", "COMMIT", handle)
+    st = stats(r)
+    assert st["put2phase_open"] == 0 and st["put2phase_aborted"] == 1
+    assert r.get("blk") is None
+    assert_alive(quilld)
+
+
+def test_put_that_never_commits_is_reclaimed_after_its_lease(quilld):
+    r = quilld.client()
+    base = arena(r)
+    t0 = time.monotonic()
+    handle = r.execute_command("PUT2PHASE", "BEGIN", "leased", 4 * MiB, "LEASE", 300)
+    r.execute_command("PUT2PHASE", "DATA", handle, 0, b"\x02" * MiB)
+    assert stats(r)["put2phase_open"] == 1
+    assert arena(r) == (base[0] + 4 * MiB, base[1] + 1)
+    # Housekeeping reclaims it on its own, without the client touching the handle again.
+    assert wait_until(lambda: arena(r) == base, timeout=3), f"arena not reclaimed: {arena(r)} != {base}"
+    assert time.monotonic() - t0 >= 0.25, "reclaimed before its lease ran out"
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+    with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
+        r.execute_command("PUT2PHASE", "DATA", handle, MiB, b"\x02" * 100)
+    with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
+        r.execute_command("PUT2PHASE", "COMMIT", handle)
+    st = stats(r)
+    assert st["put2phase_expired"] >= 1
+    assert st["put2phase_open"] == 0 and st["put2phase_committed"] == 0
+    assert r.get("leased") is None and r.exists("leased") == 0
+    assert arena(r) == base
+    assert_alive(quilld)
+
+
+# -- authentication ------------------------------------------------------------
+
+def test_commands_before_auth_and_wrong_passwords(quilld_factory):
+    q = quilld_factory("--dram", "64MiB", "--requirepass", "s3cret")
+    reply = raw_exchange(q.port, b"PING\r\n" + cmd("SET", "k", "v") + b"GET k\r\n" + cmd("DBSIZE"))
+    assert reply == NOAUTH * 4
+    # Before AUTH, large commands are refused at the protocol level, as redis does.
+    reply, closed = exchange_until_close(q.port, b"*11\r\n", timeout=3)
+    assert (reply, closed) == (b"-ERR Protocol error: unauthenticated multibulk length\r\n", True)
+    reply, closed = exchange_until_close(q.port, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$100000\r\n", timeout=3)
+    assert (reply, closed) == (b"-ERR Protocol error: unauthenticated bulk length\r\n", True)
+
+    session = (b"AUTH wrong\r\n" + cmd("AUTH", "default", "wrong") + b"HELLO 3 AUTH default wrong\r\n"
+               + b"GET k\r\n" + b"AUTH s3cret\r\n" + b"GET k\r\n" + cmd("PING"))
+    reply = raw_exchange(q.port, session)
+    # The failed HELLO 3 switched nothing: the nil after AUTH is RESP2's.
+    assert reply == WRONGPASS * 3 + NOAUTH + b"+OK\r\n" + b"$-1\r\n" + b"+PONG\r\n"
+
+    with pytest.raises(redis.AuthenticationError):
+        q.client(password="nope").ping()
+    with pytest.raises(redis.AuthenticationError):
+        q.client(password="nope", protocol=3).ping()
+    with pytest.raises(redis.AuthenticationError):
+        q.client().get("k")  # no password at all
+
+    r = q.client(password="s3cret")
+    assert r.exists("k") == 0  # the SET sent before AUTH stored nothing
+    assert r.info("stats")["auth_failures"] == 5
+    r3 = q.client(password="s3cret", protocol=3)
+    assert r3.ping() is True
+    assert_alive_with_password(q, b"s3cret")
+
+
+def assert_alive_with_password(q, password: bytes) -> None:
+    assert q.proc.poll() is None
+    assert raw_exchange(q.port, b"PING\r\n") == NOAUTH
+    assert raw_exchange(q.port, b"AUTH " + password + b"\r\nPING\r\n") == b"+OK\r\n+PONG\r\n"
+
+
+# -- cross-scope reads -----------------------------------------------------------
+
+REASONS = ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter")
+
+
+def refusals(r: redis.Redis) -> dict[str, int]:
+    st = r.info("stats")
+    out = {reason: st[f"guard_refusals_{reason}"] for reason in REASONS}
+    out["total"] = st["guard_refusals"]
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+@pytest.fixture
+def tenants(quilld_factory, tmp_path):
+    users = tmp_path / "users"
+    users.write_text("# tenants\nalice apw\nbob bpw\n")
+    return quilld_factory("--dram", "64MiB", "--users-file", str(users))
+
+
+def test_other_tenant_cannot_read_or_touch_a_block(tenants):
+    q = tenants
+    alice = q.client(username="alice", password="apw", single_connection_client=True)
+    bob = q.client(username="bob", password="bpw", single_connection_client=True)
+    big = random.Random(7).randbytes(64 * 1024)
+    alice.set("shared", b"alice's kv block")
+    alice.set("big", big)
+    before = refusals(alice)
+
+    assert bob.get("plain-miss") is None
+    assert refusals(alice) == before  # a plain miss is not a refusal
+
+    assert bob.get("shared") is None
+    assert bob.execute_command("GETBLK", "big") is None
+    assert delta(refusals(alice), before) == {"cross_tenant": 2, "total": 2}
+    assert bob.execute_command("LOCATE", "shared", "big") == [[], []]
+    assert alice.get("shared") == b"alice's kv block" and alice.get("big") == big
+
+    # Bob's write of the same key is his own object; Alice's stays hers.
+    bob.set("shared", b"bob's")
+    assert bob.get("shared") == b"bob's"
+    assert alice.get("shared") == b"alice's kv block"
+
+    # A handle is the tenant's: bob cannot write into, commit or abort alice's put.
+    handle = alice.execute_command("PUT2PHASE", "BEGIN", "pending", 100)
+    for args in (("DATA", handle, 0, b"x" * 100), ("DATA", handle, 0, b"x" * 40000),
+                 ("COMMIT", handle), ("ABORT", handle)):
+        with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
+            bob.execute_command("PUT2PHASE", *args)
+    assert bob.ping() is True
+    alice.execute_command("PUT2PHASE", "DATA", handle, 0, b"a" * 100)
+    assert alice.execute_command("PUT2PHASE", "COMMIT", handle) == b"OK"
+    assert alice.get("pending") == b"a" * 100
+    assert bob.get("pending") is None
+    assert_alive_with_password(q, b"alice apw")
+
+
+def test_other_model_tokenizer_adapter_reads_are_refused_by_reason(tenants):
+    q = tenants
+    writer = q.client(username="alice", password="apw", single_connection_client=True)
+    reader = q.client(username="alice", password="apw", single_connection_client=True)
+    assert writer.execute_command("SCOPE", "llama-3-8b", "tok-a") == b"OK"
+    writer.set("prefix-1", b"kv-1")
+
+    cases = [
+        (("mistral-7b", "tok-a"), "cross_model"),
+        (("llama-3-8b", "tok-b"), "cross_tokenizer"),
+        (("llama-3-8b", "tok-a", "lora-1"), "cross_adapter"),
+    ]
+    for scope, reason in cases:
+        reader.execute_command("SCOPE", *scope)
+        before = refusals(reader)
+        assert reader.get("prefix-1") is None, scope
+        assert delta(refusals(reader), before) == {reason: 1, "total": 1}, scope
+        assert reader.execute_command("LOCATE", "prefix-1") == [[]]
+
+    # No scope at all (the connection's default) is another model too.
+    fresh = q.client(username="alice", password="apw", single_connection_client=True)
+    before = refusals(fresh)
+    assert fresh.get("prefix-1") is None
+    assert delta(refusals(fresh), before) == {"cross_model": 1, "total": 1}
+
+    # The same scope reads it; another tenant with the same scope does not.
+    reader.execute_command("SCOPE", "llama-3-8b", "tok-a")
+    assert reader.get("prefix-1") == b"kv-1"
+    bob = q.client(username="bob", password="bpw", single_connection_client=True)
+    bob.execute_command("SCOPE", "llama-3-8b", "tok-a")
+    before = refusals(bob)
+    assert bob.get("prefix-1") is None
+    assert delta(refusals(bob), before) == {"cross_tenant": 1, "total": 1}
+    assert_alive_with_password(q, b"bob bpw")

@@ -1,0 +1,594 @@
+"""The sans-IO RESP codec on plain byte strings: every split of the input parses the
+same, every limit fails with redis's error text, and replies encode as RESP2/RESP3.
+
+Each parser test runs with the hiredis fast path on and off: the fast path must be
+invisible (same commands, same errors), so both modes are held to one expectation.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quilld.errors import (
+    ChecksumMismatch,
+    CommandError,
+    NoHandle,
+    OutOfMemory,
+    ProtocolError,
+    QuillError,
+    WrongType,
+)
+from quilld.protocol.resp import (
+    LARGE_BULK,
+    MAX_INLINE,
+    NULL2,
+    NULL3,
+    OK,
+    UNAUTH_BULK_LEN,
+    UNAUTH_MULTIBULK_LEN,
+    BlockReply,
+    LargeBulk,
+    Raw,
+    RespParser,
+    Status,
+    Verbatim,
+    encode,
+    encode_command,
+    encode_error,
+    split_args,
+)
+
+MODES = pytest.mark.parametrize("use_hiredis", [True, False], ids=["hiredis", "python"])
+
+
+# -- helpers ----------------------------------------------------------------
+
+class Dropped:
+    """What a refused large bulk stands for in the arguments (the server uses the error)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Dropped) and other.length == self.length
+
+    def __repr__(self) -> str:
+        return f"Dropped({self.length})"
+
+
+def _arg(a):
+    if isinstance(a, Dropped):
+        return a
+    assert isinstance(a, (bytes, bytearray)), f"argument of unexpected type {type(a).__name__}"
+    return bytes(a)
+
+
+def drain(p: RespParser, out: list, drop: bool = False) -> None:
+    """Take every complete command, as the server loop does: parsed() first, then next_command().
+
+    A LargeBulk is attached to a fresh bytearray (or dropped), and its bytes are
+    recorded as the argument once the command completes.
+    """
+    while True:
+        out.extend([_arg(a) for a in cmd] for cmd in p.parsed())
+        item = p.next_command()
+        if item is None:
+            return
+        if isinstance(item, LargeBulk):
+            assert item.index == len(item.args)
+            if drop:
+                p.drop(Dropped(item.length), item.length)
+            else:
+                target = bytearray(item.length)
+                p.attach(target, memoryview(target))
+            continue
+        out.append([_arg(a) for a in item])
+
+
+def feed_like_transport(p: RespParser, data: bytes, out: list, drop: bool) -> None:
+    """Deliver `data` as the BufferedProtocol does: into sink_view() while a large bulk
+    is being received (sink_advance), otherwise through feed()."""
+    data = memoryview(data)
+    while data:
+        sink = p.sink_view()
+        if sink is None:
+            p.feed(data)
+            data = data[:0]
+        else:
+            n = min(len(sink), len(data))
+            sink[:n] = data[:n]
+            p.sink_advance(n)
+            data = data[n:]
+        drain(p, out, drop)
+
+
+def parse(chunks, use_hiredis: bool, style: str = "feed", drop: bool = False, **kw) -> list:
+    p = RespParser(use_hiredis=use_hiredis, **kw)
+    out: list = []
+    for chunk in chunks:
+        if style == "feed":
+            p.feed(chunk)
+            drain(p, out, drop)
+        else:
+            feed_like_transport(p, chunk, out, drop)
+    drain(p, out, drop)
+    assert p.pending_bytes() == 0, "bytes left over after complete input"
+    return out
+
+
+def protocol_error(chunks, use_hiredis: bool, authenticated: bool = True, **kw) -> ProtocolError:
+    """The ProtocolError the input raises (fed in `chunks`); fails if none is raised."""
+    p = RespParser(use_hiredis=use_hiredis, **kw)
+    p.authenticated = authenticated
+    with pytest.raises(ProtocolError) as info:
+        for chunk in chunks:
+            p.feed(chunk)
+            drain(p, [])
+    return info.value
+
+
+def pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[i:i + size] for i in range(0, len(data), size)] or [b""]
+
+
+# -- messages parsed whole, in two pieces at every offset, and byte by byte --
+
+BINARY = bytes(range(256))
+BIG = (b"0123456789abcdef\r\n$5\r\n*1\r\n" * (LARGE_BULK // 16 + 1))[:LARGE_BULK + 5]
+JUST_SMALL = (b"v\r\n" * LARGE_BULK)[:LARGE_BULK - 1]
+
+MESSAGES = {
+    "pipeline": (
+        encode_command(b"SET", b"k1", b"v\r\nwith\r\ncrlf\r\n")
+        + encode_command(b"GET", b"k1")
+        + encode_command(b"MSET", b"a", BINARY, b"b", b"", b"c", b"*3\r\n$1\r\n")
+        + encode_command(b"ECHO", b"$-1\r\n$12345\r\n*1234567\r\n"),
+        [[b"SET", b"k1", b"v\r\nwith\r\ncrlf\r\n"], [b"GET", b"k1"],
+         [b"MSET", b"a", BINARY, b"b", b"", b"c", b"*3\r\n$1\r\n"],
+         [b"ECHO", b"$-1\r\n$12345\r\n*1234567\r\n"]],
+    ),
+    "inline": (b"PING\r\nECHO hello\n", [[b"PING"], [b"ECHO", b"hello"]]),
+    "inline_quoted": (b'SET k "a b"\r\nSET k2 \'c d\'\r\n',
+                      [[b"SET", b"k", b"a b"], [b"SET", b"k2", b"c d"]]),
+    "empty_lines": (b"\r\n\n  \r\nPING\r\n\r\n" + encode_command(b"PING") + b"\r\n",
+                    [[b"PING"], [b"PING"]]),
+    "empty_multibulk": (b"*0\r\n" + encode_command(b"GET", b"k") + b"*0\r\n*-1\r\n" + encode_command(b"PING"),
+                        [[b"GET", b"k"], [b"PING"]]),
+    "mixed": (encode_command(b"GET", b"k") + b"PING\r\n" + encode_command(b"DEL", b"k") + b"QUIT\r\n",
+              [[b"GET", b"k"], [b"PING"], [b"DEL", b"k"], [b"QUIT"]]),
+    "just_below_large_bulk": (encode_command(b"SET", b"k", JUST_SMALL) + encode_command(b"GET", b"k"),
+                              [[b"SET", b"k", JUST_SMALL], [b"GET", b"k"]]),
+    "large_bulk": (encode_command(b"SET", b"k", BIG, b"EX", b"10") + encode_command(b"GET", b"k")
+                   + b"PING\r\n",
+                   [[b"SET", b"k", BIG, b"EX", b"10"], [b"GET", b"k"], [b"PING"]]),
+    "large_bulk_last_arg": (encode_command(b"SET", b"k", BIG) + encode_command(b"SET", b"k2", BIG),
+                            [[b"SET", b"k", BIG], [b"SET", b"k2", BIG]]),
+}
+SMALL_MESSAGES = [name for name, (data, _) in MESSAGES.items() if len(data) < 2000]
+
+
+@MODES
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_whole_input_parses_to_the_expected_commands(name, use_hiredis):
+    data, expected = MESSAGES[name]
+    assert parse([data], use_hiredis) == expected
+
+
+@MODES
+@pytest.mark.parametrize("style", ["feed", "sink"])
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_two_feeds_split_at_every_offset_parse_the_same(name, style, use_hiredis):
+    data, expected = MESSAGES[name]
+    for cut in range(len(data) + 1):
+        got = parse([data[:cut], data[cut:]], use_hiredis, style)
+        assert got == expected, f"split at byte {cut}"
+
+
+@MODES
+@pytest.mark.parametrize("style", ["feed", "sink"])
+@pytest.mark.parametrize("name", ["pipeline", "inline_quoted", "empty_lines", "mixed", "large_bulk"])
+def test_one_byte_feeds_parse_the_same(name, style, use_hiredis):
+    data, expected = MESSAGES[name]
+    assert parse(pieces(data, 1), use_hiredis, style) == expected
+
+
+@MODES
+def test_all_messages_concatenated_split_at_every_small_offset(use_hiredis):
+    # the small messages back to back, so each one also follows every other kind
+    data = b"".join(MESSAGES[name][0] for name in SMALL_MESSAGES)
+    expected = [cmd for name in SMALL_MESSAGES for cmd in MESSAGES[name][1]]
+    for cut in range(len(data) + 1):
+        assert parse([data[:cut], data[cut:]], use_hiredis) == expected, f"split at byte {cut}"
+
+
+@MODES
+def test_three_feeds_around_a_large_bulk(use_hiredis):
+    data, expected = MESSAGES["large_bulk"]
+    header = data.index(b"$%d\r\n" % len(BIG))
+    for a in range(header - 3, header + 12):
+        for b in (a + 1, a + 7, len(data) - 40, len(data) - 3):
+            assert parse([data[:a], data[a:b], data[b:]], use_hiredis) == expected, (a, b)
+
+
+# -- LargeBulk, attach and drop ----------------------------------------------
+
+@MODES
+def test_large_bulk_is_announced_with_its_command_so_far(use_hiredis):
+    p = RespParser(use_hiredis=use_hiredis)
+    p.feed(encode_command(b"SET", b"key", BIG, b"NX")[:40])
+    assert p.parsed() == []
+    item = p.next_command()
+    assert isinstance(item, LargeBulk)
+    assert (item.args, item.index, item.length) == ([b"SET", b"key"], 2, len(BIG))
+
+
+@MODES
+def test_bulk_shorter_than_large_bulk_is_a_plain_argument(use_hiredis):
+    p = RespParser(use_hiredis=use_hiredis)
+    p.feed(encode_command(b"SET", b"k", JUST_SMALL))
+    out: list = []
+    drain(p, out)
+    assert out == [[b"SET", b"k", JUST_SMALL]]
+
+
+@MODES
+@pytest.mark.parametrize("large_bulk", [64, 1000])
+def test_large_bulk_threshold_is_honoured_below_ten_thousand_bytes(large_bulk, use_hiredis):
+    # the fast path must send a bulk of >= large_bulk bytes to the Python parser whatever
+    # large_bulk is, or the value never lands in the caller's target buffer
+    value = b"x" * large_bulk
+    p = RespParser(use_hiredis=use_hiredis, large_bulk=large_bulk)
+    p.feed(encode_command(b"SET", b"k", value))
+    first = p.parsed() or [p.next_command()]
+    assert isinstance(first[0], LargeBulk), f"a {large_bulk}-byte bulk was parsed as {first!r}"
+    assert first[0].length == large_bulk
+
+
+@MODES
+@pytest.mark.parametrize("style", ["feed", "sink"])
+def test_dropped_large_bulk_leaves_marker_and_the_rest_parses(style, use_hiredis):
+    data = encode_command(b"SET", b"k", BIG, b"EX", b"10") + encode_command(b"GET", b"k") + b"PING\r\n"
+    expected = [[b"SET", b"k", Dropped(len(BIG)), b"EX", b"10"], [b"GET", b"k"], [b"PING"]]
+    for cut in list(range(0, 60)) + list(range(len(data) - 60, len(data) + 1)) + [len(data) // 2]:
+        assert parse([data[:cut], data[cut:]], use_hiredis, style, drop=True) == expected, cut
+    assert parse(pieces(data, 4096), use_hiredis, style, drop=True) == expected
+
+
+@MODES
+def test_dropped_bulk_larger_than_scratch_buffer(use_hiredis):
+    size = 600 * 1024  # more than one scratch buffer's worth
+    data = encode_command(b"SET", b"k", b"z" * size) + encode_command(b"PING")
+    for style in ("feed", "sink"):
+        got = parse(pieces(data, 100_000), use_hiredis, style, drop=True)
+        assert got == [[b"SET", b"k", Dropped(size)], [b"PING"]]
+
+
+@MODES
+def test_attach_receives_payload_into_the_target_only(use_hiredis):
+    p = RespParser(use_hiredis=use_hiredis)
+    data = encode_command(b"SET", b"k", BIG) + encode_command(b"PING")
+    p.feed(data[:30])
+    item = p.next_command()
+    assert isinstance(item, LargeBulk)
+    target = bytearray(len(BIG))
+    p.attach(target, memoryview(target))
+    assert p.next_command() is None
+    p.feed(data[30:])
+    cmd = p.next_command()
+    assert cmd[0:2] == [b"SET", b"k"] and cmd[2] is target and target == BIG
+    assert p.next_command() == [b"PING"]
+    assert p.next_command() is None
+
+
+# -- limits, with redis's error text -------------------------------------------
+
+def _chunkings(data: bytes) -> list[list[bytes]]:
+    return [[data], pieces(data, 4096), [data[:1], data[1:]]]
+
+
+@MODES
+def test_bulk_longer_than_max_bulk_len(use_hiredis):
+    for chunks in _chunkings(b"*2\r\n$3\r\nSET\r\n$1001\r\n"):
+        err = protocol_error(chunks, use_hiredis, max_bulk_len=1000)
+        assert err.wire() == "ERR Protocol error: invalid bulk length"
+    # exactly max_bulk_len is accepted
+    value = b"v" * 1000
+    assert parse([encode_command(b"SET", value)], use_hiredis, max_bulk_len=1000) == [[b"SET", value]]
+
+
+@MODES
+def test_bulk_longer_than_default_max_bulk_len(use_hiredis):
+    err = protocol_error([b"*2\r\n$3\r\nSET\r\n$%d\r\n" % (512 * 1024 * 1024 + 1)], use_hiredis)
+    assert err.wire() == "ERR Protocol error: invalid bulk length"
+
+
+@MODES
+@pytest.mark.parametrize("header", [b"$-1", b"$-5", b"$abc", b"$", b"$+3", b"$3 "])
+def test_invalid_bulk_length(header, use_hiredis):
+    for chunks in _chunkings(b"*2\r\n$3\r\nGET\r\n" + header + b"\r\nfoo\r\n"):
+        assert protocol_error(chunks, use_hiredis).wire() == "ERR Protocol error: invalid bulk length"
+
+
+@MODES
+@pytest.mark.parametrize("header", [b"*abc", b"*", b"*+1", b"*1x", b"*%d" % (2**30 + 1)])
+def test_invalid_multibulk_length(header, use_hiredis):
+    for chunks in _chunkings(header + b"\r\n$4\r\nPING\r\n"):
+        assert protocol_error(chunks, use_hiredis).wire() == "ERR Protocol error: invalid multibulk length"
+
+
+@MODES
+@pytest.mark.parametrize("filler", [b"1", b"x"])
+def test_multibulk_count_line_without_crlf_is_bounded(filler, use_hiredis):
+    data = b"*" + filler * (MAX_INLINE + 1)
+    for chunks in _chunkings(data):
+        err = protocol_error(chunks, use_hiredis)
+        assert err.wire() == "ERR Protocol error: too big mbulk count string"
+
+
+@MODES
+@pytest.mark.parametrize("filler", [b"1", b"x"])
+def test_bulk_count_line_without_crlf_is_bounded(filler, use_hiredis):
+    data = b"*2\r\n$3\r\nGET\r\n$" + filler * (MAX_INLINE + 1)
+    for chunks in _chunkings(data):
+        err = protocol_error(chunks, use_hiredis)
+        assert err.wire() == "ERR Protocol error: too big bulk count string"
+
+
+@MODES
+def test_inline_request_without_newline_is_bounded(use_hiredis):
+    for chunks in _chunkings(b"GET " + b"a" * MAX_INLINE):
+        err = protocol_error(chunks, use_hiredis)
+        assert err.wire() == "ERR Protocol error: too big inline request"
+
+
+@MODES
+def test_inline_request_of_exactly_max_inline_is_accepted(use_hiredis):
+    line = b"ECHO " + b"a" * (MAX_INLINE - 5)
+    assert len(line) == MAX_INLINE
+    p = RespParser(use_hiredis=use_hiredis)
+    p.feed(line)
+    assert p.next_command() is None
+    p.feed(b"\r\n")
+    assert p.next_command() == [b"ECHO", b"a" * (MAX_INLINE - 5)]
+
+
+@MODES
+@pytest.mark.parametrize("bad", [b"x", b"+", b":", b"*", b"-"])
+def test_non_bulk_inside_a_multibulk(bad, use_hiredis):
+    # followed by a complete and a partial command, so the fast path sees more than the bad one
+    data = (b"*2\r\n$3\r\nGET\r\n" + bad + b"k\r\n" + encode_command(b"PING")
+            + encode_command(b"GET", b"k")[:9])
+    for chunks in _chunkings(data):
+        err = protocol_error(chunks, use_hiredis)
+        assert err.wire() == f"ERR Protocol error: expected '$', got '{bad.decode()}'"
+
+
+@MODES
+@pytest.mark.parametrize("line", [b'SET k "a b\r\n', b"SET k 'a\r\n", b'SET k "a"b\r\n', b"GET 'k'x\r\n"])
+def test_unbalanced_quotes_inline(line, use_hiredis):
+    for chunks in _chunkings(encode_command(b"PING") + line):
+        err = protocol_error(chunks, use_hiredis)
+        assert err.wire() == "ERR Protocol error: unbalanced quotes in request"
+
+
+@MODES
+def test_unauthenticated_multibulk_length(use_hiredis):
+    data = b"*%d\r\n" % (UNAUTH_MULTIBULK_LEN + 1)
+    err = protocol_error([data], use_hiredis, authenticated=False)
+    assert err.wire() == "ERR Protocol error: unauthenticated multibulk length"
+    # ten arguments are fine before AUTH
+    cmd = [b"a"] * UNAUTH_MULTIBULK_LEN
+    p = RespParser(use_hiredis=use_hiredis)
+    p.authenticated = False
+    p.feed(encode_command(*cmd))
+    out: list = []
+    drain(p, out)
+    assert out == [cmd]
+
+
+@MODES
+def test_unauthenticated_bulk_length(use_hiredis):
+    data = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n" % (UNAUTH_BULK_LEN + 1)
+    err = protocol_error([data], use_hiredis, authenticated=False)
+    assert err.wire() == "ERR Protocol error: unauthenticated bulk length"
+    p = RespParser(use_hiredis=use_hiredis, large_bulk=UNAUTH_BULK_LEN + 1)
+    p.authenticated = False
+    p.feed(encode_command(b"AUTH", b"p" * UNAUTH_BULK_LEN))
+    assert p.next_command() == [b"AUTH", b"p" * UNAUTH_BULK_LEN]
+
+
+@MODES
+def test_limits_are_lifted_after_authentication(use_hiredis):
+    p = RespParser(use_hiredis=use_hiredis)
+    p.authenticated = False
+    p.feed(encode_command(b"AUTH", b"pw"))
+    assert (p.parsed() or [p.next_command()]) == [[b"AUTH", b"pw"]]
+    p.authenticated = True
+    cmd = [b"MSET"] + [b"x"] * 20
+    p.feed(encode_command(*cmd))
+    out: list = []
+    drain(p, out)
+    assert out == [cmd]
+
+
+@MODES
+@pytest.mark.parametrize("unit", [b"\r\n", b"*0\r\n", b"*-1\r\n", b"\n"])
+def test_many_skipped_empty_commands_do_not_exhaust_the_stack(unit, use_hiredis):
+    # redis skips empty lines and empty multibulks in a loop; a pipeline of thousands is legal
+    data = unit * 5000 + encode_command(b"PING")
+    assert parse([data], use_hiredis) == [[b"PING"]]
+
+
+@MODES
+@pytest.mark.parametrize("kind", [b">", b"~", b"%", b"|", b"+", b":", b"_", b"#", b",", b"="])
+def test_resp3_type_bytes_after_a_command_are_inline_text(kind, use_hiredis):
+    # redis reads a request that does not start with '*' as an inline command, even when it
+    # follows a multibulk in the same packet; the fast path must not accept RESP3 aggregates
+    data = encode_command(b"PING") + kind + b"1\r\n$4\r\nECHO\r\n"
+    assert parse([data], use_hiredis) == [[b"PING"], [kind + b"1"], [b"$4"], [b"ECHO"]]
+
+
+@MODES
+@pytest.mark.parametrize("tail", [b"PI", b"*2\r\n$3\r\nG"], ids=["inline", "multibulk"])
+def test_receive_buffer_does_not_grow_with_traffic(tail, use_hiredis):
+    # every feed ends inside a command, so the parser is never idle; what it keeps must
+    # stay bounded by a few commands, not grow with everything the connection received
+    cmd = (b"PING\r\n" if tail == b"PI" else encode_command(b"GET", b"k"))
+    cut = len(tail)
+    step = cmd[cut:] + cmd[:cut]
+    p = RespParser(use_hiredis=use_hiredis)
+    p.feed(cmd[:cut])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        n = 0
+        for _ in range(2 * 1024 * 1024 // len(step)):
+            p.feed(step)
+            while p.parsed() or p.next_command() is not None:
+                n += 1
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert n >= 2 * 1024 * 1024 // len(step) - 1
+    assert grown < 512 * 1024, f"parser holds {grown} more bytes after 2 MiB of traffic"
+
+
+# -- hypothesis: random commands, random splits --------------------------------
+
+commands_st = st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=6), min_size=1, max_size=8)
+
+
+@MODES
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cmds=commands_st, data=st.data())
+def test_random_commands_round_trip_through_random_splits(cmds, data, use_hiredis):
+    wire = b"".join(encode_command(*c) for c in cmds)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6), label="cuts"))
+    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    assert parse(chunks, use_hiredis) == cmds
+
+
+@settings(max_examples=100, deadline=None)
+@given(args=st.lists(st.one_of(st.binary(max_size=50), st.text(max_size=20),
+                               st.integers(-10**12, 10**12)), min_size=1, max_size=6))
+def test_encode_command_accepts_str_and_int(args):
+    expected = [a if isinstance(a, bytes) else str(a).encode() if isinstance(a, int) else a.encode()
+                for a in args]
+    assert parse([encode_command(*args)], use_hiredis=False) == [expected]
+
+
+# -- split_args (redis sdssplitargs) ------------------------------------------
+
+@pytest.mark.parametrize("line, expected", [
+    (b"", []),
+    (b"   \t ", []),
+    (b"GET k", [b"GET", b"k"]),
+    (b"  SET   k   v  ", [b"SET", b"k", b"v"]),
+    (b'SET k "a b"', [b"SET", b"k", b"a b"]),
+    (b'SET k ""', [b"SET", b"k", b""]),
+    (b'SET "\\x41\\x42" "\\x4a"', [b"SET", b"AB", b"J"]),
+    (b'SET k "\\x4"', [b"SET", b"k", b"x4"]),  # not two hex digits: the escaped char itself
+    (b'SET k "\\xZZ"', [b"SET", b"k", b"xZZ"]),
+    (b'SET k "l1\\nl2\\r\\t\\b\\a"', [b"SET", b"k", b"l1\nl2\r\t\b\a"]),
+    (b'SET k "q\\"q"', [b"SET", b"k", b'q"q']),
+    (b'SET k "back\\\\slash"', [b"SET", b"k", b"back\\slash"]),
+    (b"SET k 'it\\'s'", [b"SET", b"k", b"it's"]),
+    (b"SET k 'no \\n escape'", [b"SET", b"k", b"no \\n escape"]),
+    (b"SET k 'a\"b'", [b"SET", b"k", b'a"b']),
+    (b'SET k "x\'y"', [b"SET", b"k", b"x'y"]),
+    (b'a"b c"', [b"ab c"]),  # a quote opens mid-token, as in redis
+    (b"\\x41", [b"\\x41"]),  # escapes only inside double quotes
+    (b'"a"\t"b"', [b"a", b"b"]),
+])
+def test_split_args(line, expected):
+    assert split_args(line) == expected
+
+
+@pytest.mark.parametrize("line", [b'"abc', b"'abc", b'"a"b', b"'a'b", b'GET "k"x y', b'"\\"', b"'\\'"])
+def test_split_args_unbalanced(line):
+    assert split_args(line) is None
+
+
+# -- replies -----------------------------------------------------------------
+
+def enc(value, resp3: bool) -> bytes:
+    out: list = []
+    encode(value, resp3, out)
+    return b"".join(bytes(c) for c in out)
+
+
+@pytest.mark.parametrize("value, resp2, resp3", [
+    (b"abc", b"$3\r\nabc\r\n", b"$3\r\nabc\r\n"),
+    (bytearray(b"a\r\nb"), b"$4\r\na\r\nb\r\n", b"$4\r\na\r\nb\r\n"),
+    (b"", b"$0\r\n\r\n", b"$0\r\n\r\n"),
+    ("héllo", "$6\r\nhéllo\r\n".encode(), "$6\r\nhéllo\r\n".encode()),
+    (None, b"$-1\r\n", b"_\r\n"),
+    (OK, b"+OK\r\n", b"+OK\r\n"),
+    (Status(b"QUEUED"), b"+QUEUED\r\n", b"+QUEUED\r\n"),
+    (0, b":0\r\n", b":0\r\n"),
+    (-42, b":-42\r\n", b":-42\r\n"),
+    (2**63 - 1, b":9223372036854775807\r\n", b":9223372036854775807\r\n"),
+    (True, b":1\r\n", b"#t\r\n"),
+    (False, b":0\r\n", b"#f\r\n"),
+    (1.5, b"$3\r\n1.5\r\n", b",1.5\r\n"),
+    (float("inf"), b"$3\r\ninf\r\n", b",inf\r\n"),
+    (float("-inf"), b"$4\r\n-inf\r\n", b",-inf\r\n"),
+    (float("nan"), b"$3\r\nnan\r\n", b",nan\r\n"),
+    ({b"a": 1, b"b": None}, b"*4\r\n$1\r\na\r\n:1\r\n$1\r\nb\r\n$-1\r\n",
+     b"%2\r\n$1\r\na\r\n:1\r\n$1\r\nb\r\n_\r\n"),
+    ({}, b"*0\r\n", b"%0\r\n"),
+    ({b"x"}, b"*1\r\n$1\r\nx\r\n", b"~1\r\n$1\r\nx\r\n"),
+    (frozenset(), b"*0\r\n", b"~0\r\n"),
+    (Verbatim(b"# Server\r\n"), b"$10\r\n# Server\r\n\r\n", b"=14\r\ntxt:# Server\r\n\r\n"),
+    ([], b"*0\r\n", b"*0\r\n"),
+    ([b"a", [1, [None, OK]], (True,)],
+     b"*3\r\n$1\r\na\r\n*2\r\n:1\r\n*2\r\n$-1\r\n+OK\r\n*1\r\n:1\r\n",
+     b"*3\r\n$1\r\na\r\n*2\r\n:1\r\n*2\r\n_\r\n+OK\r\n*1\r\n#t\r\n"),
+    (Raw(b"+already\r\n"), b"+already\r\n", b"+already\r\n"),
+])
+def test_encode_resp2_and_resp3(value, resp2, resp3):
+    assert enc(value, False) == resp2
+    assert enc(value, True) == resp3
+
+
+def test_null_constants():
+    assert (NULL2, NULL3) == (b"$-1\r\n", b"_\r\n")
+
+
+@pytest.mark.parametrize("resp3", [False, True])
+@pytest.mark.parametrize("err, wire", [
+    (CommandError("unknown command 'foo'"), b"-ERR unknown command 'foo'\r\n"),
+    (WrongType("Operation against a key holding the wrong kind of value"),
+     b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"),
+    (OutOfMemory("no room"), b"-OOM no room\r\n"),
+    (NoHandle("gone"), b"-NOHANDLE gone\r\n"),
+    (ChecksumMismatch("bad\r\ncrc\nhere"), b"-CHECKSUM bad  crc here\r\n"),
+    (ProtocolError("invalid bulk length"), b"-ERR Protocol error: invalid bulk length\r\n"),
+    (QuillError("plain"), b"-ERR plain\r\n"),
+])
+def test_errors_encode_with_their_prefix(err, wire, resp3):
+    assert encode_error(err) == wire
+    assert enc(err, resp3) == wire
+    assert enc([err], resp3) == b"*1\r\n" + wire
+
+
+@pytest.mark.parametrize("resp3", [False, True])
+def test_block_reply_is_header_view_crlf(resp3):
+    backing = bytearray(b"0123456789")
+    view = memoryview(backing)[2:7]
+    reply = BlockReply(view, lambda: None)
+    out: list = []
+    encode(reply, resp3, out)
+    assert len(out) == 3
+    assert out[0] == b"$5\r\n"
+    assert out[1] is view  # the pinned memory itself, never a copy
+    assert out[2] == b"\r\n"
+
+
+def test_encode_refuses_unknown_types():
+    with pytest.raises(TypeError):
+        enc(object(), False)
