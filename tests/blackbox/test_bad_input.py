@@ -13,8 +13,10 @@ import time
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from conftest import raw_exchange
+from conftest import raw_exchange, start_quilld, stop_process
 
 MiB = 1024 * 1024
 WRONGPASS = b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"
@@ -32,8 +34,10 @@ def cmd(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
-def exchange_until_close(port: int, payload: bytes, timeout: float = 5.0) -> tuple[bytes, bool]:
-    """Send `payload`, read until the server closes (True) or `timeout` passes (False)."""
+def exchange_until_close(port: int, payload: bytes, timeout: float = 3.0,
+                         quiet: float | None = None) -> tuple[bytes, bool]:
+    """Send `payload`, read until the server closes (True), or until `timeout` passes or it
+    stays silent for `quiet` seconds (False)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         try:
             s.sendall(payload)
@@ -42,7 +46,7 @@ def exchange_until_close(port: int, payload: bytes, timeout: float = 5.0) -> tup
         chunks = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
+            s.settimeout(max(0.01, min(deadline - time.monotonic(), quiet or timeout)))
             try:
                 data = s.recv(1 << 16)
             except socket.timeout:
@@ -74,6 +78,20 @@ def stats(r: redis.Redis) -> dict:
     return r.info("stats")
 
 
+def no_retry(q, **kw) -> redis.Redis:
+    """A client that reports an auth failure at once instead of retrying it."""
+    return q.client(retry=Retry(NoBackoff(), 0), **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One quilld for every case below that needs no special flags: whatever one case
+    does to it, the next still finds it up and answering."""
+    q = start_quilld(tmp_path_factory.mktemp("quilld"), "--dram", "256MiB")
+    yield q
+    stop_process(q.proc)
+
+
 def assert_alive(q) -> None:
     assert q.proc.poll() is None, f"quilld exited:\n{q.log()}"
     assert raw_exchange(q.port, b"PING\r\n") == b"+PONG\r\n"
@@ -82,16 +100,16 @@ def assert_alive(q) -> None:
 
 # -- garbage and protocol limits ---------------------------------------------
 
-def test_random_binary_gets_only_errors_and_server_survives(quilld):
+def test_random_binary_gets_only_errors_and_server_survives(server):
     rng = random.Random(20240611)
-    for i in range(25):
-        payload = rng.randbytes(rng.randint(1, 16384))
+    for i in range(12):
+        payload = rng.randbytes(rng.randint(1, 64 * 1024))
         if i % 3 == 0:
             payload = b"*" + payload  # garbage that starts like a multibulk command
-        reply, _ = exchange_until_close(quilld.port, payload, timeout=1.5)
+        reply, _ = exchange_until_close(server.port, payload, timeout=3, quiet=0.3)
         lines = [line for line in reply.split(b"\r\n") if line]
         assert all(line.startswith(b"-ERR ") for line in lines), (i, reply[:300])
-    assert_alive(quilld)
+    assert_alive(server)
 
 
 @pytest.mark.parametrize("payload, error", [
@@ -101,12 +119,12 @@ def test_random_binary_gets_only_errors_and_server_survives(quilld):
     (b"*1\r\n$" + b"9" * (70 * 1024), b"too big bulk count string"),
     (b"*1\r\n$" + b"A" * (70 * 1024), b"too big bulk count string"),
 ], ids=["inline", "mbulk-digits", "mbulk-letters", "bulk-digits", "bulk-letters"])
-def test_line_without_crlf_over_64k_is_a_protocol_error(quilld, payload, error):
+def test_line_without_crlf_over_64k_is_a_protocol_error(server, payload, error):
     """redis-server answers every one of these (PROTO_INLINE_MAX_SIZE) and closes."""
-    reply, closed = exchange_until_close(quilld.port, payload, timeout=3)
+    reply, closed = exchange_until_close(server.port, payload, timeout=3)
     assert reply == b"-ERR Protocol error: " + error + b"\r\n"
     assert closed
-    assert_alive(quilld)
+    assert_alive(server)
 
 
 @pytest.mark.parametrize("payload, reply", [
@@ -115,25 +133,25 @@ def test_line_without_crlf_over_64k_is_a_protocol_error(quilld, payload, error):
     (b"*abc\r\n", b"-ERR Protocol error: invalid multibulk length\r\n"),
     (b"*1\r\n$4\r\nPING\r\n*2\r\n$3\r\nGET\r\nxyz\r\n", b"+PONG\r\n-ERR Protocol error: expected '$', got 'x'\r\n"),
 ], ids=["oversized-bulk", "negative-bulk", "bad-mbulk-count", "missing-dollar"])
-def test_protocol_errors_close_only_that_connection(quilld, payload, reply):
-    r = quilld.client()
+def test_protocol_errors_close_only_that_connection(server, payload, reply):
+    r = server.client()
     before = arena(r)
-    got, closed = exchange_until_close(quilld.port, payload, timeout=3)
+    got, closed = exchange_until_close(server.port, payload, timeout=3)
     assert got == reply
     assert closed
     assert arena(r) == before  # an oversized header reserves nothing
     assert r.exists("k") == 0
     assert r.ping() is True  # the other connection is untouched
-    assert_alive(quilld)
+    assert_alive(server)
 
 
-def test_dollar_without_star_is_read_as_inline_commands(quilld):
+def test_dollar_without_star_is_read_as_inline_commands(server):
     """As redis-server does: `$3` and `foo` are two unknown inline commands."""
-    reply = raw_exchange(quilld.port, b"$3\r\nfoo\r\nPING\r\n", timeout=3)
+    reply = raw_exchange(server.port, b"$3\r\nfoo\r\nPING\r\n", timeout=3)
     assert reply == (b"-ERR unknown command '$3', with args beginning with: \r\n"
                      b"-ERR unknown command 'foo', with args beginning with: \r\n"
                      b"+PONG\r\n")
-    assert_alive(quilld)
+    assert_alive(server)
 
 
 # -- payloads cut off mid-way --------------------------------------------------
@@ -150,14 +168,15 @@ def _send_partial(port: int, header: bytes, body_bytes: int) -> socket.socket:
     return s
 
 
-def test_set_cut_off_mid_value_leaks_nothing_and_publishes_nothing(quilld):
-    r = quilld.client()
+def test_set_cut_off_mid_value_leaks_nothing_and_publishes_nothing(server):
+    r = server.client()
     r.set("kept", b"old value")
+    keys = r.dbsize()
     base = arena(r)
     assert base[1] == 0
     for key in (b"fresh", b"kept"):
         header = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, 32 * MiB)
-        s = _send_partial(quilld.port, header, 10 * MiB)
+        s = _send_partial(server.port, header, 10 * MiB)
         # While the value is arriving its space is reserved, and nothing is visible.
         assert wait_until(lambda: arena(r) == (base[0] + 32 * MiB, 1)), arena(r)
         assert r.get("fresh") is None
@@ -167,23 +186,23 @@ def test_set_cut_off_mid_value_leaks_nothing_and_publishes_nothing(quilld):
         assert r.get("fresh") is None
         assert r.exists("fresh") == 0
         assert r.get("kept") == b"old value"  # a cut-off overwrite leaves the old value
-    assert r.info("tiers")["dram_keys"] == 1
-    assert_alive(quilld)
+    assert r.dbsize() == keys
+    assert_alive(server)
 
 
-def test_put2phase_data_cut_off_keeps_the_put_open_until_abort(quilld):
-    r = quilld.client()
-    base = arena(r)
+def test_put2phase_data_cut_off_keeps_the_put_open_until_abort(server):
+    r = server.client()
+    base, st0 = arena(r), stats(r)
     handle = r.execute_command("PUT2PHASE", "BEGIN", "blk", 32 * MiB)
     assert arena(r) == (base[0] + 32 * MiB, base[1] + 1)
     r.execute_command("PUT2PHASE", "DATA", handle, 0, b"\x01" * MiB)
     header = b"*5\r\n$9\r\nPUT2PHASE\r\n$4\r\nDATA\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (
         len(handle), handle, len(str(MiB)), MiB, 8 * MiB)
-    s = _send_partial(quilld.port, header, 3 * MiB)
+    s = _send_partial(server.port, header, 3 * MiB)
     time.sleep(0.3)
     s.close()
     time.sleep(0.3)
-    assert stats(r)["put2phase_open"] == 1
+    assert stats(r)["put2phase_open"] == st0["put2phase_open"] + 1
     assert r.get("blk") is None and r.exists("blk") == 0
     # Only the first MiB counts as written: the cut-off payload never completed.
     with pytest.raises(redis.ResponseError, match=r"^INCOMPLETE .*%d of %d" % (31 * MiB, 32 * MiB)):
@@ -194,18 +213,19 @@ def test_put2phase_data_cut_off_keeps_the_put_open_until_abort(quilld):
     with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
         r.execute_command("PUT2PHASE", "COMMIT", handle)
     st = stats(r)
-    assert st["put2phase_open"] == 0 and st["put2phase_aborted"] == 1
+    assert st["put2phase_open"] == st0["put2phase_open"]
+    assert st["put2phase_aborted"] == st0["put2phase_aborted"] + 1
     assert r.get("blk") is None
-    assert_alive(quilld)
+    assert_alive(server)
 
 
-def test_put_that_never_commits_is_reclaimed_after_its_lease(quilld):
-    r = quilld.client()
-    base = arena(r)
+def test_put_that_never_commits_is_reclaimed_after_its_lease(server):
+    r = server.client()
+    base, st0 = arena(r), stats(r)
     t0 = time.monotonic()
     handle = r.execute_command("PUT2PHASE", "BEGIN", "leased", 4 * MiB, "LEASE", 300)
     r.execute_command("PUT2PHASE", "DATA", handle, 0, b"\x02" * MiB)
-    assert stats(r)["put2phase_open"] == 1
+    assert stats(r)["put2phase_open"] == st0["put2phase_open"] + 1
     assert arena(r) == (base[0] + 4 * MiB, base[1] + 1)
     # Housekeeping reclaims it on its own, without the client touching the handle again.
     assert wait_until(lambda: arena(r) == base, timeout=3), f"arena not reclaimed: {arena(r)} != {base}"
@@ -216,11 +236,12 @@ def test_put_that_never_commits_is_reclaimed_after_its_lease(quilld):
     with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
         r.execute_command("PUT2PHASE", "COMMIT", handle)
     st = stats(r)
-    assert st["put2phase_expired"] >= 1
-    assert st["put2phase_open"] == 0 and st["put2phase_committed"] == 0
+    assert st["put2phase_expired"] >= st0["put2phase_expired"] + 1
+    assert st["put2phase_open"] == st0["put2phase_open"]
+    assert st["put2phase_committed"] == st0["put2phase_committed"]
     assert r.get("leased") is None and r.exists("leased") == 0
     assert arena(r) == base
-    assert_alive(quilld)
+    assert_alive(server)
 
 
 # -- authentication ------------------------------------------------------------
@@ -242,11 +263,11 @@ def test_commands_before_auth_and_wrong_passwords(quilld_factory):
     assert reply == WRONGPASS * 3 + NOAUTH + b"+OK\r\n" + b"$-1\r\n" + b"+PONG\r\n"
 
     with pytest.raises(redis.AuthenticationError):
-        q.client(password="nope").ping()
+        no_retry(q, password="nope").ping()
     with pytest.raises(redis.AuthenticationError):
-        q.client(password="nope", protocol=3).ping()
+        no_retry(q, password="nope", protocol=3).ping()
     with pytest.raises(redis.AuthenticationError):
-        q.client().get("k")  # no password at all
+        no_retry(q).get("k")  # no password at all
 
     r = q.client(password="s3cret")
     assert r.exists("k") == 0  # the SET sent before AUTH stored nothing
@@ -278,11 +299,14 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after if after[k] != before[k]}
 
 
-@pytest.fixture
-def tenants(quilld_factory, tmp_path):
-    users = tmp_path / "users"
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tenants")
+    users = tmp / "users"
     users.write_text("# tenants\nalice apw\nbob bpw\n")
-    return quilld_factory("--dram", "64MiB", "--users-file", str(users))
+    q = start_quilld(tmp, "--dram", "64MiB", "--users-file", str(users))
+    yield q
+    stop_process(q.proc)
 
 
 def test_other_tenant_cannot_read_or_touch_a_block(tenants):
