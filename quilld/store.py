@@ -70,6 +70,7 @@ class Store:
         self.block_count = 0  # published blocks in the keyspace
         self.reserved_blocks = 0  # blocks reserved but not yet published
         self.unlinked_pinned = 0  # blocks out of the keyspace, waiting for their readers
+        self.active_pins = 0  # readers holding blocks right now
         self.stats = Counter()  # cold counters: expired, evictions
         self.hits = self.misses = self.writes = 0
 
@@ -113,9 +114,11 @@ class Store:
 
     def pin(self, block: Block) -> None:
         block.pins += 1
+        self.active_pins += 1
 
     def unpin(self, block: Block) -> None:
         block.pins -= 1
+        self.active_pins -= 1
         if block.pins == 0 and block.state == BlockState.EVICTING:
             self.unlinked_pinned -= 1
             self._free(block)
@@ -139,6 +142,10 @@ class Store:
         self.reserved_blocks += 1
         self.used += _extent(nbytes)
         return Block(handle, nbytes)
+
+    def space_may_free(self) -> bool:
+        """Whether space is held only for now: by readers' pins or by puts in progress."""
+        return self.active_pins > 0 or self.reserved_blocks > 0
 
     def discard(self, block: Block) -> None:
         """Give back a reservation that will never be published."""

@@ -11,13 +11,16 @@ paused while the peer does not drain what we write.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable
 
-from quilld.errors import ProtocolError, QuillError
+from quilld.errors import OutOfMemory, ProtocolError, QuillError
 from quilld.protocol.resp import OK, BlockReply, LargeBulk, RespParser, encode, encode_error
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
+ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
+ARENA_RETRY = 0.01
 
 
 class RespConnection(asyncio.BufferedProtocol):
@@ -31,6 +34,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._rbuf = memoryview(bytearray(RECV_BUFFER))
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
         self._large = False  # the command being parsed carries a large bulk
+        self._waiting: tuple[LargeBulk, float] | None = None  # a large bulk waiting for arena space
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self._write_paused = False
@@ -59,6 +63,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._process()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._waiting = None
         self._release_args(self.node, self.parser.abandon())
         self._release_pins()
         self.node.connection_closed(self)
@@ -69,11 +74,14 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        self.transport.resume_reading()
+        if self._waiting is None:
+            self.transport.resume_reading()
         self.check_drained()
 
     # -- the loop over buffered commands ----------------------------------
     def _process(self) -> None:
+        if self._waiting is not None:
+            return  # a large bulk waits for arena space; nothing after it may run first
         parser, session, out, pins = self.parser, self.session, [], []
         dispatch = self.node.table.dispatch
         append = out.append
@@ -92,7 +100,8 @@ class RespConnection(asyncio.BufferedProtocol):
                 if item is None:
                     break
                 if item.__class__ is LargeBulk:
-                    self._attach_large(item)
+                    if not self._attach_large(item):
+                        break
                     continue
                 batch = (item,)
             for item in batch:
@@ -127,15 +136,40 @@ class RespConnection(asyncio.BufferedProtocol):
         if session.closing:
             self.transport.close()
 
-    def _attach_large(self, item: LargeBulk) -> None:
-        """Name where the announced payload goes: a target buffer, or nowhere (refused)."""
+    def _attach_large(self, item: LargeBulk, deadline: float | None = None) -> bool:
+        """Name where the announced payload goes: a target buffer, or nowhere (refused).
+
+        When the arena is full only because blocks are pinned by readers or held by
+        puts in progress, reading pauses and the reservation is retried until
+        ARENA_WAIT has passed; False means "waiting".
+        """
         self._large = True
         try:
             target, view = self._large_target(self.session, item.args, item.index, item.length)
+        except OutOfMemory as e:
+            deadline = deadline or time.monotonic() + ARENA_WAIT
+            if self.node.store.space_may_free() and time.monotonic() < deadline:
+                self._waiting = (item, deadline)
+                self.transport.pause_reading()
+                asyncio.get_running_loop().call_later(ARENA_RETRY, self._retry_large)
+                return False
+            self.parser.drop(e, item.length)
+            return True
         except QuillError as e:
             self.parser.drop(e, item.length)
-            return
+            return True
         self.parser.attach(target, view)
+        return True
+
+    def _retry_large(self) -> None:
+        if self._waiting is None or self.transport.is_closing():
+            return
+        item, deadline = self._waiting
+        self._waiting = None
+        if self._attach_large(item, deadline):
+            if not self._write_paused:
+                self.transport.resume_reading()
+            self._process()
 
     def _write(self, out: list, pins: list) -> None:
         transport = self.transport

@@ -102,13 +102,20 @@ def assert_alive(q) -> None:
 
 def test_random_binary_gets_only_errors_and_server_survives(server):
     rng = random.Random(20240611)
-    for i in range(12):
-        payload = rng.randbytes(rng.randint(1, 64 * 1024))
+    closed_count = 0
+    for i in range(16):
+        # Random binary lines (CRLF-separated, so the parser has to judge each of them).
+        payload = b"\r\n".join(rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(1, 60)))
         if i % 3 == 0:
             payload = b"*" + payload  # garbage that starts like a multibulk command
-        reply, _ = exchange_until_close(server.port, payload, timeout=3, quiet=0.3)
+        reply, closed = exchange_until_close(server.port, payload, timeout=3, quiet=0.3)
         lines = [line for line in reply.split(b"\r\n") if line]
+        assert lines, f"case {i}: no reply at all to {len(payload)} bytes of garbage"
         assert all(line.startswith(b"-ERR ") for line in lines), (i, reply[:300])
+        if closed:
+            closed_count += 1
+            assert lines[-1].startswith(b"-ERR Protocol error: "), (i, lines[-1])
+    assert closed_count >= 5  # the '*' cases at least end in a protocol error
     assert_alive(server)
 
 
