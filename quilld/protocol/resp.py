@@ -37,11 +37,11 @@ LARGE_BULK = 16 * 1024  # bulks at least this long are received straight into a 
 
 NEED_DATA = None  # next_command() result while no complete command is buffered
 # Byte patterns hiredis must not see: a bulk of >= 10000 bytes (maybe a large bulk to
-# receive into a target), a null bulk, a huge multibulk count, or a line followed by
-# anything but a bulk or a command (a reply type, an inline command). Seeing one (even
-# inside a value: a false alarm costs speed, never correctness) sends the bytes to the
-# Python parser, which answers them exactly as redis does.
-_SUSPECT = re.compile(rb"\$(?:\d{5}|-)|\*\d{7}|\r\n[^$*]")
+# receive into a target), a null bulk, a huge multibulk count, or a simple string where
+# an argument should be (hiredis would take `+OK` for one; redis refuses it). Seeing one,
+# even inside a value (a false alarm costs speed, never correctness), sends the bytes to
+# the Python parser, which answers them exactly as redis does.
+_SUSPECT = re.compile(rb"\$(?:\d{5}|-)|\*\d{7}|\r\n\+")
 _SCRATCH = 256 * 1024  # receive size while dropping a refused payload
 _COMPACT_AT = 256 * 1024
 
@@ -128,8 +128,9 @@ class RespParser:
             self._to_python(tail + bytes(data))
             return
         try:  # every command must be a non-empty array of bulk strings (no nested arrays)
-            if not all(c.__class__ is list and c for c in cmds):
-                raise TypeError
+            for c in cmds:
+                if c.__class__ is not list or not c:
+                    raise TypeError
             b"".join(chain.from_iterable(cmds))
         except TypeError:
             self._to_python(tail + bytes(data))  # the Python parser judges

@@ -87,7 +87,6 @@ class RespConnection(asyncio.BufferedProtocol):
         append = out.append
         resp3 = session.resp3
         ncmds = 0
-        last = None
         while not session.closing:
             batch = parser.parsed()
             if not batch:
@@ -106,7 +105,6 @@ class RespConnection(asyncio.BufferedProtocol):
                 batch = (item,)
             for item in batch:
                 ncmds += 1
-                last = item
                 if self._large:
                     self._large = False
                     refused = next((a for a in item if isinstance(a, QuillError)), None)
@@ -130,7 +128,7 @@ class RespConnection(asyncio.BufferedProtocol):
                         break  # QUIT: what follows it is never run
         if ncmds:
             self.node.commands_processed += ncmds
-            session.last_cmd = bytes(last[0][:32]).lower().decode("latin-1")
+            session.last_active = time.monotonic()
         if out:
             self._write(out, pins)
         if session.closing:

@@ -39,8 +39,8 @@ class Command:
 class CommandTable:
     def __init__(self) -> None:
         self.commands: dict[bytes, Command] = {}
-        # name as sent (lower or upper case) -> (handler, arity), for plain commands only
-        self._fast: dict[bytes, tuple[Handler, int]] = {}
+        # name as sent (lower or upper case) -> (handler, arity, name), for plain commands only
+        self._fast: dict[bytes, tuple[Handler, int, str]] = {}
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
@@ -50,7 +50,7 @@ class CommandTable:
         self.commands[name.encode()] = cmd
         if not cmd.subcommands and NOAUTH not in cmd.flags:
             for spelling in (name.encode(), name.upper().encode()):
-                self._fast[spelling] = (handler, arity)
+                self._fast[spelling] = (handler, arity, name)
         return cmd
 
     def lookup(self, name: bytes) -> Command | None:
@@ -63,7 +63,7 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, not raised)."""
         fast = self._fast.get(args[0])
         if fast is not None and client.authenticated:
-            handler, arity = fast
+            handler, arity, client.last_cmd = fast
             n = len(args)
             if n == arity or (arity < 0 and n >= -arity):
                 try:
@@ -94,6 +94,7 @@ class CommandTable:
             cmd = sub
         if not client.authenticated and NOAUTH not in cmd.flags:
             return NoAuth("Authentication required.")
+        client.last_cmd = cmd.name
         try:
             return cmd.handler(client, args)
         except QuillError as e:

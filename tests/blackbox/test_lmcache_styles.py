@@ -18,6 +18,7 @@ Each section reproduces one connector's calling pattern with 32 MiB KV chunks:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import re
 import socket
@@ -43,9 +44,17 @@ def chunk_key(i: int, model: str = "meta-llama/Llama-3.1-8B-Instruct") -> str:
     return f"vllm@{model}@1@0@{digest}@bfloat16"
 
 
+@functools.cache
+def _noise() -> bytes:
+    return np.random.default_rng(20240601).bytes(CHUNK)
+
+
 def payload(seed: int, size: int = CHUNK) -> bytes:
-    """Deterministic, incompressible, distinct per seed."""
-    return np.random.default_rng(seed).bytes(size)
+    """Deterministic, incompressible, distinct per seed: the same noise, rotated and tagged."""
+    noise = _noise()
+    cut = (seed * 1_000_003) % CHUNK
+    data = b"%08d" % seed + noise[cut:] + noise[:cut]
+    return data[:size]
 
 
 def metadata(length: int) -> bytes:
