@@ -78,7 +78,7 @@ class RespParser:
         self._pos = 0
         self._args: list | None = None  # command being assembled
         self._remaining = 0  # bulks still expected for it
-        self._receiving = False  # a large bulk is arriving (into _sink, or dropped if _sink is None)
+        self.receiving = False  # a large bulk is arriving (into _sink, or dropped if _sink is None); read-only
         self._sink: memoryview | None = None
         self._sink_obj: Any = None  # what stands for the bulk in the arguments
         self._sink_len = 0
@@ -93,12 +93,13 @@ class RespParser:
 
     # -- input -------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._use_hiredis and self.authenticated and self._python_idle():
-            self._feed_hiredis(data)
+        if (self._use_hiredis and self.authenticated and self._args is None and not self.receiving
+                and not self._skip_crlf and self._pos >= len(self._buf)):
+            self._feed_hiredis(data)  # the Python parser is idle: the fast path may take over
             return
-        if self._receiving:
+        if self.receiving:
             data = memoryview(data)
-            while data and self._receiving:
+            while data and self.receiving:
                 view = self.sink_view()
                 take = min(len(view), len(data))
                 view[:take] = data[:take]
@@ -107,10 +108,6 @@ class RespParser:
             if not data:
                 return
         self._buf += data
-
-    def _python_idle(self) -> bool:
-        return (self._args is None and not self._receiving and not self._skip_crlf
-                and self._pos >= len(self._buf))
 
     def _feed_hiredis(self, data: bytes | memoryview) -> None:
         tail = self._tail
@@ -172,7 +169,7 @@ class RespParser:
 
     def sink_view(self) -> memoryview | None:
         """Where the large bulk being received goes next, or None when not receiving one."""
-        if not self._receiving:
+        if not self.receiving:
             return None
         if self._sink is not None:
             return self._sink[self._sink_filled:]
@@ -187,7 +184,7 @@ class RespParser:
             self._args.append(self._sink_obj)
             self._remaining -= 1
             self._sink = self._sink_obj = None
-            self._receiving = False
+            self.receiving = False
             self._skip_crlf = True
 
     def pending_bytes(self) -> int:
@@ -213,7 +210,7 @@ class RespParser:
         self._sink_obj = obj
         self._sink_len = length
         self._sink_filled = 0
-        self._receiving = True
+        self.receiving = True
         avail = len(self._buf) - self._pos
         if avail:  # bytes already buffered after the header belong to the payload
             take = min(avail, length)
@@ -227,10 +224,10 @@ class RespParser:
     def abandon(self) -> list:
         """Everything a half-received command holds (its args and any large-bulk target)."""
         held = list(self._args or [])
-        if self._receiving and self._sink_obj is not None:
+        if self.receiving and self._sink_obj is not None:
             held.append(self._sink_obj)
         self._sink = self._sink_obj = None
-        self._receiving = False
+        self.receiving = False
         self._args = None
         return held
 
@@ -250,7 +247,7 @@ class RespParser:
         """
         if self._queue:
             return self._queue.popleft()
-        if self._receiving:
+        if self.receiving:
             return NEED_DATA
         buf = self._buf
         pos = self._pos

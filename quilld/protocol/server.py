@@ -51,12 +51,13 @@ class RespConnection(asyncio.BufferedProtocol):
         node.connection_opened(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        sink = self.parser.sink_view()
-        return self._rbuf if sink is None else sink
+        if self.parser.receiving:
+            return self.parser.sink_view()
+        return self._rbuf
 
     def buffer_updated(self, nbytes: int) -> None:
         self.node.net_in += nbytes
-        if self.parser.sink_view() is not None:
+        if self.parser.receiving:
             self.parser.sink_advance(nbytes)
         else:
             self.parser.feed(self._rbuf[:nbytes])
