@@ -21,7 +21,7 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 _SIZE_MULT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
 
 
@@ -32,7 +32,7 @@ def parse_size(text: str | int) -> int:
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ConfigError(f"invalid size {text!r} (expected e.g. 4096, 64KiB, 512MiB, 1GiB)")
-    value = float(m.group(1)) * _SIZE_MULT[m.group(2).lower()]
+    value = float(m.group(1)) * _SIZE_MULT[(m.group(2) or "").lower()]
     return int(value)
 
 
@@ -116,7 +116,10 @@ def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
     where = f"{section}.{key}"
     try:
         if (section, key) in _SIZE_KEYS:
-            return parse_size(value)
+            try:
+                return parse_size(value)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e.message}") from None
         if kind is bool:
             if isinstance(value, bool):
                 return value
@@ -126,13 +129,13 @@ def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
                 return False
             raise ValueError(value)
         if kind is int:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
         if kind is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: invalid value {value!r} (expected {kind.__name__})") from None
 
 

@@ -10,7 +10,7 @@ consume (and everything, when the connection drops mid-payload).
 from __future__ import annotations
 
 from quilld.commands.common import parse_int, reply_value, text
-from quilld.errors import CommandError, NoAuth, QuillError
+from quilld.errors import CommandError, NoAuth, NoHandle, QuillError
 from quilld.model import BlockState, CacheTier
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
@@ -74,8 +74,11 @@ def _put2phase_data(c, args):
     payload = args[4]
     puts = c.node.puts
     if type(payload) is IntoBlock:
+        dead = payload.put.dead
         puts.close_writer(payload, complete=True)
         payload.put = None
+        if dead:
+            raise NoHandle("PUT2PHASE handle expired or was aborted while its DATA was arriving")
         return OK
     put = puts.get(bytes(args[2]), c.user)
     puts.write(put, parse_int(args[3]), payload)

@@ -36,13 +36,21 @@ UNAUTH_BULK_LEN = 16384
 LARGE_BULK = 16 * 1024  # bulks at least this long are received straight into a target buffer
 
 NEED_DATA = None  # next_command() result while no complete command is buffered
-# Byte patterns hiredis must not see: a bulk of >= 10000 bytes (maybe a large bulk to
-# receive into a target), a null bulk, a huge multibulk count, or a simple string where
-# an argument should be (hiredis would take `+OK` for one; redis refuses it). Seeing one,
-# even inside a value (a false alarm costs speed, never correctness), sends the bytes to
-# the Python parser, which answers them exactly as redis does.
-_SUSPECT = re.compile(rb"\$(?:\d{5}|-)|\*\d{7}|\r\n\+")
-_SCRATCH = 256 * 1024  # receive size while dropping a refused payload
+# What hiredis must not see, because redis would answer it differently or because the
+# bytes must go elsewhere: a bulk long enough to be a large bulk or over the limit (the
+# digit count is set per parser), a null bulk, a huge multibulk count, a length with a
+# leading zero, or a RESP reply type where a command or an argument should start
+# (hiredis would accept `+OK` as an argument or `~1` as a command; redis refuses both).
+# A match, even inside a value (a false alarm costs speed, never correctness), sends the
+# bytes to the Python parser, which answers them exactly as redis does.
+_SUSPECT_TEMPLATE = rb"\$(?:\d{%d}|-)|\*\d{7}|[$*]-?0\d|\r\n[+~%%|>=]"
+
+
+def _suspect_pattern(large_bulk: int, max_bulk_len: int) -> re.Pattern:
+    digits = len(str(min(large_bulk, max_bulk_len + 1)))
+    return re.compile(_SUSPECT_TEMPLATE % digits)
+_SCRATCH = 256 * 1024
+_SKIPPED = object()  # _next() skipped an empty line or an empty multibulk  # receive size while dropping a refused payload
 _COMPACT_AT = 256 * 1024
 
 
@@ -58,10 +66,10 @@ class LargeBulk:
 
 
 def _parse_len(raw: bytes | bytearray) -> int | None:
-    """Strict decimal as redis's string2ll: optional '-', digits only, no spaces or '+'."""
+    """Strict decimal as redis's string2ll: optional '-', digits, no leading zero, no '+'."""
     if raw.isdigit():
-        return int(raw)
-    if raw[:1] == b"-" and raw[1:].isdigit():
+        return int(raw) if raw[:1] != b"0" or len(raw) == 1 else None
+    if raw[:1] == b"-" and raw[1:].isdigit() and raw[1:2] != b"0":
         return -int(raw[1:])
     return None
 
@@ -87,6 +95,7 @@ class RespParser:
         self._scratch: memoryview | None = None
         # Fast path: hiredis parses while the Python parser is idle and nothing suspect arrives.
         self._use_hiredis = use_hiredis and hiredis is not None
+        self._suspect = _suspect_pattern(large_bulk, max_bulk_len)
         self._reader = hiredis.Reader() if self._use_hiredis else None
         self._tail = b""  # bytes of the partial command hiredis is holding
         self._queue: deque = deque()  # commands hiredis parsed, not yet handed out
@@ -111,7 +120,8 @@ class RespParser:
 
     def _feed_hiredis(self, data: bytes | memoryview) -> None:
         tail = self._tail
-        if (_SUSPECT.search(data) or (tail and _SUSPECT.search(tail[-12:] + bytes(data[:12])))
+        suspect = self._suspect.search
+        if (suspect(data) or (tail and suspect(tail[-12:] + bytes(data[:12])))
                 or (not tail and data[:1] != b"*")):
             self._to_python(tail + bytes(data))
             return
@@ -136,7 +146,11 @@ class RespParser:
             # Everything was consumed: either hiredis is idle, or a command stopped right
             # after one of its arguments. An empty array tells: alone it parses at once.
             reader.feed(b"*0\r\n")
-            if reader.gets() == []:
+            try:
+                idle = reader.gets() == []
+            except hiredis.ProtocolError:  # it was inside a header line: not idle
+                idle = False
+            if idle:
                 self._tail = b""
                 self._queue.extend(cmds)
                 return
@@ -150,8 +164,12 @@ class RespParser:
             self._to_python(tail + bytes(data))
             return
         stream = tail + bytes(data)
-        if used > len(stream):
-            self._to_python(stream)
+        if used > len(stream) or len(stream) - used > MAX_INLINE:
+            # a long partial command (or a header line that never ends): the Python
+            # parser receives it, and enforces redis's line limits on it
+            self._to_python(stream[used:] if used <= len(stream) else stream)
+            if used <= len(stream):
+                self._queue.extend(cmds)
             return
         self._tail = stream[used:]
         self._reader = hiredis.Reader()  # a fresh reader holding exactly the partial command
@@ -247,6 +265,11 @@ class RespParser:
         """
         if self._queue:
             return self._queue.popleft()
+        while (item := self._next()) is _SKIPPED:
+            pass
+        return item
+
+    def _next(self) -> list | LargeBulk | None:
         if self.receiving:
             return NEED_DATA
         buf = self._buf
@@ -270,6 +293,7 @@ class RespParser:
                 if end - pos > MAX_INLINE:
                     raise ProtocolError("too big mbulk count string")
                 self._pos = pos
+                self._maybe_compact()
                 return NEED_DATA
             n = _parse_len(buf[pos + 1:nl])
             if n is None or n > MAX_MULTIBULK_LEN:
@@ -279,7 +303,7 @@ class RespParser:
             pos = nl + 2
             if n <= 0:  # '*0' and '*-1' are skipped, as redis does
                 self._pos = pos
-                return self.next_command()
+                return _SKIPPED
             args = self._args = []
             self._remaining = n
         remaining = self._remaining
@@ -324,6 +348,7 @@ class RespParser:
         if nl < 0:
             if len(buf) - pos > MAX_INLINE:
                 raise ProtocolError("too big inline request")
+            self._maybe_compact()
             return NEED_DATA
         line = bytes(buf[pos:nl])
         self._pos = nl + 1
@@ -333,11 +358,11 @@ class RespParser:
         if args is None:
             raise ProtocolError("unbalanced quotes in request")
         if not args:  # an empty line is skipped, as redis does
-            return self.next_command()
+            return _SKIPPED
         return args
 
     def _maybe_compact(self) -> None:
-        if self._pos > _COMPACT_AT:
+        if self._pos > _COMPACT_AT or (self._pos and self._pos == len(self._buf)):
             del self._buf[:self._pos]
             self._pos = 0
 

@@ -152,6 +152,29 @@ def test_protocol_errors_close_only_that_connection(server, payload, reply):
     assert_alive(server)
 
 
+def test_commands_trickled_one_byte_at_a_time_are_answered(server):
+    """A slow client: every byte of a pipeline arrives in its own TCP segment."""
+    payload = cmd("SET", "trickle", "v1") + cmd("GET", "trickle") + b"PING\r\n" + cmd("DEL", "trickle")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(len(payload)):
+            try:
+                s.sendall(payload[i:i + 1])
+            except OSError as e:
+                pytest.fail(f"quilld dropped the connection after {i} of {len(payload)} bytes: {e!r}")
+            time.sleep(0.003)
+        expected = b"+OK\r\n$2\r\nv1\r\n+PONG\r\n:1\r\n"
+        got = b""
+        deadline = time.monotonic() + 5
+        while len(got) < len(expected) and time.monotonic() < deadline:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    assert got == expected
+    assert_alive(server)
+
+
 def test_dollar_without_star_is_read_as_inline_commands(server):
     """As redis-server does: `$3` and `foo` are two unknown inline commands."""
     reply = raw_exchange(server.port, b"$3\r\nfoo\r\nPING\r\n", timeout=3)
@@ -205,10 +228,11 @@ def test_put2phase_data_cut_off_keeps_the_put_open_until_abort(server):
     r.execute_command("PUT2PHASE", "DATA", handle, 0, b"\x01" * MiB)
     header = b"*5\r\n$9\r\nPUT2PHASE\r\n$4\r\nDATA\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (
         len(handle), handle, len(str(MiB)), MiB, 8 * MiB)
+    clients = r.info("clients")["connected_clients"]
     s = _send_partial(server.port, header, 3 * MiB)
-    time.sleep(0.3)
+    assert wait_until(lambda: r.info("clients")["connected_clients"] == clients + 1)
     s.close()
-    time.sleep(0.3)
+    assert wait_until(lambda: r.info("clients")["connected_clients"] == clients), "the cut-off client lingers"
     assert stats(r)["put2phase_open"] == st0["put2phase_open"] + 1
     assert r.get("blk") is None and r.exists("blk") == 0
     # Only the first MiB counts as written: the cut-off payload never completed.
@@ -248,6 +272,28 @@ def test_put_that_never_commits_is_reclaimed_after_its_lease(server):
     assert st["put2phase_committed"] == st0["put2phase_committed"]
     assert r.get("leased") is None and r.exists("leased") == 0
     assert arena(r) == base
+    assert_alive(server)
+
+
+def test_data_payload_still_arriving_when_the_lease_runs_out_is_refused(server):
+    """The lease runs out while a large DATA payload is on the wire: the space is freed once
+    it has arrived, and the client is told its handle is gone rather than `OK`."""
+    r = server.client()
+    base = arena(r)
+    handle = r.execute_command("PUT2PHASE", "BEGIN", "straddle", 8 * MiB, "LEASE", 300)
+    header = b"*5\r\n$9\r\nPUT2PHASE\r\n$4\r\nDATA\r\n$%d\r\n%b\r\n$1\r\n0\r\n$%d\r\n" % (
+        len(handle), handle, 8 * MiB)
+    with _send_partial(server.port, header, 4 * MiB) as s:
+        time.sleep(0.8)  # the lease (300 ms) runs out mid-payload
+        assert arena(r) == (base[0] + 8 * MiB, base[1] + 1)  # not freed under the payload
+        s.sendall(b"\x01" * (4 * MiB) + b"\r\n")
+        s.settimeout(5)
+        reply = s.recv(4096)
+    assert reply.startswith(b"-NOHANDLE "), reply
+    assert wait_until(lambda: arena(r) == base), f"arena not reclaimed: {arena(r)} != {base}"
+    with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
+        r.execute_command("PUT2PHASE", "COMMIT", handle)
+    assert r.exists("straddle") == 0
     assert_alive(server)
 
 

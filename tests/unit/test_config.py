@@ -1,0 +1,340 @@
+"""The config tree: defaults < TOML file < QUILLD_* environment < flags, typed and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from quilld.config import GiB, KiB, MiB, Config, load, parse_size
+from quilld.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "conf" / "quilld.toml"
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "quilld.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# -- defaults -----------------------------------------------------------------
+
+def test_defaults():
+    cfg = load(environ={})
+    assert cfg == Config()
+    assert cfg.server.port == 7379
+    assert cfg.server.bind == "127.0.0.1"
+    assert cfg.admin.port == 7380
+    assert cfg.admin.token == ""
+    assert cfg.dram.size == 1 * GiB
+    assert cfg.dram.low_watermark < cfg.dram.high_watermark
+    assert cfg.server.proto_max_bulk_len == 512 * MiB
+    assert cfg.security.requirepass == ""
+
+
+def test_config_is_frozen():
+    cfg = load(environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server.port = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.dram = cfg.dram  # type: ignore[misc]
+
+
+def test_environment_is_read_when_not_given(monkeypatch):
+    monkeypatch.setenv("QUILLD_SERVER_PORT", "7001")
+    assert load().server.port == 7001
+    monkeypatch.setenv("QUILLD_BOGUS_KEY", "1")
+    with pytest.raises(ConfigError):
+        load()
+
+
+# -- the shipped sample --------------------------------------------------------
+
+def test_sample_config_loads_and_equals_the_defaults():
+    # conf/quilld.toml documents every key with its default value
+    assert SAMPLE.exists(), "conf/quilld.toml is missing"
+    assert load(str(SAMPLE), environ={}) == load(environ={})
+
+
+def test_sample_config_names_every_key():
+    import tomllib
+
+    data = tomllib.loads(SAMPLE.read_text())
+    declared = {f.name: {g.name for g in dataclasses.fields(getattr(Config(), f.name))}
+                for f in dataclasses.fields(Config)}
+    assert set(data) == set(declared)
+    for section, keys in declared.items():
+        assert set(data[section]) == keys, f"[{section}] in conf/quilld.toml"
+
+
+# -- precedence -----------------------------------------------------------------
+
+def test_file_overrides_defaults(tmp_path):
+    path = write(tmp_path, '[server]\nport = 7001\nbind = "0.0.0.0"\n[dram]\nsize = "64MiB"\n')
+    cfg = load(path, environ={})
+    assert (cfg.server.port, cfg.server.bind, cfg.dram.size) == (7001, "0.0.0.0", 64 * MiB)
+    # untouched keys keep their defaults
+    assert cfg.admin.port == 7380
+    assert cfg.dram.high_watermark == Config().dram.high_watermark
+
+
+def test_environment_overrides_file(tmp_path):
+    path = write(tmp_path, "[server]\nport = 7001\n[dram]\nsize = \"64MiB\"\n")
+    env = {"QUILLD_SERVER_PORT": "7002", "QUILLD_ADMIN_TOKEN": "s3cret", "PATH": "/bin"}
+    cfg = load(path, environ=env)
+    assert cfg.server.port == 7002
+    assert cfg.admin.token == "s3cret"
+    assert cfg.dram.size == 64 * MiB  # from the file, not overridden
+
+
+def test_overrides_beat_environment_and_file(tmp_path):
+    path = write(tmp_path, "[server]\nport = 7001\n")
+    cfg = load(path, environ={"QUILLD_SERVER_PORT": "7002"}, overrides={"server": {"port": 7003}})
+    assert cfg.server.port == 7003
+
+
+def test_every_layer_at_once(tmp_path):
+    path = write(tmp_path, "[server]\nport = 7001\nmax_clients = 5\n[dram]\nlow_watermark = 0.5\n")
+    env = {"QUILLD_SERVER_MAX_CLIENTS": "6", "QUILLD_DRAM_HIGH_WATERMARK": "0.9"}
+    cfg = load(path, environ=env, overrides={"dram": {"size": "8MiB"}})
+    assert cfg.server.port == 7001  # file
+    assert cfg.server.max_clients == 6  # environment over file
+    assert (cfg.dram.low_watermark, cfg.dram.high_watermark) == (0.5, 0.9)
+    assert cfg.dram.size == 8 * MiB  # flags
+    assert cfg.server.bind == "127.0.0.1"  # default
+
+
+@pytest.mark.parametrize("name, value, get, expected", [
+    ("QUILLD_SERVER_BIND", "0.0.0.0", lambda c: c.server.bind, "0.0.0.0"),
+    ("QUILLD_SERVER_NODE_ID", "n1", lambda c: c.server.node_id, "n1"),
+    ("QUILLD_SERVER_MAX_CLIENTS", "12", lambda c: c.server.max_clients, 12),
+    ("QUILLD_SERVER_PROTO_MAX_BULK_LEN", "1MiB", lambda c: c.server.proto_max_bulk_len, MiB),
+    ("QUILLD_SERVER_CLIENT_OUTPUT_HIGH_WATER", "8MiB", lambda c: c.server.client_output_high_water, 8 * MiB),
+    ("QUILLD_ADMIN_PORT", "0", lambda c: c.admin.port, 0),
+    ("QUILLD_DRAM_SIZE", "4GiB", lambda c: c.dram.size, 4 * GiB),
+    ("QUILLD_DRAM_LOW_WATERMARK", "0.5", lambda c: c.dram.low_watermark, 0.5),
+    ("QUILLD_DRAM_INLINE_MAX", "1KiB", lambda c: c.dram.inline_max, KiB),
+    ("QUILLD_BLOCKS_DEFAULT_LEASE_MS", "1000", lambda c: c.blocks.default_lease_ms, 1000),
+    ("QUILLD_BLOCKS_MAX_LEASE_MS", "2000000", lambda c: c.blocks.max_lease_ms, 2_000_000),
+    ("QUILLD_SECURITY_REQUIREPASS", "pw", lambda c: c.security.requirepass, "pw"),
+    ("QUILLD_SECURITY_USERS_FILE", "/etc/users", lambda c: c.security.users_file, "/etc/users"),
+])
+def test_environment_names_each_key(name, value, get, expected):
+    # keys with underscores (QUILLD_SERVER_PROTO_MAX_BULK_LEN) split on the first one only
+    assert get(load(environ={name: value})) == expected
+
+
+def test_cli_only_environment_names_are_not_config_keys():
+    assert load(environ={"QUILLD_CONFIG": "/x.toml", "QUILLD_LOG_LEVEL": "debug"}) == Config()
+
+
+def test_unrelated_environment_is_ignored():
+    assert load(environ={"HOME": "/root", "QUILLDX_SERVER_PORT": "1", "REDIS_PORT": "1"}) == Config()
+
+
+# -- sizes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096", 4096),
+    (4096, 4096),
+    ("0", 0),
+    ("64KiB", 64 * KiB),
+    ("64k", 64 * KiB),
+    ("64KB", 64 * KiB),
+    ("512MiB", 512 * MiB),
+    ("512m", 512 * MiB),
+    ("1GiB", GiB),
+    ("1g", GiB),
+    ("1G", GiB),
+    ("1.5GiB", 3 * GiB // 2),
+    ("2TiB", 2 * 1024 * GiB),
+    (" 8 MiB ", 8 * MiB),
+    ("10b", 10),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5.5GiB", "-1GiB", "1PiB", "GiB", "1 Gibibyte", "0x10",
+                                  "1e3", "12 34", "1iB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError) as info:
+        parse_size(text)
+    assert repr(text) in info.value.message
+
+
+def test_size_keys_accept_units_in_every_layer(tmp_path):
+    path = write(tmp_path, '[dram]\nsize = "2GiB"\ninline_max = 1024\n')
+    assert load(path, environ={}).dram.size == 2 * GiB
+    assert load(path, environ={}).dram.inline_max == 1024
+    assert load(environ={"QUILLD_DRAM_SIZE": "3g"}).dram.size == 3 * GiB
+    assert load(environ={}, overrides={"dram": {"size": "16MiB"}}).dram.size == 16 * MiB
+
+
+def test_bad_size_names_the_key(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load(environ={"QUILLD_DRAM_SIZE": "lots"})
+    assert "dram.size" in info.value.message and "'lots'" in info.value.message
+
+
+# -- unknown names ----------------------------------------------------------------
+
+def test_unknown_section_in_file(tmp_path):
+    path = write(tmp_path, "[servr]\nport = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert "unknown section [servr]" in info.value.message
+    assert path in info.value.message
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = write(tmp_path, "[server]\nprot = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert "unknown key server.prot" in info.value.message
+    assert path in info.value.message
+
+
+def test_key_outside_a_section_in_file(tmp_path):
+    path = write(tmp_path, "port = 7001\n")
+    with pytest.raises(ConfigError):
+        load(path, environ={})
+
+
+@pytest.mark.parametrize("name", ["QUILLD_SERVR_PORT", "QUILLD_SERVER_PROT", "QUILLD_SERVER", "QUILLD_DRAM_",
+                                  "QUILLD_EXTRA_CONFIG"])
+def test_unknown_environment_name(name):
+    with pytest.raises(ConfigError) as info:
+        load(environ={name: "1"})
+    assert name in info.value.message
+    assert "QUILLD_<SECTION>_<KEY>" in info.value.message
+
+
+def test_unknown_override():
+    with pytest.raises(ConfigError) as info:
+        load(environ={}, overrides={"server": {"nope": 1}})
+    assert "unknown key server.nope" in info.value.message
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError) as info:
+        load("/nonexistent/quilld.toml", environ={})
+    assert "not found" in info.value.message and "/nonexistent/quilld.toml" in info.value.message
+
+
+def test_invalid_toml(tmp_path):
+    path = write(tmp_path, "[server\nport = \n")
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert path in info.value.message
+
+
+def test_section_that_is_not_a_table(tmp_path):
+    path = write(tmp_path, "server = 5\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert "[server] must be a table" in info.value.message
+
+
+# -- types ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("toml, where", [
+    ('[server]\nport = "many"\n', "server.port"),
+    ("[server]\nport = true\n", "server.port"),
+    ("[server]\nmax_clients = [1]\n", "server.max_clients"),
+    ('[dram]\nhigh_watermark = "high"\n', "dram.high_watermark"),
+    ("[blocks]\ndefault_lease_ms = inf\n", "blocks.default_lease_ms"),
+    ("[server]\nport = 7001.5\n", "server.port"),  # never silently truncated to 7001
+])
+def test_bad_types_in_file(tmp_path, toml, where):
+    path = write(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert where in info.value.message
+
+
+@pytest.mark.parametrize("name, value", [
+    ("QUILLD_SERVER_PORT", "http"),
+    ("QUILLD_SERVER_PORT", "70.5"),
+    ("QUILLD_DRAM_LOW_WATERMARK", "low"),
+    ("QUILLD_SERVER_MAX_CLIENTS", ""),
+])
+def test_bad_types_in_environment(name, value):
+    with pytest.raises(ConfigError) as info:
+        load(environ={name: value})
+    section, key = name[len("QUILLD_"):].lower().split("_", 1)
+    assert f"{section}.{key}" in info.value.message
+
+
+def test_string_keys_take_numbers_as_text(tmp_path):
+    path = write(tmp_path, "[security]\nrequirepass = 1234\n")
+    assert load(path, environ={}).security.requirepass == "1234"
+
+
+def test_integers_are_accepted_for_float_keys(tmp_path):
+    path = write(tmp_path, "[dram]\nhigh_watermark = 1\nlow_watermark = 0.5\n")
+    assert load(path, environ={}).dram.high_watermark == 1.0
+
+
+# -- validation -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"server": {"port": -1}}, "server.port"),
+    ({"admin": {"port": 65536}}, "admin.port"),
+    ({"dram": {"low_watermark": 0.96}}, "watermark"),
+    ({"dram": {"high_watermark": 1.5}}, "watermark"),
+    ({"dram": {"low_watermark": 0}}, "watermark"),
+    ({"dram": {"low_watermark": 0.9, "high_watermark": 0.8}}, "watermark"),
+    ({"dram": {"size": 1024}}, "dram.size"),
+    ({"dram": {"inline_max": "128KiB"}}, "dram.inline_max"),
+    ({"server": {"proto_max_bulk_len": 0}}, "proto_max_bulk_len"),
+    ({"blocks": {"default_lease_ms": 0}}, "lease"),
+    ({"blocks": {"default_lease_ms": 5000, "max_lease_ms": 1000}}, "lease"),
+])
+def test_validation_errors(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load(environ={}, overrides=overrides)
+    assert words in info.value.message
+
+
+@pytest.mark.parametrize("overrides", [
+    {"server": {"port": 0}},
+    {"server": {"port": 65535}},
+    {"admin": {"port": 0}},
+    {"dram": {"low_watermark": 0.95, "high_watermark": 0.95}},
+    {"dram": {"low_watermark": 0.01, "high_watermark": 1.0}},
+    {"dram": {"size": "4KiB", "inline_max": 0}},
+    {"dram": {"inline_max": "64KiB"}},
+])
+def test_validation_boundaries_accepted(overrides):
+    load(environ={}, overrides=overrides)
+
+
+def test_validation_applies_to_the_environment_layer_too():
+    with pytest.raises(ConfigError):
+        load(environ={"QUILLD_SERVER_PORT": "99999"})
+
+
+# -- redaction ---------------------------------------------------------------------------
+
+def test_redacted_hides_secrets():
+    cfg = load(environ={"QUILLD_SECURITY_REQUIREPASS": "hunter2", "QUILLD_ADMIN_TOKEN": "tok-123"})
+    out = cfg.redacted()
+    assert out["security"]["requirepass"] == "***"
+    assert out["admin"]["token"] == "***"
+    assert "hunter2" not in repr(out) and "tok-123" not in repr(out)
+    # everything else is shown as it is
+    assert out["server"]["port"] == 7379
+    assert out["dram"]["size"] == GiB
+    # and the config itself still holds the secrets
+    assert cfg.security.requirepass == "hunter2" and cfg.admin.token == "tok-123"
+
+
+def test_redacted_leaves_empty_secrets_empty():
+    out = load(environ={}).redacted()
+    assert out["security"]["requirepass"] == "" and out["admin"]["token"] == ""
+    assert set(out) == {f.name for f in dataclasses.fields(Config)}

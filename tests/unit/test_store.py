@@ -1,0 +1,818 @@
+"""The keyspace (store.py), two-phase puts (twophase.py) and identity scopes (index/guard.py).
+
+Small arenas (a few 4 KiB pages) make eviction, pins and out-of-memory easy to reach.
+The accounting invariant `store.used == store.arena.used + store.inline_bytes` is
+checked after every step of the random sequences.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import crc32c
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from quilld.config import DramConfig
+from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory
+from quilld.index.guard import TAG_LEN, ScopeRegistry, refusal_reason
+from quilld.model import BlockState, IdentityScope
+from quilld.store import Block, Store, now_ms
+from quilld.tiers.arena import PAGE
+from quilld.twophase import IntoBlock, Put, TwoPhasePuts
+
+DEFAULT = IdentityScope()
+
+
+def make_store(pages: int = 64, high: float = 0.9, low: float = 0.5, inline_max: int = 256) -> Store:
+    cfg = DramConfig(size=pages * PAGE, high_watermark=high, low_watermark=low, inline_max=inline_max)
+    return Store(cfg, ScopeRegistry())
+
+
+def check_accounting(store: Store) -> None:
+    assert store.used == store.arena.used + store.inline_bytes
+    values = list(store.data.values())
+    assert store.inline_bytes == sum(len(v) for v in values if type(v) is bytes)
+    assert store.block_count == sum(1 for v in values if type(v) is Block)
+    assert all(v.state == BlockState.RESIDENT for v in values if type(v) is Block)
+    assert sum(store.per_scope.values()) == len(store.data)
+
+
+def put(store: Store, tag: bytes, key: bytes, value: bytes) -> None:
+    store.publish(tag, key, store.materialize(value))
+
+
+def read(store: Store, tag: bytes, key: bytes) -> bytes | None:
+    value = store.lookup(tag, key)
+    if value is None or type(value) is bytes:
+        return value
+    return bytes(store.view(value))
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.fixture
+def store() -> Store:
+    return make_store()
+
+
+@pytest.fixture
+def tag(store: Store) -> bytes:
+    return store.scopes.tag(DEFAULT)
+
+
+# -- values: inline and in the arena ---------------------------------------------
+
+def test_small_values_stay_inline_large_ones_take_pages(store, tag):
+    small, edge, large = b"s" * 10, b"e" * store.inline_max, b"L" * (store.inline_max + 1)
+    assert type(store.materialize(small)) is bytes
+    assert type(store.materialize(edge)) is bytes
+    block = store.materialize(large)
+    assert type(block) is Block and len(block) == len(large)
+    assert bytes(store.view(block)) == large
+    assert store.arena.used == PAGE
+    store.discard(block)
+    assert store.arena.used == 0 and store.used == 0
+    check_accounting(store)
+
+
+def test_materialize_copies_from_any_buffer(store):
+    data = bytearray(b"x" * 5000)
+    block = store.materialize(memoryview(data))
+    data[:] = b"y" * 5000  # the caller's buffer is reused: the block keeps its own copy
+    assert bytes(store.view(block)) == b"x" * 5000
+    inline = store.materialize(bytearray(b"abc"))
+    assert type(inline) is bytes and inline == b"abc"
+
+
+def test_publish_lookup_delete(store, tag):
+    assert read(store, tag, b"k") is None
+    put(store, tag, b"k", b"v1")
+    assert read(store, tag, b"k") == b"v1"
+    assert store.block_count == 0 and store.inline_bytes == 2
+    big = pattern(3 * PAGE + 1, 1)
+    put(store, tag, b"k", big)  # inline -> block
+    assert read(store, tag, b"k") == big
+    assert store.inline_bytes == 0 and store.arena.used == 4 * PAGE and store.block_count == 1
+    put(store, tag, b"k", b"v3")  # block -> inline: the pages go back
+    assert read(store, tag, b"k") == b"v3"
+    assert store.arena.used == 0 and store.block_count == 0
+    check_accounting(store)
+    assert store.keys_in(tag) == 1
+    assert store.delete(tag, b"k") is True
+    assert store.delete(tag, b"k") is False
+    assert read(store, tag, b"k") is None
+    assert store.used == 0 and store.keys_in(tag) == 0
+    check_accounting(store)
+
+
+def test_empty_value(store, tag):
+    put(store, tag, b"k", b"")
+    assert read(store, tag, b"k") == b""
+    assert store.contains(tag, b"k")
+
+
+def test_zero_byte_reservation_takes_one_page(store):
+    block = store.reserve(0)
+    assert len(block) == 0 and store.arena.used == PAGE
+    store.discard(block)
+    assert store.used == 0
+
+
+def test_hits_misses_and_writes(store, tag):
+    put(store, tag, b"a", b"1")
+    store.lookup(tag, b"a")
+    store.lookup(tag, b"a")
+    store.lookup(tag, b"nope")
+    assert (store.hits, store.misses, store.writes) == (2, 1, 1)
+
+
+def test_reserved_block_is_invisible_until_published(store, tag):
+    block = store.reserve(5000)
+    store.view(block)[:] = b"z" * 5000
+    assert block.state == BlockState.WRITING
+    assert store.lookup(tag, b"k") is None and store.reserved_blocks == 1
+    store.publish(tag, b"k", block)
+    assert block.state == BlockState.RESIDENT and store.reserved_blocks == 0
+    assert read(store, tag, b"k") == b"z" * 5000
+
+
+def test_discard_gives_the_reservation_back(store):
+    block = store.reserve(3 * PAGE)
+    assert store.used == 3 * PAGE
+    store.discard(block)
+    assert store.used == 0 and store.reserved_blocks == 0 and block.state == BlockState.GONE
+    check_accounting(store)
+
+
+def test_flush_scope(store):
+    a, b = store.scopes.tag(IdentityScope("a")), store.scopes.tag(IdentityScope("b"))
+    for i in range(5):
+        put(store, a, b"k%d" % i, pattern(100 + 2000 * i, i))
+        put(store, b, b"k%d" % i, b"b")
+    assert store.flush_scope(a) == 5
+    assert store.keys_in(a) == 0 and store.keys_in(b) == 5
+    assert store.arena.used == 0
+    assert read(store, b, b"k3") == b"b"
+    check_accounting(store)
+
+
+# -- eviction -----------------------------------------------------------------------
+
+def test_lru_eviction_from_high_down_to_low_watermark():
+    store = make_store(pages=100, high=0.9, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(90):  # 90 pages: exactly the high watermark, nothing evicted yet
+        put(store, tag, b"k%d" % i, b"v%d" % i)
+    assert store.used == 90 * PAGE == store.high_bytes
+    assert store.stats["evictions"] == 0
+    for i in range(10):  # looked up: now the most recently used
+        assert read(store, tag, b"k%d" % i) == b"v%d" % i
+    for i in range(10, 20):  # contains() is not a use
+        assert store.contains(tag, b"k%d" % i)
+    put(store, tag, b"new", b"x")  # above the high watermark: evict down to the low one
+    assert store.used == 50 * PAGE == store.low_bytes
+    assert store.stats["evictions"] == 41
+    gone = {i for i in range(90) if not store.contains(tag, b"k%d" % i)}
+    assert gone == set(range(10, 51))  # least recently looked up first
+    assert read(store, tag, b"new") == b"x"
+    check_accounting(store)
+
+
+def test_publish_order_is_use_order():
+    store = make_store(pages=10, high=1.0, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(10):
+        put(store, tag, b"k%d" % i, b"v")
+    put(store, tag, b"k0", b"again")  # rewriting k0 makes it the most recent
+    put(store, tag, b"k10", b"v")
+    present = [i for i in range(11) if store.contains(tag, b"k%d" % i)]
+    assert present == [0] + list(range(6, 11))
+    check_accounting(store)
+
+
+def test_inline_values_count_and_are_evicted():
+    store = make_store(pages=16, high=0.5, low=0.25, inline_max=4096)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(8):  # 8 x 4 KiB inline = the high watermark
+        put(store, tag, b"k%d" % i, bytes([i]) * 4096)
+    assert store.used == 8 * 4096 and store.arena.used == 0
+    assert store.stats["evictions"] == 0
+    put(store, tag, b"k8", b"\x08" * 4096)
+    assert store.used == store.low_bytes == 4 * 4096
+    assert [i for i in range(9) if store.contains(tag, b"k%d" % i)] == [5, 6, 7, 8]
+    check_accounting(store)
+
+
+def test_eviction_makes_room_in_a_fragmented_arena():
+    store = make_store(pages=8, high=1.0, low=1.0, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(8):
+        put(store, tag, b"k%d" % i, b"v")
+    # a 3-page value needs contiguous pages: the least recently used are evicted until it fits
+    put(store, tag, b"big", b"B" * (3 * PAGE))
+    assert read(store, tag, b"big") == b"B" * (3 * PAGE)
+    assert store.contains(tag, b"k7")
+    check_accounting(store)
+
+
+def test_reserve_larger_than_the_arena_is_out_of_memory(store, tag):
+    put(store, tag, b"keep", b"x" * 5000)
+    before = store.used
+    with pytest.raises(OutOfMemory) as info:
+        store.reserve(store.capacity + 1)
+    assert info.value.wire().startswith("OOM ")
+    with pytest.raises(OutOfMemory):
+        store.materialize(b"x" * (store.capacity + 1))
+    assert store.used == before and read(store, tag, b"keep") == b"x" * 5000
+    check_accounting(store)
+
+
+def test_whole_arena_value_fits_when_nothing_else_is_held():
+    store = make_store(pages=4, high=1.0, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    put(store, tag, b"a", b"a")
+    put(store, tag, b"all", b"A" * store.capacity)
+    assert read(store, tag, b"all") == b"A" * store.capacity
+    assert not store.contains(tag, b"a")
+    check_accounting(store)
+
+
+# -- pins -------------------------------------------------------------------------
+
+def test_pinned_blocks_are_never_evicted():
+    store = make_store(pages=10, high=1.0, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(10):
+        put(store, tag, b"k%d" % i, b"v%d" % i)
+    pinned = [store.lookup(tag, b"k%d" % i) for i in (0, 1, 2)]
+    for block in pinned:
+        store.pin(block)
+    for i in range(10, 40):  # heavy pressure: everything else cycles through
+        put(store, tag, b"k%d" % i, b"v%d" % i)
+        check_accounting(store)
+    for i, block in zip((0, 1, 2), pinned):
+        assert block.state == BlockState.RESIDENT
+        assert read(store, tag, b"k%d" % i) == b"v%d" % i
+    for block in pinned:
+        store.unpin(block)
+    check_accounting(store)
+
+
+def test_overwritten_pinned_block_is_freed_at_unpin(store, tag):
+    old_value = pattern(2 * PAGE, 7)
+    put(store, tag, b"k", old_value)
+    block = store.lookup(tag, b"k")
+    store.pin(block)
+    view = store.view(block)  # what a reader is sending
+    put(store, tag, b"k", b"new")
+    assert read(store, tag, b"k") == b"new"
+    assert block.state == BlockState.EVICTING and store.unlinked_pinned == 1
+    assert store.arena.used == 2 * PAGE  # still held for the reader
+    for i in range(20):  # new writes must not reuse its pages
+        put(store, tag, b"other%d" % i, pattern(PAGE, 100 + i))
+    assert bytes(view) == old_value
+    check_accounting(store)
+    before = store.arena.used
+    store.unpin(block)
+    assert block.state == BlockState.GONE and store.unlinked_pinned == 0
+    assert store.arena.used == before - 2 * PAGE
+    check_accounting(store)
+
+
+def test_deleted_pinned_block_is_freed_at_last_unpin(store, tag):
+    put(store, tag, b"k", b"q" * 5000)
+    block = store.lookup(tag, b"k")
+    store.pin(block)
+    store.pin(block)  # two readers
+    assert store.delete(tag, b"k")
+    assert store.lookup(tag, b"k") is None
+    assert store.arena.used == 2 * PAGE
+    store.unpin(block)
+    assert store.arena.used == 2 * PAGE and block.state == BlockState.EVICTING
+    store.unpin(block)
+    assert store.arena.used == 0 and block.state == BlockState.GONE
+    check_accounting(store)
+
+
+def test_unpin_of_a_resident_block_frees_nothing(store, tag):
+    put(store, tag, b"k", b"q" * 5000)
+    block = store.lookup(tag, b"k")
+    store.pin(block)
+    store.unpin(block)
+    assert block.state == BlockState.RESIDENT and read(store, tag, b"k") == b"q" * 5000
+    assert store.arena.used == 2 * PAGE
+
+
+def test_all_pinned_and_no_space_is_out_of_memory():
+    store = make_store(pages=8, high=1.0, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    for i in range(8):
+        put(store, tag, b"k%d" % i, b"v%d" % i)
+        store.pin(store.lookup(tag, b"k%d" % i))
+    with pytest.raises(OutOfMemory):
+        store.reserve(1)
+    with pytest.raises(OutOfMemory):
+        put(store, tag, b"more", b"x")
+    assert all(read(store, tag, b"k%d" % i) == b"v%d" % i for i in range(8))
+    assert store.used == 8 * PAGE
+    check_accounting(store)
+    store.unpin(store.lookup(tag, b"k3"))  # one reader done: now there is room
+    put(store, tag, b"more", b"x")
+    assert read(store, tag, b"more") == b"x" and not store.contains(tag, b"k3")
+    check_accounting(store)
+
+
+def test_reservations_in_progress_are_not_evicted():
+    store = make_store(pages=4, high=1.0, low=0.5, inline_max=0)
+    held = [store.reserve(PAGE) for _ in range(4)]
+    with pytest.raises(OutOfMemory):
+        store.reserve(1)
+    store.discard(held.pop())
+    store.discard(store.reserve(1))
+    for block in held:
+        store.discard(block)
+    assert store.used == 0
+
+
+# -- the accounting invariant under random operations ----------------------------------
+
+SIZES = [0, 1, 255, 256, 257, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random puts, reads, deletes, pins, expiries and reservations against a dict model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = make_store(pages=24, high=0.75, low=0.5, inline_max=256)
+        self.tags = [self.store.scopes.tag(IdentityScope(t)) for t in ("a", "b")]
+        self.model: dict[tuple[int, bytes], bytes] = {}
+        self.pinned: list[tuple[Block, bytes]] = []  # (block, the bytes its readers see)
+        self.serial = 0
+
+    def _sync(self) -> None:
+        """Keys the store no longer holds were evicted or expired: drop them from the model."""
+        for (s, key) in list(self.model):
+            if self.tags[s] + key not in self.store.data:
+                del self.model[(s, key)]
+
+    @rule(s=st.integers(0, 1), key=st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4"]),
+          size=st.sampled_from(SIZES))
+    def write(self, s, key, size):
+        self.serial += 1
+        value = pattern(size, self.serial)
+        try:
+            put(self.store, self.tags[s], key, value)
+        except OutOfMemory:
+            assert self.pinned, "out of memory with nothing pinned"
+        else:
+            self.model[(s, key)] = value
+        self._sync()
+
+    @rule(s=st.integers(0, 1), key=st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4"]))
+    def lookup(self, s, key):
+        got = read(self.store, self.tags[s], key)
+        if got is None:
+            self.model.pop((s, key), None)
+        else:
+            assert got == self.model[(s, key)]
+
+    @rule(s=st.integers(0, 1), key=st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4"]))
+    def delete(self, s, key):
+        existed = self.store.delete(self.tags[s], key)
+        assert existed == ((s, key) in self.model)
+        self.model.pop((s, key), None)
+
+    @rule(s=st.integers(0, 1), key=st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4"]))
+    def pin(self, s, key):
+        value = self.store.lookup(self.tags[s], key)
+        if type(value) is Block:
+            self.store.pin(value)
+            self.pinned.append((value, bytes(self.store.view(value))))
+
+    @rule(i=st.integers(0, 10))
+    def unpin(self, i):
+        if self.pinned:
+            block, seen = self.pinned.pop(i % len(self.pinned))
+            assert bytes(self.store.view(block)) == seen  # never freed or reused under the pin
+            self.store.unpin(block)
+
+    @rule(s=st.integers(0, 1), key=st.sampled_from([b"k0", b"k1", b"k2", b"k3", b"k4"]),
+          sweep=st.booleans())
+    def expire_now(self, s, key, sweep):
+        if (s, key) in self.model:
+            self.store.set_expire(self.tags[s], key, now_ms() - 1)
+            if sweep:
+                assert self.store.sweep_expired() == 1
+            else:
+                assert self.store.lookup(self.tags[s], key) is None
+            del self.model[(s, key)]
+
+    @rule(size=st.sampled_from(SIZES))
+    def reserve_and_discard(self, size):
+        try:
+            block = self.store.reserve(size)
+        except OutOfMemory:
+            assert self.pinned
+        else:
+            check_accounting(self.store)
+            self.store.discard(block)
+        self._sync()
+
+    @invariant()
+    def accounting(self):
+        check_accounting(self.store)
+        assert self.store.reserved_blocks == 0
+        assert self.store.unlinked_pinned == sum(
+            1 for b in {id(b): b for b, _ in self.pinned}.values() if b.state == BlockState.EVICTING)
+
+    @invariant()
+    def pinned_blocks_hold_their_bytes(self):
+        for block, seen in self.pinned:
+            assert block.state in (BlockState.RESIDENT, BlockState.EVICTING)
+            assert bytes(self.store.view(block)) == seen
+
+    @invariant()
+    def model_agrees(self):
+        for (s, key), value in self.model.items():
+            held = self.store.data[self.tags[s] + key]
+            assert (held if type(held) is bytes else bytes(self.store.view(held))) == value
+
+    def teardown(self):
+        for block, _ in self.pinned:
+            self.store.unpin(block)
+        check_accounting(self.store)
+        assert self.store.arena.used == sum(
+            -(-max(len(v), 1) // PAGE) * PAGE for v in self.store.data.values() if type(v) is Block)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+
+
+# -- TTLs ----------------------------------------------------------------------------
+
+def test_ttl(store, tag):
+    put(store, tag, b"k", b"v")
+    assert store.ttl_ms(tag, b"k") == -1
+    assert store.ttl_ms(tag, b"missing") == -2
+    store.set_expire(tag, b"k", now_ms() + 10_000)
+    assert 9_000 < store.ttl_ms(tag, b"k") <= 10_000
+    assert read(store, tag, b"k") == b"v"
+
+
+def test_expired_key_is_gone_on_access(store, tag):
+    put(store, tag, b"k", b"x" * 5000)
+    store.set_expire(tag, b"k", now_ms() - 1)
+    assert store.lookup(tag, b"k") is None
+    assert store.ttl_ms(tag, b"k") == -2
+    assert store.stats["expired"] == 1
+    assert store.used == 0
+    check_accounting(store)
+
+
+@pytest.mark.parametrize("probe", ["contains", "ttl_ms", "delete"])
+def test_every_access_sees_expiry(store, tag, probe):
+    put(store, tag, b"k", b"v")
+    store.set_expire(tag, b"k", now_ms() - 1)
+    result = getattr(store, probe)(tag, b"k")
+    assert result == {"contains": False, "ttl_ms": -2, "delete": False}[probe]
+    assert store.used == 0 and store.keys_in(tag) == 0
+    check_accounting(store)
+
+
+def test_sweep_expired(store, tag):
+    for i in range(10):
+        put(store, tag, b"k%d" % i, pattern(100 + 1000 * i, i))
+    now = now_ms()
+    for i in range(6):
+        store.set_expire(tag, b"k%d" % i, now - 1000 + i)
+    store.set_expire(tag, b"k6", now + 60_000)
+    assert store.sweep_expired(limit=4) == 4
+    assert store.sweep_expired() == 2
+    assert store.sweep_expired() == 0
+    assert [i for i in range(10) if store.contains(tag, b"k%d" % i)] == [6, 7, 8, 9]
+    assert store.stats["expired"] == 6
+    assert store.ttl_ms(tag, b"k6") > 50_000
+    check_accounting(store)
+
+
+def test_overwrite_clears_ttl_unless_kept(store, tag):
+    put(store, tag, b"k", b"v")
+    store.set_expire(tag, b"k", now_ms() + 10_000)
+    store.publish(tag, b"k", store.materialize(b"v2"), keep_ttl=True)
+    assert store.ttl_ms(tag, b"k") > 0
+    store.publish(tag, b"k", store.materialize(b"v3"))
+    assert store.ttl_ms(tag, b"k") == -1
+    assert store.sweep_expired() == 0
+
+
+def test_stale_ttl_never_hits_a_recreated_key(store, tag):
+    put(store, tag, b"k", b"v")
+    store.set_expire(tag, b"k", now_ms() - 1)
+    put(store, tag, b"k", b"new")  # overwritten before the sweep: the old deadline is void
+    assert store.sweep_expired() == 0
+    assert read(store, tag, b"k") == b"new" and store.ttl_ms(tag, b"k") == -1
+    put(store, tag, b"d", b"v")
+    store.set_expire(tag, b"d", now_ms() + 60_000)
+    store.delete(tag, b"d")
+    put(store, tag, b"d", b"again")
+    assert store.ttl_ms(tag, b"d") == -1
+
+
+def test_evicted_key_leaves_no_ttl_behind():
+    store = make_store(pages=4, high=1.0, low=0.5, inline_max=0)
+    tag = store.scopes.tag(DEFAULT)
+    put(store, tag, b"k", b"v")
+    store.set_expire(tag, b"k", now_ms() + 60_000)
+    for i in range(8):
+        put(store, tag, b"o%d" % i, b"v")
+    assert not store.contains(tag, b"k")
+    assert store.expires == {}
+    put(store, tag, b"k", b"again")
+    assert store.ttl_ms(tag, b"k") == -1
+
+
+# -- identity scopes ---------------------------------------------------------------------
+
+def test_equal_keys_in_two_scopes_are_distinct(store):
+    a = store.scopes.tag(IdentityScope("alice", "llama"))
+    b = store.scopes.tag(IdentityScope("bob", "llama"))
+    assert a != b and len(a) == len(b) == TAG_LEN
+    assert store.scopes.tag(IdentityScope("alice", "llama")) == a  # interned
+    put(store, a, b"k", b"alice's")
+    put(store, b, b"k", b"bob's" * 2000)
+    assert read(store, a, b"k") == b"alice's"
+    assert read(store, b, b"k") == b"bob's" * 2000
+    assert store.delete(a, b"k")
+    assert read(store, a, b"k") is None and read(store, b, b"k") == b"bob's" * 2000
+    assert store.scopes.scope_of(b) == IdentityScope("bob", "llama")
+
+
+@pytest.mark.parametrize("held, wanted, reason", [
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("bob", "m", "t", "x"), "cross_tenant"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("bob", "m2", "t2", "x2"), "cross_tenant"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("alice", "m2", "t", "x"), "cross_model"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("alice", "m2", "t2", "x2"), "cross_model"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("alice", "m", "t2", "x"), "cross_tokenizer"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("alice", "m", "t2", "x2"), "cross_tokenizer"),
+    (IdentityScope("alice", "m", "t", "x"), IdentityScope("alice", "m", "t", "lora2"), "cross_adapter"),
+])
+def test_miss_held_by_another_scope_is_a_counted_refusal(store, held, wanted, reason):
+    h, w = store.scopes.tag(held), store.scopes.tag(wanted)
+    put(store, h, b"prefix-hash", b"kv")
+    assert refusal_reason(wanted, held) == reason
+    assert store.lookup(w, b"prefix-hash") is None  # never served across scopes
+    assert store.scopes.refusals == {reason: 1}
+    assert not store.contains(w, b"prefix-hash")
+    assert store.scopes.refusals == {reason: 2}
+    assert store.scopes.total_refusals == 2
+    # a plain miss, or a hit in its own scope, is no refusal
+    assert store.lookup(w, b"other") is None
+    assert read(store, h, b"prefix-hash") == b"kv"
+    assert store.scopes.total_refusals == 2
+
+
+def test_no_refusal_with_a_single_scope(store, tag):
+    put(store, tag, b"k", b"v")
+    assert store.lookup(tag, b"missing") is None
+    assert store.scopes.total_refusals == 0
+
+
+def test_audit_miss_reports_whether_refused():
+    scopes = ScopeRegistry()
+    a, b = scopes.tag(IdentityScope("a")), scopes.tag(IdentityScope("b"))
+    held = {a + b"k"}
+    assert scopes.audit_miss(b, b"k", held.__contains__) is True
+    assert scopes.audit_miss(b, b"x", held.__contains__) is False
+    assert scopes.audit_miss(a, b"k", held.__contains__) is False  # its own key is not "another scope"
+    assert scopes.refusals == {"cross_tenant": 1}
+    assert sorted(scopes.tags()) == sorted([a, b])
+
+
+# -- two-phase puts ------------------------------------------------------------------------
+
+def make_puts(store: Store, default_lease_ms: int = 30_000, max_lease_ms: int = 600_000) -> TwoPhasePuts:
+    return TwoPhasePuts(store, default_lease_ms, max_lease_ms)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([0, 1, 100, 256, 257, PAGE, 2 * PAGE + 3]), data=st.data())
+def test_two_phase_put_in_random_chunk_order_publishes_exactly_the_bytes(size, data):
+    store = make_store(pages=16, inline_max=256)
+    tag = store.scopes.tag(DEFAULT)
+    puts = make_puts(store)
+    payload = pattern(size, size)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, size), max_size=8), label="cuts")))
+    ranges = [(a, b) for a, b in zip([0] + cuts, cuts + [size]) if a < b]
+    order = data.draw(st.permutations(ranges), label="order")
+    handle = puts.begin(tag, b"blk", "default", size, None)
+    assert handle is not None
+    for a, b in order:
+        assert store.lookup(tag, b"blk") is None  # nothing visible before COMMIT
+        puts.write(puts.get(handle, "default"), a, payload[a:b])
+    puts.commit(puts.get(handle, "default"), crc32c.crc32c(payload))
+    assert read(store, tag, b"blk") == payload
+    assert type(store.lookup(tag, b"blk")) is (bytes if size <= store.inline_max else Block)
+    assert puts.committed == 1 and puts.open == {}
+    assert store.reserved_blocks == 0
+    check_accounting(store)
+    with pytest.raises(NoHandle):
+        puts.get(handle, "default")
+
+
+def test_commit_with_missing_bytes_is_incomplete(store, tag):
+    puts = make_puts(store)
+    handle = puts.begin(tag, b"k", "default", 1000, None)
+    put_ = puts.get(handle, "default")
+    puts.write(put_, 0, b"a" * 400)
+    puts.write(put_, 600, b"c" * 400)
+    with pytest.raises(Incomplete) as info:
+        puts.commit(put_, None)
+    assert "200 of 1000" in info.value.message
+    assert info.value.wire().startswith("INCOMPLETE ")
+    assert store.lookup(tag, b"k") is None
+    puts.write(puts.get(handle, "default"), 400, b"b" * 200)  # still open: finish it
+    puts.commit(puts.get(handle, "default"), None)
+    assert read(store, tag, b"k") == b"a" * 400 + b"b" * 200 + b"c" * 400
+
+
+def test_wrong_checksum_is_refused_and_the_put_stays_open(store, tag):
+    puts = make_puts(store)
+    payload = pattern(3 * PAGE, 3)
+    handle = puts.begin(tag, b"k", "default", len(payload), None)
+    puts.write(puts.get(handle, "default"), 0, payload)
+    used = store.used
+    with pytest.raises(ChecksumMismatch) as info:
+        puts.commit(puts.get(handle, "default"), crc32c.crc32c(payload) ^ 1)
+    assert info.value.wire().startswith("CHECKSUM ")
+    assert store.lookup(tag, b"k") is None
+    assert store.used == used and handle in puts.open
+    puts.commit(puts.get(handle, "default"), crc32c.crc32c(payload))
+    assert read(store, tag, b"k") == payload
+    assert store.used == used  # the reserved block itself was published
+    check_accounting(store)
+
+
+def test_begin_on_a_complete_key_is_idempotent(store, tag):
+    puts = make_puts(store)
+    put(store, tag, b"k", b"done")
+    assert puts.begin(tag, b"k", "default", 100, None) is None
+    assert puts.open == {} and store.reserved_blocks == 0
+
+
+def test_abort_frees_the_space(store, tag):
+    puts = make_puts(store)
+    before = store.used
+    handle = puts.begin(tag, b"k", "default", 5 * PAGE, None)
+    assert store.used == before + 5 * PAGE
+    puts.write(puts.get(handle, "default"), 0, b"x" * 100)
+    puts.abort(puts.get(handle, "default"))
+    assert store.used == before and store.reserved_blocks == 0
+    assert puts.aborted == 1
+    with pytest.raises(NoHandle):
+        puts.get(handle, "default")
+    assert store.lookup(tag, b"k") is None
+    check_accounting(store)
+
+
+def test_expired_lease_is_reclaimed(store, tag):
+    puts = make_puts(store)
+    before = store.used
+    short = puts.begin(tag, b"short", "default", 3 * PAGE, 1)
+    long = puts.begin(tag, b"long", "default", 2 * PAGE, 60_000)
+    time.sleep(0.02)
+    assert puts.reclaim_expired() == 1
+    assert store.used == before + 2 * PAGE and puts.expired == 1
+    with pytest.raises(NoHandle):
+        puts.get(short, "default")
+    assert puts.get(long, "default").nbytes == 2 * PAGE
+    check_accounting(store)
+
+
+def test_expired_handle_fails_on_use_and_frees_its_space(store, tag):
+    puts = make_puts(store)
+    before = store.used
+    handle = puts.begin(tag, b"k", "default", 3 * PAGE, 1)
+    time.sleep(0.02)
+    with pytest.raises(NoHandle) as info:
+        puts.get(handle, "default")
+    assert "expired" in info.value.message
+    assert store.used == before and puts.expired == 1
+    assert puts.reclaim_expired() == 0
+
+
+def test_handle_of_another_tenant_is_unknown(store, tag):
+    puts = make_puts(store)
+    handle = puts.begin(tag, b"k", "alice", 100, None)
+    with pytest.raises(NoHandle):
+        puts.get(handle, "bob")
+    with pytest.raises(NoHandle):
+        puts.get(b"0" * 24, "alice")
+    assert puts.get(handle, "alice").key == b"k"
+
+
+@pytest.mark.parametrize("lease", [0, -5, 600_001])
+def test_lease_out_of_range(store, tag, lease):
+    puts = make_puts(store)
+    with pytest.raises(CommandError):
+        puts.begin(tag, b"k", "default", 100, lease)
+    assert store.used == 0 and puts.open == {}
+
+
+def test_write_outside_the_block(store, tag):
+    puts = make_puts(store)
+    put_ = puts.get(puts.begin(tag, b"k", "default", 100, None), "default")
+    with pytest.raises(CommandError):
+        puts.write(put_, 90, b"x" * 11)
+    with pytest.raises(CommandError):
+        puts.write(put_, -1, b"x")
+    puts.write(put_, 100, b"")  # an empty write at the end is fine
+    assert put_.received() == 0
+
+
+def test_begin_larger_than_the_arena_is_out_of_memory(store, tag):
+    puts = make_puts(store)
+    with pytest.raises(OutOfMemory):
+        puts.begin(tag, b"k", "default", store.capacity + 1, None)
+    assert puts.open == {} and store.used == 0
+
+
+def test_abort_during_a_direct_write_frees_at_the_writers_end(store, tag):
+    puts = make_puts(store)
+    before = store.used
+    handle = puts.begin(tag, b"k", "default", 2 * PAGE, None)
+    put_ = puts.get(handle, "default")
+    view = puts.open_writer(put_, 0, PAGE)  # a DATA payload arriving straight into the block
+    with pytest.raises(Incomplete):
+        puts.commit(put_, None)
+    puts.abort(put_)
+    assert store.used == before + 2 * PAGE  # the receive is still writing into it
+    view[:] = b"w" * PAGE
+    puts.close_writer(IntoBlock(put_, 0, PAGE), complete=True)
+    assert store.used == before and store.reserved_blocks == 0
+    check_accounting(store)
+
+
+def test_direct_write_then_commit(store, tag):
+    puts = make_puts(store)
+    payload = pattern(2 * PAGE, 9)
+    put_ = puts.get(puts.begin(tag, b"k", "default", len(payload), None), "default")
+    view = puts.open_writer(put_, PAGE, PAGE)
+    view[:] = payload[PAGE:]
+    puts.close_writer(IntoBlock(put_, PAGE, PAGE), complete=True)
+    view = puts.open_writer(put_, 0, PAGE)
+    puts.close_writer(IntoBlock(put_, 0, PAGE), complete=False)  # the sender went away
+    with pytest.raises(Incomplete):
+        puts.commit(put_, None)
+    puts.write(put_, 0, payload[:PAGE])
+    puts.commit(put_, crc32c.crc32c(payload))
+    assert read(store, tag, b"k") == payload
+
+
+def test_close_drops_open_puts(store, tag):
+    puts = make_puts(store)
+    for i in range(3):
+        puts.begin(tag, b"k%d" % i, "default", PAGE, None)
+    puts.close()
+    assert puts.open == {} and store.used == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), max_size=25))
+def test_put_mark_merges_ranges_like_a_set_of_bytes(ranges):
+    p = Put(b"h", b"t", b"k", "default", None, 80, 0.0)
+    model: set[int] = set()
+    for start, length in ranges:
+        p.mark(start, start + length)
+        model.update(range(start, start + length))
+        assert p.received() == len(model)
+        covered = set()
+        for s, e in zip(p.starts, p.ends):
+            assert s < e
+            covered.update(range(s, e))
+        assert covered == model
+        # sorted, disjoint and not touching: every range is maximal
+        assert all(e < s for e, s in zip(p.ends, p.starts[1:]))
+
+
+def test_put_mark_examples():
+    p = Put(b"h", b"t", b"k", "default", None, 100, 0.0)
+    p.mark(10, 20)
+    p.mark(30, 40)
+    assert (p.starts, p.ends) == ([10, 30], [20, 40])
+    p.mark(20, 30)  # touching both: one range
+    assert (p.starts, p.ends) == ([10], [40])
+    p.mark(0, 5)
+    p.mark(50, 50)  # empty: ignored
+    p.mark(60, 55)  # reversed: ignored
+    assert (p.starts, p.ends) == ([0, 10], [5, 40])
+    p.mark(3, 12)
+    assert (p.starts, p.ends) == ([0], [40])
+    assert p.received() == 40
