@@ -16,7 +16,6 @@ into it directly, and `sink_advance(n)` records what arrived.
 from __future__ import annotations
 
 import re
-from collections import deque
 from itertools import chain
 from typing import Any
 
@@ -98,7 +97,7 @@ class RespParser:
         self._suspect = _suspect_pattern(large_bulk, max_bulk_len)
         self._reader = hiredis.Reader() if self._use_hiredis else None
         self._tail = b""  # bytes of the partial command hiredis is holding
-        self._queue: deque = deque()  # commands hiredis parsed, not yet handed out
+        self._queue: list = []  # commands hiredis parsed, not yet handed out
 
     # -- input -------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
@@ -152,7 +151,10 @@ class RespParser:
                 idle = False
             if idle:
                 self._tail = b""
-                self._queue.extend(cmds)
+                if self._queue:
+                    self._queue.extend(cmds)
+                else:
+                    self._queue = cmds
                 return
         # hiredis holds part of a command: find where it starts by counting what the
         # complete commands took (their canonical encoding), and keep those bytes.
@@ -252,11 +254,14 @@ class RespParser:
     # -- commands ----------------------------------------------------------
     def parsed(self) -> list:
         """Every command the fast path has already parsed (may be empty); then use next_command()."""
-        if not self._queue:
-            return []
-        cmds = list(self._queue)
-        self._queue.clear()
+        cmds = self._queue
+        if cmds:
+            self._queue = []
         return cmds
+
+    def buffered(self) -> bool:
+        """Whether next_command() may have anything to return."""
+        return bool(self._queue) or self._pos < len(self._buf) or self.receiving
 
     def next_command(self) -> list | LargeBulk | None:
         """The next complete command, a LargeBulk announcement, or NEED_DATA.
@@ -264,7 +269,7 @@ class RespParser:
         Raises ProtocolError on malformed input; the connection must then be closed.
         """
         if self._queue:
-            return self._queue.popleft()
+            return self._queue.pop(0)
         while (item := self._next()) is _SKIPPED:
             pass
         return item

@@ -91,6 +91,8 @@ class RespConnection(asyncio.BufferedProtocol):
         while not session.closing:
             batch = parser.parsed()
             if not batch:
+                if not parser.buffered():
+                    break
                 try:
                     item = parser.next_command()
                 except ProtocolError as e:
