@@ -19,6 +19,9 @@ from quilld.protocol.resp import OK, BlockReply, LargeBulk, RespParser, encode, 
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
+# One receive buffer serves every connection: the loop calls get_buffer() and then
+# buffer_updated() back to back, and buffer_updated() consumes the bytes before returning.
+_shared_rbuf = memoryview(bytearray(RECV_BUFFER))
 ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
 ARENA_RETRY = 0.01
 
@@ -31,7 +34,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._large_target = large_target
         self._release_args = release_args
         self.parser = RespParser(max_bulk_len=node.cfg.server.proto_max_bulk_len)
-        self._rbuf = memoryview(bytearray(RECV_BUFFER))
+        self._rbuf = _shared_rbuf
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
         self._large = False  # the command being parsed carries a large bulk
         self._waiting: tuple[LargeBulk, float] | None = None  # a large bulk waiting for arena space
