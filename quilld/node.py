@@ -194,6 +194,7 @@ class Node:
             "dram_blocks": st.block_count,
             "dram_reserved_blocks": st.reserved_blocks,
             "dram_pinned_unlinked": st.unlinked_pinned,
+            "dram_held_bytes": st.held_bytes,
             "dram_largest_free": arena["largest_free"],
             "dram_fragmentation": arena["fragmentation"],
             "dram_high_watermark": self.cfg.dram.high_watermark,

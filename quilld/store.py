@@ -71,6 +71,7 @@ class Store:
         self.reserved_blocks = 0  # blocks reserved but not yet published
         self.unlinked_pinned = 0  # blocks out of the keyspace, waiting for their readers
         self.active_pins = 0  # readers holding blocks right now
+        self.held_bytes = 0  # arena bytes no eviction can free now: pinned or reserved blocks
         self.stats = Counter()  # cold counters: expired, evictions
         self.hits = self.misses = self.writes = 0
 
@@ -113,15 +114,19 @@ class Store:
         return self.arena.view(block.handle, block.length)
 
     def pin(self, block: Block) -> None:
+        if not block.pins:
+            self.held_bytes += _extent(block.length)
         block.pins += 1
         self.active_pins += 1
 
     def unpin(self, block: Block) -> None:
         block.pins -= 1
         self.active_pins -= 1
-        if block.pins == 0 and block.state == BlockState.EVICTING:
-            self.unlinked_pinned -= 1
-            self._free(block)
+        if block.pins == 0:
+            self.held_bytes -= _extent(block.length)
+            if block.state == BlockState.EVICTING:
+                self.unlinked_pinned -= 1
+                self._free(block)
 
     # -- writes ------------------------------------------------------------
     def reserve(self, nbytes: int) -> Block:
@@ -132,7 +137,9 @@ class Store:
         """
         if nbytes > self.capacity:
             raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
-        need = -(-max(nbytes, 1) // PAGE) * PAGE
+        need = _extent(nbytes)
+        if need > self.capacity - self.held_bytes:  # evicting everything would not be enough
+            raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         self._make_room(need)
         handle = self.arena.reserve(nbytes)
         while handle == NO_SPACE:
@@ -140,7 +147,8 @@ class Store:
                 raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
             handle = self.arena.reserve(nbytes)
         self.reserved_blocks += 1
-        self.used += _extent(nbytes)
+        self.used += need
+        self.held_bytes += need
         return Block(handle, nbytes)
 
     def space_may_free(self) -> bool:
@@ -151,6 +159,7 @@ class Store:
         """Give back a reservation that will never be published."""
         if block.state in _RESERVED_STATES:
             self.reserved_blocks -= 1
+            self.held_bytes -= _extent(block.length)
             self._free(block)
 
     def materialize(self, value: bytes | bytearray | memoryview) -> bytes | Block:
@@ -185,6 +194,7 @@ class Store:
                 self._make_room(0)
         else:
             self.reserved_blocks -= 1
+            self.held_bytes -= _extent(value.length)
             value.state = BlockState.RESIDENT
             value.last_access = time.time()
             self.block_count += 1

@@ -816,3 +816,24 @@ def test_put_mark_examples():
     p.mark(3, 12)
     assert (p.starts, p.ends) == ([0], [40])
     assert p.received() == 40
+
+
+def test_a_put_that_cannot_fit_evicts_nothing():
+    """When pinned and reserved blocks leave too little room, refuse without evicting."""
+    store = make_store(pages=16, high=1.0, low=1.0)
+    tag = store.scopes.tag(DEFAULT)
+    put(store, tag, b"pinned", pattern(10 * PAGE, 1))
+    put(store, tag, b"small", pattern(4 * PAGE, 2))
+    pinned = store.lookup(tag, b"pinned")
+    store.pin(pinned)
+    assert store.held_bytes == 10 * PAGE
+    with pytest.raises(OutOfMemory):
+        store.reserve(8 * PAGE)  # 16 pages - 10 held < 8: hopeless
+    assert read(store, tag, b"small") == pattern(4 * PAGE, 2)  # not evicted for nothing
+    block = store.reserve(6 * PAGE)  # fits once "small" is evicted
+    assert store.held_bytes == 16 * PAGE
+    assert store.lookup(tag, b"small") is None
+    store.discard(block)
+    store.unpin(pinned)
+    assert store.held_bytes == 0
+    check_accounting(store)
