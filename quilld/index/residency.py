@@ -1,0 +1,176 @@
+"""The residency index: (scope, block hash) -> every holder and tier that has the block.
+
+A holder is this pool's node (tiers dram, ssd) or an engine (tiers hbm, cpu).
+Each (holder, tier) pair is interned as a *slot*: slot = holder number * 4 +
+tier number, and an entry is one int whose bit `slot` is set when that holder
+has the block in that tier. So an entry costs one dict slot, its key (scope
+tag + 8-byte or raw hash) and one small int, however many holders share it.
+
+Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
+2**63) or as raw bytes; ints are stored as 8 bytes, two's complement.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from quilld.model import CacheTier
+
+TIERS = (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD)
+_TIER_NO = {t: i for i, t in enumerate(TIERS)} | {t.value: i for i, t in enumerate(TIERS)}
+_U64 = (1 << 64) - 1
+
+BlockHash = int | bytes
+
+
+def hash_key(block: BlockHash) -> bytes:
+    """The stored form of a block hash."""
+    if type(block) is int:
+        return (block & _U64).to_bytes(8, "big")
+    if isinstance(block, (bytes, bytearray)):
+        return bytes(block)
+    raise TypeError(f"a block hash is an int or bytes, not {type(block).__name__}")
+
+
+class ResidencyIndex:
+    def __init__(self) -> None:
+        self._entries: dict[bytes, int] = {}
+        self._holders: list[str] = []  # holder number -> name
+        self._holder_no: dict[str, int] = {}
+        self._counts: list[int] = []  # slot -> number of blocks with that bit set
+
+    # -- holders ------------------------------------------------------------
+    def _slot(self, holder: str, tier: CacheTier | str) -> int:
+        no = self._holder_no.get(holder)
+        if no is None:
+            no = self._holder_no[holder] = len(self._holders)
+            self._holders.append(holder)
+            self._counts.extend((0, 0, 0, 0))
+        try:
+            return no * 4 + _TIER_NO[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r} (expected one of hbm, cpu, dram, ssd)") from None
+
+    def holder_bits(self, holder: str) -> int:
+        """The mask of `holder`'s four slots (0 when the holder is unknown)."""
+        no = self._holder_no.get(holder)
+        return 0 if no is None else 0xF << (4 * no)
+
+    def slots(self, mask: int) -> list[tuple[str, CacheTier]]:
+        """Decode an entry mask into (holder, tier) pairs."""
+        out = []
+        while mask:
+            low = mask & -mask
+            slot = low.bit_length() - 1
+            out.append((self._holders[slot >> 2], TIERS[slot & 3]))
+            mask ^= low
+        return out
+
+    # -- updates --------------------------------------------------------------
+    def put(self, tag: bytes, block: BlockHash, holder: str, tier: CacheTier | str) -> bool:
+        """Record that `holder` has the block in `tier`; False if it already did."""
+        slot = self._slot(holder, tier)
+        key = tag + hash_key(block)
+        mask = self._entries.get(key, 0)
+        bit = 1 << slot
+        if mask & bit:
+            return False
+        self._entries[key] = mask | bit
+        self._counts[slot] += 1
+        return True
+
+    def remove(self, tag: bytes, block: BlockHash, holder: str, tier: CacheTier | str) -> bool:
+        """Forget one residency; False if it was not recorded."""
+        if holder not in self._holder_no:
+            return False
+        slot = self._slot(holder, tier)
+        key = tag + hash_key(block)
+        mask = self._entries.get(key, 0)
+        bit = 1 << slot
+        if not mask & bit:
+            return False
+        mask ^= bit
+        if mask:
+            self._entries[key] = mask
+        else:
+            del self._entries[key]
+        self._counts[slot] -= 1
+        return True
+
+    def clear_holder(self, holder: str, tier: CacheTier | str | None = None) -> int:
+        """Drop every residency of `holder` (in one tier, or all); returns how many went.
+
+        A full scan: used when an engine clears its cache or a member dies.
+        """
+        if holder not in self._holder_no:
+            return 0
+        bits = (1 << self._slot(holder, tier)) if tier is not None else self.holder_bits(holder)
+        keep = ~bits
+        dropped = 0
+        entries = self._entries
+        for key, mask in list(entries.items()):
+            if mask & bits:
+                dropped += (mask & bits).bit_count()
+                mask &= keep
+                if mask:
+                    entries[key] = mask
+                else:
+                    del entries[key]
+        base = self._holder_no[holder] * 4
+        for slot in range(base, base + 4):
+            if bits >> slot & 1:
+                self._counts[slot] = 0
+        return dropped
+
+    # -- queries --------------------------------------------------------------
+    def masks(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[int]:
+        """The entry mask of each block, in order (0 where nobody holds it)."""
+        get = self._entries.get
+        return [get(tag + hash_key(b), 0) for b in blocks]
+
+    def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
+        """For each block, every (holder, tier) that has it."""
+        return [self.slots(m) for m in self.masks(tag, blocks)]
+
+    def prefix_lengths(self, tag: bytes, blocks: list[BlockHash]) -> dict[str, int]:
+        """For every holder with at least the first block: how many leading blocks it holds
+        consecutively, in any of its tiers."""
+        nibbles = 0
+        for no in range(len(self._holders)):
+            nibbles |= 1 << (4 * no)
+        running = -1
+        lengths: dict[str, int] = {}
+        prev = 0
+        for i, mask in enumerate(self.masks(tag, blocks)):
+            present = (mask | mask >> 1 | mask >> 2 | mask >> 3) & nibbles
+            now = (running & present) if i else present
+            for slot in self._bits(prev & ~now):
+                lengths[self._holders[slot >> 2]] = i
+            running, prev = now, now
+            if not now:
+                break
+        else:
+            for slot in self._bits(prev):
+                lengths[self._holders[slot >> 2]] = len(blocks)
+        return lengths
+
+    @staticmethod
+    def _bits(mask: int) -> Iterable[int]:
+        while mask > 0:
+            low = mask & -mask
+            yield low.bit_length() - 1
+            mask ^= low
+
+    # -- sizes ----------------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of (scope, block) entries."""
+        return len(self._entries)
+
+    def count(self, holder: str, tier: CacheTier | str) -> int:
+        """How many blocks `holder` has in `tier`."""
+        if holder not in self._holder_no:
+            return 0
+        return self._counts[self._slot(holder, tier)]
+
+    def holders(self) -> list[str]:
+        return list(self._holders)
