@@ -1,0 +1,123 @@
+"""The Dynamo-style cost function: which engine recomputes the least.
+
+For each eligible engine (same model as the request) the overlap is the
+longest run of leading blocks it can reuse, each credited by where it is:
+1.0 in the engine's own HBM, 0.75 in host memory (the engine's CPU tier or
+this pool's DRAM), 0.25 on this pool's SSD. Then
+
+    cost = prefill_load_scale * max(0, prefill_blocks - credit)
+           + decode_blocks + active_request_weight * in_flight
+
+and the lowest cost wins, or a softmax draw over -cost / temperature when a
+temperature is set. The per-block plan says, for the winner, which blocks are
+hits on the engine, which are fetched from which pool node and tier, and which
+are recomputed. Pure: the caller supplies the index, engines and load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from quilld.index.residency import TIERS, ResidencyIndex
+from quilld.model import CacheTier
+
+_HBM, _CPU, _DRAM, _SSD = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD))
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    prefill_load_scale: float = 1.0
+    active_request_weight: float = 1.0
+    temperature: float = 0.0  # 0: always the cheapest; > 0: softmax draw
+    hbm_credit: float = 1.0
+    host_credit: float = 0.75
+    disk_credit: float = 0.25
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine: str
+    overlap_blocks: int
+    credit: float
+    cost: float
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """What happens to one block on the chosen engine."""
+
+    action: str  # "hit" (already on the engine), "fetch" (from a pool node), "recompute"
+    holder: str | None = None
+    tier: CacheTier | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    engine: str | None
+    cost: float
+    candidates: list[Candidate] = field(default_factory=list)
+    plan: list[Step] = field(default_factory=list)
+
+
+def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: list[str],
+                 w: CostWeights) -> tuple[float, list[Step]]:
+    """Credit and plan of the leading blocks `engine` can reuse, stopping at the first gap."""
+    base = index.holder_bits(engine)
+    shift = (base & -base).bit_length() - 1 if base else -1
+    pool_bits = [(h, index.holder_bits(h)) for h in pool]
+    credit, steps = 0.0, []
+    for mask in masks:
+        own = (mask >> shift) & 0xF if shift >= 0 else 0
+        if own >> _HBM & 1:
+            credit += w.hbm_credit
+            steps.append(Step("hit", engine, CacheTier.HBM))
+            continue
+        if own >> _CPU & 1:
+            credit += w.host_credit
+            steps.append(Step("hit", engine, CacheTier.CPU))
+            continue
+        best = None
+        for holder, bits in pool_bits:
+            if not bits:
+                continue
+            nib = (mask & bits) >> ((bits & -bits).bit_length() - 1)
+            if nib >> _DRAM & 1:
+                best = (holder, CacheTier.DRAM)
+                break
+            if nib >> _SSD & 1 and best is None:
+                best = (holder, CacheTier.SSD)
+        if best is None:
+            break
+        credit += w.host_credit if best[1] is CacheTier.DRAM else w.disk_credit
+        steps.append(Step("fetch", best[0], best[1]))
+    return credit, steps
+
+
+def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], pool: list[str],
+           in_flight: dict[str, int], decode_blocks: float = 0.0, weights: CostWeights = CostWeights(),
+           rng: random.Random | None = None) -> Decision:
+    """Score every engine in `engines` (already filtered to the request's model)."""
+    if not engines:
+        return Decision(None, math.inf)
+    masks = index.masks(tag, blocks)
+    n = len(blocks)
+    scored = []
+    for engine in engines:
+        credit, steps = _engine_walk(index, masks, engine, pool, weights)
+        load = in_flight.get(engine, 0)
+        cost = (weights.prefill_load_scale * max(0.0, n - credit) + decode_blocks
+                + weights.active_request_weight * load)
+        scored.append((Candidate(engine, len(steps), credit, cost, load), steps))
+    if weights.temperature > 0:
+        rng = rng or random.Random()
+        low = min(c.cost for c, _ in scored)
+        odds = [math.exp(-(c.cost - low) / weights.temperature) for c, _ in scored]
+        pick = rng.choices(range(len(scored)), weights=odds)[0]
+    else:
+        pick = min(range(len(scored)), key=lambda i: (scored[i][0].cost, scored[i][0].engine))
+    winner, steps = scored[pick]
+    plan = steps + [Step("recompute")] * (n - len(steps))
+    return Decision(winner.engine, winner.cost, [c for c, _ in scored], plan)
