@@ -159,3 +159,13 @@ def raw_exchange(port: int, payload: bytes, expect_close: bool = False, timeout:
                 break
             chunks.append(data)
         return b"".join(chunks)
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
+    """Poll `predicate` until it is truthy or `timeout` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)

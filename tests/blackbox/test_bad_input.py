@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from conftest import raw_exchange, start_quilld, stop_process
+from conftest import raw_exchange, start_quilld, stop_process, wait_until
 
 MiB = 1024 * 1024
 WRONGPASS = b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"
@@ -57,16 +57,6 @@ def exchange_until_close(port: int, payload: bytes, timeout: float = 3.0,
                 return b"".join(chunks), True
             chunks.append(data)
         return b"".join(chunks), False
-
-
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
-    """Poll `predicate` until it is truthy or `timeout` passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
 
 
 def arena(r: redis.Redis) -> tuple[int, int]:

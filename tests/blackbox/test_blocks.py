@@ -15,7 +15,7 @@ import crc32c
 import pytest
 import redis
 
-from conftest import raw_exchange, start_quilld, stop_process
+from conftest import raw_exchange, start_quilld, stop_process, wait_until
 
 MiB = 1024 * 1024
 
@@ -49,15 +49,6 @@ def stats(c: redis.Redis) -> dict:
 
 def tiers(c: redis.Redis) -> dict:
     return c.info("tiers")
-
-
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
 
 
 def put(c: redis.Redis, key: str, data: bytes, chunk: int = MiB) -> None:
