@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import require_tool
+from conftest import require_tool
 
 RUN_TIMEOUT = 30.0
 BENCH_RE = re.compile(r"(?:^|[\r\n])\s*(SET|GET): ([0-9.]+) requests per second")
