@@ -10,7 +10,7 @@ import signal
 import sys
 
 from quilld import __version__
-from quilld.config import load, parse_size
+from quilld.config import load
 from quilld.errors import ConfigError
 
 log = logging.getLogger("quilld")
@@ -53,7 +53,7 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     put("server", "port", a.port)
     put("server", "node_id", a.node_id)
     put("admin", "port", a.admin_port)
-    put("dram", "size", parse_size(a.dram) if a.dram is not None else None)
+    put("dram", "size", a.dram)
     put("security", "requirepass", a.requirepass)
     put("security", "users_file", a.users_file)
     return out
