@@ -40,20 +40,8 @@ class WrongPass(QuillError):
     prefix = "WRONGPASS"
 
 
-class NoPerm(QuillError):
-    prefix = "NOPERM"
-
-
 class OutOfMemory(QuillError):
     prefix = "OOM"
-
-
-class NotFound(QuillError):
-    prefix = "NOTFOUND"
-
-
-class Exists(QuillError):
-    prefix = "EXISTS"
 
 
 class NoHandle(QuillError):

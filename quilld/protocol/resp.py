@@ -478,7 +478,6 @@ OK = Status(b"OK")
 PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"
 NULL3 = b"_\r\n"
-NULL_ARRAY2 = b"*-1\r\n"
 
 
 def encode_error(err: QuillError) -> bytes:
