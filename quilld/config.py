@@ -73,12 +73,39 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    prefill_load_scale: float = 1.0
+    active_request_weight: float = 1.0
+    temperature: float = 0.0  # 0: always the cheapest engine; > 0: softmax draw
+    lease_timeout_ms: int = 60_000  # an ACQUIREd request not RELEASEd by then stops counting
+
+
+ENGINE_KINDS = ("vllm", "sglang", "other")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    id: str = ""
+    kind: str = "vllm"
+    url: str = ""
+    model: str = ""
+    tokenizer: str = ""
+    tenant: str = "default"  # the identity its cached blocks belong to (KV events carry none)
+    locality: str = ""
+    kv_events: str = ""  # vLLM's ZMQ publisher, e.g. tcp://10.0.0.5:5557; empty: no subscription
+    replay: str = ""  # vLLM's ZMQ replay (ROUTER) endpoint; empty: a gap clears the engine
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     blocks: BlocksConfig = field(default_factory=BlocksConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    engines: tuple[EngineConfig, ...] = ()
 
     def validate(self) -> "Config":
         s, d = self.server, self.dram
@@ -95,6 +122,14 @@ class Config:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
             raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        seen = set()
+        for e in self.engines:
+            validate_engine(e)
+            if e.id in seen:
+                raise ConfigError(f"engines: duplicate id {e.id!r}")
+            seen.add(e.id)
+        if self.router.temperature < 0 or self.router.lease_timeout_ms <= 0:
+            raise ConfigError("router: temperature must be >= 0 and lease_timeout_ms > 0")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:
@@ -104,6 +139,28 @@ class Config:
             if out[section][key]:
                 out[section][key] = "***"
         return out
+
+
+def validate_engine(e: EngineConfig) -> EngineConfig:
+    """Check one engine's fields (from the config file or the admin API)."""
+    if not e.id or not e.model or not e.url:
+        raise ConfigError("an engine needs an id, a model and a url")
+    if e.kind not in ENGINE_KINDS:
+        raise ConfigError(f"engine {e.id}: kind must be one of {', '.join(ENGINE_KINDS)}")
+    if e.block_size <= 0:
+        raise ConfigError(f"engine {e.id}: block_size must be positive")
+    return e
+
+
+def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
+    """An EngineConfig from a table of the config file or a JSON body."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{origin}: an engine must be a table")
+    types = _types(EngineConfig)
+    unknown = set(data) - set(types)
+    if unknown:
+        raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}")
+    return validate_engine(EngineConfig(**{k: _coerce("engines", k, types[k], v) for k, v in data.items()}))
 
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
@@ -149,6 +206,12 @@ def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -
     for section, values in updates.items():
         if section not in sections:
             raise ConfigError(f"{origin}: unknown section [{section}]")
+        if section == "engines":
+            if not isinstance(values, list):
+                raise ConfigError(f"{origin}: engines are [[engines]] tables")
+            engines = tuple(engine_from(v, f"{origin}: engines[{i}]") for i, v in enumerate(values))
+            cfg = replace(cfg, engines=engines)
+            continue
         if not isinstance(values, Mapping):
             raise ConfigError(f"{origin}: [{section}] must be a table")
         current = getattr(cfg, section)
@@ -163,7 +226,8 @@ def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    known = {f.name: _types(f.default_factory().__class__) for f in fields(Config)}  # type: ignore[misc]
+    known = {f.name: _types(f.default_factory().__class__) for f in fields(Config)  # type: ignore[misc]
+             if f.name != "engines"}
     out: dict[str, dict[str, str]] = {}
     for name, value in environ.items():
         if not name.startswith("QUILLD_"):

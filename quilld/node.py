@@ -20,6 +20,7 @@ from quilld.commands import build_table
 from quilld.commands.blocks import large_target, release_args
 from quilld.commands.connection import REDIS_VERSION
 from quilld.config import Config
+from quilld.control import ControlPlane
 from quilld.index.guard import ScopeRegistry
 from quilld.protocol.server import RespConnection
 from quilld.security import Users
@@ -57,6 +58,7 @@ class Node:
         self.scopes = ScopeRegistry()
         self.store = Store(cfg.dram, self.scopes)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
+        self.control = ControlPlane(cfg, self.scopes)
         self.table = build_table()
         self.connections: dict[int, RespConnection] = {}
         self.sessions: dict[int, Any] = {}
@@ -86,6 +88,7 @@ class Node:
 
             self._admin = AdminServer(self)
             self.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
+        await self.control.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s",
                  __version__, self.node_id, s.bind, self.port,
@@ -107,6 +110,7 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._admin is not None:
             await self._admin.stop()
+        await self.control.stop()
         self.puts.close()
         self.store.close()
         self._server = None
@@ -122,6 +126,7 @@ class Node:
             try:
                 self.store.sweep_expired()
                 self.puts.reclaim_expired()
+                self.control.housekeeping()
                 if self._draining:
                     waiting, self._draining = self._draining, set()
                     for conn in waiting:
@@ -180,6 +185,10 @@ class Node:
             out[f"guard_refusals_{reason}"] = self.scopes.refusals[reason]
         out.update(put2phase_open=len(puts.open), put2phase_committed=puts.committed,
                    put2phase_aborted=puts.aborted, put2phase_expired=puts.expired)
+        ctl = self.control
+        out.update(kv_batches=ctl.stats["kv_batches"], kv_events=ctl.stats["kv_events"],
+                   kv_malformed=ctl.stats["kv_malformed"], kv_gaps=ctl.stats["kv_gaps"],
+                   routes=ctl.stats["routes"], engine_leases_expired=ctl.engines.expired_leases)
         return out
 
     def tier_stats(self) -> dict[str, Any]:
@@ -200,6 +209,8 @@ class Node:
             "dram_high_watermark": self.cfg.dram.high_watermark,
             "dram_low_watermark": self.cfg.dram.low_watermark,
             "dram_inline_max": st.inline_max,
+            "engines": len(self.control.engines.engines),
+            "engine_residencies": len(self.control.index),
         }
 
     def info_sections(self, session: Any, names: list[str]) -> list[tuple[str, list[tuple[str, Any]]]]:

@@ -128,17 +128,26 @@ def cmd_getblk(c, args):
     return reply_value(c.store, c.store.lookup(c.tag, args[1]))
 
 
+def _engine_hash(key: bytes) -> int | bytes:
+    """A LOCATE key as an engine block hash: decimal digits are an int hash, else raw bytes."""
+    k = bytes(key)
+    return int(k) if k.lstrip(b"-").isdigit() and len(k) < 21 else k
+
+
 def cmd_locate(c, args):
-    store, node_id = c.store, c.node.node_id
+    store, node_id, index = c.store, c.node.node_id, c.node.control.index
     out = []
     for key in args[1:]:
+        places = []
         value = store.data.get(c.tag + key) if store.contains(c.tag, key) else None
-        if value is None:
-            out.append([])
-            continue
-        last = int(value.last_access * 1000) if type(value) is Block else None
-        out.append([{b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
-                     b"bytes": len(value), b"last_access_ms": last}])
+        if value is not None:
+            last = int(value.last_access * 1000) if type(value) is Block else None
+            places.append({b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
+                           b"bytes": len(value), b"last_access_ms": last})
+        for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]:
+            places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,
+                           b"last_access_ms": None})
+        out.append(places)
     return out
 
 

@@ -128,6 +128,10 @@ class ResidencyIndex:
         get = self._entries.get
         return [get(tag + hash_key(b), 0) for b in blocks]
 
+    def has(self, key: bytes) -> bool:
+        """Whether a stored key (scope tag + hash key) has any residency."""
+        return key in self._entries
+
     def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
         """For each block, every (holder, tier) that has it."""
         return [self.slots(m) for m in self.masks(tag, blocks)]

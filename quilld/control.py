@@ -1,0 +1,138 @@
+"""The control plane: engines, their KV-event residencies, hot prefixes and routing.
+
+Identity: an engine's cached blocks are recorded under the scope (engine's
+tenant, model, tokenizer, LoRA name from the event). A ROUTE request is scored
+only against residencies of its own full scope, so a block cached for one
+identity never earns credit for another; a request whose first block exists
+only under another scope is counted as a guard refusal.
+
+Block hashes given as token ids are chained here with xxhash (each block's hash
+covers the previous hash and its tokens), so equal prefixes give equal leading
+hashes. They match what quilld's own clients and gateway send, not vLLM's
+internal hashes; engines' events carry vLLM's hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import xxhash
+
+from quilld.config import Config
+from quilld.index.engines import EngineRegistry
+from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
+from quilld.index.guard import ScopeRegistry
+from quilld.index.residency import ResidencyIndex, hash_key
+from quilld.index.router import CostWeights, choose
+from quilld.index.sketch import HotPrefixes
+from quilld.model import IdentityScope
+
+log = logging.getLogger("quilld.control")
+
+
+def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """Prefix-preserving block hashes of the full blocks of `tokens`."""
+    out, prev = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = xxhash.xxh64(prev)
+        h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens[start:start + block_size]))
+        value = h.intdigest()
+        out.append(value)
+        prev = value.to_bytes(8, "big")
+    return out
+
+
+class ControlPlane:
+    def __init__(self, cfg: Config, scopes: ScopeRegistry) -> None:
+        self.scopes = scopes
+        self.index = ResidencyIndex()
+        self.engines = EngineRegistry(cfg.engines, cfg.router.lease_timeout_ms)
+        self.hot = HotPrefixes()
+        r = cfg.router
+        self.weights = CostWeights(prefill_load_scale=r.prefill_load_scale,
+                                   active_request_weight=r.active_request_weight, temperature=r.temperature)
+        self.affinity: dict[str, str] = {}  # session id -> engine id
+        self.stats: Counter[str] = Counter()
+        self._subscribers: list[Any] = []
+
+    # -- engine events --------------------------------------------------------
+    def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
+        e = self.engines.get(engine_id)
+        return self.scopes.tag(IdentityScope(e.tenant, e.model, e.tokenizer, adapter or ""))
+
+    def apply(self, engine_id: str, batch: Batch) -> int:
+        """Apply one decoded batch of `engine_id`'s events; returns the events applied."""
+        index = self.index
+        for ev in batch.events:
+            if type(ev) is Stored:
+                tag, tier = self.engine_tag(engine_id, ev.lora_name), medium_tier(ev.medium)
+                for h in ev.block_hashes:
+                    index.put(tag, h, engine_id, tier)
+            elif type(ev) is Removed:
+                tier = medium_tier(ev.medium)
+                for tag in self._engine_tags(engine_id):
+                    for h in ev.block_hashes:
+                        index.remove(tag, h, engine_id, tier)
+            elif type(ev) is Cleared:
+                index.clear_holder(engine_id)
+        self.stats["kv_batches"] += 1
+        self.stats["kv_events"] += len(batch.events)
+        return len(batch.events)
+
+    def _engine_tags(self, engine_id: str) -> list[bytes]:
+        e = self.engines.get(engine_id)
+        return [tag for scope, tag in self.scopes._tags.items()  # noqa: SLF001
+                if (scope.tenant, scope.model, scope.tokenizer) == (e.tenant, e.model, e.tokenizer)]
+
+    def on_gap(self, engine_id: str, missing: int) -> None:
+        """Events were lost: what we know of this engine may be wrong, so forget it."""
+        dropped = self.index.clear_holder(engine_id)
+        self.stats["kv_gaps"] += 1
+        log.warning("engine %s: %d KV events lost, dropped its %d residencies", engine_id, missing, dropped)
+
+    # -- routing ----------------------------------------------------------------
+    def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
+              session: str | None = None, acquire: bool = False) -> dict[str, Any]:
+        engines = [e.id for e in self.engines.for_model(scope.model)]
+        if blocks:
+            self.hot.add(hash_key(blocks[0]))
+        if session and self.affinity.get(session) in engines:
+            engines_considered = [self.affinity[session]]
+        else:
+            engines_considered = engines
+        decision = choose(self.index, tag, blocks, engines_considered, [], dict(self.engines.in_flight),
+                          decode_blocks, self.weights)
+        if blocks and not any(c.overlap_blocks for c in decision.candidates):
+            self.scopes.audit_miss(tag, hash_key(blocks[0]), self.index.has)
+        self.stats["routes"] += 1
+        out: dict[str, Any] = {"engine": decision.engine, "cost": decision.cost,
+                               "candidates": decision.candidates, "plan": decision.plan}
+        if decision.engine is not None:
+            engine = self.engines.get(decision.engine)
+            out["url"] = engine.url
+            if session:
+                self.affinity[session] = engine.id
+            if acquire:
+                out["lease"] = self.engines.acquire(engine.id)
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Subscribe to every engine that names a KV-event endpoint."""
+        from quilld.index.subscriber import KvEventSubscriber
+
+        for e in self.engines.engines.values():
+            if e.kv_events:
+                sub = KvEventSubscriber(e.id, e.kv_events, self.apply, self.on_gap, e.replay or None)
+                await sub.start()
+                self._subscribers.append(sub)
+
+    async def stop(self) -> None:
+        for sub in self._subscribers:
+            await sub.stop()
+        self._subscribers.clear()
+
+    def housekeeping(self) -> None:
+        self.engines.expire()

@@ -1,0 +1,156 @@
+"""ROUTE, KVEVENTS and engine residencies against a real quilld with configured engines."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import pytest
+import redis
+import zmq
+
+from conftest import free_port, wait_until
+
+ENGINES = """
+[[engines]]
+id = "e1"
+url = "http://127.0.0.1:9001"
+model = "m"
+
+[[engines]]
+id = "e2"
+url = "http://127.0.0.1:9002"
+model = "m"
+
+[[engines]]
+id = "other"
+url = "http://127.0.0.1:9003"
+model = "not-m"
+"""
+
+
+def stored(hashes, medium="GPU", lora=None):
+    ev = {"type": "block_stored", "block_hashes": hashes, "block_size": 16}
+    if medium:
+        ev["medium"] = medium
+    if lora:
+        ev["lora_name"] = lora
+    return ev
+
+
+@pytest.fixture
+def routed(quilld_factory, tmp_path):
+    conf = tmp_path / "engines.toml"
+    conf.write_text(ENGINES)
+    q = quilld_factory("--config", str(conf))
+    r = q.client(protocol=2, decode_responses=False)
+    assert r.execute_command("SCOPE", "m", "") == b"OK"
+    return q, r
+
+
+def route(r, **req):
+    reply = r.execute_command("ROUTE", json.dumps(req))
+    return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
+
+
+def test_the_engine_holding_the_prefix_wins_and_the_plan_says_why(routed):
+    q, r = routed
+    assert r.execute_command("KVEVENTS", "e2", json.dumps({"events": [stored(list(range(1, 7)))]})) == 1
+    d = route(r, blocks=list(range(1, 9)))
+    assert d["engine"] == b"e2" and d["url"] == b"http://127.0.0.1:9002"
+    assert d["plan"] == [b"hit:e2:hbm"] * 6 + [b"recompute"] * 2
+    assert float(d["cost"]) == 2.0
+    engines = {c[1] for c in d["candidates"]}
+    assert engines == {b"e1", b"e2"}  # never the engine of another model
+    located = r.execute_command("LOCATE", "3")
+    assert located[0][0][1] == b"e2" and located[0][0][3] == b"hbm"
+
+
+def test_cpu_tier_credits_less_than_hbm_and_removal_and_clear_work(routed):
+    q, r = routed
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([1, 2, 3, 4], medium="CPU")]}))
+    r.execute_command("KVEVENTS", "e2", json.dumps({"events": [stored([1, 2, 3, 4])]}))
+    d = route(r, blocks=[1, 2, 3, 4])
+    credits = {c[1]: float(c[5]) for c in d["candidates"]}
+    assert credits == {b"e1": 3.0, b"e2": 4.0}
+    r.execute_command("KVEVENTS", "e2", json.dumps({"events": [{"type": "block_removed", "block_hashes": [1]}]}))
+    assert route(r, blocks=[1, 2, 3, 4])["engine"] == b"e1"
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [{"type": "all_blocks_cleared"}]}))
+    d = route(r, blocks=[1, 2, 3, 4])
+    assert all(float(c[5]) == 0.0 for c in d["candidates"])
+
+
+def test_acquired_requests_spread_a_burst_and_release_frees_them(routed):
+    q, r = routed
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([7, 8])]}))
+    leases, chosen = [], []
+    for _ in range(8):
+        d = route(r, blocks=[7, 8, 9, 10], acquire=True)
+        chosen.append(d["engine"])
+        leases.append(d["lease"])
+    assert set(chosen) == {b"e1", b"e2"}
+    assert all(r.execute_command("RELEASE", lease) == 1 for lease in leases)
+    assert r.execute_command("RELEASE", leases[0]) == 0
+    assert route(r, blocks=[7, 8, 9, 10])["engine"] == b"e1"
+
+
+def test_no_reuse_across_identities_and_refusals_are_counted(routed, quilld_factory):
+    q, r = routed
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([100, 101, 102], lora="adapter-x")]}))
+    before = r.info("stats")["guard_refusals"]
+    d = route(r, blocks=[100, 101, 102])  # scope m, no adapter: the adapter-x blocks do not count
+    assert all(float(c[5]) == 0.0 for c in d["candidates"])
+    assert r.info("stats")["guard_refusals"] == before + 1
+    assert r.info("stats")["guard_refusals_cross_adapter"] >= 1
+    r.execute_command("SCOPE", "m", "", "adapter-x")
+    assert route(r, blocks=[100, 101, 102])["engine"] == b"e1"
+
+
+def test_tokens_are_hashed_into_prefix_preserving_blocks(routed):
+    q, r = routed
+    a = route(r, tokens=list(range(64)), block_size=16)
+    assert len(a["plan"]) == 4
+    with pytest.raises(redis.ResponseError, match="unknown field"):
+        route(r, blox=[1])
+    with pytest.raises(redis.ResponseError, match="malformed KV event"):
+        r.execute_command("KVEVENTS", "e1", "{not json")
+    with pytest.raises(redis.ResponseError, match="no engine"):
+        r.execute_command("KVEVENTS", "nope", json.dumps({"events": []}))
+    assert r.info("stats")["kv_malformed"] == 1
+
+
+def test_a_real_zmq_publisher_feeds_the_index(quilld_factory, tmp_path):
+    port = free_port()
+    conf = tmp_path / "zmq.toml"
+    conf.write_text(f"""
+[[engines]]
+id = "live"
+url = "http://127.0.0.1:9100"
+model = "m"
+kv_events = "tcp://127.0.0.1:{port}"
+""")
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        q = quilld_factory("--config", str(conf))
+        r = q.client(protocol=2)
+        r.execute_command("SCOPE", "m", "")
+        payload = msgpack.packb([time.time(), [["BlockStored", [11, 12, 13], None, list(range(48)), 16, None,
+                                                 "GPU"]], 0])
+        seq = 0
+
+        def delivered() -> bool:
+            nonlocal seq
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            return r.info("stats")["kv_batches"] > 0
+
+        assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
+        d = route(r, blocks=[11, 12, 13])
+        assert d["engine"] == b"live" and d["plan"] == [b"hit:live:hbm"] * 3
+    finally:
+        pub.close()
+        ctx.term()
