@@ -209,8 +209,6 @@ class Node:
             "dram_high_watermark": self.cfg.dram.high_watermark,
             "dram_low_watermark": self.cfg.dram.low_watermark,
             "dram_inline_max": st.inline_max,
-            "engines": len(self.control.engines.engines),
-            "engine_residencies": len(self.control.index),
         }
 
     def info_sections(self, session: Any, names: list[str]) -> list[tuple[str, list[tuple[str, Any]]]]:
@@ -239,9 +237,18 @@ class Node:
                 ("second_repl_offset", -1), ("repl_backlog_active", 0), ("repl_backlog_size", 0),
                 ("repl_backlog_first_byte_offset", 0), ("repl_backlog_histlen", 0)],
             "tiers": lambda: list(self.tier_stats().items()),
+            "router": lambda: self._router_info(),
             "keyspace": lambda: self._keyspace(session),
         }
         return [(name.capitalize(), build[name]()) for name in names]
+
+    def _router_info(self) -> list[tuple[str, Any]]:
+        ctl = self.control
+        top = ",".join(f"{key.hex()}:{n}" for key, n in ctl.hot.top(5))
+        return [("engines", len(ctl.engines.engines)), ("engine_residencies", len(ctl.index)),
+                ("in_flight", sum(ctl.engines.in_flight.values())), ("routes", ctl.stats["routes"]),
+                ("kv_batches", ctl.stats["kv_batches"]), ("kv_gaps", ctl.stats["kv_gaps"]),
+                ("hot_prefixes", top)]
 
     def _keyspace(self, session: Any) -> list[tuple[str, Any]]:
         keys = self.store.keys_in(session.tag)

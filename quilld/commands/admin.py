@@ -9,7 +9,7 @@ from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Verbatim
 from quilld.protocol.table import Command, CommandTable
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "keyspace")
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "router", "keyspace")
 
 
 def cmd_info(c, args):

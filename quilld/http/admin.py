@@ -6,12 +6,18 @@ Routes live in one table; the node is kept in a typed AppKey. With
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from typing import Any
 
 from aiohttp import web
 
 from quilld import __version__
+from quilld.commands.route import route_request
+from quilld.config import engine_from
+from quilld.errors import QuillError
+from quilld.index.events import decode_json
+from quilld.model import IdentityScope
 
 NODE: web.AppKey[Any] = web.AppKey("node", object)
 
@@ -86,11 +92,110 @@ async def config(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].cfg.redacted())
 
 
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text='{"error": "the body is not JSON"}', content_type="application/json")
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    control = request.app[NODE].control
+    return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id]}
+                                          for e in control.engines.engines.values()]})
+
+
+async def add_engine(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    try:
+        engine = engine_from(await _body(request), "engine")
+    except QuillError as e:
+        return _json_error(400, e.message)
+    new = node.control.engines.add(engine)
+    return web.json_response(dataclasses.asdict(engine), status=201 if new else 200)
+
+
+async def delete_engine(request: web.Request) -> web.Response:
+    control = request.app[NODE].control
+    engine_id = request.match_info["engine_id"]
+    try:
+        control.engines.remove(engine_id)
+    except QuillError as e:
+        return _json_error(404, e.message)
+    dropped = control.index.clear_holder(engine_id)
+    return web.json_response({"removed": engine_id, "residencies_dropped": dropped})
+
+
+async def route(request: web.Request) -> web.Response:
+    """POST /v1/route: {tenant?, model, tokenizer?, adapter?, blocks | tokens + block_size, ...}.
+
+    The tenant is that of the admin caller's choosing: the admin API is an operator surface.
+    """
+    node = request.app[NODE]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        return _json_error(400, "the body must be a JSON object")
+    ident = {k: body.pop(k) for k in ("tenant", "model", "tokenizer", "adapter") if k in body}
+    if not isinstance(ident.get("model"), str):
+        return _json_error(400, "model is required")
+    scope = IdentityScope(str(ident.get("tenant", "default")), ident["model"], str(ident.get("tokenizer", "")),
+                          str(ident.get("adapter", "")))
+    caller = _Caller(scope, node.scopes.tag(scope))
+    try:
+        d = route_request(node.control, caller, body)
+    except QuillError as e:
+        return _json_error(400, e.message)
+    if d["engine"] is None:
+        return _json_error(503, f"no engine serves model {scope.model!r}")
+    return web.json_response({
+        "engine": d["engine"], "url": d["url"], "cost": d["cost"], "lease": d.get("lease"),
+        "candidates": [dataclasses.asdict(c) for c in d["candidates"]],
+        "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
+                 for s in d["plan"]]})
+
+
+async def kv_events(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    raw = await request.read()
+    try:
+        batch = decode_json(raw)
+        engine_id = batch.engine_id or request.query.get("engine_id", "")
+        node.control.engines.get(engine_id)
+    except QuillError as e:
+        node.control.stats["kv_malformed"] += 1
+        return _json_error(400, e.message)
+    return web.json_response({"engine_id": engine_id, "applied": node.control.apply(engine_id, batch)})
+
+
+async def hot(request: web.Request) -> web.Response:
+    sketch = request.app[NODE].control.hot
+    return web.json_response({"total": sketch.total,
+                              "top": [{"block": key.hex(), "count": n} for key, n in sketch.top(20)]})
+
+
+class _Caller:
+    """The identity an admin-API route request speaks for."""
+
+    def __init__(self, scope: IdentityScope, tag: bytes) -> None:
+        self.scope = scope
+        self.tag = tag
+
+
 ROUTES = [
     ("GET", "/healthz", healthz),
     ("GET", "/v1/stats", stats),
     ("GET", "/metrics", metrics),
     ("GET", "/v1/config", config),
+    ("GET", "/v1/engines", list_engines),
+    ("POST", "/v1/engines", add_engine),
+    ("DELETE", "/v1/engines/{engine_id}", delete_engine),
+    ("POST", "/v1/route", route),
+    ("POST", "/v1/kv-events", kv_events),
+    ("GET", "/v1/hot", hot),
 ]
 
 

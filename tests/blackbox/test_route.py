@@ -154,3 +154,42 @@ kv_events = "tcp://127.0.0.1:{port}"
     finally:
         pub.close()
         ctx.term()
+
+
+def test_admin_api_engines_route_events_and_hot(routed):
+    import urllib.error
+    import urllib.request
+
+    q, r = routed
+    base = f"http://127.0.0.1:{q.admin_port}"
+
+    def call(method, path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = call("POST", "/v1/engines", {"id": "e4", "url": "http://127.0.0.1:9004", "model": "m"})
+    assert status == 201 and body["id"] == "e4"
+    assert call("POST", "/v1/engines", {"id": "bad"})[0] == 400
+    assert {e["id"] for e in call("GET", "/v1/engines")[1]["engines"]} == {"e1", "e2", "other", "e4"}
+    status, body = call("POST", "/v1/kv-events", {"engine_id": "e4", "events": [stored([5, 6, 7])]})
+    assert (status, body["applied"]) == (200, 1)
+    assert call("POST", "/v1/kv-events", {"engine_id": "e4", "events": [{"type": "nope"}]})[0] == 400
+    status, body = call("POST", "/v1/route", {"model": "m", "blocks": [5, 6, 7, 8]})
+    assert status == 200 and body["engine"] == "e4"
+    assert [s["action"] for s in body["plan"]] == ["hit", "hit", "hit", "recompute"]
+    assert call("POST", "/v1/route", {"model": "nobody-serves-this", "blocks": [1]})[0] == 503
+    assert call("POST", "/v1/route", {"blocks": [1]})[0] == 400
+    assert route(r, blocks=[5, 6, 7])["engine"] == b"e4"  # the RESP side sees the same index
+    status, body = call("DELETE", "/v1/engines/e4")
+    assert status == 200 and body["residencies_dropped"] == 3
+    assert call("DELETE", "/v1/engines/e4")[0] == 404
+    hot = call("GET", "/v1/hot")[1]
+    assert hot["total"] >= 2 and hot["top"][0]["count"] >= 1
+    info = r.info("router")
+    assert info["engines"] == 3 and info["routes"] >= 2
