@@ -153,7 +153,7 @@ async def route(request: web.Request) -> web.Response:
         return _json_error(503, f"no engine serves model {scope.model!r}")
     return web.json_response({
         "engine": d["engine"], "url": d["url"], "cost": d["cost"], "lease": d.get("lease"),
-        "candidates": [dataclasses.asdict(c) for c in d["candidates"]],
+        "candidates": [c._asdict() for c in d["candidates"]],
         "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
                  for s in d["plan"]]})
 

@@ -126,7 +126,8 @@ class ResidencyIndex:
     def masks(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[int]:
         """The entry mask of each block, in order (0 where nobody holds it)."""
         get = self._entries.get
-        return [get(tag + hash_key(b), 0) for b in blocks]
+        return [get(tag + ((b & _U64).to_bytes(8, "big") if b.__class__ is int else hash_key(b)), 0)
+                for b in blocks]
 
     def has(self, key: bytes) -> bool:
         """Whether a stored key (scope tag + hash key) has any residency."""

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from quilld.index.residency import TIERS, ResidencyIndex
 from quilld.model import CacheTier
 
 _HBM, _CPU, _DRAM, _SSD = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD))
+_HBM_BIT, _CPU_BIT = 1 << _HBM, 1 << _CPU
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,7 @@ class CostWeights:
     disk_credit: float = 0.25
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     engine: str
     overlap_blocks: int
     credit: float
@@ -45,8 +46,7 @@ class Candidate:
     in_flight: int
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """What happens to one block on the chosen engine."""
 
     action: str  # "hit" (already on the engine), "fetch" (from a pool node), "recompute"
@@ -54,12 +54,14 @@ class Step:
     tier: CacheTier | None = None
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     engine: str | None
     cost: float
-    candidates: list[Candidate] = field(default_factory=list)
-    plan: list[Step] = field(default_factory=list)
+    candidates: list[Candidate] = []
+    plan: list[Step] = []
+
+
+RECOMPUTE = Step("recompute")
 
 
 def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: list[str],
@@ -67,18 +69,21 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
     """Credit and plan of the leading blocks `engine` can reuse, stopping at the first gap."""
     base = index.holder_bits(engine)
     shift = (base & -base).bit_length() - 1 if base else -1
-    pool_bits = [(h, index.holder_bits(h)) for h in pool]
+    pool_bits = [(h, b) for h in pool if (b := index.holder_bits(h))]
     credit, steps = 0.0, []
+    hit_hbm, hit_cpu = Step("hit", engine, CacheTier.HBM), Step("hit", engine, CacheTier.CPU)
     for mask in masks:
         own = (mask >> shift) & 0xF if shift >= 0 else 0
-        if own >> _HBM & 1:
+        if own & _HBM_BIT:
             credit += w.hbm_credit
-            steps.append(Step("hit", engine, CacheTier.HBM))
+            steps.append(hit_hbm)
             continue
-        if own >> _CPU & 1:
+        if own & _CPU_BIT:
             credit += w.host_credit
-            steps.append(Step("hit", engine, CacheTier.CPU))
+            steps.append(hit_cpu)
             continue
+        if not pool_bits:
+            break
         best = None
         for holder, bits in pool_bits:
             if not bits:
@@ -105,8 +110,12 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
     masks = index.masks(tag, blocks)
     n = len(blocks)
     scored = []
+    first = masks[0] if masks else 0
     for engine in engines:
-        credit, steps = _engine_walk(index, masks, engine, pool, weights)
+        if pool or first & index.holder_bits(engine):
+            credit, steps = _engine_walk(index, masks, engine, pool, weights)
+        else:  # it lacks the first block and there is no pool to fetch from: nothing to reuse
+            credit, steps = 0.0, []
         load = in_flight.get(engine, 0)
         cost = (weights.prefill_load_scale * max(0.0, n - credit) + decode_blocks
                 + weights.active_request_weight * load)
@@ -119,5 +128,5 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
     else:
         pick = min(range(len(scored)), key=lambda i: (scored[i][0].cost, scored[i][0].engine))
     winner, steps = scored[pick]
-    plan = steps + [Step("recompute")] * (n - len(steps))
+    plan = steps + [RECOMPUTE] * (n - len(steps))
     return Decision(winner.engine, winner.cost, [c for c, _ in scored], plan)

@@ -193,3 +193,12 @@ def test_admin_api_engines_route_events_and_hot(routed):
     assert hot["total"] >= 2 and hot["top"][0]["count"] >= 1
     info = r.info("router")
     assert info["engines"] == 3 and info["routes"] >= 2
+
+
+def test_session_affinity_holds_while_its_engine_is_eligible(routed):
+    q, r = routed
+    r.execute_command("KVEVENTS", "e2", json.dumps({"events": [stored([30, 31])]}))
+    assert route(r, blocks=[30, 31, 32], session="chat-1")["engine"] == b"e2"
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([30, 31, 32], medium="GPU")]}))
+    assert route(r, blocks=[30, 31, 32])["engine"] == b"e1"  # hotter now, for a request without a session
+    assert route(r, blocks=[30, 31, 32], session="chat-1")["engine"] == b"e2"  # the session stays put

@@ -1,0 +1,200 @@
+"""ROUTE latency, index memory, guard overhead and the unsafe share of a naive cache.
+
+    python bench/route_bench.py             # 1M resident blocks, 16 engines, 32-block requests
+    python bench/route_bench.py --quick     # 100k blocks
+
+In-process: ControlPlane.route() directly. Over RESP: a real quilld, the same
+residencies loaded with KVEVENTS, ROUTE sent by redis-py on one connection.
+Guard overhead: the same requests with every engine and request in one shared
+identity (no guard can refuse anything) against one identity per tenant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from quilld.config import Config, EngineConfig  # noqa: E402
+from quilld.control import ControlPlane  # noqa: E402
+from quilld.index.events import Batch, Stored  # noqa: E402
+from quilld.index.guard import ScopeRegistry  # noqa: E402
+from quilld.model import IdentityScope  # noqa: E402
+
+ENGINES = 16
+REQUEST_BLOCKS = 32
+
+
+def build(blocks: int, tenants: list[str], seed: int = 1):
+    """A control plane whose engines hold `blocks` blocks as chains of 32, spread over tenants."""
+    engines = tuple(EngineConfig(id=f"e{i}", url=f"http://127.0.0.1:{9000 + i}", model="m",
+                                 tenant=tenants[i % len(tenants)]) for i in range(ENGINES))
+    control = ControlPlane(Config(engines=engines), ScopeRegistry())
+    rng = random.Random(seed)
+    chains = []
+    for c in range(blocks // REQUEST_BLOCKS):
+        chain = [rng.getrandbits(64) for _ in range(REQUEST_BLOCKS)]
+        chains.append(chain)
+        engine = f"e{c % ENGINES}"
+        keep = rng.randint(8, REQUEST_BLOCKS)
+        control.apply(engine, Batch(0.0, (Stored(tuple(chain[:keep]), None, (), 16, None, "GPU"),), None, None))
+    return control, chains
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def time_routes(control: ControlPlane, chains, tenants, n: int, rng: random.Random) -> list[float]:
+    scopes = [IdentityScope(t, "m") for t in tenants]
+    tags = [control.scopes.tag(s) for s in scopes]
+    out = []
+    for _ in range(n):
+        chain = rng.choice(chains)
+        i = rng.randrange(len(scopes))
+        t0 = time.perf_counter_ns()
+        control.route(scopes[i], tags[i], chain)
+        out.append((time.perf_counter_ns() - t0) / 1000)
+    return out
+
+
+def over_resp(chains, blocks_per_engine: dict, n: int) -> list[float]:
+    import redis
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import free_port, wait_port  # noqa: E402
+
+    port = free_port()
+    conf = Path(tempfile.mkdtemp()) / "engines.toml"
+    conf.write_text("".join(f'[[engines]]\nid = "e{i}"\nurl = "http://127.0.0.1:{9000 + i}"\nmodel = "m"\n\n'
+                            for i in range(ENGINES)))
+    proc = subprocess.Popen([sys.executable, "-m", "quilld", "--port", str(port), "--admin-port", "0",
+                             "--config", str(conf), "--log-level", "warning"],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc)
+        r = redis.Redis(port=port, protocol=2)
+        r.execute_command("SCOPE", "m", "")
+        for engine, hashes in blocks_per_engine.items():
+            for i in range(0, len(hashes), 4096):
+                ev = {"events": [{"type": "block_stored", "block_hashes": hashes[i:i + 4096], "block_size": 16}]}
+                r.execute_command("KVEVENTS", engine, json.dumps(ev))
+        rng = random.Random(3)
+        out = []
+        for _ in range(n):
+            req = json.dumps({"blocks": rng.choice(chains)})
+            t0 = time.perf_counter_ns()
+            r.execute_command("ROUTE", req)
+            out.append((time.perf_counter_ns() - t0) / 1000)
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+
+
+def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
+    """Collision workload: the same content under 4 tenants x 2 models x 2 adapters.
+
+    Returns (naive hits, unsafe naive hits, quilld hits, quilld refusals). quilld's
+    hits are same-identity by construction (the scope is part of the key)."""
+    from quilld.index.residency import ResidencyIndex, hash_key
+
+    identities = [IdentityScope(t, m, "", a) for t in ("t1", "t2", "t3", "t4") for m in ("m1", "m2")
+                  for a in ("", "lora-a")]
+    rng = random.Random(seed)
+    content = [[rng.getrandbits(64) for _ in range(8)] for _ in range(200)]
+    naive: dict[int, IdentityScope] = {}  # content hash -> who stored it last
+    scopes = ScopeRegistry()
+    index = ResidencyIndex()
+    hits = unsafe = guarded_hits = 0
+    for _ in range(4000):
+        who = rng.choice(identities)
+        tag = scopes.tag(who)
+        for h in rng.choice(content):
+            owner = naive.get(h)
+            if owner is not None:
+                hits += 1
+                unsafe += owner != who
+            if index.masks(tag, [h])[0]:
+                guarded_hits += 1
+            else:
+                scopes.audit_miss(tag, hash_key(h), index.has)
+            naive[h] = who
+            index.put(tag, h, "e0", "hbm")
+    return hits, unsafe, guarded_hits, scopes.total_refusals
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    blocks = 100_000 if args.quick else 1_000_000
+    n = 2_000 if args.quick else 10_000
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    control, chains = build(blocks, ["default"])
+    resident = len(control.index)
+    per_block = (tracemalloc.get_traced_memory()[0] - base) / max(resident, 1)
+    tracemalloc.stop()
+    print(f"{resident:,} resident blocks on {ENGINES} engines; {per_block:.0f} B per block for the index and "
+          f"the benchmark's own chains (tests/unit/test_residency.py measures the index alone)")
+
+    rng = random.Random(2)
+    lat = time_routes(control, chains, ["default"], n, rng)
+    print(f"ROUTE in-process, {REQUEST_BLOCKS} blocks x {ENGINES} engines: p50 {statistics.median(lat):.1f} us, "
+          f"p99 {percentile(lat, 99):.1f} us (target p50 <= 50 us)")
+
+    # guard overhead on a mostly-same-identity workload: 95% of requests come from the engines'
+    # tenant, 5% from others. Guard on: each request in its own identity. Guard off: every
+    # request looked up in the engines' identity, as an identity-blind cache would.
+    mix = ["default"] * 19 + ["other"]
+    scopes = {t: IdentityScope(t, "m") for t in set(mix)}
+    tags = {t: control.scopes.tag(sc) for t, sc in scopes.items()}
+
+    def run(guard: bool) -> list[int]:
+        rng, out = random.Random(4), []
+        for _ in range(n):
+            chain, who = rng.choice(chains), rng.choice(mix)
+            who = who if guard else "default"
+            t0 = time.perf_counter_ns()
+            control.route(scopes[who], tags[who], chain)
+            out.append(time.perf_counter_ns() - t0)
+        return out
+
+    on, off = run(True), run(False)  # two passes each, in both orders, against drift
+    off += run(False)
+    on += run(True)
+    a, b = statistics.median(off) / 1000, statistics.median(on) / 1000
+    print(f"guard overhead, 95% same identity: off {a:.1f} us, on {b:.1f} us per ROUTE ({(b / a - 1) * 100:+.1f}%, "
+          f"target <= 2%)")
+
+    hits, unsafe, guarded, refused = naive_unsafe_share()
+    print(f"collision workload: a naive content-hash cache hits {hits:,} times, {unsafe:,} of them across "
+          f"identities ({unsafe / max(hits, 1) * 100:.1f}% unsafe); quilld hits {guarded:,} times, all within "
+          f"their identity, and refuses {refused:,} cross-identity matches")
+
+    per_engine: dict[str, list[int]] = {}
+    for c, chain in enumerate(chains[: max(1, (blocks // 10) // REQUEST_BLOCKS)]):
+        per_engine.setdefault(f"e{c % ENGINES}", []).extend(chain)
+    lat = over_resp(chains[: len(chains) // 10 or 1], per_engine, min(n, 3000))
+    print(f"ROUTE over RESP (redis-py, one connection): p50 {statistics.median(lat):.1f} us, "
+          f"p99 {percentile(lat, 99):.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
