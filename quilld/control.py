@@ -134,5 +134,12 @@ class ControlPlane:
             await sub.stop()
         self._subscribers.clear()
 
+    def subscriber_stats(self) -> Counter[str]:
+        """The ZMQ subscribers' counters, summed over engines."""
+        total: Counter[str] = Counter()
+        for sub in self._subscribers:
+            total.update(sub.stats)
+        return total
+
     def housekeeping(self) -> None:
         self.engines.expire()

@@ -244,10 +244,14 @@ class Node:
 
     def _router_info(self) -> list[tuple[str, Any]]:
         ctl = self.control
+        subs = ctl.subscriber_stats()
         top = ",".join(f"{key.hex()}:{n}" for key, n in ctl.hot.top(5))
         return [("engines", len(ctl.engines.engines)), ("engine_residencies", len(ctl.index)),
                 ("in_flight", sum(ctl.engines.in_flight.values())), ("routes", ctl.stats["routes"]),
                 ("kv_batches", ctl.stats["kv_batches"]), ("kv_gaps", ctl.stats["kv_gaps"]),
+                ("kv_subscriptions", len(ctl._subscribers)),  # noqa: SLF001
+                ("kv_zmq_malformed", subs["malformed"]), ("kv_zmq_replays", subs["replays"]),
+                ("kv_zmq_duplicates", subs["duplicates"]),
                 ("hot_prefixes", top)]
 
     def _keyspace(self, session: Any) -> list[tuple[str, Any]]:

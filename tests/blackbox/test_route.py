@@ -151,6 +151,9 @@ kv_events = "tcp://127.0.0.1:{port}"
         assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
         d = route(r, blocks=[11, 12, 13])
         assert d["engine"] == b"live" and d["plan"] == [b"hit:live:hbm"] * 3
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1not msgpack"])
+        assert wait_until(lambda: r.info("router")["kv_zmq_malformed"] == 1, timeout=5)
+        assert r.info("router")["kv_subscriptions"] == 1
     finally:
         pub.close()
         ctx.term()
