@@ -102,7 +102,7 @@ class ControlPlane:
             engines_considered = [self.affinity[session]]
         else:
             engines_considered = engines
-        decision = choose(self.index, tag, blocks, engines_considered, [], dict(self.engines.in_flight),
+        decision = choose(self.index, tag, blocks, engines_considered, [], self.engines.in_flight,
                           decode_blocks, self.weights)
         if blocks and not any(c.overlap_blocks for c in decision.candidates):
             self.scopes.audit_miss(tag, hash_key(blocks[0]), self.index.has)

@@ -62,6 +62,7 @@ class Decision(NamedTuple):
 
 
 RECOMPUTE = Step("recompute")
+_NO_STEPS: list[Step] = []  # shared, never mutated: plans are built as new lists
 
 
 def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: list[str],
@@ -109,24 +110,31 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
         return Decision(None, math.inf)
     masks = index.masks(tag, blocks)
     n = len(blocks)
-    scored = []
     first = masks[0] if masks else 0
+    scale, per_request = weights.prefill_load_scale, weights.active_request_weight
+    holder_bits, load_of = index.holder_bits, in_flight.get
+    candidates: list[Candidate] = []
+    walks: list[list[Step]] = []
+    cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
+    best = -1
     for engine in engines:
-        if pool or first & index.holder_bits(engine):
+        load = load_of(engine, 0)
+        if pool or first & holder_bits(engine):
             credit, steps = _engine_walk(index, masks, engine, pool, weights)
+            uncovered = n - credit
+            cost = scale * (uncovered if uncovered > 0 else 0.0) + decode_blocks + per_request * load
         else:  # it lacks the first block and there is no pool to fetch from: nothing to reuse
-            credit, steps = 0.0, []
-        load = in_flight.get(engine, 0)
-        cost = (weights.prefill_load_scale * max(0.0, n - credit) + decode_blocks
-                + weights.active_request_weight * load)
-        scored.append((Candidate(engine, len(steps), credit, cost, load), steps))
+            credit, steps, cost = 0.0, _NO_STEPS, cold + per_request * load
+        candidates.append(Candidate(engine, len(steps), credit, cost, load))
+        walks.append(steps)
+        if best < 0 or (cost, engine) < (candidates[best].cost, candidates[best].engine):
+            best = len(candidates) - 1
+    pick = best
     if weights.temperature > 0:
         rng = rng or random.Random()
-        low = min(c.cost for c, _ in scored)
-        odds = [math.exp(-(c.cost - low) / weights.temperature) for c, _ in scored]
-        pick = rng.choices(range(len(scored)), weights=odds)[0]
-    else:
-        pick = min(range(len(scored)), key=lambda i: (scored[i][0].cost, scored[i][0].engine))
-    winner, steps = scored[pick]
+        low = candidates[best].cost
+        odds = [math.exp(-(c.cost - low) / weights.temperature) for c in candidates]
+        pick = rng.choices(range(len(candidates)), weights=odds)[0]
+    winner, steps = candidates[pick], walks[pick]
     plan = steps + [RECOMPUTE] * (n - len(steps))
-    return Decision(winner.engine, winner.cost, [c for c, _ in scored], plan)
+    return Decision(winner.engine, winner.cost, candidates, plan)
