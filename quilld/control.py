@@ -20,7 +20,7 @@ from typing import Any
 
 import xxhash
 
-from quilld.config import Config
+from quilld.config import Config, EngineConfig
 from quilld.index.engines import EngineRegistry
 from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
 from quilld.index.guard import ScopeRegistry
@@ -55,7 +55,8 @@ class ControlPlane:
                                    active_request_weight=r.active_request_weight, temperature=r.temperature)
         self.affinity: dict[str, str] = {}  # session id -> engine id
         self.stats: Counter[str] = Counter()
-        self._subscribers: list[Any] = []
+        self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under
+        self._subscribers: dict[str, Any] = {}  # engine id -> its KV-event subscriber
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
@@ -68,11 +69,12 @@ class ControlPlane:
         for ev in batch.events:
             if type(ev) is Stored:
                 tag, tier = self.engine_tag(engine_id, ev.lora_name), medium_tier(ev.medium)
+                self._tags.setdefault(engine_id, set()).add(tag)
                 for h in ev.block_hashes:
                     index.put(tag, h, engine_id, tier)
-            elif type(ev) is Removed:
+            elif type(ev) is Removed:  # events name no adapter: try every scope the engine used
                 tier = medium_tier(ev.medium)
-                for tag in self._engine_tags(engine_id):
+                for tag in self._tags.get(engine_id, ()):
                     for h in ev.block_hashes:
                         index.remove(tag, h, engine_id, tier)
             elif type(ev) is Cleared:
@@ -80,11 +82,6 @@ class ControlPlane:
         self.stats["kv_batches"] += 1
         self.stats["kv_events"] += len(batch.events)
         return len(batch.events)
-
-    def _engine_tags(self, engine_id: str) -> list[bytes]:
-        e = self.engines.get(engine_id)
-        return [tag for scope, tag in self.scopes._tags.items()  # noqa: SLF001
-                if (scope.tenant, scope.model, scope.tokenizer) == (e.tenant, e.model, e.tokenizer)]
 
     def on_gap(self, engine_id: str, missing: int) -> None:
         """Events were lost: what we know of this engine may be wrong, so forget it."""
@@ -118,26 +115,55 @@ class ControlPlane:
                 out["lease"] = self.engines.acquire(engine.id)
         return out
 
-    # -- lifecycle ----------------------------------------------------------------
-    async def start(self) -> None:
-        """Subscribe to every engine that names a KV-event endpoint."""
-        from quilld.index.subscriber import KvEventSubscriber
+    # -- engines and their subscriptions ------------------------------------------
+    async def add_engine(self, engine: EngineConfig) -> bool:
+        """Register an engine and follow its KV events; True when it is new.
 
-        for e in self.engines.engines.values():
-            if e.kv_events:
-                sub = KvEventSubscriber(e.id, e.kv_events, self.apply, self.on_gap, e.replay or None)
-                await sub.start()
-                self._subscribers.append(sub)
+        Replacing an engine forgets what was known of the old one.
+        """
+        if engine.id in self.engines.engines:
+            await self.remove_engine(engine.id)
+            new = False
+        else:
+            new = True
+        self.engines.add(engine)
+        if engine.kv_events:
+            from quilld.index.subscriber import KvEventSubscriber
+
+            sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply, self.on_gap, engine.replay or None)
+            await sub.start()
+            self._subscribers[engine.id] = sub
+        return new
+
+    async def remove_engine(self, engine_id: str) -> int:
+        """Forget an engine: its subscription, residencies, load and sessions; returns residencies dropped."""
+        self.engines.remove(engine_id)
+        sub = self._subscribers.pop(engine_id, None)
+        if sub is not None:
+            await sub.stop()
+        self._tags.pop(engine_id, None)
+        for session in [s for s, e in self.affinity.items() if e == engine_id]:
+            del self.affinity[session]
+        return self.index.clear_holder(engine_id)
+
+    @property
+    def subscriptions(self) -> int:
+        return len(self._subscribers)
+
+    async def start(self) -> None:
+        """Subscribe to every configured engine that names a KV-event endpoint."""
+        for engine in list(self.engines.engines.values()):
+            await self.add_engine(engine)
 
     async def stop(self) -> None:
-        for sub in self._subscribers:
+        for sub in self._subscribers.values():
             await sub.stop()
         self._subscribers.clear()
 
     def subscriber_stats(self) -> Counter[str]:
         """The ZMQ subscribers' counters, summed over engines."""
         total: Counter[str] = Counter()
-        for sub in self._subscribers:
+        for sub in self._subscribers.values():
             total.update(sub.stats)
         return total
 

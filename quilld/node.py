@@ -249,7 +249,7 @@ class Node:
         return [("engines", len(ctl.engines.engines)), ("engine_residencies", len(ctl.index)),
                 ("in_flight", sum(ctl.engines.in_flight.values())), ("routes", ctl.stats["routes"]),
                 ("kv_batches", ctl.stats["kv_batches"]), ("kv_gaps", ctl.stats["kv_gaps"]),
-                ("kv_subscriptions", len(ctl._subscribers)),  # noqa: SLF001
+                ("kv_subscriptions", ctl.subscriptions),
                 ("kv_zmq_malformed", subs["malformed"]), ("kv_zmq_replays", subs["replays"]),
                 ("kv_zmq_duplicates", subs["duplicates"]),
                 ("hot_prefixes", top)]

@@ -115,7 +115,7 @@ async def add_engine(request: web.Request) -> web.Response:
         engine = engine_from(await _body(request), "engine")
     except QuillError as e:
         return _json_error(400, e.message)
-    new = node.control.engines.add(engine)
+    new = await node.control.add_engine(engine)
     return web.json_response(dataclasses.asdict(engine), status=201 if new else 200)
 
 
@@ -123,10 +123,9 @@ async def delete_engine(request: web.Request) -> web.Response:
     control = request.app[NODE].control
     engine_id = request.match_info["engine_id"]
     try:
-        control.engines.remove(engine_id)
+        dropped = await control.remove_engine(engine_id)
     except QuillError as e:
         return _json_error(404, e.message)
-    dropped = control.index.clear_holder(engine_id)
     return web.json_response({"removed": engine_id, "residencies_dropped": dropped})
 
 

@@ -205,3 +205,44 @@ def test_session_affinity_holds_while_its_engine_is_eligible(routed):
     r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([30, 31, 32], medium="GPU")]}))
     assert route(r, blocks=[30, 31, 32])["engine"] == b"e1"  # hotter now, for a request without a session
     assert route(r, blocks=[30, 31, 32], session="chat-1")["engine"] == b"e2"  # the session stays put
+
+
+def test_an_engine_added_at_run_time_is_subscribed_and_removal_unsubscribes(routed):
+    import urllib.request
+
+    q, r = routed
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+
+    def call(method, path, body=None):
+        req = urllib.request.Request(f"http://127.0.0.1:{q.admin_port}{path}", method=method,
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    try:
+        call("POST", "/v1/engines", {"id": "late", "url": "http://127.0.0.1:9200", "model": "m",
+                                     "kv_events": f"tcp://127.0.0.1:{port}"})
+        assert r.info("router")["kv_subscriptions"] == 1
+        payload = msgpack.packb([time.time(), [["BlockStored", [41, 42], None, list(range(32)), 16, None,
+                                                 "GPU"]], 0])
+        seq = 0
+
+        def delivered() -> bool:
+            nonlocal seq
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            return r.info("stats")["kv_batches"] > 0
+
+        assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
+        assert route(r, blocks=[41, 42])["engine"] == b"late"
+        assert call("DELETE", "/v1/engines/late")["residencies_dropped"] == 2
+        assert r.info("router")["kv_subscriptions"] == 0
+        assert route(r, blocks=[41, 42])["engine"] != b"late"
+    finally:
+        pub.close()
+        ctx.term()
