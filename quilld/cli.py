@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requirepass", help="password of user `default`; AUTH required when set")
     p.add_argument("--users-file", help="file of `user password` lines (tenants)")
     p.add_argument("--node-id", help="this node's id (default host:port)")
+    p.add_argument("--ssd-dir", help="directory of the SSD tier's segments and WAL (default: no SSD tier)")
+    p.add_argument("--ssd-size", help="SSD tier capacity, e.g. 64GiB (default 16GiB)")
+    p.add_argument("--gossip-port", type=int, help="cluster gossip port, UDP and TCP (default 0: single node)")
+    p.add_argument("--seeds", help="comma-separated host:port gossip addresses of nodes to join")
+    p.add_argument("--gateway-port", type=int, help="OpenAI-compatible gateway port (default 0: off)")
     p.add_argument("--log-level", default=os.environ.get("QUILLD_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"quilld {__version__}")
@@ -56,6 +61,11 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     put("dram", "size", a.dram)
     put("security", "requirepass", a.requirepass)
     put("security", "users_file", a.users_file)
+    put("ssd", "dir", a.ssd_dir)
+    put("ssd", "size", a.ssd_size)
+    put("cluster", "gossip_port", a.gossip_port)
+    put("cluster", "seeds", a.seeds)
+    put("gateway", "port", a.gateway_port)
     return out
 
 

@@ -80,6 +80,43 @@ class RouterConfig:
     lease_timeout_ms: int = 60_000  # an ACQUIREd request not RELEASEd by then stops counting
 
 
+@dataclass(frozen=True)
+class SsdConfig:
+    dir: str = ""  # empty: no SSD tier
+    size: int = 16 * GiB
+    segment_size: int = 1 * GiB
+    promote_on_read: bool = True
+    group_commit_bytes: int = 64 * MiB
+    checkpoint_wal_bytes: int = 64 * MiB
+
+
+TRANSFERS = ("auto", "tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    gossip_port: int = 0  # 0: single node, no gossip
+    seeds: str = ""  # comma-separated host:port gossip addresses
+    secret: str = ""  # when set, gossip packets carry an HMAC-SHA256 under it
+    probe_interval_ms: int = 500
+    probe_timeout_ms: int = 200
+    indirect_probes: int = 3
+    suspicion_mult: int = 4
+    push_pull_interval_ms: int = 10_000
+    transfer: str = "auto"  # auto, tcp or rdma
+    keep_fetched: bool = True  # keep a local copy of blocks fetched from peers
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    port: int = 0  # 0: no OpenAI-compatible gateway
+    ttft_slo_ms: int = 800
+    connect_timeout_ms: int = 2_000
+    first_byte_timeout_ms: int = 30_000
+    chunk_chars: int = 256  # prompt characters per block when no tokenizer is configured
+    max_attempts: int = 3
+
+
 ENGINE_KINDS = ("vllm", "sglang", "other")
 
 
@@ -105,11 +142,15 @@ class Config:
     blocks: BlocksConfig = field(default_factory=BlocksConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     engines: tuple[EngineConfig, ...] = ()
 
     def validate(self) -> "Config":
         s, d = self.server, self.dram
-        for name, port in (("server.port", s.port), ("admin.port", self.admin.port)):
+        for name, port in (("server.port", s.port), ("admin.port", self.admin.port),
+                           ("cluster.gossip_port", self.cluster.gossip_port), ("gateway.port", self.gateway.port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be within 0..65535, got {port}")
         if d.size < 4 * KiB:
@@ -130,6 +171,25 @@ class Config:
             seen.add(e.id)
         if self.router.temperature < 0 or self.router.lease_timeout_ms <= 0:
             raise ConfigError("router: temperature must be >= 0 and lease_timeout_ms > 0")
+        ssd = self.ssd
+        if ssd.dir and (ssd.size < 1 * MiB or ssd.segment_size < 1 * MiB or ssd.segment_size % (4 * KiB)):
+            raise ConfigError("ssd: size and segment_size must be at least 1MiB, segment_size a multiple of 4KiB")
+        if ssd.group_commit_bytes < 1 * MiB or ssd.checkpoint_wal_bytes < 1 * MiB:
+            raise ConfigError("ssd: group_commit_bytes and checkpoint_wal_bytes must be at least 1MiB")
+        c = self.cluster
+        if c.transfer not in TRANSFERS:
+            raise ConfigError(f"cluster.transfer must be one of {', '.join(TRANSFERS)}, got {c.transfer!r}")
+        if min(c.probe_interval_ms, c.probe_timeout_ms, c.push_pull_interval_ms) <= 0 or c.indirect_probes < 0 \
+                or c.suspicion_mult < 1 or c.probe_timeout_ms >= c.probe_interval_ms:
+            raise ConfigError("cluster: intervals must be positive, probe_timeout_ms < probe_interval_ms, "
+                              "indirect_probes >= 0, suspicion_mult >= 1")
+        for seed in filter(None, (x.strip() for x in c.seeds.split(","))):
+            host, _, port = seed.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"cluster.seeds: {seed!r} is not host:port")
+        g = self.gateway
+        if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts) <= 0:
+            raise ConfigError("gateway: timeouts, chunk_chars and max_attempts must be positive")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:
@@ -164,9 +224,10 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
-_SECRETS = (("security", "requirepass"), ("admin", "token"))
+_SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
 _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("server", "proto_max_bulk_len"),
-              ("server", "client_output_high_water")}
+              ("server", "client_output_high_water"), ("ssd", "size"), ("ssd", "segment_size"),
+              ("ssd", "group_commit_bytes"), ("ssd", "checkpoint_wal_bytes")}
 
 
 def _coerce(section: str, key: str, kind: type, value: Any) -> Any:

@@ -70,6 +70,8 @@ class Node:
         self.started = time.time()
         self._server: asyncio.AbstractServer | None = None
         self._admin: Any = None
+        self.gateway: Any = None  # quilld.http.gateway.Gateway when gateway.port is set
+        self.gateway_port = cfg.gateway.port
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self.port = cfg.server.port
@@ -89,6 +91,11 @@ class Node:
             self._admin = AdminServer(self)
             self.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         await self.control.start()
+        if self.cfg.gateway.port:
+            from quilld.http.gateway import Gateway
+
+            self.gateway = Gateway(self)
+            self.gateway_port = await self.gateway.start(s.bind, self.cfg.gateway.port)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s",
                  __version__, self.node_id, s.bind, self.port,
@@ -108,6 +115,8 @@ class Node:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.gateway is not None:
+            await self.gateway.stop()
         if self._admin is not None:
             await self._admin.stop()
         await self.control.stop()
