@@ -474,6 +474,20 @@ class BlockReply:
         self.release = release
 
 
+class Deferred:
+    """A reply that is not ready yet: `awaitable` yields the real reply value.
+
+    The connection writes what came before, runs nothing after it until it
+    resolves (replies stay in order), then carries on. Used for reads that
+    wait on the disk or on a peer.
+    """
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable) -> None:
+        self.awaitable = awaitable
+
+
 OK = Status(b"OK")
 PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"

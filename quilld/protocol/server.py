@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from quilld.errors import OutOfMemory, ProtocolError, QuillError
-from quilld.protocol.resp import OK, BlockReply, LargeBulk, RespParser, encode, encode_error
+from quilld.protocol.resp import OK, BlockReply, Deferred, LargeBulk, RespParser, encode, encode_error
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
@@ -24,6 +24,13 @@ RECV_BUFFER = 256 * 1024
 _shared_rbuf = memoryview(bytearray(RECV_BUFFER))
 ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
 ARENA_RETRY = 0.01
+
+
+def _collect_pins(reply: list, pins: list) -> None:
+    """The releases of block replies inside an array reply (MGET)."""
+    for item in reply:
+        if item.__class__ is BlockReply:
+            pins.append(item.release)
 
 
 class RespConnection(asyncio.BufferedProtocol):
@@ -41,6 +48,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self._write_paused = False
+        self._deferred: asyncio.Future | None = None  # a reply being awaited (disk or peer read)
+        self._backlog: list = []  # parsed commands queued behind the deferred reply
 
     # -- transport callbacks ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -68,6 +77,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._waiting = None
+        self._backlog = []
         self._release_args(self.node, self.parser.abandon())
         self._release_pins()
         self.node.connection_closed(self)
@@ -78,21 +88,24 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._waiting is None:
+        if self._waiting is None and self._deferred is None:
             self.transport.resume_reading()
         self.check_drained()
 
     # -- the loop over buffered commands ----------------------------------
     def _process(self) -> None:
-        if self._waiting is not None:
-            return  # a large bulk waits for arena space; nothing after it may run first
+        if self._waiting is not None or self._deferred is not None:
+            return  # a large bulk waits for arena space, or a reply for the disk: nothing may overtake it
         parser, session, out, pins = self.parser, self.session, [], []
         dispatch = self.node.table.dispatch
         append = out.append
         resp3 = session.resp3
         ncmds = 0
         while not session.closing:
-            batch = parser.parsed()
+            if self._backlog:
+                batch, self._backlog = self._backlog, []
+            else:
+                batch = parser.parsed()
             if not batch:
                 if not parser.buffered():
                     break
@@ -109,7 +122,7 @@ class RespConnection(asyncio.BufferedProtocol):
                         break
                     continue
                 batch = (item,)
-            for item in batch:
+            for i, item in enumerate(batch):
                 ncmds += 1
                 if self._large:
                     self._large = False
@@ -125,13 +138,21 @@ class RespConnection(asyncio.BufferedProtocol):
                     append(b"$%d\r\n%b\r\n" % (len(reply), reply))
                 elif reply is None and not resp3:
                     append(b"$-1\r\n")
+                elif reply.__class__ is Deferred:
+                    self._backlog = list(batch[i + 1:])
+                    self._defer(reply)
+                    break
                 else:
                     if reply.__class__ is BlockReply:
                         pins.append(reply.release)
+                    elif reply.__class__ is list:
+                        _collect_pins(reply, pins)
                     encode(reply, session.resp3, out)
                     resp3 = session.resp3  # HELLO may have switched the protocol
                     if session.closing:
                         break  # QUIT: what follows it is never run
+            if self._deferred is not None:
+                break
         if ncmds:
             self.node.commands_processed += ncmds
             session.last_active = time.monotonic()
@@ -139,6 +160,37 @@ class RespConnection(asyncio.BufferedProtocol):
             self._write(out, pins)
         if session.closing:
             self.transport.close()
+
+    def _defer(self, reply: Deferred) -> None:
+        """Stop reading and running commands until `reply` resolves."""
+        self._deferred = asyncio.ensure_future(reply.awaitable)
+        self.transport.pause_reading()
+        self._deferred.add_done_callback(self._resolved)
+
+    def _resolved(self, fut: asyncio.Future) -> None:
+        self._deferred = None
+        try:
+            reply = fut.result()
+        except QuillError as e:
+            reply = e
+        except Exception as e:  # a bug in a read path: answer with it rather than hang the client
+            reply = QuillError(f"internal error: {e}")
+        if self.transport.is_closing():
+            if reply.__class__ is BlockReply:
+                reply.release()
+            return
+        out: list = []
+        pins = [reply.release] if reply.__class__ is BlockReply else []
+        if reply.__class__ is list:
+            _collect_pins(reply, pins)
+        if reply is None and not self.session.resp3:
+            out.append(b"$-1\r\n")
+        else:
+            encode(reply, self.session.resp3, out)
+        self._write(out, pins)
+        if not self._write_paused and self._waiting is None:
+            self.transport.resume_reading()
+        self._process()
 
     def _attach_large(self, item: LargeBulk, deadline: float | None = None) -> bool:
         """Name where the announced payload goes: a target buffer, or nowhere (refused).

@@ -105,3 +105,17 @@ def test_recently_read_values_survive_eviction_better_than_untouched_ones(small)
     assert r.info("stats")["evicted_keys"] >= 100
     assert [r.exists(key(c)) for c in cold] == [0] * len(cold)
     assert [r.get(key(h)) == value(h) for h in hot] == [True] * len(hot)
+
+
+def test_mget_of_blocks_releases_their_pins(small):
+    # MGET answers arena blocks straight from memory; once sent they must be
+    # unpinned, or they could never be evicted or freed
+    r = redis.Redis(port=small.port)
+    r.set("big", value(1))
+    r.set("small", b"s")
+    for _ in range(3):
+        assert r.mget("big", "small", "none") == [value(1), b"s", None]
+    r.delete("big")
+    tiers = r.info("tiers")
+    assert tiers["dram_held_bytes"] == 0 and tiers["dram_pinned_unlinked"] == 0
+    assert r.info("memory")["used_memory"] < MiB
