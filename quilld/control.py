@@ -57,6 +57,7 @@ class ControlPlane:
         self.stats: Counter[str] = Counter()
         self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under
         self._subscribers: dict[str, Any] = {}  # engine id -> its KV-event subscriber
+        self.pool: list[str] = []  # pool node ids (this node, then peers) holding blocks ROUTE can fetch
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
@@ -99,7 +100,7 @@ class ControlPlane:
             engines_considered = [self.affinity[session]]
         else:
             engines_considered = engines
-        decision = choose(self.index, tag, blocks, engines_considered, [], self.engines.in_flight,
+        decision = choose(self.index, tag, blocks, engines_considered, self.pool, self.engines.in_flight,
                           decode_blocks, self.weights)
         if blocks and not any(c.overlap_blocks for c in decision.candidates):
             self.scopes.audit_miss(tag, hash_key(blocks[0]), self.index.has)

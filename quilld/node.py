@@ -59,6 +59,8 @@ class Node:
         self.store = Store(cfg.dram, self.scopes)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
         self.control = ControlPlane(cfg, self.scopes)
+        self.store.residency, self.store.holder = self.control.index, self.node_id
+        self.control.pool = [self.node_id]  # pool nodes whose copies ROUTE can fetch from
         self.table = build_table()
         self.connections: dict[int, RespConnection] = {}
         self.sessions: dict[int, Any] = {}

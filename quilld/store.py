@@ -17,11 +17,12 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter, OrderedDict
+from typing import Any
 
 from quilld.config import DramConfig
 from quilld.errors import OutOfMemory
 from quilld.index.guard import TAG_LEN, ScopeRegistry
-from quilld.model import BlockState
+from quilld.model import BlockState, CacheTier
 from quilld.tiers.arena import NO_SPACE, PAGE, DramArena
 
 _RESERVED_STATES = (BlockState.RESERVED, BlockState.WRITING)
@@ -73,6 +74,11 @@ class Store:
         self.active_pins = 0  # readers holding blocks right now
         self.held_bytes = 0  # arena bytes no eviction can free now: pinned or reserved blocks
         self.stats = Counter()  # cold counters: expired, evictions
+        # Keys published with an engine block hash (PUT2PHASE ... HASH): their residency
+        # is mirrored into the control plane's index so ROUTE credits this pool's copies.
+        self.block_hashes: dict[bytes, int | bytes] = {}
+        self.residency: Any = None  # the ResidencyIndex to mirror into (set by the node)
+        self.holder = ""  # this node's id in that index
         self.hits = self.misses = self.writes = 0
 
     # -- accounting --------------------------------------------------------
@@ -171,10 +177,19 @@ class Store:
         self.view(block)[:] = value
         return block
 
-    def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False) -> None:
-        """Make `value` the visible value of `key`, replacing (and releasing) any old one."""
+    def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False,
+                bhash: int | bytes | None = None) -> None:
+        """Make `value` the visible value of `key`, replacing (and releasing) any old one.
+
+        `bhash` names the engine block the value holds; ROUTE then credits it.
+        """
         fk = tag + key
         data = self.data
+        if self.block_hashes:
+            self._forget_hash(fk)
+        if bhash is not None and self.residency is not None:
+            self.block_hashes[fk] = bhash
+            self.residency.put(tag, bhash, self.holder, CacheTier.DRAM)
         old = data.pop(fk, None)
         if old is None:
             self.per_scope[tag] += 1
@@ -243,7 +258,14 @@ class Store:
         return n
 
     # -- internals ---------------------------------------------------------
+    def _forget_hash(self, fk: bytes, tier: CacheTier = CacheTier.DRAM) -> None:
+        bhash = self.block_hashes.pop(fk, None)
+        if bhash is not None:
+            self.residency.remove(fk[:TAG_LEN], bhash, self.holder, tier)
+
     def _unlink(self, fk: bytes) -> None:
+        if self.block_hashes:
+            self._forget_hash(fk)
         value = self.data.pop(fk)
         self.per_scope[fk[:TAG_LEN]] -= 1
         if self.expires:
@@ -285,6 +307,8 @@ class Store:
             self.per_scope[fk[:TAG_LEN]] -= 1
             if self.expires:
                 self.expires.pop(fk, None)
+            if self.block_hashes:
+                self._forget_hash(fk)
             self._release_value(value)
             self.stats["evictions"] += 1
             return True

@@ -22,7 +22,7 @@ from quilld.store import Block, Store
 
 class Put:
     __slots__ = ("handle", "tag", "key", "tenant", "block", "nbytes", "deadline",
-                 "starts", "ends", "writers", "dead")
+                 "starts", "ends", "writers", "dead", "bhash")
 
     def __init__(self, handle: bytes, tag: bytes, key: bytes, tenant: str, block: Block | None,
                  nbytes: int, deadline: float) -> None:
@@ -37,6 +37,7 @@ class Put:
         self.ends: list[int] = []
         self.writers = 0  # DATA payloads being received into the block right now
         self.dead = False  # aborted or expired while a writer was active
+        self.bhash: int | bytes | None = None  # the engine block hash it holds (PUT2PHASE BEGIN ... HASH)
 
     def mark(self, start: int, end: int) -> None:
         """Record that bytes [start, end) arrived, merging with touching ranges."""
@@ -76,7 +77,8 @@ class TwoPhasePuts:
         self.committed = 0
         self.aborted = 0
 
-    def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None) -> bytes | None:
+    def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None,
+              bhash: int | bytes | None = None) -> bytes | None:
         """A new handle, or None when the key is already complete (idempotent success)."""
         if self.store.contains(tag, key):
             return None
@@ -85,7 +87,9 @@ class TwoPhasePuts:
             raise CommandError(f"LEASE must be within 1..{self.max_lease_ms} ms")
         block = self.store.reserve(nbytes) if nbytes else None
         handle = secrets.token_hex(12).encode()
-        self.open[handle] = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
+        put = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
+        put.bhash = bhash
+        self.open[handle] = put
         return handle
 
     def get(self, handle: bytes, tenant: str) -> Put:
@@ -139,9 +143,9 @@ class TwoPhasePuts:
             value = bytes(view)
             if put.block is not None:
                 store.discard(put.block)
-            store.publish(put.tag, put.key, value)
+            store.publish(put.tag, put.key, value, bhash=put.bhash)
         else:
-            store.publish(put.tag, put.key, put.block)
+            store.publish(put.tag, put.key, put.block, bhash=put.bhash)
         self.committed += 1
 
     def abort(self, put: Put) -> None:

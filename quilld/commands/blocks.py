@@ -9,7 +9,7 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
-from quilld.commands.common import parse_int, reply_value, text
+from quilld.commands.common import block_hash, parse_int, reply_value, text
 from quilld.errors import CommandError, NoAuth, NoHandle, QuillError
 from quilld.model import BlockState, CacheTier
 from quilld.protocol.resp import OK, Status
@@ -54,17 +54,21 @@ def release_args(node, args: list) -> None:
 
 
 def _put2phase_begin(c, args):
-    if len(args) not in (4, 6):
+    if len(args) not in (4, 6, 8):
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
     if nbytes < 0 or nbytes > c.node.cfg.server.proto_max_bulk_len:
         raise CommandError(f"block size must be within 0..{c.node.cfg.server.proto_max_bulk_len} bytes")
-    lease = None
-    if len(args) == 6:
-        if bytes(args[4]).upper() != b"LEASE":
+    lease = bhash = None
+    for i in range(4, len(args), 2):
+        opt = bytes(args[i]).upper()
+        if opt == b"LEASE" and lease is None:
+            lease = parse_int(args[i + 1])
+        elif opt == b"HASH" and bhash is None:
+            bhash = block_hash(text(args[i + 1]))
+        else:
             raise CommandError("syntax error")
-        lease = parse_int(args[5])
-    handle = c.node.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease)
+    handle = c.node.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash)
     return EXISTS if handle is None else handle
 
 
@@ -153,7 +157,7 @@ def cmd_locate(c, args):
 
 def register(t: CommandTable) -> None:
     t.add("put2phase", -3, WRITE, cmd_put2phase,
-          "Two-phase block put: BEGIN key nbytes [LEASE ms] | DATA handle offset bytes | "
+          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] | DATA handle offset bytes | "
           "COMMIT handle [CRC32C crc] | ABORT handle.", "quillcache", "0.1.0")
     t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
           "quillcache", "0.1.0", keys=(1, 1, 1))

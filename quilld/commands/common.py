@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from quilld.errors import CommandError
 from quilld.protocol.resp import BlockReply
@@ -29,6 +30,23 @@ def block_reply(store, block: Block) -> BlockReply:
 
 def reply_value(store, value):
     return block_reply(store, value) if type(value) is Block else value
+
+
+def block_hash(v: Any) -> int | bytes:
+    """An engine block hash from a request: an int, or a decimal or hex string."""
+    if isinstance(v, bool):
+        raise CommandError("block hashes are integers or hex strings")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        s = v.strip()
+        if s.lstrip("-").isdigit():
+            return int(s)
+        try:
+            return bytes.fromhex(s.removeprefix("0x"))
+        except ValueError:
+            pass
+    raise CommandError(f"bad block hash {v!r}: an integer or a hex string")
 
 
 def text(raw: bytes) -> str:

@@ -5,28 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quilld.commands.common import text
+from quilld.commands.common import block_hash, text
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
 from quilld.protocol.table import CommandTable
 
 _MAX_BLOCKS = 1 << 16
-
-
-def _hash(v: Any) -> int | bytes:
-    if isinstance(v, bool):
-        raise CommandError("block hashes are integers or hex strings")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        s = v.strip()
-        if s.lstrip("-").isdigit():
-            return int(s)
-        try:
-            return bytes.fromhex(s.removeprefix("0x"))
-        except ValueError:
-            pass
-    raise CommandError(f"bad block hash {v!r}: an integer or a hex string")
 
 
 def parse_route_request(args: list[bytes]) -> dict[str, Any]:
@@ -65,7 +49,7 @@ def route_request(control, session, req: dict[str, Any]) -> dict[str, Any]:
             blocks = chain_hashes(tokens, block_size)
         else:
             block_size = int(req.get("block_size", 16))
-            blocks = [_hash(h) for h in req.get("blocks", [])]
+            blocks = [block_hash(h) for h in req.get("blocks", [])]
         decode = int(req.get("decode_tokens", 0))
     except (TypeError, ValueError):
         raise CommandError("ROUTE: tokens, block_size and decode_tokens must be integers") from None

@@ -113,6 +113,8 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
     first = masks[0] if masks else 0
     scale, per_request = weights.prefill_load_scale, weights.active_request_weight
     holder_bits, load_of = index.holder_bits, in_flight.get
+    if pool:
+        pool = [h for h in pool if holder_bits(h)]  # pool nodes that hold nothing cannot help
     candidates: list[Candidate] = []
     walks: list[list[Step]] = []
     cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing

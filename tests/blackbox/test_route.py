@@ -246,3 +246,37 @@ def test_an_engine_added_at_run_time_is_subscribed_and_removal_unsubscribes(rout
     finally:
         pub.close()
         ctx.term()
+
+
+def put_block(r, key, data, bhash):
+    handle = r.execute_command("PUT2PHASE", "BEGIN", key, len(data), "HASH", bhash)
+    r.execute_command("PUT2PHASE", "DATA", handle, 0, data)
+    assert r.execute_command("PUT2PHASE", "COMMIT", handle) == b"OK"
+
+
+def test_blocks_in_this_pool_are_credited_as_host_memory_and_fetched(routed):
+    q, r = routed
+    for h in (1, 2, 3, 4):
+        put_block(r, f"kv:{h}", bytes([h]) * 20000, h)
+    r.execute_command("KVEVENTS", "e1", json.dumps({"events": [stored([1, 2])]}))
+    d = route(r, blocks=[1, 2, 3, 4, 5])
+    credits = {c[1]: float(c[5]) for c in d["candidates"]}
+    assert credits == {b"e1": 2 * 1.0 + 2 * 0.75, b"e2": 4 * 0.75}
+    assert d["engine"] == b"e1"
+    assert d["plan"][:2] == [b"hit:e1:hbm"] * 2
+    assert all(p.startswith(b"fetch:") and p.endswith(b":dram") for p in d["plan"][2:4])
+    assert d["plan"][4] == b"recompute"
+    # a deleted or overwritten block stops counting; a hash in another scope never counts
+    r.delete("kv:3")
+    r.set("kv:4", b"x" * 20000)  # a plain SET names no block hash
+    credits = {c[1]: float(c[5]) for c in route(r, blocks=[1, 2, 3, 4])["candidates"]}
+    assert credits == {b"e1": 2.0, b"e2": 2 * 0.75}
+    other = q.client(protocol=2, decode_responses=False)
+    assert other.execute_command("SCOPE", "m", "", "adapter-y") == b"OK"
+    put_block(other, "kv:9", b"y" * 20000, 9)
+    credits = {c[1]: float(c[5]) for c in route(r, blocks=[9])["candidates"]}
+    assert credits == {b"e1": 0.0, b"e2": 0.0}
+    with pytest.raises(redis.ResponseError, match="syntax error"):
+        r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", 1, "HASH", 2)
+    with pytest.raises(redis.ResponseError, match="bad block hash"):
+        r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", "zz")
