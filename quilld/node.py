@@ -23,6 +23,7 @@ from quilld.config import Config
 from quilld.control import ControlPlane
 from quilld.index.guard import ScopeRegistry
 from quilld.protocol.server import RespConnection
+from quilld.residency_feed import ResidencyFeed
 from quilld.security import Users
 from quilld.store import Store
 from quilld.twophase import TwoPhasePuts
@@ -59,7 +60,8 @@ class Node:
         self.store = Store(cfg.dram, self.scopes)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
         self.control = ControlPlane(cfg, self.scopes)
-        self.store.residency, self.store.holder = self.control.index, self.node_id
+        self.feed = ResidencyFeed(self.control.index, self.node_id, self.scopes)
+        self.store.listener = self.feed
         self.control.pool = [self.node_id]  # pool nodes whose copies ROUTE can fetch from
         self.table = build_table()
         self.connections: dict[int, RespConnection] = {}

@@ -74,11 +74,11 @@ class Store:
         self.active_pins = 0  # readers holding blocks right now
         self.held_bytes = 0  # arena bytes no eviction can free now: pinned or reserved blocks
         self.stats = Counter()  # cold counters: expired, evictions
-        # Keys published with an engine block hash (PUT2PHASE ... HASH): their residency
-        # is mirrored into the control plane's index so ROUTE credits this pool's copies.
-        self.block_hashes: dict[bytes, int | bytes] = {}
-        self.residency: Any = None  # the ResidencyIndex to mirror into (set by the node)
-        self.holder = ""  # this node's id in that index
+        # Arena blocks, and values published with an engine block hash (PUT2PHASE ... HASH),
+        # are "tracked": the listener hears where each one is placed and when it goes, so the
+        # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
+        self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
+        self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, tier, bhash)
         self.hits = self.misses = self.writes = 0
 
     # -- accounting --------------------------------------------------------
@@ -185,11 +185,12 @@ class Store:
         """
         fk = tag + key
         data = self.data
-        if self.block_hashes:
-            self._forget_hash(fk)
-        if bhash is not None and self.residency is not None:
-            self.block_hashes[fk] = bhash
-            self.residency.put(tag, bhash, self.holder, CacheTier.DRAM)
+        if self.tracked:
+            self._forget(fk)
+        listener = self.listener
+        if listener is not None and (bhash is not None or value.__class__ is Block):
+            self.tracked[fk] = bhash
+            listener.placed(fk, CacheTier.DRAM, len(value), bhash)
         old = data.pop(fk, None)
         if old is None:
             self.per_scope[tag] += 1
@@ -258,14 +259,13 @@ class Store:
         return n
 
     # -- internals ---------------------------------------------------------
-    def _forget_hash(self, fk: bytes, tier: CacheTier = CacheTier.DRAM) -> None:
-        bhash = self.block_hashes.pop(fk, None)
-        if bhash is not None:
-            self.residency.remove(fk[:TAG_LEN], bhash, self.holder, tier)
+    def _forget(self, fk: bytes, tier: CacheTier = CacheTier.DRAM) -> None:
+        if fk in self.tracked:
+            self.listener.removed(fk, tier, self.tracked.pop(fk))
 
     def _unlink(self, fk: bytes) -> None:
-        if self.block_hashes:
-            self._forget_hash(fk)
+        if self.tracked:
+            self._forget(fk)
         value = self.data.pop(fk)
         self.per_scope[fk[:TAG_LEN]] -= 1
         if self.expires:
@@ -307,8 +307,8 @@ class Store:
             self.per_scope[fk[:TAG_LEN]] -= 1
             if self.expires:
                 self.expires.pop(fk, None)
-            if self.block_hashes:
-                self._forget_hash(fk)
+            if self.tracked:
+                self._forget(fk)
             self._release_value(value)
             self.stats["evictions"] += 1
             return True

@@ -1,0 +1,47 @@
+"""Where this node's tracked values are, told to those who need to know.
+
+The store reports every placement of a tracked value (an arena block, or any
+value published with an engine block hash) and every removal. The feed
+mirrors block hashes into the control plane's residency index, so ROUTE
+credits this pool's own copies, and appends every change to the cluster's
+replication log, so peers can find the key here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quilld.index.guard import TAG_LEN, ScopeRegistry
+from quilld.index.residency import ResidencyIndex
+from quilld.model import CacheTier
+
+_LOCAL = (CacheTier.DRAM, CacheTier.SSD)
+
+
+class ResidencyFeed:
+    def __init__(self, index: ResidencyIndex, holder: str, scopes: ScopeRegistry) -> None:
+        self.index = index
+        self.holder = holder
+        self.scopes = scopes
+        self.log: Any = None  # quilld.cluster.replog.ReplicationLog once the node is in a cluster
+
+    def placed(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
+        """The value of `fk` is now (only) in `tier` of this node."""
+        tag = fk[:TAG_LEN]
+        if bhash is not None:
+            index, holder = self.index, self.holder
+            for other in _LOCAL:
+                if other is not tier:
+                    index.remove(tag, bhash, holder, other)
+            index.put(tag, bhash, holder, tier)
+        if self.log is not None:
+            self.log.placed(self.scopes.scope_of(tag), fk[TAG_LEN:], tier, nbytes, bhash)
+
+    def removed(self, fk: bytes, tier: CacheTier, bhash: int | bytes | None) -> None:
+        """The value of `fk` is gone from this node."""
+        tag = fk[:TAG_LEN]
+        if bhash is not None:
+            for t in _LOCAL:
+                self.index.remove(tag, bhash, self.holder, t)
+        if self.log is not None:
+            self.log.removed(self.scopes.scope_of(tag), fk[TAG_LEN:], bhash)
