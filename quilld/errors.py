@@ -62,3 +62,15 @@ class ChecksumMismatch(QuillError):
 
 class ConfigError(QuillError):
     """Bad configuration: a startup error, never sent on the wire."""
+
+
+class Behind(QuillError):
+    """A replication follower asked for log entries the node no longer keeps."""
+
+    prefix = "BEHIND"
+
+
+class PeerOnly(QuillError):
+    """A node-to-node command from a connection that did not PEERAUTH."""
+
+    prefix = "NOPERM"

@@ -75,6 +75,7 @@ class Node:
         self._server: asyncio.AbstractServer | None = None
         self._admin: Any = None
         self.gateway: Any = None  # quilld.http.gateway.Gateway when gateway.port is set
+        self.cluster: Any = None  # quilld.cluster.cluster.Cluster when cluster.gossip_port is set
         self.gateway_port = cfg.gateway.port
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
@@ -95,6 +96,11 @@ class Node:
             self._admin = AdminServer(self)
             self.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         await self.control.start()
+        if self.cfg.cluster.gossip_port:
+            from quilld.cluster.cluster import Cluster
+
+            self.cluster = Cluster(self)
+            await self.cluster.start()
         if self.cfg.gateway.port:
             from quilld.http.gateway import Gateway
 
@@ -110,6 +116,8 @@ class Node:
         if self._server is None:
             return
         self._server.close()
+        if self.cluster is not None:
+            await self.cluster.stop()
         deadline = time.monotonic() + DRAIN_TIMEOUT
         while any(c.has_pins for c in self.connections.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -251,6 +259,9 @@ class Node:
                 ("repl_backlog_first_byte_offset", 0), ("repl_backlog_histlen", 0)],
             "tiers": lambda: list(self.tier_stats().items()),
             "router": lambda: self._router_info(),
+            "persistence": lambda: self.tiering.info() if getattr(self, "tiering", None) else [("ssd_enabled", 0)],
+            "cluster": lambda: self.cluster.info() if self.cluster else [("cluster_enabled", 0)],
+            "gateway": lambda: self.gateway.info() if self.gateway else [("gateway_enabled", 0)],
             "keyspace": lambda: self._keyspace(session),
         }
         return [(name.capitalize(), build[name]()) for name in names]

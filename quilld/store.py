@@ -231,6 +231,13 @@ class Store:
             self._unlink(fk)
         return len(doomed)
 
+    def tracked_values(self):
+        """(full key, tier, bytes, block hash) of every tracked value, for replication snapshots."""
+        for fk, bhash in list(self.tracked.items()):
+            value = self.data.get(fk)
+            if value is not None:
+                yield fk, CacheTier.DRAM, len(value), bhash
+
     # -- expiry ------------------------------------------------------------
     def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
         fk = tag + key

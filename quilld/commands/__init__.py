@@ -4,9 +4,9 @@ from quilld.protocol.table import CommandTable
 
 
 def build_table() -> CommandTable:
-    from quilld.commands import admin, blocks, connection, route, strings
+    from quilld.commands import admin, blocks, cluster, connection, route, strings
 
     table = CommandTable()
-    for family in (connection, strings, blocks, route, admin):
+    for family in (connection, strings, blocks, route, admin, cluster):
         family.register(table)
     return table

@@ -9,7 +9,8 @@ from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Verbatim
 from quilld.protocol.table import Command, CommandTable
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "router", "keyspace")
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "persistence", "router",
+                    "cluster", "gateway", "keyspace")
 
 
 def cmd_info(c, args):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from quilld.commands.common import block_hash, parse_int, reply_value, text
 from quilld.errors import CommandError, NoAuth, NoHandle, QuillError
 from quilld.model import BlockState, CacheTier
-from quilld.protocol.resp import OK, Status
+from quilld.protocol.resp import OK, Deferred, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.store import Block
 from quilld.twophase import IntoBlock
@@ -128,8 +128,11 @@ def cmd_getblk(c, args):
         raise CommandError("wrong number of arguments for 'getblk' command")
     if len(args) == 3 and bytes(args[2]).upper() != b"LOCAL":
         raise CommandError("syntax error")
-    # Without a cluster this node is the only holder, so LOCAL changes nothing yet.
-    return reply_value(c.store, c.store.lookup(c.tag, args[1]))
+    value = c.store.lookup(c.tag, args[1])
+    cluster = c.node.cluster
+    if value is None and cluster is not None and len(args) == 2:
+        return Deferred(cluster.fetch(c.scope, c.tag, bytes(args[1])))
+    return reply_value(c.store, value)
 
 
 def _engine_hash(key: bytes) -> int | bytes:
@@ -148,6 +151,10 @@ def cmd_locate(c, args):
             last = int(value.last_access * 1000) if type(value) is Block else None
             places.append({b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
                            b"bytes": len(value), b"last_access_ms": last})
+        if c.node.cluster is not None:
+            for holder, tier in c.node.cluster.directory.holders(c.tag, bytes(key)):
+                places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,
+                               b"last_access_ms": None})
         for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]:
             places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,
                            b"last_access_ms": None})

@@ -14,7 +14,7 @@ _ids = itertools.count(1)
 class Session:
     __slots__ = ("node", "store", "id", "addr", "laddr", "name", "lib_name", "lib_ver", "resp3",
                  "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
-                 "closing", "qbuf")
+                 "closing", "qbuf", "peer")
 
     def __init__(self, node: Any, addr: str, laddr: str) -> None:
         self.node = node
@@ -32,6 +32,7 @@ class Session:
         self.last_cmd = "NULL"
         self.closing = False  # QUIT: close once the reply is written
         self.qbuf = 0
+        self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
         self.set_scope(IdentityScope())
 
     def set_scope(self, scope: IdentityScope) -> None:

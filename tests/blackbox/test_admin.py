@@ -130,17 +130,19 @@ def test_metrics_prometheus(quilld):
 
 
 def test_config_redacts_password(quilld_factory):
-    q = quilld_factory("--dram", "256MiB", "--requirepass", "secret")
+    q = quilld_factory("--dram", "256MiB", "--requirepass", "hunter2-pw",
+                       env={"QUILLD_CLUSTER_SECRET": "gossip-key-1"})
     status, _, body = http_get(q.admin_port, "/v1/config")
     assert status == 200
-    assert b"secret" not in body
+    assert b"hunter2-pw" not in body and b"gossip-key-1" not in body
+    assert json.loads(body)["cluster"]["secret"] == "***"
     cfg = json.loads(body)
     assert cfg["security"]["requirepass"] == "***"
     assert cfg["dram"]["size"] == 256 * MiB
     assert cfg["server"]["port"] == q.port
     assert cfg["server"]["bind"] == "127.0.0.1"
     # the password still works on the RESP port
-    assert q.client(password="secret").ping() is True
+    assert q.client(password="hunter2-pw").ping() is True
 
 
 def test_config_without_password_is_empty(quilld):

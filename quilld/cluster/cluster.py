@@ -1,0 +1,279 @@
+"""The node's side of the cluster: membership, residency replication, peer fetch.
+
+Gossip (SWIM) tells who is alive and where its RESP port is. For every live
+peer a follower keeps the directory current from that peer's replication
+log; a peer declared dead (or that left) is forgotten everywhere at once.
+`fetch` reads a block held only by peers straight into this node's arena,
+verifies its CRC32C, and keeps a local copy when configured to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import crc32c
+
+from quilld import __version__
+from quilld.cluster.directory import Directory
+from quilld.cluster.follower import Follower
+from quilld.cluster.peer_client import PeerError, PeerPool
+from quilld.cluster.replog import ReplicationLog
+from quilld.errors import QuillError
+from quilld.index.guard import TAG_LEN
+from quilld.model import IdentityScope
+from quilld.protocol.resp import BlockReply
+
+log = logging.getLogger("quilld.cluster")
+
+META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
+
+
+class Cluster:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.cfg = node.cfg.cluster
+        self.log = ReplicationLog(self._snapshot_source)
+        self.log.on_append = self._wake
+        self.directory = Directory(node.scopes, node.control.index)
+        self.followers: dict[str, Follower] = {}
+        self.addresses: dict[str, tuple[str, int]] = {}  # peer -> RESP address
+        self.pool = PeerPool(hello=(("PEERAUTH", self.cfg.secret),))
+        self.stats: Counter[str] = Counter()
+        self.gossip: Any = None
+        self.started = time.time()
+        self._changed = asyncio.Event()
+        self._waiters = 0
+        self._meta_task: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        from quilld.cluster.gossip import Gossip
+
+        node = self.node
+        self.node.feed.log = self.log
+        self.gossip = Gossip(node.node_id, node.cfg.server.bind, self.cfg.gossip_port, self.meta(),
+                             self.cfg, self._on_event)
+        await self.gossip.start()
+        self._meta_task = asyncio.create_task(self._refresh_meta(), name="cluster-meta")
+
+    async def stop(self) -> None:
+        """Leave gracefully (peers mark us LEFT, not dead), stop following, close connections."""
+        if self._meta_task is not None:
+            self._meta_task.cancel()
+            await asyncio.gather(self._meta_task, return_exceptions=True)
+        if self.gossip is not None:
+            await self.gossip.stop(leave=True)
+        for f in list(self.followers.values()):
+            await f.stop()
+        self.followers.clear()
+        self.pool.close()
+
+    @property
+    def gossip_port(self) -> int:
+        return self.gossip.port if self.gossip is not None else self.cfg.gossip_port
+
+    # -- membership -----------------------------------------------------------
+    def meta(self) -> dict:
+        node, st = self.node, self.node.store
+        ssd = getattr(node, "tiering", None)
+        return {
+            "resp": [self._advertised_host(), node.port],
+            "admin": [self._advertised_host(), node.admin_port],
+            "dram_capacity": st.capacity, "dram_used": st.used,
+            "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
+            "clients": len(node.connections), "version": __version__,
+        }
+
+    def _advertised_host(self) -> str:
+        bind = self.node.cfg.server.bind
+        return "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind
+
+    async def _refresh_meta(self) -> None:
+        while True:
+            await asyncio.sleep(META_INTERVAL)
+            try:
+                self.gossip.update_meta(self.meta())
+            except Exception:
+                log.exception("cluster meta refresh failed")
+
+    def _on_event(self, event: Any) -> None:
+        m = event.member
+        if m.node_id == self.node.node_id:
+            return
+        kind = event.kind.value if hasattr(event.kind, "value") else str(event.kind)
+        if kind in ("joined", "updated", "alive"):
+            self._follow(m.node_id, m.meta)
+        elif kind in ("dead", "left"):
+            self._forget(m.node_id, kind)
+
+    def _follow(self, peer: str, meta: dict) -> None:
+        try:
+            host, port = meta["resp"][0], int(meta["resp"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            self.stats["members_without_address"] += 1
+            return
+        if self.addresses.get(peer) == (host, port) and peer in self.followers:
+            return
+        old = self.followers.pop(peer, None)
+        if old is not None:
+            asyncio.ensure_future(old.stop())
+        self.addresses[peer] = (host, port)
+        follower = Follower(peer, host, port, self.directory, (("PEERAUTH", self.cfg.secret),))
+        self.followers[peer] = follower
+        follower.start()
+        if peer not in self.node.control.pool:
+            self.node.control.pool.append(peer)
+        log.info("cluster: following %s at %s:%d", peer, host, port)
+
+    def _forget(self, peer: str, why: str) -> None:
+        follower = self.followers.pop(peer, None)
+        if follower is not None:
+            asyncio.ensure_future(follower.stop())
+        addr = self.addresses.pop(peer, None)
+        if addr is not None:
+            self.pool.drop(*addr)
+        dropped = self.directory.forget(peer)
+        if peer in self.node.control.pool:
+            self.node.control.pool.remove(peer)
+        self.stats[f"members_{why}"] += 1
+        log.warning("cluster: %s is %s; dropped its %d residencies", peer, why, dropped)
+
+    def members(self) -> list:
+        return self.gossip.members() if self.gossip is not None else []
+
+    def node_lines(self) -> list[str]:
+        """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""
+        lines = []
+        for m in sorted(self.members(), key=lambda m: (m.node_id != self.node.node_id, m.node_id)):
+            meta = m.meta or {}
+            resp = ":".join(map(str, meta.get("resp", ["?", "?"])))
+            admin = ":".join(map(str, meta.get("admin", ["?", "?"])))
+            state = m.state.value if hasattr(m.state, "value") else str(m.state)
+            me = " myself" if m.node_id == self.node.node_id else ""
+            lines.append(f"{m.node_id} {state}{me} {m.incarnation} {resp} {admin} "
+                         f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
+        return lines
+
+    # -- the replication log ----------------------------------------------------
+    def _snapshot_source(self):
+        scope_of = self.node.scopes.scope_of
+        for fk, tier, nbytes, bhash in self.node.store.tracked_values():
+            yield scope_of(fk[:TAG_LEN]), fk[TAG_LEN:], tier, nbytes, bhash
+
+    def _wake(self) -> None:
+        if self._waiters:
+            ev, self._changed = self._changed, asyncio.Event()
+            ev.set()
+
+    async def wait_log(self, after: int, timeout: float) -> None:
+        """Return once the log has entries past `after`, or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.log.seq <= after:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._waiters += 1
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+            finally:
+                self._waiters -= 1
+
+    # -- peer fetch ---------------------------------------------------------------
+    async def fetch(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
+        """A key held only by peers: read it into this node, verified; None if nobody has it."""
+        store = self.node.store
+        last_error: QuillError | None = None
+        for peer, _tier in self.directory.holders(tag, key):
+            addr = self.addresses.get(peer)
+            if addr is None:
+                continue
+            block = None
+            buf: bytearray | None = None
+
+            def target(length: int) -> memoryview:
+                nonlocal block, buf
+                if length <= store.inline_max:
+                    buf = bytearray(length)
+                    return memoryview(buf)
+                block = store.reserve(length)
+                return store.view(block)
+
+            conn = None
+            try:
+                conn = await self.pool.acquire(*addr)
+                crc, view = await conn.fetch_into(
+                    ("PEERGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, key), target)
+                self.pool.release(conn)
+            except QuillError as e:
+                if conn is not None and not conn.closed:
+                    self.pool.release(conn)
+                if block is not None:
+                    store.discard(block)
+                self.stats["peer_fetch_errors"] += 1
+                log.warning("cluster: fetching from %s failed: %s", peer, e.message)
+                last_error = e
+                continue
+            if view is None:  # the peer no longer has it: the directory was behind
+                self.stats["peer_fetch_stale"] += 1
+                continue
+            if crc32c.crc32c(view) != crc:
+                if block is not None:
+                    store.discard(block)
+                self.stats["peer_fetch_checksum_failures"] += 1
+                last_error = PeerError(f"block from {peer} failed its checksum")
+                continue
+            self.stats["peer_fetches"] += 1
+            self.stats["peer_fetch_bytes"] += len(view)
+            return self._deliver(tag, key, block, buf)
+        if last_error is not None:
+            raise PeerError(f"no peer could serve the block: {last_error.message}")
+        return None
+
+    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None) -> Any:
+        store = self.node.store
+        if block is None:
+            value = bytes(buf or b"")
+            if self.cfg.keep_fetched:
+                store.publish(tag, key, value)
+            return value
+        if self.cfg.keep_fetched:
+            store.publish(tag, key, block)
+            store.pin(block)
+            return BlockReply(store.view(block), lambda: store.unpin(block))
+        return BlockReply(store.view(block), lambda: store.discard(block))
+
+    async def read_for_peer(self, value: Any) -> list:
+        """PEERGET of a value only on this node's SSD: read, verify, answer with its CRC."""
+        data = await self.node.tiering.read_bytes(value)
+        return [crc32c.crc32c(data), data]
+
+    # -- reporting ------------------------------------------------------------------
+    def info(self) -> list[tuple[str, Any]]:
+        members = self.members()
+        states = Counter((m.state.value if hasattr(m.state, "value") else str(m.state)) for m in members)
+        now = time.monotonic()
+        lags = [now - f.last_applied for f in self.followers.values() if f.last_applied]
+        out: list[tuple[str, Any]] = [
+            ("cluster_enabled", 1), ("cluster_node_id", self.node.node_id),
+            ("cluster_gossip_port", self.gossip_port), ("cluster_members", len(members)),
+            ("cluster_members_alive", states.get("alive", 0)), ("cluster_members_suspect", states.get("suspect", 0)),
+            ("cluster_members_dead", states.get("dead", 0)), ("cluster_members_left", states.get("left", 0)),
+            ("cluster_followers", len(self.followers)), ("cluster_log_seq", self.log.seq),
+            ("cluster_log_epoch", self.log.epoch), ("cluster_log_snapshots", self.log.snapshots),
+            ("cluster_follow_max_idle_ms", int(max(lags) * 1000) if lags else 0),
+            ("cluster_peer_keys", len(self.directory.keys)),
+        ]
+        follow = Counter()
+        for f in self.followers.values():
+            follow.update(f.stats)
+        out += [(f"cluster_follow_{k}", v) for k, v in sorted(follow.items())]
+        out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
+        if self.gossip is not None:
+            out += [(f"cluster_{k}", v) for k, v in sorted(self.gossip.stats.items())]
+        return out

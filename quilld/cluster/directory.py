@@ -1,0 +1,50 @@
+"""Which peers hold which keys, as followed from their replication logs.
+
+Two views are kept up to date from the same entries: keys (for GETBLK's peer
+fetch and LOCATE), and block hashes in the control plane's residency index
+(so ROUTE credits a block held on any node of the cluster).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from quilld.cluster.replog import PLACED, Entry
+from quilld.index.guard import ScopeRegistry
+from quilld.index.residency import ResidencyIndex
+from quilld.model import CacheTier
+
+_LOCAL = (CacheTier.DRAM, CacheTier.SSD)
+
+
+class Directory:
+    def __init__(self, scopes: ScopeRegistry, blocks: ResidencyIndex) -> None:
+        self.scopes = scopes
+        self.keys = ResidencyIndex()  # holders are peer node ids; entries are keys, not hashes
+        self.blocks = blocks
+        self.applied: Counter[str] = Counter()  # peer -> entries applied
+
+    def apply(self, peer: str, entries: list[Entry]) -> None:
+        keys, blocks, tag_of = self.keys, self.blocks, self.scopes.tag
+        for e in entries:
+            tag = tag_of(e.scope)
+            for t in _LOCAL:
+                if e.op != PLACED or t.value != e.tier:
+                    keys.remove(tag, e.key, peer, t)
+                    if e.bhash:
+                        blocks.remove(tag, e.bhash, peer, t)
+            if e.op == PLACED:
+                keys.put(tag, e.key, peer, e.tier)
+                if e.bhash:
+                    blocks.put(tag, e.bhash, peer, e.tier)
+        self.applied[peer] += len(entries)
+
+    def forget(self, peer: str) -> int:
+        """Drop everything known of `peer` (dead, left, or about to be resynced)."""
+        self.blocks.clear_holder(peer)
+        return self.keys.clear_holder(peer)
+
+    def holders(self, tag: bytes, key: bytes) -> list[tuple[str, CacheTier]]:
+        """Peers holding `key`, DRAM copies first."""
+        places = self.keys.locate(tag, [key])[0]
+        return sorted(places, key=lambda p: p[1] is not CacheTier.DRAM)

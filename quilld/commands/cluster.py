@@ -1,0 +1,121 @@
+"""Cluster commands: NODES for people; PEERAUTH, REPLOG and PEERGET between nodes."""
+
+from __future__ import annotations
+
+import hmac
+
+import crc32c
+
+from quilld.cluster.replog import Behind as LogBehind
+from quilld.commands.common import parse_int, text
+from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
+from quilld.model import IdentityScope
+from quilld.protocol.resp import OK, BlockReply, Deferred
+from quilld.protocol.table import ADMIN, NOAUTH, READONLY, CommandTable
+from quilld.store import Block
+
+MAX_BATCH = 50_000
+MAX_WAIT_MS = 30_000
+
+
+def _cluster(c):
+    cluster = c.node.cluster
+    if cluster is None:
+        raise CommandError("this node is not in a cluster (cluster.gossip_port is 0)")
+    return cluster
+
+
+def _peer(c):
+    cluster = _cluster(c)
+    if not c.peer:
+        raise PeerOnly("node-to-node command: PEERAUTH first")
+    return cluster
+
+
+def cmd_peerauth(c, args):
+    """PEERAUTH secret: this connection is a cluster peer (the cluster secret, or "" when none is set)."""
+    cluster = _cluster(c)
+    secret = c.node.cfg.cluster.secret
+    if not secret and c.node.users.required:
+        raise WrongPass("peer connections need cluster.secret when clients need passwords")
+    if not hmac.compare_digest(bytes(args[1]), secret.encode()):
+        raise WrongPass("invalid cluster secret")
+    c.peer = True
+    c.authenticated = True
+    cluster.stats["peer_connections"] += 1
+    return OK
+
+
+def cmd_replog(c, args):
+    """REPLOG SNAPSHOT | REPLOG SINCE epoch seq [COUNT n] [WAIT ms]"""
+    cluster = _peer(c)
+    sub = bytes(args[1]).upper()
+    log = cluster.log
+    if sub == b"SNAPSHOT" and len(args) == 2:
+        seq, entries = log.snapshot()
+        return [log.epoch.encode(), seq, [e.wire() for e in entries]]
+    if sub != b"SINCE" or len(args) < 4 or len(args) % 2:
+        raise CommandError("syntax: REPLOG SNAPSHOT | REPLOG SINCE epoch seq [COUNT n] [WAIT ms]")
+    epoch, after = text(args[2]), parse_int(args[3])
+    count, wait_ms = 1000, 0
+    for i in range(4, len(args), 2):
+        opt, value = bytes(args[i]).upper(), parse_int(args[i + 1])
+        if opt == b"COUNT" and 0 < value <= MAX_BATCH:
+            count = value
+        elif opt == b"WAIT" and 0 <= value <= MAX_WAIT_MS:
+            wait_ms = value
+        else:
+            raise CommandError(f"REPLOG: COUNT must be 1..{MAX_BATCH}, WAIT 0..{MAX_WAIT_MS}")
+
+    def answer():
+        try:
+            entries = log.since(epoch, after, count)
+        except LogBehind as e:
+            raise Behind(f"{e}: load REPLOG SNAPSHOT") from None
+        return [log.epoch.encode(), log.seq, [e.wire() for e in entries]]
+
+    reply = answer()
+    if reply[2] or not wait_ms:
+        return reply
+
+    async def later():
+        await cluster.wait_log(after, wait_ms / 1000)
+        return answer()
+
+    return Deferred(later())
+
+
+def _scope_of(args) -> IdentityScope:
+    return IdentityScope(text(args[1]), text(args[2]), text(args[3]), text(args[4]))
+
+
+def cmd_peerget(c, args):
+    """PEERGET tenant model tokenizer adapter key: [crc32c, bytes] of this node's copy, or nil."""
+    cluster = _peer(c)
+    store = c.node.store
+    tag = c.node.scopes.tag(_scope_of(args))
+    value = store.lookup(tag, args[5])
+    cluster.stats["peer_gets_served"] += 1
+    if value is None:
+        return None
+    if type(value) is Block:
+        store.pin(value)
+        view = store.view(value)
+        return [crc32c.crc32c(view), BlockReply(view, lambda: store.unpin(value))]
+    if type(value) is bytes:
+        return [crc32c.crc32c(value), value]
+    return Deferred(cluster.read_for_peer(value))
+
+
+def cmd_nodes(c, args):
+    """NODES: one line per member: id, state, incarnation, RESP and admin addresses, usage."""
+    cluster = _cluster(c)
+    return "".join(line + "\n" for line in cluster.node_lines()).encode()
+
+
+def register(t: CommandTable) -> None:
+    t.add("peerauth", 2, NOAUTH, cmd_peerauth, "Authenticates a cluster peer connection.", "quillcache", "0.1.0")
+    t.add("replog", -2, ADMIN, cmd_replog, "A peer follows this node's residency log.", "quillcache", "0.1.0")
+    t.add("peerget", 6, READONLY, cmd_peerget, "A peer reads this node's copy of a key, with its CRC32C.",
+          "quillcache", "0.1.0")
+    t.add("nodes", 1, READONLY, cmd_nodes, "Lists the cluster's members.", "quillcache", "0.1.0")
