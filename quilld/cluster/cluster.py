@@ -104,7 +104,7 @@ class Cluster:
         m = event.member
         if m.node_id == self.node.node_id:
             return
-        kind = event.kind.value if hasattr(event.kind, "value") else str(event.kind)
+        kind = event.kind.value
         if kind in ("joined", "updated", "alive"):
             self._follow(m.node_id, m.meta)
         elif kind in ("dead", "left"):
@@ -152,7 +152,7 @@ class Cluster:
             meta = m.meta or {}
             resp = ":".join(map(str, meta.get("resp", ["?", "?"])))
             admin = ":".join(map(str, meta.get("admin", ["?", "?"])))
-            state = m.state.value if hasattr(m.state, "value") else str(m.state)
+            state = m.state.name.lower()
             me = " myself" if m.node_id == self.node.node_id else ""
             lines.append(f"{m.node_id} {state}{me} {m.incarnation} {resp} {admin} "
                          f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
@@ -256,7 +256,7 @@ class Cluster:
     # -- reporting ------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
         members = self.members()
-        states = Counter((m.state.value if hasattr(m.state, "value") else str(m.state)) for m in members)
+        states = Counter(m.state.name.lower() for m in members)
         now = time.monotonic()
         lags = [now - f.last_applied for f in self.followers.values() if f.last_applied]
         out: list[tuple[str, Any]] = [

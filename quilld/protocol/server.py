@@ -169,6 +169,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _resolved(self, fut: asyncio.Future) -> None:
         self._deferred = None
+        if fut.cancelled():  # shutting down
+            return
         try:
             reply = fut.result()
         except QuillError as e:
