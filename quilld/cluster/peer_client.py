@@ -148,7 +148,11 @@ class PeerConnection:
         tail = bytearray(got[take:])
         pos = take
         while pos < length:
-            n = await loop.sock_recv_into(sock, view[pos:])
+            # drain what the kernel already holds without a loop round trip per chunk
+            try:
+                n = sock.recv_into(view[pos:])
+            except BlockingIOError:
+                n = await loop.sock_recv_into(sock, view[pos:])
             if n == 0:
                 raise PeerError("peer closed the connection mid-transfer")
             pos += n

@@ -1,0 +1,174 @@
+"""Cluster figures, measured side by side in one run on loopback.
+
+1. Peer fetch: GETBLK on node B of blocks held only by node A (cluster.keep_fetched off, so
+   every read crosses A -> B), against a plain Python socket copy of the same bytes
+   (a thread sending, `recv_into` a preallocated buffer) and against GETBLK LOCAL on A.
+2. Replication convergence: time from a SET on one node until LOCATE on every other node
+   lists it, at 3 and 10 nodes.
+3. Failure detection: time from SIGKILL of one node until every other node reports it dead.
+
+    python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import free_port, start_quilld, stop_process  # noqa: E402
+
+MiB = 1024 * 1024
+FAST = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
+        "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "2000", "QUILLD_CLUSTER_KEEP_FETCHED": "false"}
+
+
+def start_cluster(tmp: Path, n: int) -> list:
+    nodes, gports = [], []
+    for i in range(n):
+        gport = free_port()
+        extra = ["--node-id", f"n{i}", "--gossip-port", str(gport), "--dram", "1GiB"]
+        if gports:
+            extra += ["--seeds", f"127.0.0.1:{gports[0]}"]
+        gports.append(gport)
+        nodes.append(start_quilld(tmp, *extra, env=FAST, admin=False))
+    deadline = time.monotonic() + 60
+    for q in nodes:
+        r = redis.Redis(port=q.port)
+        while r.info("cluster").get("cluster_members_alive") != n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster did not form")
+            time.sleep(0.05)
+    return nodes
+
+
+def socket_copy(nbytes: int, count: int) -> float:
+    """Seconds to move `count` payloads of `nbytes` over one loopback TCP connection."""
+    payload = os.urandom(nbytes)
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            for _ in range(count):
+                conn.recv(1)
+                conn.sendall(payload)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    buf = memoryview(bytearray(nbytes))
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        for _ in range(count):
+            c.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                got += c.recv_into(buf[got:])
+        dt = time.perf_counter() - t0
+    t.join()
+    srv.close()
+    return dt
+
+
+def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> None:
+    a, b = start_cluster(tmp, 2)
+    ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port)
+    try:
+        print("peer fetch (GB/s, median of rounds; ratio = peer fetch / socket copy)")
+        print(f"{'size':>6} {'socket copy':>12} {'GETBLK LOCAL on A':>18} {'GETBLK via B':>13} {'ratio':>6}")
+        for mib in sizes:
+            n = mib * MiB
+            count = max(8, 256 // mib)
+            keys = [f"b{mib}:{i}" for i in range(count)]
+            payload = os.urandom(n)
+            for k in keys:
+                ra.set(k, payload)
+            deadline = time.monotonic() + 30
+            while rb.info("cluster")["cluster_peer_keys"] < len(keys) * (sizes.index(mib) + 1):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("replication did not converge")
+                time.sleep(0.05)
+            sock, local, fetch = [], [], []
+            for _ in range(rounds):
+                sock.append(n * count / socket_copy(n, count) / 1e9)
+                t0 = time.perf_counter()
+                for k in keys:
+                    ra.execute_command("GETBLK", k, "LOCAL")
+                local.append(n * count / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                for k in keys:
+                    assert len(rb.execute_command("GETBLK", k)) == n
+                fetch.append(n * count / (time.perf_counter() - t0) / 1e9)
+            s, l, f = (statistics.median(x) for x in (sock, local, fetch))
+            print(f"{mib:>4}Mi {s:>12.2f} {l:>18.2f} {f:>13.2f} {f / s:>6.2f}")
+    finally:
+        for q in (a, b):
+            stop_process(q.proc)
+
+
+def convergence_and_detection(tmp: Path, n: int, rounds: int) -> None:
+    nodes = start_cluster(tmp, n)
+    clients = [redis.Redis(port=q.port) for q in nodes]
+    try:
+        delays = []
+        for i in range(rounds * 5):
+            key = f"conv:{i}"
+            clients[0].set(key, b"x" * 10000)
+            t0 = time.perf_counter()
+            pending = set(range(1, n))
+            while pending:
+                for j in list(pending):
+                    places = clients[j].execute_command("LOCATE", key)[0]
+                    if places:
+                        pending.discard(j)
+                if time.perf_counter() - t0 > 10:
+                    raise RuntimeError("replication did not converge in 10 s")
+            delays.append(time.perf_counter() - t0)
+        victim = nodes[-1]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        t0 = time.perf_counter()
+        pending = set(range(n - 1))
+        while pending:
+            for j in list(pending):
+                if f"n{n - 1} dead" in clients[j].execute_command("NODES").decode():
+                    pending.discard(j)
+            if time.perf_counter() - t0 > 30:
+                raise RuntimeError("failure not detected in 30 s")
+            time.sleep(0.01)
+        detect = time.perf_counter() - t0
+        print(f"{n:>3} nodes: replication visible everywhere p50 {statistics.median(delays) * 1000:.1f} ms, "
+              f"max {max(delays) * 1000:.1f} ms; SIGKILLed node dead everywhere after {detect:.2f} s "
+              f"(probe interval 200 ms, suspicion_mult 4)")
+    finally:
+        for q in nodes:
+            stop_process(q.proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sizes", default="1,4")
+    p.add_argument("--nodes", default="3,10")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        peer_fetch(tmp, [int(x) for x in a.sizes.split(",")], a.rounds)
+        for n in (int(x) for x in a.nodes.split(",")):
+            convergence_and_detection(tmp, n, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
