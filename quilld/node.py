@@ -58,6 +58,11 @@ class Node:
         self.users = Users.from_config(cfg.security)
         self.scopes = ScopeRegistry()
         self.store = Store(cfg.dram, self.scopes)
+        self.tiering: Any = None  # tiers/tiering.py Tiering when ssd.dir is set
+        if cfg.ssd.dir:
+            from quilld.tiers.tiering import Tiering
+
+            self.tiering = Tiering(self.store, cfg.ssd)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
         self.control = ControlPlane(cfg, self.scopes)
         self.feed = ResidencyFeed(self.control.index, self.node_id, self.scopes)
@@ -86,6 +91,8 @@ class Node:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         s = self.cfg.server
+        if self.tiering is not None:
+            await self.tiering.start(self.scopes)  # recovery completes before anything is served
         self._server = await loop.create_server(
             lambda: RespConnection(self, large_target, release_args), s.bind, s.port,
             reuse_address=True, backlog=1024)
@@ -133,6 +140,8 @@ class Node:
             await self._admin.stop()
         await self.control.stop()
         self.puts.close()
+        if self.tiering is not None:
+            await self.tiering.stop()
         self.store.close()
         self._server = None
         self._stopped.set()
@@ -230,6 +239,9 @@ class Node:
             "dram_high_watermark": self.cfg.dram.high_watermark,
             "dram_low_watermark": self.cfg.dram.low_watermark,
             "dram_inline_max": st.inline_max,
+            "ssd_keys": len(st.ssd_data),
+            "ssd_capacity": self.tiering.capacity if self.tiering else 0,
+            "ssd_used": self.tiering.used if self.tiering else 0,
         }
 
     def info_sections(self, session: Any, names: list[str]) -> list[tuple[str, list[tuple[str, Any]]]]:
@@ -259,7 +271,7 @@ class Node:
                 ("repl_backlog_first_byte_offset", 0), ("repl_backlog_histlen", 0)],
             "tiers": lambda: list(self.tier_stats().items()),
             "router": lambda: self._router_info(),
-            "persistence": lambda: self.tiering.info() if getattr(self, "tiering", None) else [("ssd_enabled", 0)],
+            "persistence": lambda: self.tiering.info() if self.tiering else [("ssd_enabled", 0)],
             "cluster": lambda: self.cluster.info() if self.cluster else [("cluster_enabled", 0)],
             "gateway": lambda: self.gateway.info() if self.gateway else [("gateway_enabled", 0)],
             "keyspace": lambda: self._keyspace(session),

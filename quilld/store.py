@@ -10,6 +10,12 @@ A Block's life is owned here: reserve() -> WRITING (invisible) -> publish()
 -> RESIDENT -> unlinked by delete/overwrite/eviction -> EVICTING while pinned
 -> GONE when its space is back in the allocator. Pins protect readers: a
 block being sent to a client is never freed under it.
+
+With an SSD tier (tiers/tiering.py) a key may instead live only on SSD: its
+value is then an `SsdEntry` in `ssd_data`, a second dict in SSD LRU order.
+A key is in exactly one of the two dicts. A Block whose bytes are also on
+SSD (written by demotion but still pinned, or promoted back by a read) keeps
+that copy in `block.ssd`: evicting it from DRAM then loses nothing.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from quilld.model import BlockState, CacheTier
 from quilld.tiers.arena import NO_SPACE, PAGE, DramArena
 
 _RESERVED_STATES = (BlockState.RESERVED, BlockState.WRITING)
+LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already on SSD before waiting for the demoter
 
 
 class Block:
     """An arena-resident value: the one per-block object beyond its dict entry."""
 
-    __slots__ = ("handle", "length", "pins", "state", "last_access")
+    __slots__ = ("handle", "length", "pins", "state", "last_access", "ssd")
 
     def __init__(self, handle: int, length: int) -> None:
         self.handle = handle
@@ -39,6 +46,7 @@ class Block:
         self.pins = 0
         self.state = BlockState.WRITING
         self.last_access = 0.0
+        self.ssd: Any = None  # an SsdEntry holding the same bytes, when there is one
 
     def __len__(self) -> int:
         return self.length
@@ -63,6 +71,8 @@ class Store:
         self.low_bytes = int(self.capacity * cfg.low_watermark)
         self.inline_max = cfg.inline_max
         self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
+        self.ssd_data: OrderedDict[bytes, Any] = OrderedDict()  # keys only on SSD -> SsdEntry
+        self.tiering: Any = None  # tiers/tiering.py Tiering when there is an SSD tier
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
         self.per_scope: Counter[bytes] = Counter()
@@ -90,9 +100,15 @@ class Store:
         """The live value of `key` in scope `tag` (a hit refreshes its LRU place)."""
         fk = tag + key
         value = self.data.get(fk)
+        if value is None and self.ssd_data:
+            value = self.ssd_data.get(fk)
+            if value is not None:
+                self.ssd_data.move_to_end(fk)
+                self.hits += 1
+                return value
         if value is None:
             self.misses += 1
-            self.scopes.audit_miss(tag, key, self.data.__contains__)
+            self.scopes.audit_miss(tag, key, self._has)
             return None
         if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
@@ -105,10 +121,15 @@ class Store:
             value.last_access = time.time()
         return value
 
+    def _has(self, fk: bytes) -> bool:
+        return fk in self.data or fk in self.ssd_data
+
     def contains(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
         if fk not in self.data:
-            self.scopes.audit_miss(tag, key, self.data.__contains__)
+            if fk in self.ssd_data:
+                return True
+            self.scopes.audit_miss(tag, key, self._has)
             return False
         if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
@@ -158,8 +179,10 @@ class Store:
         return Block(handle, nbytes)
 
     def space_may_free(self) -> bool:
-        """Whether space is held only for now: by readers' pins or by puts in progress."""
-        return self.active_pins > 0 or self.reserved_blocks > 0
+        """Whether space is held only for now: by readers' pins, puts in progress, or
+        blocks the SSD demoter is about to move out."""
+        return self.active_pins > 0 or self.reserved_blocks > 0 or (
+            self.tiering is not None and self.tiering.active and self.block_count > 0)
 
     def discard(self, block: Block) -> None:
         """Give back a reservation that will never be published."""
@@ -192,6 +215,8 @@ class Store:
             self.tracked[fk] = bhash
             listener.placed(fk, CacheTier.DRAM, len(value), bhash)
         old = data.pop(fk, None)
+        if old is None and self.ssd_data:
+            old = self.ssd_data.pop(fk, None)
         if old is None:
             self.per_scope[tag] += 1
         else:
@@ -220,6 +245,9 @@ class Store:
     def delete(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
         if fk not in self.data:
+            if fk in self.ssd_data:
+                self._unlink(fk)
+                return True
             return False
         expired = self.expires and fk in self.expires and self.expires[fk] <= now_ms()
         self._unlink(fk)
@@ -227,6 +255,7 @@ class Store:
 
     def flush_scope(self, tag: bytes) -> int:
         doomed = [fk for fk in self.data if fk[:TAG_LEN] == tag]
+        doomed += [fk for fk in self.ssd_data if fk[:TAG_LEN] == tag]
         for fk in doomed:
             self._unlink(fk)
         return len(doomed)
@@ -237,6 +266,45 @@ class Store:
             value = self.data.get(fk)
             if value is not None:
                 yield fk, CacheTier.DRAM, len(value), bhash
+            elif fk in self.ssd_data:
+                yield fk, CacheTier.SSD, self.ssd_data[fk].length, bhash
+
+    # -- moves between tiers (driven by tiers/tiering.py) -----------------------
+    def to_ssd(self, fk: bytes, block: Block, entry: Any) -> None:
+        """`block` (unpinned, resident) now lives only on SSD as `entry`: free its DRAM.
+
+        The key leaves the DRAM LRU (keeping its TTL-free life) and joins the SSD LRU.
+        """
+        self.data.pop(fk, None)  # eviction has already popped it
+        self.ssd_data[fk] = entry
+        block.ssd = None
+        self.block_count -= 1
+        self._free(block)
+        if self.listener is not None:
+            if fk not in self.tracked:
+                self.tracked[fk] = None
+            self.listener.placed(fk, CacheTier.SSD, entry.length, self.tracked[fk])
+
+    def from_ssd(self, fk: bytes, block: Block, entry: Any) -> None:
+        """A read brought `entry` back into DRAM as `block` (keeping the SSD copy)."""
+        del self.ssd_data[fk]
+        self.reserved_blocks -= 1
+        self.held_bytes -= _extent(block.length)
+        block.state = BlockState.RESIDENT
+        block.last_access = time.time()
+        block.ssd = entry
+        self.block_count += 1
+        self.data[fk] = block
+        if self.listener is not None and fk in self.tracked:
+            self.listener.placed(fk, CacheTier.DRAM, block.length, self.tracked[fk])
+
+    def adopt_ssd(self, fk: bytes, entry: Any) -> None:
+        """A block found on SSD at start (recovery) joins the keyspace."""
+        self.ssd_data[fk] = entry
+        self.per_scope[fk[:TAG_LEN]] += 1
+        if self.listener is not None:
+            self.tracked[fk] = None
+            self.listener.placed(fk, CacheTier.SSD, entry.length, None)
 
     # -- expiry ------------------------------------------------------------
     def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
@@ -273,17 +341,26 @@ class Store:
     def _unlink(self, fk: bytes) -> None:
         if self.tracked:
             self._forget(fk)
-        value = self.data.pop(fk)
+        value = self.data.pop(fk, None)
+        if value is None:
+            value = self.ssd_data.pop(fk)
         self.per_scope[fk[:TAG_LEN]] -= 1
         if self.expires:
             self.expires.pop(fk, None)
         self._release_value(value)
 
-    def _release_value(self, value: bytes | Block) -> None:
-        if type(value) is bytes:
+    def _release_value(self, value: Any) -> None:
+        t = type(value)
+        if t is bytes:
             self.inline_bytes -= len(value)
             self.used -= len(value)
             return
+        if t is not Block:  # an SsdEntry: its space goes once its deletion is logged
+            self.tiering.drop(value)
+            return
+        if value.ssd is not None:
+            self.tiering.drop(value.ssd)
+            value.ssd = None
         self.block_count -= 1
         if value.pins:
             value.state = BlockState.EVICTING
@@ -297,6 +374,15 @@ class Store:
         block.state = BlockState.GONE
 
     def _make_room(self, need: int) -> None:
+        if self.tiering is not None and self.tiering.active:
+            # the demoter keeps use between the watermarks in the background; here only
+            # make room when the arena is really full
+            if self.used + need <= self.capacity:
+                return
+            while self.used + need > self.capacity:
+                if not self._evict_one():
+                    return
+            return
         if self.used + need <= self.high_bytes:
             return
         while self.used + need > self.low_bytes:
@@ -304,13 +390,33 @@ class Store:
                 return
 
     def _evict_one(self) -> bool:
-        """Evict the least-recently-used unpinned value; False when none can go."""
+        """Evict the least-recently-used unpinned value; False when none can go.
+
+        With a working SSD tier nothing is lost: only blocks whose bytes are
+        already on SSD leave DRAM here (the demoter writes the others), and
+        when there is none the caller waits for the demoter.
+        """
         data = self.data
+        if self.tiering is not None and self.tiering.active:
+            for i, (fk, value) in enumerate(data.items()):
+                if i >= LOSSLESS_SCAN:
+                    break
+                if type(value) is Block and value.ssd is not None and not value.pins:
+                    self.to_ssd(fk, value, value.ssd)
+                    self.stats["evictions_to_ssd"] += 1
+                    return True
+            self.tiering.wake()
+            return False
         for _ in range(len(data)):
             fk, value = data.popitem(last=False)
-            if type(value) is Block and value.pins:
-                data[fk] = value  # in use: it is the most recent anyway
-                continue
+            if type(value) is Block:
+                if value.pins:
+                    data[fk] = value  # in use: it is the most recent anyway
+                    continue
+                if value.ssd is not None:  # its bytes are safe on SSD (a failed tier still reads)
+                    self.to_ssd(fk, value, value.ssd)
+                    self.stats["evictions_to_ssd"] += 1
+                    return True
             self.per_scope[fk[:TAG_LEN]] -= 1
             if self.expires:
                 self.expires.pop(fk, None)

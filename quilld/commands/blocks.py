@@ -146,11 +146,16 @@ def cmd_locate(c, args):
     out = []
     for key in args[1:]:
         places = []
-        value = store.data.get(c.tag + key) if store.contains(c.tag, key) else None
+        fk = c.tag + key
+        value = store.data.get(fk) if store.contains(c.tag, key) else None
         if value is not None:
             last = int(value.last_access * 1000) if type(value) is Block else None
             places.append({b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
                            b"bytes": len(value), b"last_access_ms": last})
+        on_ssd = store.ssd_data.get(fk) if value is None else getattr(value, "ssd", None)
+        if on_ssd is not None:
+            places.append({b"node": node_id.encode(), b"tier": CacheTier.SSD.value.encode(),
+                           b"bytes": on_ssd.length, b"last_access_ms": None})
         if c.node.cluster is not None:
             for holder, tier in c.node.cluster.directory.holders(c.tag, bytes(key)):
                 places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,

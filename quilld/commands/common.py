@@ -6,7 +6,7 @@ from functools import partial
 from typing import Any
 
 from quilld.errors import CommandError
-from quilld.protocol.resp import BlockReply
+from quilld.protocol.resp import BlockReply, Deferred
 from quilld.protocol.resp import _parse_len as _strict_int
 from quilld.store import Block
 
@@ -29,7 +29,27 @@ def block_reply(store, block: Block) -> BlockReply:
 
 
 def reply_value(store, value):
-    return block_reply(store, value) if type(value) is Block else value
+    """A stored value as a reply: arena blocks pinned and sent from memory, SSD blocks read later."""
+    t = type(value)
+    if t is Block:
+        return block_reply(store, value)
+    if t is bytes or value is None:
+        return value
+    return Deferred(store.tiering.reply(value))  # only on SSD
+
+
+def settle(replies: list):
+    """An array reply whose items may be deferred (MGET of SSD blocks): one deferred reply."""
+    if not any(type(r) is Deferred for r in replies):
+        return replies
+
+    async def gather():
+        out = []
+        for r in replies:
+            out.append(await r.awaitable if type(r) is Deferred else r)
+        return out
+
+    return Deferred(gather())
 
 
 def block_hash(v: Any) -> int | bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quilld.commands.common import block_reply, parse_int, reply_value
+from quilld.commands.common import block_reply, parse_int, reply_value, settle
 from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
@@ -15,7 +15,9 @@ def cmd_get(c, args):
     v = c.store.lookup(c.tag, args[1])
     if type(v) is Block:
         return block_reply(c.store, v)
-    return v
+    if v is None or type(v) is bytes:
+        return v
+    return reply_value(c.store, v)  # on SSD
 
 
 def _storable(store, value):
@@ -86,7 +88,7 @@ def _expire_at(opt: bytes, raw: bytes) -> int:
 
 def cmd_mget(c, args):
     store, tag = c.store, c.tag
-    return [reply_value(store, store.lookup(tag, k)) for k in args[1:]]
+    return settle([reply_value(store, store.lookup(tag, k)) for k in args[1:]])
 
 
 def cmd_mset(c, args):
@@ -110,7 +112,7 @@ def cmd_del(c, args):
 
 def cmd_strlen(c, args):
     v = c.store.lookup(c.tag, args[1])
-    return 0 if v is None else len(v)
+    return 0 if v is None else (len(v) if type(v) in (bytes, Block) else v.length)
 
 
 def cmd_type(c, args):

@@ -24,7 +24,12 @@ NODE: web.AppKey[Any] = web.AppKey("node", object)
 
 async def healthz(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response({"status": "ok", "node_id": node.node_id, "version": __version__})
+    body = {"status": "ok", "node_id": node.node_id, "version": __version__}
+    tiering = node.tiering
+    if tiering is not None and tiering.ssd.failed:
+        # still serving from DRAM, so still healthy enough to take traffic: say what broke
+        body.update(status="degraded", ssd_error=tiering.ssd.failed)
+    return web.json_response(body)
 
 
 async def stats(request: web.Request) -> web.Response:

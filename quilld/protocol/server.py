@@ -142,6 +142,12 @@ class RespConnection(asyncio.BufferedProtocol):
                     self._backlog = list(batch[i + 1:])
                     self._defer(reply)
                     break
+                elif reply.__class__ is OutOfMemory and not self._large_item(item) \
+                        and self.node.store.space_may_free():
+                    # space is only held for now (pins, puts, blocks being demoted): retry shortly
+                    self._backlog = list(batch[i + 1:])
+                    self._defer(Deferred(self._retry_when_space(item)))
+                    break
                 else:
                     if reply.__class__ is BlockReply:
                         pins.append(reply.release)
@@ -160,6 +166,21 @@ class RespConnection(asyncio.BufferedProtocol):
             self._write(out, pins)
         if session.closing:
             self.transport.close()
+
+    @staticmethod
+    def _large_item(item: list) -> bool:
+        return any(a.__class__ is not bytes for a in item)
+
+    async def _retry_when_space(self, item: list):
+        deadline = time.monotonic() + ARENA_WAIT
+        store, dispatch = self.node.store, self.node.table.dispatch
+        while True:
+            await asyncio.sleep(ARENA_RETRY)
+            reply = dispatch(self.session, item)
+            if reply.__class__ is Deferred:
+                return await reply.awaitable
+            if reply.__class__ is not OutOfMemory or time.monotonic() > deadline or not store.space_may_free():
+                return reply
 
     def _defer(self, reply: Deferred) -> None:
         """Stop reading and running commands until `reply` resolves."""

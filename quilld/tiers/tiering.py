@@ -1,0 +1,348 @@
+"""The policy between the DRAM arena and the SSD tier: demote, promote, delete, recover.
+
+- Demotion: while DRAM use is above the high watermark, a background task takes
+  the coldest unpinned blocks (least recently used first), up to
+  `ssd.group_commit_bytes` per batch, pins them, writes them to SSD in one
+  group commit (payloads synced, then one WAL sync) from a worker thread, and
+  only then frees their DRAM — so a block is never in neither place. A block
+  read or overwritten meanwhile is handled: a pinned one keeps its SSD copy
+  as `block.ssd`, an overwritten one's stale copy is deleted.
+- Reads: a GET of an SSD-only key is a deferred reply: the entry is pinned,
+  read by a worker thread into a fresh DRAM block, verified (header and
+  CRC32C), then promoted (or, with `promote_on_read` off, sent and dropped).
+  A block that fails verification is dropped and counted, and the read is a
+  miss: bytes that fail their checksum are never served.
+- Deletions of SSD copies are batched: DEL records are made durable before
+  the space may be reused.
+- When the SSD is full its own LRU (the front of `store.ssd_data`) is evicted.
+- Faults: the first I/O error fails the tier (ssd.py); from then on nothing
+  more is written to it, DRAM eviction drops blocks as it would without an
+  SSD, and the error is in INFO, the log and /healthz.
+
+All bookkeeping runs on the event loop; only ssd.py's blocking methods run in
+the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from quilld.config import SsdConfig
+from quilld.index.guard import TAG_LEN
+from quilld.model import BlockState, CacheTier, IdentityScope
+from quilld.protocol.resp import BlockReply
+from quilld.store import Block, Store
+from quilld.tiers.ssd import PendingWrite, SsdEntry, SsdTier
+from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
+
+log = logging.getLogger("quilld.ssd")
+
+DEMOTE_INTERVAL = 0.02  # seconds between checks of the DRAM watermark
+SCAN_LIMIT = 20_000  # DRAM entries looked at per demotion batch (bounds one loop turn)
+DELETE_BATCH = 4096
+
+
+class Tiering:
+    def __init__(self, store: Store, cfg: SsdConfig, workers: int = 4) -> None:
+        self.store = store
+        self.cfg = cfg
+        segment = min(cfg.segment_size, cfg.size // 4096 * 4096)  # a small tier is one segment
+        self.ssd = SsdTier(cfg.dir, cfg.size, segment, checkpoint_wal_bytes=cfg.checkpoint_wal_bytes)
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ssd")
+        self.stats: Counter[str] = Counter()
+        self.report: Any = None  # the RecoveryReport of the last start
+        self._doomed: list[SsdEntry] = []  # SSD copies to delete (DEL logged, then forgotten)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._deleting: asyncio.Task | None = None
+        self.demoting = False
+        store.tiering = self
+
+    # -- state -------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether demotion can happen: the SSD tier exists and has not failed."""
+        return self.ssd.failed is None
+
+    @property
+    def capacity(self) -> int:
+        return self.ssd.capacity
+
+    @property
+    def used(self) -> int:
+        return int(self.ssd.stats()["used"])
+
+    def wake(self) -> None:
+        """DRAM is short of space: demote now rather than at the next tick."""
+        self._wake.set()
+
+    def _run(self, fn, *args):
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self, scopes: Any) -> None:
+        """Recover the SSD tier (before serving), put its blocks in the keyspace, start demoting."""
+        t0 = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            log.info("ssd recovery: verified %d of %d blocks (%.0f%%)", done, total, 100 * done / max(total, 1))
+
+        log.info("ssd tier: recovering %s", self.cfg.dir)
+        self.report = await self._run(lambda: self.ssd.recover(progress))
+        r = self.report
+        for (scope, key), entry in self.ssd.entries.items():
+            self.store.adopt_ssd(scopes.tag(IdentityScope(*scope)) + key, entry)
+        level = logging.WARNING if (r.dropped_corrupt or r.wal_stops or r.checkpoint_error) else logging.INFO
+        log.log(level, "ssd tier: recovered %d blocks in %.2f s (dropped %d corrupt, %d torn WAL stops%s)",
+                r.recovered, time.monotonic() - t0, r.dropped_corrupt, r.dropped_torn_wal_records,
+                f", checkpoint error: {r.checkpoint_error}" if r.checkpoint_error else "")
+        for stop in r.wal_stops:
+            log.warning("ssd tier: WAL replay stopped at %s", stop)
+        self._task = asyncio.create_task(self._demoter(), name="ssd-demoter")
+
+    async def stop(self) -> None:
+        """Finish the batch in flight, log pending deletions, close the files."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._deleting is not None:
+            await asyncio.gather(self._deleting, return_exceptions=True)
+        await self._flush_deletes()
+        await self._run(self.ssd.close)
+        self.executor.shutdown(wait=True)
+
+    # -- demotion ------------------------------------------------------------------
+    async def _demoter(self) -> None:
+        store = self.store
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), DEMOTE_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                while self.active and store.used > store.high_bytes:
+                    if not await self._demote_batch():
+                        break
+                if self.active and self.ssd.needs_checkpoint():
+                    n = await self._run(self.ssd.checkpoint)
+                    if n is not None:
+                        self.stats["checkpoints"] += 1
+                        log.info("ssd tier: checkpoint of %d blocks", n)
+            except SsdFailure as e:
+                self._failed(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("ssd demotion failed")
+                await asyncio.sleep(0.5)
+
+    def _failed(self, e: Exception) -> None:
+        self.stats["failures"] += 1
+        log.error("ssd tier failed, serving from DRAM only from now on: %s", e)
+
+    def _pick(self) -> list[tuple[bytes, Block]]:
+        """The coldest unpinned blocks without an SSD copy, enough to get under the low watermark."""
+        store = self.store
+        want = store.used - store.low_bytes
+        budget = min(want, self.cfg.group_commit_bytes)
+        picked, total = [], 0
+        expires = store.expires
+        for i, (fk, value) in enumerate(store.data.items()):
+            if i >= SCAN_LIMIT or total >= budget:
+                break
+            if type(value) is not Block or value.pins or value.state != BlockState.RESIDENT:
+                continue
+            if expires and fk in expires:
+                continue  # values with a TTL stay in DRAM (the SSD tier keeps no TTLs)
+            picked.append((fk, value))
+            total += value.length
+        return picked
+
+    async def _demote_batch(self) -> bool:
+        """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved."""
+        store, ssd = self.store, self.ssd
+        picked = self._pick()
+        if not picked:
+            return False
+        clean = [(fk, b) for fk, b in picked if b.ssd is not None]
+        for fk, block in clean:  # bytes already on SSD (promoted earlier): just free DRAM
+            store.to_ssd(fk, block, block.ssd)
+            self.stats["demoted_clean"] += 1
+        items: list[tuple[bytes, Block, PendingWrite]] = []
+        for fk, block in picked:
+            if block.ssd is not None or block.state != BlockState.RESIDENT:
+                continue
+            extent = ssd.allocate(block.length)
+            if extent is None:
+                await self._make_ssd_room(block.length)
+                extent = ssd.allocate(block.length)
+                if extent is None:
+                    break
+            store.pin(block)
+            scope = store.scopes.scope_of(fk[:TAG_LEN])
+            items.append((fk, block, PendingWrite(tuple(scope), fk[TAG_LEN:], store.view(block), extent)))
+        if not items:
+            return bool(clean)
+        self.demoting = True
+        t0 = time.perf_counter()
+        try:
+            await self._run(ssd.write_batch, [it for _, _, it in items])
+        except SsdFailure as e:
+            for fk, block, it in items:
+                ssd.release_extent(it.extent)
+                store.unpin(block)
+            self._failed(e)
+            return False
+        finally:
+            self.demoting = False
+        entries = ssd.publish([it for _, _, it in items])
+        by_key = {(e.scope, e.key): e for e in entries}
+        moved = 0
+        for fk, block, it in items:
+            store.unpin(block)
+            entry = by_key.get((it.scope, it.key))
+            if entry is None:
+                continue
+            if store.data.get(fk) is block and block.state == BlockState.RESIDENT:
+                if block.pins:
+                    block.ssd = entry  # being read right now: free DRAM on a later pass
+                else:
+                    store.to_ssd(fk, block, entry)
+                moved += block.length
+            else:
+                self.drop(entry)  # overwritten or deleted while it was written: stale
+        dt = time.perf_counter() - t0
+        self.stats["demotions"] += len(items)
+        self.stats["demoted_bytes"] += moved
+        self.stats["demote_batches"] += 1
+        self.stats["demote_usec"] += int(dt * 1e6)
+        return True
+
+    async def _make_ssd_room(self, nbytes: int) -> None:
+        """Evict the least recently used SSD-only keys until `nbytes` more would fit."""
+        store, freed = self.store, 0
+        for fk in list(store.ssd_data)[:DELETE_BATCH]:
+            if freed >= nbytes * 2:
+                break
+            entry = store.ssd_data[fk]
+            if entry.pins:
+                continue
+            freed += entry.length
+            store.per_scope[fk[:TAG_LEN]] -= 1
+            if store.tracked:
+                store._forget(fk, tier=CacheTier.SSD)
+            del store.ssd_data[fk]
+            self._doomed.append(entry)
+            self.stats["ssd_evictions"] += 1
+        await self._flush_deletes()
+
+    # -- deletions -------------------------------------------------------------------
+    def drop(self, entry: SsdEntry) -> None:
+        """An SSD copy is no longer wanted: log its deletion soon, then free its space."""
+        self._doomed.append(entry)
+        if self._deleting is None or self._deleting.done():
+            self._deleting = asyncio.ensure_future(self._delete_soon())
+
+    async def _delete_soon(self) -> None:
+        await asyncio.sleep(0)  # gather a burst of deletions into one WAL sync
+        await self._flush_deletes()
+
+    async def _flush_deletes(self) -> None:
+        while self._doomed:
+            batch, self._doomed = self._doomed[:DELETE_BATCH], self._doomed[DELETE_BATCH:]
+            if self.active:
+                try:
+                    await self._run(self.ssd.log_deletes, batch)
+                except SsdFailure as e:
+                    self._failed(e)
+            for entry in batch:
+                self.ssd.forget(entry)
+            self.stats["ssd_deletes"] += len(batch)
+
+    # -- reads -------------------------------------------------------------------------
+    def reply(self, entry: SsdEntry) -> Any:
+        """A deferred reply for a GET of an SSD-only key (pins the entry now)."""
+        self.ssd.pin(entry)
+        return self._read_reply(entry)
+
+    async def _read_reply(self, entry: SsdEntry) -> Any:
+        store = self.store
+        try:
+            block = store.reserve(entry.length)
+        except BaseException:
+            self.ssd.unpin(entry)
+            raise
+        try:
+            await self._run(self.ssd.read_into, entry, store.view(block))
+        except (CorruptBlock, SsdFailure) as e:
+            store.discard(block)
+            self.ssd.unpin(entry)
+            self._corrupt(entry, e)
+            return None
+        except BaseException:
+            store.discard(block)
+            self.ssd.unpin(entry)
+            raise
+        self.ssd.unpin(entry)
+        self.stats["ssd_reads"] += 1
+        self.stats["ssd_read_bytes"] += entry.length
+        fk = store.scopes.tag(IdentityScope(*entry.scope)) + entry.key
+        if self.cfg.promote_on_read and store.ssd_data.get(fk) is entry:
+            store.from_ssd(fk, block, entry)
+            self.stats["promotions"] += 1
+            store.pin(block)
+            return BlockReply(store.view(block), lambda: store.unpin(block))
+        return BlockReply(store.view(block), lambda: store.discard(block))
+
+    async def read_bytes(self, entry: SsdEntry) -> bytes:
+        """An SSD-only block's verified bytes (for a peer), without promoting it."""
+        self.ssd.pin(entry)
+        buf = bytearray(entry.length)
+        try:
+            await self._run(self.ssd.read_into, entry, buf)
+        except (CorruptBlock, SsdFailure) as e:
+            self._corrupt(entry, e)
+            raise
+        finally:
+            self.ssd.unpin(entry)
+        return bytes(buf)
+
+    def _corrupt(self, entry: SsdEntry, e: Exception) -> None:
+        """A block failed verification on read: never serve it, forget it, count it."""
+        store = self.store
+        self.stats["ssd_read_corrupt" if isinstance(e, CorruptBlock) else "ssd_read_errors"] += 1
+        log.error("ssd tier: dropping block %r: %s", entry.key[:64], e)
+        fk = store.scopes.tag(IdentityScope(*entry.scope)) + entry.key
+        if store.ssd_data.get(fk) is entry:
+            store._unlink(fk)  # releases it, which drops the SSD copy
+        else:
+            self.drop(entry)
+
+    # -- reporting -------------------------------------------------------------------
+    def info(self) -> list[tuple[str, Any]]:
+        s = self.ssd.stats()
+        r = self.report
+        out: list[tuple[str, Any]] = [
+            ("ssd_enabled", 1), ("ssd_dir", self.cfg.dir), ("ssd_capacity", s["capacity"]),
+            ("ssd_used", s["used"]), ("ssd_keys", len(self.store.ssd_data)),
+            ("ssd_failed", int(bool(s["failed"]))), ("ssd_error", s["error"]),
+            ("ssd_dirty_bytes", s["dirty_bytes"]), ("ssd_wal_bytes", s["wal_bytes"]),
+            ("ssd_last_checkpoint", int(s["last_checkpoint"])),
+            ("ssd_fsyncs", s["fsyncs"]), ("ssd_fsync_last_ms", s["fsync_last_ms"]),
+            ("ssd_fsync_avg_ms", s["fsync_avg_ms"]), ("ssd_fsync_max_ms", s["fsync_max_ms"]),
+        ]
+        if r is not None:
+            out += [("recovery_blocks", r.recovered), ("recovery_dropped_corrupt", r.dropped_corrupt),
+                    ("recovery_wal_stops", r.dropped_torn_wal_records),
+                    ("recovery_wal_records", r.wal_records),
+                    ("recovery_checkpoint_error", r.checkpoint_error or ""),
+                    ("recovery_ms", int(r.duration_s * 1000))]
+        out += [(k, v) for k, v in sorted(self.stats.items())]
+        return out
+

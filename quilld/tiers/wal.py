@@ -1,0 +1,270 @@
+"""The SSD tier's write-ahead log: LevelDB-style record framing, PUT/DEL records,
+and a small file appender.
+
+A log file is a sequence of 32 KiB blocks. A record is stored as one or more
+fragments, each with a 7-byte header: masked CRC32C (u32, over the type byte and
+the fragment), fragment length (u16) and type (u8: FULL, or FIRST, MIDDLE...,
+LAST when the record does not fit in the rest of the block). A fragment never
+crosses a block boundary; a block tail too short for a header is zero-filled.
+Because every block starts on a fragment boundary, a reader can always tell
+where the good prefix of a damaged log ends.
+
+A log record is a batch of PUT and DEL operations (`encode_batch`), so a batch
+is replayed whole or not at all. `frame`, `WalReader` and the batch codec are
+pure (bytes in, bytes out); `WalWriter` is the only part that touches a file,
+and it never syncs: the SSD tier decides when to fdatasync (group commit).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import msgpack
+from crc32c import crc32c
+
+BLOCK_SIZE = 32 * 1024  # as LevelDB's log::kBlockSize
+HEADER_SIZE = 7  # crc u32 + length u16 + type u8
+_HEADER = struct.Struct("<IHB")
+
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+_TYPE_CRC = {t: crc32c(bytes([t])) for t in (FULL, FIRST, MIDDLE, LAST)}
+_MASK_DELTA = 0xA282EAD8  # LevelDB's crc32c::Mask constant
+
+
+def mask_crc(crc: int) -> int:
+    """Rotate and offset a CRC so that a CRC of data containing CRCs stays strong."""
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def unmask_crc(masked: int) -> int:
+    rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
+    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
+
+
+def _fragment_crc(typ: int, fragment) -> int:
+    return mask_crc(crc32c(fragment, _TYPE_CRC[typ]))
+
+
+def frame(records: Iterable[bytes], offset: int) -> bytes:
+    """The bytes that append `records` to a log whose current length is `offset`."""
+    out = bytearray()
+    pos = offset
+    for record in records:
+        rest = memoryview(record)
+        first = True
+        while True:
+            room = BLOCK_SIZE - pos % BLOCK_SIZE
+            if room < HEADER_SIZE:
+                out += bytes(room)
+                pos += room
+                room = BLOCK_SIZE
+            n = min(room - HEADER_SIZE, len(rest))
+            last = n == len(rest)
+            typ = (FULL if last else FIRST) if first else (LAST if last else MIDDLE)
+            out += _HEADER.pack(_fragment_crc(typ, rest[:n]), n, typ)
+            out += rest[:n]
+            pos += HEADER_SIZE + n
+            rest = rest[n:]
+            first = False
+            if last:
+                break
+    return bytes(out)
+
+
+class Stop(str, enum.Enum):
+    """Why a reader stopped."""
+
+    END = "end"  # the data ended on a record boundary
+    TORN = "torn"  # the data ended inside a record (a crash mid-append)
+    ZEROS = "zeros"  # a zero-filled header where a fragment should be
+    CORRUPT = "corrupt"  # a bad checksum, type, length or fragment sequence
+
+
+class WalReader:
+    """Iterates the complete records of a log held in memory.
+
+    Iteration yields `(offset, record)` and ends at the first problem. Afterwards
+    `stop` says why, `stop_offset` where (the fragment at fault, or the end of
+    the data), `detail` says what in words, and `end` is the offset just past the
+    last complete record: everything before it is good.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+        self.stop: Stop | None = None
+        self.stop_offset = 0
+        self.end = 0
+        self.detail = ""
+
+    def _halt(self, why: Stop, offset: int, detail: str) -> None:
+        self.stop, self.stop_offset, self.detail = why, offset, detail
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        data = self._data
+        size = len(data)
+        unpack_header = _HEADER.unpack_from
+        pos = 0
+        parts: list[memoryview] | None = None  # fragments of the record being joined
+        start = 0
+        while True:
+            room = BLOCK_SIZE - pos % BLOCK_SIZE
+            if room < HEADER_SIZE:  # zero-filled block tail
+                pos += room
+            if pos >= size:
+                if parts is not None:
+                    self._halt(Stop.TORN, size, f"record at {start} is missing its last fragment")
+                else:
+                    self._halt(Stop.END, size, "")
+                return
+            if size - pos < HEADER_SIZE:
+                self._halt(Stop.TORN, pos, "partial fragment header")
+                return
+            crc, length, typ = unpack_header(data, pos)
+            if not (crc or length or typ):
+                self._halt(Stop.ZEROS, pos, "zero-filled fragment header")
+                return
+            if typ not in _TYPE_CRC:
+                self._halt(Stop.CORRUPT, pos, f"unknown fragment type {typ}")
+                return
+            if HEADER_SIZE + length > BLOCK_SIZE - pos % BLOCK_SIZE:
+                self._halt(Stop.CORRUPT, pos, f"fragment length {length} crosses a block boundary")
+                return
+            body_end = pos + HEADER_SIZE + length
+            if body_end > size:
+                self._halt(Stop.TORN, pos, "partial fragment")
+                return
+            fragment = data[pos + HEADER_SIZE:body_end]
+            if _fragment_crc(typ, fragment) != crc:
+                self._halt(Stop.CORRUPT, pos, "fragment checksum mismatch")
+                return
+            if (typ in (FULL, FIRST)) != (parts is None):
+                what = "starts inside" if parts is not None else "continues without"
+                self._halt(Stop.CORRUPT, pos, f"fragment type {typ} {what} a record")
+                return
+            if typ == FULL:
+                self.end = body_end
+                yield pos, bytes(fragment)
+            elif typ == FIRST:
+                parts, start = [fragment], pos
+            else:
+                parts.append(fragment)
+                if typ == LAST:
+                    record = b"".join(parts)
+                    parts = None
+                    self.end = body_end
+                    yield start, record
+            pos = body_end
+
+
+# -- records ------------------------------------------------------------------
+
+Scope = tuple[str, str, str, str]  # tenant, model, tokenizer, adapter
+
+_PUT, _DEL = 1, 2
+
+
+class PutRecord(NamedTuple):
+    """A block became durable at `seg`/`offset` (its extent starts there)."""
+
+    generation: int
+    scope: Scope
+    key: bytes
+    seg: int
+    offset: int  # bytes from the start of the segment file
+    length: int  # payload bytes
+    crc: int  # CRC32C of the payload
+
+
+class DelRecord(NamedTuple):
+    """(scope, key)'s block is deleted if its generation is <= `generation` (the
+    version that was deleted); a newer version of the key is not."""
+
+    generation: int
+    scope: Scope
+    key: bytes
+
+
+class BadRecord(ValueError):
+    """A framed record that is not a batch of PUT and DEL operations of this format."""
+
+
+def encode_batch(ops: Iterable[PutRecord | DelRecord]) -> bytes:
+    """One log record holding a batch of operations, applied in order, all or none.
+
+    msgpack: an array of [1, generation, tenant, model, tokenizer, adapter, key, seg,
+    offset, length, crc] (PUT) and [2, generation, tenant, model, tokenizer, adapter,
+    key] (DEL) arrays. One record per batch keeps replay cost per batch, not per op.
+    """
+    out = []
+    for op in ops:
+        if type(op) is PutRecord:
+            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc))
+        else:
+            out.append((_DEL, op.generation, *op.scope, op.key))
+    return msgpack.packb(out)
+
+
+def decode_batch(data: bytes) -> list[PutRecord | DelRecord]:
+    ops: list[PutRecord | DelRecord] = []
+    try:
+        for f in msgpack.unpackb(data, use_list=False):
+            if f[0] == _PUT and len(f) == 11:
+                ops.append(PutRecord(f[1], f[2:6], f[6], f[7], f[8], f[9], f[10]))
+            elif f[0] == _DEL and len(f) == 7:
+                ops.append(DelRecord(f[1], f[2:6], f[6]))
+            else:
+                raise BadRecord(f"unknown operation {f[:2]!r}")
+    except BadRecord:
+        raise
+    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
+        raise BadRecord(f"undecodable record: {e}") from e
+    return ops
+
+
+# -- files --------------------------------------------------------------------
+
+
+def wal_name(number: int) -> str:
+    return f"wal-{number:06d}.log"
+
+
+def parse_wal_name(name: str) -> int | None:
+    """The number of a log file name, or None for any other name."""
+    if name.startswith("wal-") and name.endswith(".log") and name[4:-4].isdigit():
+        return int(name[4:-4])
+    return None
+
+
+class WalWriter:
+    """Appends framed records to one log file. Not thread-safe: the tier serializes it.
+
+    The file is opened for appending at its current length, so a writer must only
+    be opened on a log that ends cleanly (the tier always starts a new file after
+    a restart). `append` raises OSError as the OS reports it; the caller treats
+    any error as fatal for the log.
+    """
+
+    def __init__(self, path: str, number: int) -> None:
+        self.path = path
+        self.number = number
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self.fd).st_size
+
+    def append(self, records: Iterable[bytes]) -> int:
+        """Write `records` (encoded); returns the bytes written. Does not sync."""
+        data = frame(records, self.size)
+        rest = memoryview(data)
+        while rest:
+            n = os.write(self.fd, rest)
+            self.size += n
+            rest = rest[n:]
+        return len(data)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
