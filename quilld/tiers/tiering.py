@@ -93,7 +93,12 @@ class Tiering:
             log.info("ssd recovery: verified %d of %d blocks (%.0f%%)", done, total, 100 * done / max(total, 1))
 
         log.info("ssd tier: recovering %s", self.cfg.dir)
-        self.report = await self._run(lambda: self.ssd.recover(progress))
+        try:
+            self.report = await self._run(lambda: self.ssd.recover(progress))
+        except SsdFailure as e:  # e.g. the disk is full or unreadable: serve from DRAM only
+            self.ssd.failed = self.ssd.failed or str(e)
+            self._failed(e)
+            return
         r = self.report
         for (scope, key), entry in self.ssd.entries.items():
             self.store.adopt_ssd(scopes.tag(IdentityScope(*scope)) + key, entry)
@@ -106,10 +111,20 @@ class Tiering:
         self._task = asyncio.create_task(self._demoter(), name="ssd-demoter")
 
     async def stop(self) -> None:
-        """Finish the batch in flight, log pending deletions, close the files."""
+        """Finish the batch in flight, write every DRAM block to SSD (a clean restart loses
+        nothing that fits), log pending deletions, close the files."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.active and self._task is not None:
+            t0, before = time.monotonic(), self.stats["demoted_bytes"]
+            try:
+                while self.active and await self._demote_batch(everything=True):
+                    pass
+            except SsdFailure as e:
+                self._failed(e)
+            log.info("ssd tier: flushed %d bytes of DRAM blocks in %.2f s",
+                     self.stats["demoted_bytes"] - before, time.monotonic() - t0)
         if self._deleting is not None:
             await asyncio.gather(self._deleting, return_exceptions=True)
         await self._flush_deletes()
@@ -146,10 +161,10 @@ class Tiering:
         self.stats["failures"] += 1
         log.error("ssd tier failed, serving from DRAM only from now on: %s", e)
 
-    def _pick(self) -> list[tuple[bytes, Block]]:
-        """The coldest unpinned blocks without an SSD copy, enough to get under the low watermark."""
+    def _pick(self, everything: bool = False) -> list[tuple[bytes, Block]]:
+        """The coldest unpinned blocks, enough to get under the low watermark (or all of them)."""
         store = self.store
-        want = store.used - store.low_bytes
+        want = store.used if everything else store.used - store.low_bytes
         budget = min(want, self.cfg.group_commit_bytes)
         picked, total = [], 0
         expires = store.expires
@@ -164,10 +179,10 @@ class Tiering:
             total += value.length
         return picked
 
-    async def _demote_batch(self) -> bool:
+    async def _demote_batch(self, everything: bool = False) -> bool:
         """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved."""
         store, ssd = self.store, self.ssd
-        picked = self._pick()
+        picked = self._pick(everything)
         if not picked:
             return False
         clean = [(fk, b) for fk, b in picked if b.ssd is not None]

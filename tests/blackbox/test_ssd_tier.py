@@ -1,0 +1,290 @@
+"""The SSD tier through a real quilld: kill -9 at random moments, corruption while down,
+tiering under a working set larger than DRAM, pinned blocks under pressure, a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+
+from conftest import start_quilld, stop_process, wait_until
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+def value(name: str, size: int) -> bytes:
+    """The value of key `name`: distinct per key, so a wrong or mixed read shows."""
+    return random.Random(name).randbytes(size)
+
+
+def ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="128MiB", **env):
+    return start_quilld(tmp_path, "--dram", dram, "--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size,
+                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB", **env})
+
+
+def tiers_of(r, key) -> set[str]:
+    out = set()
+    for place in r.execute_command("LOCATE", key)[0]:
+        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
+        out.add(d[b"tier"].decode())
+    return out
+
+
+def until(predicate, timeout, what):
+    assert wait_until(predicate, timeout=timeout), f"timed out after {timeout} s waiting for {what}"
+
+
+@pytest.fixture
+def nodes():
+    started = []
+    yield started
+    for q in started:
+        stop_process(q.proc)
+
+
+def test_blocks_seen_on_ssd_survive_sigkill_at_random_moments(tmp_path, nodes):
+    ssd_dir = tmp_path / "ssd"
+    rng = random.Random(2026)
+    seen_on_ssd: dict[str, int] = {}  # key -> size, published on SSD before the kill
+    written: dict[str, int] = {}
+    for rnd in range(4):
+        q = ssd_node(tmp_path, ssd_dir)
+        nodes.append(q)
+        r = redis.Redis(port=q.port, socket_timeout=20)
+        # everything acknowledged on SSD in earlier rounds is back, byte-identical
+        for key, size in seen_on_ssd.items():
+            assert r.get(key) == value(key, size), f"round {rnd}: {key} lost or damaged"
+        # nothing is listed that cannot be read: every key is one we wrote and reads back whole
+        assert r.dbsize() <= len(written)
+        present = [k for k in written if r.exists(k)]
+        assert len(present) == r.dbsize()
+        for k in present:
+            assert r.get(k) == value(k, written[k])
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer(rnd=rnd):
+            w = redis.Redis(port=q.port, socket_timeout=20)
+            try:
+                for i in range(400):
+                    if stop.is_set():
+                        return
+                    key, size = f"r{rnd}:k{i}", rng.choice([64 * KiB, 256 * KiB, 700 * KiB])
+                    written[key] = size
+                    w.set(key, value(key, size))
+            except redis.ConnectionError:
+                pass  # the node was killed under us
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        kill_at = time.monotonic() + rng.uniform(0.8, 2.5)
+        watcher = redis.Redis(port=q.port, socket_timeout=5)
+        while time.monotonic() < kill_at:
+            for key in [k for k in list(written) if k.startswith(f"r{rnd}:") and k not in seen_on_ssd]:
+                try:
+                    if "ssd" in tiers_of(watcher, key):
+                        seen_on_ssd[key] = written[key]
+                except redis.ConnectionError:
+                    break
+            time.sleep(0.02)
+        os.kill(q.proc.pid, signal.SIGKILL)
+        q.proc.wait(10)
+        stop.set()
+        t.join(30)
+        assert not errors, errors
+    assert len(seen_on_ssd) >= 20, f"only {len(seen_on_ssd)} blocks reached SSD: the test proved little"
+    q = ssd_node(tmp_path, ssd_dir)
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    for key, size in seen_on_ssd.items():
+        assert r.get(key) == value(key, size), f"{key} lost or damaged after the last kill"
+    info = r.info("persistence")
+    assert info["recovery_blocks"] >= len(seen_on_ssd)
+    assert info["ssd_read_corrupt"] if "ssd_read_corrupt" in info else True
+
+
+def _spill_to_ssd(r, keys, size):
+    for k in keys:
+        r.set(k, value(k, size))
+    # the demoter takes DRAM down to its low watermark: the older half is then on SSD only
+    until(lambda: all(tiers_of(r, k) == {"ssd"} for k in keys[:len(keys) // 2]), 30, "blocks to be demoted")
+
+
+def test_flipped_bytes_in_a_segment_are_never_served(tmp_path, nodes):
+    ssd_dir = tmp_path / "ssd"
+    q = ssd_node(tmp_path, ssd_dir)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    keys = [f"c{i}" for i in range(80)]
+    _spill_to_ssd(r, keys, 256 * KiB)
+    stop_process(q.proc)
+    segs = sorted(ssd_dir.glob("seg-*.dat"))
+    damaged_payload, damaged_header = keys[3], keys[7]
+    for key, where in ((damaged_payload, "payload"), (damaged_header, "header")):
+        needle = value(key, 256 * KiB)[:64]
+        for seg in segs:
+            data = seg.read_bytes()
+            pos = data.find(needle)
+            if pos >= 0:
+                at = pos + 1000 if where == "payload" else pos - 40  # inside the 64-byte header
+                with open(seg, "r+b") as f:
+                    f.seek(at)
+                    b = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                break
+        else:
+            pytest.fail(f"{key} not found in any segment")
+    q = ssd_node(tmp_path, ssd_dir)
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    info = r.info("persistence")
+    assert info["recovery_dropped_corrupt"] == 1  # the bad header is caught at recovery
+    assert not r.exists(damaged_header)
+    assert r.get(damaged_payload) is None  # the bad payload is caught on read: a miss, never data
+    info = r.info("persistence")
+    assert info["ssd_read_corrupt"] == 1
+    assert not r.exists(damaged_payload)
+    for k in keys:
+        if k not in (damaged_payload, damaged_header):
+            assert r.get(k) == value(k, 256 * KiB), k
+    assert r.dbsize() == len(keys) - 2
+
+
+def test_a_damaged_wal_stops_replay_and_only_complete_blocks_come_back(tmp_path, nodes):
+    ssd_dir = tmp_path / "ssd"
+    q = ssd_node(tmp_path, ssd_dir)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    keys = [f"w{i}" for i in range(120)]
+    _spill_to_ssd(r, keys, 128 * KiB)
+    os.kill(q.proc.pid, signal.SIGKILL)  # no clean shutdown: the WAL is all there is
+    q.proc.wait(10)
+    wals = sorted(ssd_dir.glob("wal-*.log"))
+    wal = max(wals, key=lambda p: p.stat().st_size)
+    size = wal.stat().st_size
+    assert size > 200
+    with open(wal, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x55]))
+    q = ssd_node(tmp_path, ssd_dir)
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    info = r.info("persistence")
+    assert info["recovery_wal_stops"] >= 1
+    back = [k for k in keys if r.exists(k)]
+    assert 0 < len(back) < len(keys)
+    for k in back:
+        assert r.get(k) == value(k, 128 * KiB)
+    assert r.dbsize() == len(back)
+
+
+def test_a_working_set_larger_than_dram_keeps_hitting(tmp_path, nodes):
+    q = ssd_node(tmp_path, tmp_path / "ssd", dram="16MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    keys = [f"h{i}" for i in range(48)]  # 48 MiB through a 16 MiB arena
+    for k in keys:
+        r.set(k, value(k, MiB))
+    rng = random.Random(5)
+    for _ in range(3):
+        order = keys[:]
+        rng.shuffle(order)
+        for k in order:
+            assert r.get(k) == value(k, MiB), k
+    stats = r.info("stats")
+    assert stats["keyspace_misses"] == 0 and stats["keyspace_hits"] >= 3 * len(keys)
+    info = r.info("persistence")
+    assert info["demotions"] > 0 and info["promotions"] > 0 and info["ssd_failed"] == 0
+    assert r.info("tiers")["dram_used"] <= 16 * MiB
+    # MGET across both tiers answers in order
+    assert r.mget(keys[:6]) == [value(k, MiB) for k in keys[:6]]
+
+
+def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
+    q = ssd_node(tmp_path, tmp_path / "ssd", dram="16MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    big = value("pinned", 6 * MiB)
+    r.set("pinned", big)
+    # a reader that asks and then does not read: the reply stays pinned in quilld's buffer
+    s = socket.create_connection(("127.0.0.1", q.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"*2\r\n$3\r\nGET\r\n$6\r\npinned\r\n")
+    time.sleep(0.2)
+    for i in range(40):  # pressure: far more than the arena holds
+        r.set(f"p{i}", value(f"p{i}", MiB))
+    got = bytearray()
+    header = f"${len(big)}\r\n".encode()
+    s.settimeout(20)
+    while len(got) < len(header) + len(big) + 2:
+        chunk = s.recv(1 << 20)
+        assert chunk, "connection closed"
+        got += chunk
+    s.close()
+    assert bytes(got) == header + big + b"\r\n"
+    for i in range(40):
+        assert r.get(f"p{i}") == value(f"p{i}", MiB)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 24 MiB tmpfs: the SSD tier's 16 MiB segment fits, then the disk is filled up."""
+    mnt = tmp_path / "tinyfs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the disk-full test (needs root): {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_tier_and_the_node_keeps_serving_from_dram(tmp_path, tiny_fs, nodes):
+    ssd_dir = tiny_fs / "ssd"
+    q = ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="16MiB", QUILLD_SSD_SEGMENT_SIZE="16MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    # fill what is left of the disk, so the WAL cannot grow
+    with open(tiny_fs / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * MiB)
+                f.flush()
+        except OSError:
+            pass
+    written = []
+    for i in range(30):
+        k = f"f{i}"
+        r.set(k, value(k, 512 * KiB))
+        written.append(k)
+    until(lambda: r.info("persistence")["ssd_failed"] == 1, 20, "the SSD tier to report its failure")
+    info = r.info("persistence")
+    assert "No space left" in info["ssd_error"] or "ENOSPC" in info["ssd_error"] or "28" in info["ssd_error"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{q.admin_port}/healthz", timeout=5) as resp:
+        health = json.loads(resp.read())
+    assert health["status"] == "degraded" and health["ssd_error"]
+    # still serving: writes succeed (DRAM evicts as it would without an SSD), reads are right or misses
+    for i in range(30, 60):
+        k = f"f{i}"
+        assert r.set(k, value(k, 512 * KiB))
+        written.append(k)
+    for k in written:
+        got = r.get(k)
+        assert got is None or got == value(k, 512 * KiB), k
+    assert r.get(written[-1]) == value(written[-1], 512 * KiB)
+    assert "ssd tier failed" in Path(q.log_path).read_text()
