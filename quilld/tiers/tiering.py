@@ -240,8 +240,17 @@ class Tiering:
         return True
 
     async def _make_ssd_room(self, nbytes: int) -> None:
-        """Evict the least recently used SSD-only keys until `nbytes` more would fit."""
+        """Free SSD space for `nbytes`: first the SSD copies of blocks that are also in DRAM
+        (nothing is lost), then the least recently used SSD-only keys."""
         store, freed = self.store, 0
+        for i, block in enumerate(reversed(store.data.values())):
+            if freed >= nbytes * 2 or i >= SCAN_LIMIT:
+                break
+            if type(block) is Block and block.ssd is not None and not block.ssd.pins:
+                freed += block.ssd.length
+                self._doomed.append(block.ssd)
+                block.ssd = None
+                self.stats["ssd_copies_dropped"] += 1
         for fk in list(store.ssd_data)[:DELETE_BATCH]:
             if freed >= nbytes * 2:
                 break

@@ -214,18 +214,19 @@ def test_a_working_set_larger_than_dram_keeps_hitting(tmp_path, nodes):
 
 
 def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
-    q = ssd_node(tmp_path, tmp_path / "ssd", dram="16MiB")
+    q = ssd_node(tmp_path, tmp_path / "ssd", dram="48MiB", ssd_size="256MiB")
     nodes.append(q)
     r = redis.Redis(port=q.port, socket_timeout=20)
-    big = value("pinned", 6 * MiB)
+    big = value("pinned", 28 * MiB)  # more than loopback's socket buffers can absorb
     r.set("pinned", big)
     # a reader that asks and then does not read: the reply stays pinned in quilld's buffer
     s = socket.create_connection(("127.0.0.1", q.port))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.sendall(b"*2\r\n$3\r\nGET\r\n$6\r\npinned\r\n")
-    time.sleep(0.2)
-    for i in range(40):  # pressure: far more than the arena holds
+    time.sleep(0.3)
+    for i in range(100):  # pressure: far more than the arena holds
         r.set(f"p{i}", value(f"p{i}", MiB))
+    assert r.info("tiers")["dram_held_bytes"] >= len(big)  # still pinned by the unread reply
+    assert r.info("persistence")["demotions"] > 0
     got = bytearray()
     header = f"${len(big)}\r\n".encode()
     s.settimeout(20)
@@ -235,7 +236,7 @@ def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
         got += chunk
     s.close()
     assert bytes(got) == header + big + b"\r\n"
-    for i in range(40):
+    for i in range(100):
         assert r.get(f"p{i}") == value(f"p{i}", MiB)
 
 
