@@ -53,3 +53,14 @@ class Users:
             hmac.compare_digest(password, password)  # same work whether or not the user exists
             return False
         return hmac.compare_digest(expected.encode(), password.encode())
+
+    def user_for_token(self, token: str) -> str | None:
+        """The user whose password is `token` (an API key of the OpenAI gateway), or None.
+
+        Every password is compared, in constant time, whether or not one matched;
+        a token that is the password of two users names neither (None).
+        """
+        given = token.encode()
+        found = [user for user, password in self._passwords.items()
+                 if hmac.compare_digest(password.encode(), given)]
+        return found[0] if len(found) == 1 else None

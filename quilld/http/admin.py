@@ -40,6 +40,9 @@ async def stats(request: web.Request) -> web.Response:
         "tiers": {"dram": node.store.arena.stats() | node.tier_stats()},
         "counters": node.counters(),
         "clients": {"connected": len(node.connections), "max": node.cfg.server.max_clients},
+        "persistence": dict(node.tiering.info()) if node.tiering else None,
+        "cluster": dict(node.cluster.info()) if node.cluster else None,
+        "gateway": dict(node.gateway.info()) if node.gateway else None,
     })
 
 
@@ -84,6 +87,14 @@ def _metric_lines(node: Any) -> list[str]:
         ("dram_fragmentation", "1 - largest free extent / free bytes."),
     ):
         metric(name, "gauge", help_text, t[name])
+    # the optional parts (SSD tier, cluster, gateway): every numeric field of their INFO section
+    for part, prefix, label in ((node.tiering, "", "SSD tier"), (node.cluster, "", "Cluster"),
+                                (node.gateway, "", "Gateway")):
+        if part is None:
+            continue
+        for name, value in part.info():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric(prefix + name, "gauge", f"{label}: {name.replace('_', ' ')} (see INFO).", value)
     return lines
 
 

@@ -1,0 +1,238 @@
+"""put_blocks: many blocks through PUT2PHASE, their DATA chunks in parallel.
+
+A round reserves space for a group of blocks (`put_round_bytes` at most):
+
+1. BEGIN for every block, pipelined. `+EXISTS` means the key is already
+   complete in this scope: that block is skipped (reported as not stored).
+2. DATA: each block is cut into `chunk_size` pieces and the pieces are spread
+   over `parallelism` lanes by bytes; a lane is a thread that pipelines its
+   pieces on one pooled connection (small pieces share a round trip, a large
+   one goes alone). Pieces are memoryviews of the caller's data, sent as they
+   are. The CRC32C of each block is computed meanwhile on the same threads.
+3. COMMIT with the CRC32C, pipelined: the server checks every byte arrived and
+   the checksum, then publishes each block whole.
+
+A round of at most `chunk_size` bytes in all (small blocks) skips the threads:
+its DATA and COMMIT commands go in one pipeline on the calling thread, which
+saves a round trip (one connection runs its commands in order).
+
+On any failure the round's handles still open are aborted (best effort; a
+handle nobody aborts is reclaimed when its lease runs out) and the first error
+is raised. Blocks committed in earlier rounds stay.
+
+DATA is idempotent and retried after a lost connection like any read. BEGIN is
+retried too: a reply lost with the connection leaves a reservation behind until
+its lease runs out (`lease_ms`). A COMMIT whose reply was lost is re-sent; if the
+handle is gone by then (the first one went through), the key's existence decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+
+from quillclient.errors import NoHandle, QuillConnectionError, QuillError
+from quillclient.wire import as_readable
+
+if TYPE_CHECKING:
+    from quillclient.client import QuillClient
+
+_MAX_PIPELINE = 128  # DATA commands per round trip within a lane
+
+
+def _is_exists(reply: Any) -> bool:
+    return reply in (b"EXISTS", "EXISTS")
+
+
+def _is_ok(reply: Any) -> bool:
+    return reply in (b"OK", "OK", True)
+
+
+def _rounds(sizes: list[int], round_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) groups of at most round_bytes each (a larger block goes alone)."""
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > lo and total + n > round_bytes:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out
+
+
+def _lanes(pieces: list[tuple[bytes, int, memoryview]], lanes: int) -> list[list]:
+    """Spread pieces over lanes, largest first, each to the lane with the fewest bytes."""
+    load = [0] * lanes
+    out: list[list] = [[] for _ in range(lanes)]
+    for piece in sorted(pieces, key=lambda p: -p[2].nbytes):
+        j = load.index(min(load))
+        out[j].append(piece)
+        load[j] += piece[2].nbytes
+    return [lane for lane in out if lane]
+
+
+def _batches(lane: list[tuple[bytes, int, memoryview]], chunk_size: int) -> list[list]:
+    """A lane's pieces as pipelines of about chunk_size bytes (or _MAX_PIPELINE commands)."""
+    out, cur, size = [], [], 0
+    for piece in lane:
+        if cur and (size + piece[2].nbytes > chunk_size or len(cur) >= _MAX_PIPELINE):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(piece)
+        size += piece[2].nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def put_blocks(client: QuillClient, items: Iterable | Mapping, chunk_size: int, parallelism: int,
+               round_bytes: int, lease_ms: int | None) -> list[bool]:
+    pairs = items.items() if isinstance(items, Mapping) else items
+    blocks = [(key, as_readable(data)) for key, data in pairs]
+    stored = [False] * len(blocks)
+    for lo, hi in _rounds([v.nbytes for _, v in blocks], round_bytes):
+        _put_round(client, blocks, lo, hi, stored, chunk_size, parallelism, lease_ms)
+    return stored
+
+
+def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], chunk_size: int,
+               parallelism: int, lease_ms: int | None) -> None:
+    lease = ("LEASE", lease_ms) if lease_ms is not None else ()
+    replies = client._pipeline([("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease)
+                                for i in range(lo, hi)])
+    handles: dict[int, bytes] = {}
+    error: Exception | None = None
+    for i, reply in zip(range(lo, hi), replies):
+        if isinstance(reply, Exception):
+            error = error or reply
+        elif not _is_exists(reply):
+            handles[i] = reply
+    if error is not None:
+        _abort(client, handles.values())
+        raise error
+    if not handles:
+        return
+    if sum(blocks[i][1].nbytes for i in handles) <= chunk_size:
+        _put_small(client, blocks, handles, stored, chunk_size, parallelism)
+        return
+    try:
+        crcs = _send_data(client, blocks, handles, chunk_size, parallelism)
+    except BaseException:
+        _abort(client, handles.values())
+        raise
+    _commit(client, blocks, handles, crcs, stored)
+
+
+def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], stored: list[bool],
+               chunk_size: int, parallelism: int) -> None:
+    """A round of at most chunk_size bytes: every DATA then every COMMIT in one pipeline, on this thread.
+
+    A connection keeps its commands in order, so each COMMIT follows its DATA. If the connection
+    is lost, which COMMITs went through is unknown: keys now present count as stored, the others
+    go the long way (DATA again, then COMMIT).
+    """
+    order = list(handles)
+    crcs = {i: crc32c.crc32c(blocks[i][1]) for i in order}
+    data = [("PUT2PHASE", "DATA", handles[i], 0, blocks[i][1]) for i in order if blocks[i][1].nbytes]
+    commits = [("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]) for i in order]
+    try:
+        replies = client._pipeline(data + commits, idempotent=False)
+    except QuillConnectionError:
+        pending = {}
+        for i in order:
+            if client.exists(blocks[i][0]):
+                stored[i] = True
+            else:
+                pending[i] = handles[i]
+        _abort(client, [handles[i] for i in order if stored[i]])  # committed already: NOHANDLE, ignored
+        try:
+            _send_data(client, blocks, pending, chunk_size, parallelism)
+        except BaseException:
+            _abort(client, pending.values())
+            raise
+        _commit(client, blocks, pending, crcs, stored)
+        return
+    error = next((r for r in replies[:len(data)] if isinstance(r, Exception)), None)
+    _settle(client, order, handles, replies[len(data):], stored, error)
+
+
+def _send_data(client: QuillClient, blocks: list, handles: dict[int, bytes], chunk_size: int,
+               parallelism: int) -> dict[int, int]:
+    pieces = [(handle, off, blocks[i][1][off:off + chunk_size])
+              for i, handle in handles.items() for off in range(0, blocks[i][1].nbytes, chunk_size)]
+    executor = client._executor_for_puts()
+    lane_futures: list[Future] = [executor.submit(_send_lane, client, _batches(lane, chunk_size))
+                                  for lane in _lanes(pieces, parallelism)]
+    crc_futures = {i: executor.submit(crc32c.crc32c, blocks[i][1]) for i in handles}
+    error: BaseException | None = None
+    for f in lane_futures:  # wait for all of them before the caller may abort
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        for f in crc_futures.values():
+            f.cancel()
+        raise error
+    return {i: f.result() for i, f in crc_futures.items()}
+
+
+def _send_lane(client: QuillClient, batches: list[list]) -> None:
+    for batch in batches:
+        replies = client._pipeline([("PUT2PHASE", "DATA", handle, off, view) for handle, off, view in batch])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+            if not _is_ok(reply):
+                raise QuillError(f"unexpected reply to PUT2PHASE DATA: {reply!r}")
+
+
+def _commit(client: QuillClient, blocks: list, handles: dict[int, bytes], crcs: dict[int, int],
+            stored: list[bool]) -> None:
+    order = list(handles)
+    try:
+        replies = client._pipeline([("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]) for i in order],
+                                   idempotent=False)
+    except QuillConnectionError:
+        replies = [_commit_again(client, blocks[i][0], handles[i], crcs[i]) for i in order]
+    _settle(client, order, handles, replies, stored, None)
+
+
+def _settle(client: QuillClient, order: list[int], handles: dict[int, bytes], replies: list, stored: list[bool],
+            error: Exception | None) -> None:
+    """Record the COMMIT replies; abort the puts they left open and raise the first error."""
+    still_open = []
+    for i, reply in zip(order, replies):
+        if isinstance(reply, Exception):
+            error = error or reply
+            if not isinstance(reply, NoHandle):
+                still_open.append(handles[i])  # CHECKSUM and INCOMPLETE leave the put open
+        else:
+            stored[i] = True
+    if error is not None:
+        _abort(client, still_open)
+        raise error
+
+
+def _commit_again(client: QuillClient, key, handle: bytes, crc: int) -> Any:
+    """A COMMIT whose reply was lost with the connection: send it again, once it can be."""
+    try:
+        return client._call(lambda: client._redis.execute_command("PUT2PHASE", "COMMIT", handle, "CRC32C", crc))
+    except NoHandle as e:
+        return b"OK" if client.exists(key) else e
+    except QuillError as e:
+        return e
+
+
+def _abort(client: QuillClient, handles: Iterable[bytes]) -> None:
+    handles = list(handles)
+    if not handles:
+        return
+    try:
+        client._pipeline([("PUT2PHASE", "ABORT", h) for h in handles], idempotent=False)
+    except QuillError:
+        pass  # the leases reclaim whatever could not be aborted now

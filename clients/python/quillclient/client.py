@@ -1,0 +1,237 @@
+"""QuillClient: quilld's commands on top of redis-py, plus zero-copy reads.
+
+Two pools share one `ClientConfig`:
+
+- redis-py's `BlockingConnectionPool` for every command but reads into
+  buffers. Each connection is set up by `_setup_connection` (AUTH through
+  redis-py, then `SCOPE`), so every pooled connection of a client carries the
+  client's scope, including connections opened after a reconnect; two clients
+  with different scopes never share a connection. Large arguments go out as
+  memoryviews (`wire.CommandPacker`), not copied.
+- `zerocopy.RawPool`, raw sockets for `get_into` / `get_many_into`, set up
+  with the same AUTH and SCOPE.
+
+Idempotent commands are retried after a lost connection with redis-py's
+`Retry` (exponential backoff with jitter); an error the server sent is never
+retried. Every failure surfaces as a `quillclient.errors` type.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
+from typing import Any, Callable, TypeVar
+
+import redis
+import redis.exceptions as rx
+from redis.backoff import EqualJitterBackoff, NoBackoff
+from redis.retry import Retry
+
+from quillclient import blocks, zerocopy
+from quillclient.config import ClientConfig, Scope
+from quillclient.errors import NotFound, QuillError, from_redis
+from quillclient.wire import CommandPacker, as_writable
+
+T = TypeVar("T")
+
+
+def _setup_connection(scope: Scope | None, conn: redis.Connection) -> None:
+    """redis-py's `redis_connect_func`: its own handshake (HELLO/AUTH), then SCOPE."""
+    conn.on_connect()
+    if scope is not None:
+        conn.send_command(*scope.command())
+        reply = conn.read_response()
+        if reply not in (b"OK", "OK"):
+            raise rx.ConnectionError(f"SCOPE answered {reply!r}")
+
+
+def _text(value: Any) -> Any:
+    """A RESP3 reply with its byte strings decoded (map keys included)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    if isinstance(value, dict):
+        return {_text(k): _text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    return value
+
+
+class QuillClient:
+    """A thread-safe client for one quilld. Options are `ClientConfig` fields.
+
+    >>> c = QuillClient("127.0.0.1", 7379, password="...", scope=("llama-3-8b", "llama3-tok"))
+    >>> c.put_blocks({"blk:0": data0, "blk:1": data1})
+    >>> n = c.get_into("blk:0", buffer)
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7379, *, config: ClientConfig | None = None,
+                 **options: Any) -> None:
+        cfg = config if config is not None else ClientConfig(host=host, port=port, **options)
+        self.config = cfg
+        self._pool = redis.BlockingConnectionPool(
+            max_connections=cfg.max_connections, timeout=cfg.pool_timeout,
+            host=cfg.host, port=cfg.port, username=cfg.username, password=cfg.password,
+            socket_timeout=cfg.socket_timeout, socket_connect_timeout=cfg.connect_timeout,
+            socket_keepalive=True, protocol=3, retry=Retry(NoBackoff(), 0),
+            redis_connect_func=partial(_setup_connection, cfg.scope), command_packer=CommandPacker())
+        self._redis = redis.Redis(connection_pool=self._pool, protocol=3)
+        errors: tuple = (rx.ConnectionError, rx.TimeoutError) if cfg.retry_on_timeout else (rx.ConnectionError,)
+        self._retry = Retry(EqualJitterBackoff(cap=cfg.backoff_cap, base=cfg.backoff_base), cfg.retries, errors)
+        self._raw = zerocopy.RawPool(cfg)
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- life cycle --------------------------------------------------------
+
+    def scope(self, model: str, tokenizer: str, adapter: str = "") -> QuillClient:
+        """A new client (own pools) whose connections all run in this identity scope."""
+        return QuillClient(config=replace(self.config, scope=Scope(model, tokenizer, adapter)))
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._raw.close()
+        self._pool.disconnect()
+
+    def __enter__(self) -> QuillClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        scope = f" scope={tuple(self.config.scope)}" if self.config.scope else ""
+        return f"<QuillClient {self.config.host}:{self.config.port}{scope}>"
+
+    @property
+    def raw_sockets_opened(self) -> int:
+        """Sockets the get_into pool has opened so far (reconnects and discarded ones included)."""
+        return self._raw.created
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T], idempotent: bool = True) -> T:
+        """Run a redis-py call with this client's retries; raise quillclient errors."""
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except rx.AuthenticationError as e:  # a ConnectionError to redis-py; never retried here
+                raise from_redis(e) from e
+
+        try:
+            if idempotent:
+                return self._retry.call_with_retry(attempt, lambda error: None)
+            return attempt()
+        except rx.RedisError as e:
+            raise from_redis(e) from e
+
+    def _pipeline(self, commands: Sequence[tuple], idempotent: bool = True) -> list:
+        """Replies of a non-transactional pipeline, errors as exception objects in the list."""
+
+        def run() -> list:
+            pipe = self._redis.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            return pipe.execute(raise_on_error=False)
+
+        return [from_redis(r) if isinstance(r, Exception) else r for r in self._call(run, idempotent)]
+
+    def _executor_for_puts(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.config.parallelism, thread_name_prefix="quill-put")
+            return self._executor
+
+    def execute(self, *args: Any, idempotent: bool = False) -> Any:
+        """Any command, raw reply; errors typed. Retried after a lost connection only if idempotent."""
+        return self._call(lambda: self._redis.execute_command(*args), idempotent)
+
+    # -- values ------------------------------------------------------------
+
+    def ping(self) -> bool:
+        return self._call(lambda: self._redis.ping())
+
+    def put(self, key: str | bytes, data: Any, *, ttl: float | None = None) -> None:
+        """Store `data` (any buffer: bytes, bytearray, numpy array, mmap) under `key`, replacing it."""
+        args: tuple = ("SET", key, data) if ttl is None else ("SET", key, data, "PX", max(1, int(ttl * 1000)))
+        self._call(lambda: self._redis.execute_command(*args))
+
+    def get(self, key: str | bytes) -> bytes | None:
+        """The block as a new bytes object, None on a miss. `get_into` avoids the copies."""
+        return self._call(lambda: self._redis.execute_command("GETBLK", key))
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int:
+        """Read the block straight into `buffer` (writable: bytearray, numpy array, mmap, memoryview).
+
+        Returns the block's length (the rest of the buffer is untouched). Raises
+        NotFound on a miss and BufferTooSmall, with nothing written, if the
+        block does not fit; the client stays usable after either.
+        """
+        n = zerocopy.get_into(self._raw, key, as_writable(buffer))
+        if n == zerocopy.MISS:
+            raise NotFound(key)
+        return n
+
+    def get_many_into(self, keys: Sequence[str | bytes], buffers: Sequence[Any]) -> list[int]:
+        """Batched get_into on one connection, pipelined. Per key its length, or -1 for a miss.
+
+        A block too large for its buffer is skipped, the others are read, then
+        BufferTooSmall is raised (its `results` holds every key's outcome).
+        """
+        return zerocopy.get_many_into(self._raw, keys, [as_writable(b) for b in buffers])
+
+    def delete(self, *keys: str | bytes) -> int:
+        """Delete keys; the number that existed."""
+        return self._call(lambda: self._redis.execute_command("DEL", *keys))
+
+    def exists(self, key: str | bytes) -> bool:
+        return bool(self._call(lambda: self._redis.execute_command("EXISTS", key)))
+
+    def put_blocks(self, items: Mapping | Iterable[tuple[Any, Any]], *, chunk_size: int | None = None,
+                   parallelism: int | None = None, lease_ms: int | None = None) -> list[bool]:
+        """Store many blocks with PUT2PHASE: chunked DATA in parallel, COMMIT with CRC32C.
+
+        `items` is a mapping or (key, data) pairs. Returns, per item, True if it
+        was stored and False if the key was already complete (`+EXISTS`; its
+        value is kept). See `quillclient.blocks` for the failure rules.
+        """
+        cfg = self.config
+        return blocks.put_blocks(self, items, chunk_size or cfg.chunk_size, parallelism or cfg.parallelism,
+                                 cfg.put_round_bytes, cfg.lease_ms if lease_ms is None else lease_ms)
+
+    # -- placement and routing ----------------------------------------------
+
+    def locate(self, *keys: str | bytes) -> list[list[dict[str, Any]]]:
+        """Per key, its residencies: {"node", "tier", "bytes", "last_access_ms"}."""
+        return _text(self._call(lambda: self._redis.execute_command("LOCATE", *keys)))
+
+    def route(self, *, blocks: Iterable[int | str] | None = None, tokens: Iterable[int] | None = None,
+              block_size: int | None = None, decode_tokens: int | None = None, session: str | None = None,
+              acquire: bool = False) -> dict[str, Any]:
+        """The engine that recomputes the least for these blocks (or tokens), as quilld's ROUTE map."""
+        req: dict[str, Any] = {}
+        if blocks is not None:
+            req["blocks"] = [b if isinstance(b, (int, str)) else bytes(b).hex() for b in blocks]
+        if tokens is not None:
+            req["tokens"] = list(tokens)
+        for name, value in (("block_size", block_size), ("decode_tokens", decode_tokens), ("session", session)):
+            if value is not None:
+                req[name] = value
+        if acquire:
+            req["acquire"] = True
+        body = json.dumps(req, separators=(",", ":"))
+        return _text(self._call(lambda: self._redis.execute_command("ROUTE", body), idempotent=not acquire))
+
+    def release(self, lease: str) -> bool:
+        """End a request taken with route(acquire=True); False for an unknown or expired lease."""
+        return bool(self._call(lambda: self._redis.execute_command("RELEASE", lease)))
+
+
+__all__ = ["QuillClient", "QuillError"]

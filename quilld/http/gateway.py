@@ -1,0 +1,529 @@
+"""OpenAI-compatible gateway: routes each request to the cache-hottest engine and streams it through.
+
+Routes (one table, ROUTES): POST /v1/chat/completions and /v1/completions,
+GET /v1/models (the union of the engines' models) and /v1/models/{model}, and
+GET /v1/quillcache/stats (`Gateway.info()` as JSON). Errors are OpenAI-shaped
+(quilld/http/gateway_request.py).
+
+Per request: the API key gives the tenant, the model picks the engines, the
+prompt becomes block hashes (quilld/http/prompt_blocks.py), the router scores
+the engines, and the chosen one is asked with one pooled aiohttp session. The
+`x-quillcache-*` decision headers go out with the engine's status and headers,
+before the first body byte; the body is relayed chunk by chunk (SSE events
+whole, so a failure never leaves half an event).
+
+Identity. The tenant is the user whose password is the bearer API key (when
+quilld has users; `default` otherwise). A request for `base:adapter`, where no
+engine serves a model of that exact name, is a request for LoRA `adapter` on
+the engines of `base`: it is sent to them with `"model": "adapter"` (vLLM
+serves a LoRA under its own name). The scope of its blocks is
+(tenant, engine model, engine tokenizer, adapter) — the same as
+`ControlPlane.engine_tag` gives the engine's own KV events whenever the tenant
+is the engine's `tenant`, so the gateway's lookups, the residencies it records
+and the engine's events meet in one scope, and a repeated prefix is a hit
+either way. Another tenant's requests look in their own scope: they get no
+credit for prefixes someone else sent, so the overlap header never tells them
+what others asked.
+
+Load and failures. The engine's in-flight count is taken before the upstream
+call and given back when the request ends, however it ends. An engine that
+refuses, resets, answers 5xx/429 or sends no byte within
+`first_byte_timeout_ms` cools down for `ENGINE_COOLDOWN` seconds (it is tried
+only when no other engine is left) and the request moves to the next-best
+engine, up to `max_attempts`. That holds until the first body byte reached the
+client; if the engine had already answered headers, they (and the decision
+headers naming it) were sent, and the body comes from the next engine. After a
+body byte, a failure (or a silence longer than `first_byte_timeout_ms` between
+chunks) ends an SSE stream with `data: {"error": ...}` and closes the
+connection (a plain body is cut short by closing it). A client that goes away
+cancels the handler, which closes the upstream response: the engine sees the
+request go.
+
+Residency. When the engine's first body byte of a 2xx answer arrives, it has
+prefilled the prompt: the prompt's blocks are recorded as in that engine's
+HBM, unless the engine publishes KV events (they stay the authority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import itertools
+import secrets
+import time
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from quilld.config import EngineConfig
+from quilld.http.gateway_relay import Relay
+from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request, decode_tokens, prompt_of, read_body
+from quilld.http.gateway_stats import GatewayStats
+from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
+from quilld.index.router import choose as choose_engine
+from quilld.model import CacheTier, IdentityScope
+
+log = logging.getLogger("quilld.gateway")
+
+ENGINE_COOLDOWN = 3.0  # seconds a failed engine is passed over while others are left
+MAX_BODY = 64 * 1024 * 1024  # largest request body (long prompts, inline images)
+UPSTREAM_KEEPALIVE = 4.0  # below uvicorn's 5 s, so a pooled connection is never one the engine is closing
+SHUTDOWN_TIMEOUT = 2.0  # seconds open streams get at shutdown before they are cancelled
+WATCHDOG_TICKS = 8  # byte deadlines are checked this often per first_byte_timeout_ms (at least once a second)
+SLO_HEADER = "x-quillcache-ttft-slo-ms"
+
+
+class UpstreamFailed(Exception):
+    """One attempt failed before any body byte reached the client; `cool` marks the engine."""
+
+    def __init__(self, reason: str, cool: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.cool = reason, cool
+
+
+class Parsed(NamedTuple):
+    path: str
+    body: bytes  # what is sent upstream
+    model: str  # the engines' model
+    adapter: str  # LoRA name, "" for the base model
+    tenant: str
+    prompt: str | list[int]
+    decode_tokens: int
+    slo_ms: float
+    t0: float  # perf_counter when the request arrived
+    request_id: str
+
+
+class Choice(NamedTuple):
+    engine: EngineConfig
+    tag: bytes
+    blocks: list[int]
+    cost: float
+    overlap: int
+    plan: str  # "hits=H fetches=F recomputes=R"
+
+
+def upstream_url(base: str, path: str) -> str:
+    """The engine URL for `path`: its base may or may not end in /v1."""
+    base = base.rstrip("/")
+    return base + path[3:] if base.endswith("/v1") else base + path
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, UpstreamFailed):
+        return e.reason
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class Gateway:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.cfg = node.cfg.gateway
+        self.control = node.control
+        self.hasher = PromptHasher(self.cfg.chunk_chars)
+        self.stats = GatewayStats()
+        self.cooling: dict[str, float] = {}  # engine id -> monotonic time its cooldown ends
+        self._urls: dict[tuple[str, str], URL] = {}  # (engine base URL, path) -> parsed upstream URL
+        self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
+        self._rid = itertools.count(1)
+        self.session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._handlers: set[asyncio.Task] = set()  # completion requests being served
+        self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
+        self._watch_task: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self, host: str, port: int) -> int:
+        c = self.cfg
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_ms / 1000),
+            auto_decompress=False, skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
+        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT)
+        await self._runner.setup()
+        self._watch_task = asyncio.create_task(self._watchdog(), name="gateway-watchdog")
+        self._site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
+        await self._site.start()
+        bound = self._site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        log.info("OpenAI-compatible gateway on %s:%d", host, bound)
+        return bound
+
+    async def stop(self) -> None:
+        """Stop accepting, give open requests SHUTDOWN_TIMEOUT to end, cancel the rest, close the pool."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        if self._handlers:
+            _, late = await asyncio.wait(set(self._handlers), timeout=SHUTDOWN_TIMEOUT)
+            for task in late:  # each closes its engine response and gives its engine's load back
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def info(self) -> list[tuple[str, int | float | str]]:
+        now = time.monotonic()
+        return self.stats.info(self.cfg.ttft_slo_ms, sum(1 for t in self.cooling.values() if t > now))
+
+    # -- identity and parsing -------------------------------------------------------
+    def tenant(self, request: web.Request) -> str:
+        users = self.node.users
+        if not users.required:
+            return "default"
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
+                           "invalid_request_error", "invalid_api_key", counter="unauthorized")
+        user = users.user_for_token(key)
+        if user is None:
+            self.node.stats["auth_failures"] += 1
+            raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key",
+                           counter="unauthorized")
+        return user
+
+    def resolve_model(self, model: str) -> tuple[str, str]:
+        """(engines' model, adapter) for a requested model name; 404 when no engine serves it."""
+        engines = self.control.engines
+        if engines.for_model(model):
+            return model, ""
+        base, sep, adapter = model.rpartition(":")
+        if sep and base and adapter and engines.for_model(base):
+            return base, adapter
+        raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
+                       "model", "unknown_model")
+
+    async def parse(self, request: web.Request, path: str, t0: float) -> Parsed:
+        tenant = self.tenant(request)
+        slo_ms = float(self.cfg.ttft_slo_ms)
+        if SLO_HEADER in request.headers:
+            try:
+                slo_ms = float(request.headers[SLO_HEADER])
+            except ValueError:
+                slo_ms = -1.0
+            if not 0 < slo_ms < float("inf"):
+                raise bad_request(f"{SLO_HEADER} must be a positive number of milliseconds")
+        raw = await request.read()
+        body = read_body(raw)
+        base, adapter = self.resolve_model(body["model"])
+        prompt = prompt_of(path, body)
+        if adapter:
+            raw = json.dumps(body | {"model": adapter}).encode()
+        return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
+                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}")
+
+    # -- routing ----------------------------------------------------------------
+    def _cool(self, engine_id: str) -> None:
+        self.cooling[engine_id] = time.monotonic() + ENGINE_COOLDOWN
+
+    async def choose(self, req: Parsed, tried: set[str], hashes: dict[Family, list[int]]) -> Choice | None:
+        """The next engine to try: healthy before cooling, the router's pick, then by cost."""
+        groups: dict[Family, set[str]] = defaultdict(set)
+        for e in self.control.engines.for_model(req.model):
+            if e.id not in tried:
+                groups[family(e)].add(e.id)
+        now = time.monotonic()
+        best: tuple | None = None
+        for fam, ids in groups.items():
+            blocks = hashes.get(fam)
+            if blocks is None:
+                blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
+            scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
+            tag = self.node.scopes.tag(scope)
+            d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam))
+            for c in d["candidates"]:
+                if c.engine not in ids:
+                    continue
+                key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d["engine"], c.cost, c.engine)
+                if best is None or key < best[0]:
+                    best = (key, c, d, tag, blocks)
+        if best is None:
+            return None
+        _, c, d, tag, blocks = best
+        steps = d["plan"]
+        if c.engine != d["engine"]:  # not the router's pick (it failed or cools down): this engine's own plan
+            ctl = self.control
+            steps = choose_engine(ctl.index, tag, blocks, [c.engine], ctl.pool, ctl.engines.in_flight,
+                                  0.0, ctl.weights).plan
+        actions = [step.action for step in steps]
+        hits, fetches = actions.count("hit"), actions.count("fetch")
+        plan = f"hits={hits} fetches={fetches} recomputes={len(blocks) - hits - fetches}"
+        return Choice(self.control.engines.get(c.engine), tag, blocks, c.cost, c.overlap_blocks, plan)
+
+    def _record(self, choice: Choice) -> None:
+        """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
+        if choice.engine.kv_events or self.control.engines.engines.get(choice.engine.id) is not choice.engine:
+            return  # its events are the authority, or it was removed or replaced meanwhile
+        put, engine_id, tag = self.control.index.put, choice.engine.id, choice.tag
+        self.stats.counts["residencies_recorded"] += sum(put(tag, h, engine_id, CacheTier.HBM)
+                                                         for h in choice.blocks)
+
+    # -- the request --------------------------------------------------------------
+    async def completion(self, request: web.Request, path: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        counts = self.stats.counts
+        counts["requests"] += 1
+        try:
+            req = await self.parse(request, path, t0)
+        except ApiError as e:
+            counts[e.counter] += 1
+            return e.response()
+        relay = Relay(request)
+        self.stats.in_flight += 1
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            await self._relay(req, relay)
+        except TokenizerUnavailable as e:
+            log.error("%s", e)
+            self._settle_missed(relay)
+            if relay.resp is not None:  # an earlier attempt's headers went out
+                await relay.fail(str(e))
+                return relay.resp
+            return ApiError(500, str(e), "server_error", "tokenizer_unavailable").response(
+                {"x-quillcache-request-id": req.request_id})
+        except (asyncio.CancelledError, ConnectionResetError):
+            counts["client_disconnects"] += 1
+            if (time.perf_counter() - t0) * 1000 > req.slo_ms:
+                self._settle_missed(relay)
+            raise
+        finally:
+            self.stats.in_flight -= 1
+            self._handlers.discard(task)
+        if relay.resp is None:
+            counts["unavailable"] += 1
+            why = "; ".join(relay.failures) or "no engine left to try"
+            return ApiError(503, f"No healthy engine for model `{req.model}`: {why}", "service_unavailable",
+                            "no_healthy_engine").response({"x-quillcache-request-id": req.request_id})
+        return relay.resp
+
+    def _settle_missed(self, relay: Relay) -> None:
+        if not relay.settled:
+            relay.settled = True
+            self.stats.missed()
+
+    async def _relay(self, req: Parsed, relay: Relay) -> None:
+        """Try engines, best first, until one answers or the attempts run out."""
+        counts = self.stats.counts
+        engines = self.control.engines
+        tried: set[str] = set()
+        hashes: dict[Family, list[int]] = {}
+        for attempt in range(self.cfg.max_attempts):
+            choice = await self.choose(req, tried, hashes)
+            if choice is None:
+                break
+            tried.add(choice.engine.id)
+            if attempt:
+                counts["retries"] += 1
+            lease = engines.acquire(choice.engine.id)
+            try:
+                await self._attempt(req, choice, relay)
+                return
+            except UpstreamFailed as e:
+                counts["upstream_errors"] += 1
+                relay.failures.append(f"{choice.engine.id}: {e.reason}")
+                if e.cool:
+                    self._cool(choice.engine.id)
+                log.warning("request %s: engine %s failed before its first byte (%s)", req.request_id,
+                            choice.engine.id, e.reason)
+            finally:
+                engines.release(lease)
+        self._settle_missed(relay)
+        if relay.resp is not None:  # headers went out with an engine that failed before its first byte
+            counts["unavailable"] += 1
+            await relay.fail("no engine could answer: " + "; ".join(relay.failures))
+
+    async def _attempt(self, req: Parsed, choice: Choice, relay: Relay) -> None:
+        """Ask one engine and relay its answer; UpstreamFailed while nothing reached the client's body."""
+        counts = self.stats.counts
+        deadline = asyncio.get_running_loop().time() + self.cfg.first_byte_timeout_ms / 1000
+        asked = relay.request.headers
+        headers = {"Content-Type": "application/json", "Accept": asked.get("Accept", "*/*"),
+                   "Accept-Encoding": asked.get("Accept-Encoding", "identity"), "X-Request-Id": req.request_id}
+        try:
+            async with asyncio.timeout_at(deadline):
+                upstream = await self.session.post(self._url(choice.engine.url, req.path), data=req.body,
+                                                   headers=headers)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamFailed(_describe(e)) from None
+        try:
+            status = upstream.status
+            if status >= 500 or status == 429:
+                raise UpstreamFailed(f"HTTP {status}")
+            ok = status < 300
+            if relay.resp is None:
+                await relay.prepare(upstream, {
+                    "x-quillcache-engine": choice.engine.id, "x-quillcache-overlap-blocks": str(choice.overlap),
+                    "x-quillcache-cost": f"{choice.cost:.6g}", "x-quillcache-plan": choice.plan,
+                    "x-quillcache-request-id": req.request_id})
+                if not ok:  # the engine refused the request itself: relayed as is, not counted for goodput
+                    counts["upstream_client_errors"] += 1
+                    relay.settled = True
+            elif not ok:
+                raise UpstreamFailed(f"HTTP {status} after the headers went out", cool=False)
+            content, loop = upstream.content, asyncio.get_running_loop()
+            limit = self.cfg.first_byte_timeout_ms / 1000
+            relay.stalled, relay.pending = False, b""  # nothing of an earlier attempt carries over
+            self._reading[relay] = upstream  # the watchdog bounds each wait for the engine's bytes
+            while True:
+                relay.deadline = loop.time() + limit if relay.started else deadline
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, OSError) as e:
+                    chunk, error = b"", _describe(e)
+                else:
+                    error = ""
+                relay.deadline = 0.0
+                if relay.stalled or error:
+                    why = f"no byte for {self.cfg.first_byte_timeout_ms} ms" if relay.stalled else error
+                    if not relay.started:
+                        raise UpstreamFailed(why)
+                    await self._broken(req, choice, relay, why)
+                    return
+                if not chunk:
+                    break
+                if await relay.forward(chunk):
+                    self._first_byte(req, choice, ok, relay)
+            if await relay.flush():
+                self._first_byte(req, choice, ok, relay)
+            if not relay.started and ok:
+                raise UpstreamFailed("the answer ended before its first byte")
+            await relay.resp.write_eof()
+            if ok:
+                counts["completed"] += 1
+        finally:
+            self._reading.pop(relay, None)
+            if upstream.content.at_eof():
+                upstream.release()
+            else:  # cancelled or failed mid-body: drop the connection, the engine sees the request go
+                upstream.close()
+
+    async def _broken(self, req: Parsed, choice: Choice, relay: Relay, why: str) -> None:
+        self.stats.counts["stream_errors"] += 1
+        log.warning("request %s: engine %s failed mid-answer (%s)", req.request_id, choice.engine.id, why)
+        await relay.fail(f"engine {choice.engine.id} failed mid-answer: {why}")
+
+    async def _watchdog(self) -> None:
+        """Close the engine response of every relay whose engine missed its byte deadline.
+
+        The first body byte is due first_byte_timeout_ms after the request was
+        sent, each later chunk first_byte_timeout_ms after the one before. One
+        timer for all streams, checked WATCHDOG_TICK times a timeout (at least
+        once a second), instead of a timer per chunk read.
+        """
+        loop = asyncio.get_running_loop()
+        tick = min(1.0, self.cfg.first_byte_timeout_ms / 1000 / WATCHDOG_TICKS)
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for relay, upstream in list(self._reading.items()):
+                if relay.deadline and now > relay.deadline:
+                    relay.stalled = True
+                    upstream.close()
+
+    def _url(self, base: str, path: str) -> URL:
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) > 1024:  # engines come and go: never let it grow without bound
+                self._urls.clear()
+            url = self._urls[(base, path)] = URL(upstream_url(base, path))
+        return url
+
+    def _first_byte(self, req: Parsed, choice: Choice, ok: bool, relay: Relay) -> None:
+        if not ok:
+            return
+        self.stats.first_byte((time.perf_counter() - req.t0) * 1000, req.slo_ms)
+        relay.settled = True
+        self.cooling.pop(choice.engine.id, None)  # tried as a last resort and it answered: healthy again
+        self._record(choice)
+
+    # -- handlers ---------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self.tenant(request)
+        except ApiError as e:
+            self.stats.counts[e.counter] += 1
+            return e.response()
+        names = sorted({e.model for e in self.control.engines.engines.values()})
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "quillcache"} for name in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        try:
+            self.tenant(request)
+            base, adapter = self.resolve_model(request.match_info["model"])
+        except ApiError as e:
+            self.stats.counts[e.counter] += 1
+            return e.response()
+        return web.json_response({"id": request.match_info["model"], "object": "model", "created": 0,
+                                  "owned_by": "quillcache", **({"parent": base} if adapter else {})})
+
+    async def own_stats(self, request: web.Request) -> web.Response:
+        try:
+            self.tenant(request)
+        except ApiError as e:
+            self.stats.counts[e.counter] += 1
+            return e.response()
+        return web.json_response(dict(self.info()))
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].completion(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].completion(request, COMPLETIONS)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return await request.app[GATEWAY].models(request)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return await request.app[GATEWAY].model(request)
+
+
+async def gateway_stats(request: web.Request) -> web.Response:
+    return await request.app[GATEWAY].own_stats(request)
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return ApiError(404, f"Unknown request URL: {request.method} {request.path}.", "invalid_request_error",
+                    "unknown_url").response()
+
+
+ROUTES = [
+    ("POST", CHAT, chat_completions),
+    ("POST", COMPLETIONS, completions),
+    ("GET", "/v1/models", list_models),
+    ("GET", "/v1/models/{model:.+}", get_model),
+    ("GET", "/v1/quillcache/stats", gateway_stats),
+    ("*", "/{tail:.*}", not_found),
+]
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[GATEWAY] = gateway
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    return app

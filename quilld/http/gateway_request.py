@@ -1,0 +1,85 @@
+"""Reading an OpenAI request: its errors, in OpenAI's shape, and the body's checks.
+
+Errors answer `{"error": {"message", "type", "param", "code"}}` with the status
+OpenAI uses: 400 malformed, 401 bad API key, 404 unknown model, 503 no engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from quilld.http.prompt_blocks import completion_prompt, render_chat
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str | None, param: str | None = None,
+                 counter: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.counter = counter
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param, "bad_requests")
+
+
+def read_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request, with a model name; 400 otherwise."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("You must provide a model parameter.", "model", "missing_model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("`stream` must be a boolean.", "stream")
+    return body
+
+
+def prompt_of(path: str, body: dict[str, Any]) -> str | list[int]:
+    """The prompt to route by: rendered chat messages, or the completions prompt; 400 when missing."""
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages \
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise bad_request("`messages` must be a non-empty array of objects with a `role`.", "messages",
+                              "missing_messages")
+        return render_chat(messages)
+    if not valid_prompt(body.get("prompt")):
+        raise bad_request("`prompt` must be a string, an array of strings, an array of token ids or "
+                          "an array of token-id arrays.", "prompt", "missing_prompt")
+    return completion_prompt(body["prompt"])
+
+
+def decode_tokens(body: dict[str, Any]) -> int:
+    """The tokens the request may generate, as far as it says."""
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+def valid_prompt(prompt: Any) -> bool:
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in x)
+
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    return ids(prompt) or all(ids(p) for p in prompt)
