@@ -183,6 +183,9 @@ class Config:
                 or c.suspicion_mult < 1 or c.probe_timeout_ms >= c.probe_interval_ms:
             raise ConfigError("cluster: intervals must be positive, probe_timeout_ms < probe_interval_ms, "
                               "indirect_probes >= 0, suspicion_mult >= 1")
+        if c.gossip_port and not c.secret and (self.security.requirepass or self.security.users_file):
+            raise ConfigError("cluster.secret is required when clients need passwords: peers "
+                              "authenticate to each other with it")
         for seed in filter(None, (x.strip() for x in c.seeds.split(","))):
             host, _, port = seed.rpartition(":")
             if not host or not port.isdigit():

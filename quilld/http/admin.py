@@ -192,6 +192,19 @@ async def hot(request: web.Request) -> web.Response:
                               "top": [{"block": key.hex(), "count": n} for key, n in sketch.top(20)]})
 
 
+async def nodes(request: web.Request) -> web.Response:
+    """The cluster's members as this node sees them (404 when not in a cluster)."""
+    node = request.app[NODE]
+    if node.cluster is None:
+        return _json_error(404, "this node is not in a cluster (cluster.gossip_port is 0)")
+    out = []
+    for m in node.cluster.members():
+        out.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
+                    "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": m.node_id == node.node_id,
+                    "following": m.node_id in node.cluster.followers, **(m.meta or {})})
+    return web.json_response({"node_id": node.node_id, "nodes": out})
+
+
 class _Caller:
     """The identity an admin-API route request speaks for."""
 
@@ -211,6 +224,7 @@ ROUTES = [
     ("POST", "/v1/route", route),
     ("POST", "/v1/kv-events", kv_events),
     ("GET", "/v1/hot", hot),
+    ("GET", "/v1/nodes", nodes),
 ]
 
 

@@ -120,6 +120,14 @@ def test_a_block_put_on_a_is_read_identical_through_b_and_c(cluster):
     assert b.execute_command("GETBLK", "never-put") is None
     info = b.info("cluster")
     assert info["cluster_peer_fetches"] >= 1 and info["cluster_members_alive"] == 3
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.nodes['c'].admin_port}/v1/nodes", timeout=5) as resp:
+        view = json.loads(resp.read())
+    assert {n["id"]: n["state"] for n in view["nodes"]} == {"a": "alive", "b": "alive", "c": "alive"}
+    me = next(n for n in view["nodes"] if n["self"])
+    assert me["id"] == "c" and me["resp"][1] == cluster.nodes["c"].port
     # a delete on a reaches the others' directories: they stop listing a
     a.delete("blk:1")
     until(lambda: not "a" in holders(c, "blk:1"),
@@ -192,3 +200,20 @@ def test_a_holder_killed_mid_transfer_fails_cleanly_or_another_serves(cluster):
     # whatever happened, c never keeps a corrupt copy
     local = c.execute_command("GETBLK", "big", "LOCAL")
     assert local is None or local == payload
+
+
+def test_with_passwords_peers_authenticate_with_the_cluster_secret(cluster):
+    env = {"QUILLD_CLUSTER_SECRET": "s3cret", "QUILLD_SECURITY_REQUIREPASS": "pw"}
+    cluster.start("a", **env)
+    cluster.start("b", ["a"], **env)
+    a = redis.Redis(port=cluster.nodes["a"].port, password="pw")
+    b = redis.Redis(port=cluster.nodes["b"].port, password="pw")
+    until(lambda: members(b) == {"a": "alive", "b": "alive"}, 15, "two members")
+    a.set("k", b"v" * 100_000)
+    until(lambda: "a" in holders(b, "k"), 10, "b to learn a's block")
+    assert b.execute_command("GETBLK", "k") == b"v" * 100_000
+    # a client cannot pose as a peer without the secret
+    with pytest.raises(redis.AuthenticationError, match="invalid cluster secret"):
+        b.execute_command("PEERAUTH", "guess")
+    with pytest.raises(redis.exceptions.NoPermissionError, match="PEERAUTH first"):
+        b.execute_command("REPLOG", "SNAPSHOT")

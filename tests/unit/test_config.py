@@ -347,3 +347,15 @@ def test_redacted_leaves_empty_secrets_empty():
     out = load(environ={}).redacted()
     assert out["security"]["requirepass"] == "" and out["admin"]["token"] == ""
     assert set(out) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_a_cluster_with_passwords_needs_a_secret():
+    with pytest.raises(ConfigError, match="cluster.secret is required"):
+        load(environ={"QUILLD_CLUSTER_GOSSIP_PORT": "7381", "QUILLD_SECURITY_REQUIREPASS": "pw"})
+    cfg = load(environ={"QUILLD_CLUSTER_GOSSIP_PORT": "7381", "QUILLD_SECURITY_REQUIREPASS": "pw",
+                        "QUILLD_CLUSTER_SECRET": "s"})
+    assert cfg.cluster.secret == "s"
+    with pytest.raises(ConfigError, match="host:port"):
+        load(environ={"QUILLD_CLUSTER_SEEDS": "nohost"})
+    with pytest.raises(ConfigError, match="transfer"):
+        load(environ={"QUILLD_CLUSTER_TRANSFER": "carrier-pigeon"})
