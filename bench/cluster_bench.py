@@ -87,7 +87,10 @@ def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> None:
     ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port)
     try:
         print("peer fetch (GB/s, median of rounds; ratio = peer fetch / socket copy)")
-        print(f"{'size':>6} {'socket copy':>12} {'GETBLK LOCAL on A':>18} {'GETBLK via B':>13} {'ratio':>6}")
+        print("  fetch hop = A -> B inside quilld (request to verified copy, from INFO cluster on B);")
+        print("  via B = a redis-py client's GETBLK on B, which adds the B -> client hop")
+        print(f"{'size':>6} {'socket copy':>12} {'GETBLK LOCAL on A':>18} {'fetch hop':>10} {'ratio':>6} "
+              f"{'GETBLK via B':>13} {'ratio':>6}")
         for mib in sizes:
             n = mib * MiB
             count = max(8, 256 // mib)
@@ -100,19 +103,24 @@ def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("replication did not converge")
                 time.sleep(0.05)
-            sock, local, fetch = [], [], []
+            sock, local, fetch, hop = [], [], [], []
             for _ in range(rounds):
                 sock.append(n * count / socket_copy(n, count) / 1e9)
                 t0 = time.perf_counter()
                 for k in keys:
                     ra.execute_command("GETBLK", k, "LOCAL")
                 local.append(n * count / (time.perf_counter() - t0) / 1e9)
+                before = rb.info("cluster")
                 t0 = time.perf_counter()
                 for k in keys:
                     assert len(rb.execute_command("GETBLK", k)) == n
                 fetch.append(n * count / (time.perf_counter() - t0) / 1e9)
-            s, l, f = (statistics.median(x) for x in (sock, local, fetch))
-            print(f"{mib:>4}Mi {s:>12.2f} {l:>18.2f} {f:>13.2f} {f / s:>6.2f}")
+                after = rb.info("cluster")
+                usec = after["cluster_peer_fetch_usec"] - before.get("cluster_peer_fetch_usec", 0)
+                moved = after["cluster_peer_fetch_bytes"] - before.get("cluster_peer_fetch_bytes", 0)
+                hop.append(moved / usec / 1e3)
+            s, l, f, h = (statistics.median(x) for x in (sock, local, fetch, hop))
+            print(f"{mib:>4}Mi {s:>12.2f} {l:>18.2f} {h:>10.2f} {h / s:>6.2f} {f:>13.2f} {f / s:>6.2f}")
     finally:
         for q in (a, b):
             stop_process(q.proc)

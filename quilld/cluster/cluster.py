@@ -205,6 +205,7 @@ class Cluster:
                 return store.view(block)
 
             conn = None
+            t0 = time.perf_counter()
             try:
                 conn = await self.pool.acquire(*addr)
                 crc, view = await conn.fetch_into(
@@ -230,6 +231,7 @@ class Cluster:
                 continue
             self.stats["peer_fetches"] += 1
             self.stats["peer_fetch_bytes"] += len(view)
+            self.stats["peer_fetch_usec"] += int((time.perf_counter() - t0) * 1e6)  # request to verified
             return self._deliver(tag, key, block, buf)
         if last_error is not None:
             raise PeerError(f"no peer could serve the block: {last_error.message}")

@@ -19,6 +19,7 @@ from quilld.errors import QuillError
 CONNECT_TIMEOUT = 2.0
 CALL_TIMEOUT = 10.0
 _CHUNK = 256 * 1024
+SOCKET_BUFFER = 4 * 1024 * 1024  # a whole block in flight per round trip (capped by net.core.rmem_max)
 
 
 class PeerError(QuillError):
@@ -50,6 +51,7 @@ class PeerConnection:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)  # before connect: window scale
         try:
             await asyncio.wait_for(self.loop.sock_connect(sock, (self.host, self.port)), CONNECT_TIMEOUT)
         except (OSError, asyncio.TimeoutError) as e:
