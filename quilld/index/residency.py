@@ -12,6 +12,8 @@ Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
 
 from __future__ import annotations
 
+import struct
+
 from typing import Iterable
 
 from quilld.model import CacheTier
@@ -19,6 +21,7 @@ from quilld.model import CacheTier
 TIERS = (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD)
 _TIER_NO = {t: i for i, t in enumerate(TIERS)} | {t.value: i for i, t in enumerate(TIERS)}
 _U64 = (1 << 64) - 1
+_PACK = struct.Struct(">Q").pack  # an int hash's stored form, as hash_key() makes it
 
 BlockHash = int | bytes
 
@@ -125,9 +128,8 @@ class ResidencyIndex:
     # -- queries --------------------------------------------------------------
     def masks(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[int]:
         """The entry mask of each block, in order (0 where nobody holds it)."""
-        get = self._entries.get
-        return [get(tag + ((b & _U64).to_bytes(8, "big") if b.__class__ is int else hash_key(b)), 0)
-                for b in blocks]
+        get, pack = self._entries.get, _PACK
+        return [get(tag + (pack(b & _U64) if b.__class__ is int else hash_key(b)), 0) for b in blocks]
 
     def has(self, key: bytes) -> bool:
         """Whether a stored key (scope tag + hash key) has any residency."""

@@ -118,7 +118,8 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
     candidates: list[Candidate] = []
     walks: list[list[Step]] = []
     cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
-    best = -1
+    best, best_key = -1, None
+    make = tuple.__new__
     for engine in engines:
         load = load_of(engine, 0)
         if pool or first & holder_bits(engine):
@@ -127,10 +128,10 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
             cost = scale * (uncovered if uncovered > 0 else 0.0) + decode_blocks + per_request * load
         else:  # it lacks the first block and there is no pool to fetch from: nothing to reuse
             credit, steps, cost = 0.0, _NO_STEPS, cold + per_request * load
-        candidates.append(Candidate(engine, len(steps), credit, cost, load))
+        candidates.append(make(Candidate, (engine, len(steps), credit, cost, load)))
         walks.append(steps)
-        if best < 0 or (cost, engine) < (candidates[best].cost, candidates[best].engine):
-            best = len(candidates) - 1
+        if best < 0 or cost < best_key[0] or (cost == best_key[0] and engine < best_key[1]):
+            best, best_key = len(candidates) - 1, (cost, engine)
     pick = best
     if weights.temperature > 0:
         rng = rng or random.Random()
