@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from quilld.config import SsdConfig
+from quilld.errors import OutOfMemory
 from quilld.index.guard import TAG_LEN
 from quilld.model import BlockState, CacheTier, IdentityScope
 from quilld.protocol.resp import BlockReply
@@ -45,6 +46,7 @@ log = logging.getLogger("quilld.ssd")
 DEMOTE_INTERVAL = 0.02  # seconds between checks of the DRAM watermark
 SCAN_LIMIT = 20_000  # DRAM entries looked at per demotion batch (bounds one loop turn)
 DELETE_BATCH = 4096
+RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 
 
 class Tiering:
@@ -61,6 +63,7 @@ class Tiering:
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
         self.demoting = False
+        self._pressure = False  # a write is waiting for space
         store.tiering = self
 
     # -- state -------------------------------------------------------------------
@@ -78,7 +81,8 @@ class Tiering:
         return int(self.ssd.stats()["used"])
 
     def wake(self) -> None:
-        """DRAM is short of space: demote now rather than at the next tick."""
+        """DRAM is short of space for a write: demote now, even below the high watermark."""
+        self._pressure = True
         self._wake.set()
 
     def _run(self, fn, *args):
@@ -125,6 +129,13 @@ class Tiering:
                 self._failed(e)
             log.info("ssd tier: flushed %d bytes of DRAM blocks in %.2f s",
                      self.stats["demoted_bytes"] - before, time.monotonic() - t0)
+        if self.active and self._task is not None:
+            await self._flush_deletes()
+            try:  # so the next start loads a checkpoint instead of replaying the whole WAL
+                n = await self._run(self.ssd.checkpoint)
+                log.info("ssd tier: checkpoint of %s blocks written at shutdown", n)
+            except SsdFailure as e:
+                self._failed(e)
         if self._deleting is not None:
             await asyncio.gather(self._deleting, return_exceptions=True)
         await self._flush_deletes()
@@ -141,7 +152,8 @@ class Tiering:
                 pass
             self._wake.clear()
             try:
-                while self.active and store.used > store.high_bytes:
+                while self.active and (store.used > store.high_bytes or self._pressure):
+                    self._pressure = False
                     if not await self._demote_batch():
                         break
                 if self.active and self.ssd.needs_checkpoint():
@@ -164,7 +176,9 @@ class Tiering:
     def _pick(self, everything: bool = False) -> list[tuple[bytes, Block]]:
         """The coldest unpinned blocks, enough to get under the low watermark (or all of them)."""
         store = self.store
-        want = store.used if everything else store.used - store.low_bytes
+        # at least a quarter of the arena per group commit, so a small arena does not pay an
+        # fsync pair for every few blocks (fsyncs dominate demotion time)
+        want = store.used if everything else max(store.used - store.low_bytes, store.capacity // 4)
         budget = min(want, self.cfg.group_commit_bytes)
         picked, total = [], 0
         expires = store.expires
@@ -176,7 +190,7 @@ class Tiering:
             if expires and fk in expires:
                 continue  # values with a TTL stay in DRAM (the SSD tier keeps no TTLs)
             picked.append((fk, value))
-            total += value.length
+            total += -(-value.length // 4096) * 4096  # pages, as DRAM use is counted
         return picked
 
     async def _demote_batch(self, everything: bool = False) -> bool:
@@ -298,7 +312,7 @@ class Tiering:
     async def _read_reply(self, entry: SsdEntry) -> Any:
         store = self.store
         try:
-            block = store.reserve(entry.length)
+            block = await self._reserve(entry.length)
         except BaseException:
             self.ssd.unpin(entry)
             raise
@@ -323,6 +337,19 @@ class Tiering:
             store.pin(block)
             return BlockReply(store.view(block), lambda: store.unpin(block))
         return BlockReply(store.view(block), lambda: store.discard(block))
+
+    async def _reserve(self, nbytes: int) -> Block:
+        """DRAM for a block read back from SSD, waiting (up to 5 s) for the demoter if need be."""
+        store = self.store
+        deadline = time.monotonic() + RESERVE_WAIT
+        while True:
+            try:
+                return store.reserve(nbytes)
+            except OutOfMemory:
+                if time.monotonic() > deadline or not store.space_may_free():
+                    raise
+                self.wake()
+                await asyncio.sleep(0.01)
 
     async def read_bytes(self, entry: SsdEntry) -> bytes:
         """An SSD-only block's verified bytes (for a peer), without promoting it."""
