@@ -194,6 +194,10 @@ class QuillClient:
     def exists(self, key: str | bytes) -> bool:
         return bool(self._call(lambda: self._redis.execute_command("EXISTS", key)))
 
+    def exists_many(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """Whether each key exists, in one pipelined round trip."""
+        return [r == 1 for r in self._pipeline([("EXISTS", k) for k in keys])]
+
     def put_blocks(self, items: Mapping | Iterable[tuple[Any, Any]], *, chunk_size: int | None = None,
                    parallelism: int | None = None, lease_ms: int | None = None) -> list[bool]:
         """Store many blocks with PUT2PHASE: chunked DATA in parallel, COMMIT with CRC32C.

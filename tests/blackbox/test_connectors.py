@@ -1,0 +1,707 @@
+"""docs/connectors.md's three recipes, each driven the way its connector calls quilld.
+
+Every test takes its configuration from the recipe block in the doc (host and port
+swapped for the test's quilld), so the documented config is the tested one.
+
+- LMCache `redis://` and `resp://`: the calls of `RedisConnector` (redis.asyncio) and of
+  the native RESP2 client, per LMCache 0.5.6 (`lmcache/v1/storage_backend/connector/
+  redis_connector.py`, `native_clients/`) and `csrc/storage_backends/redis/`. LMCache
+  itself needs torch, so its calls are replayed here, with its key and metadata formats.
+- SGLang HiCache: `quillclient.sglang.QuillHiCacheStorage`, built as SGLang's dynamic
+  backend factory builds it and called as its cache controller calls it (SGLang 0.5.23),
+  numpy arrays standing in for the host pool's tensors.
+- vLLM `--kv-events-config`: a publisher doing what vLLM's `ZmqEventPublisher` does
+  (msgspec with vLLM's struct declarations, sequence frames, a replay ROUTER).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import json
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+import zmq
+from quillclient import QuillClient, WrongPass
+
+from conftest import ROOT, free_port, wait_until
+
+DOC = ROOT / "docs" / "connectors.md"
+IO_TIMEOUT = 20.0
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def recipe(name: str) -> str:
+    """The fenced block right after `<!-- recipe: name -->` in docs/connectors.md."""
+    m = re.search(rf"<!-- recipe: {re.escape(name)} -->\s*```\w*\n(.*?)```", DOC.read_text(), re.DOTALL)
+    assert m, f"docs/connectors.md has no recipe {name!r}"
+    return m.group(1)
+
+
+def flat_yaml(text: str) -> dict[str, Any]:
+    """The YAML subset the LMCache recipes use: `key: scalar` and one level of nested mappings."""
+    out: dict[str, Any] = {}
+    parent: dict[str, Any] | None = None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, _, raw = line.strip().partition(":")
+        raw = raw.strip()
+        target = parent if line.startswith(" ") and parent is not None else out
+        if not raw:
+            parent = out[key] = {}
+            continue
+        if raw[0] in "\"'":
+            value: Any = raw[1:-1]
+        elif raw in ("true", "false"):
+            value = raw == "true"
+        else:
+            value = int(raw) if re.fullmatch(r"-?\d+", raw) else float(raw) if re.fullmatch(r"-?[\d.]+", raw) else raw
+        target[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# LMCache
+# ---------------------------------------------------------------------------
+
+# Qwen2.5-0.5B's KV in LMCache's KV_2LTD format: [2, layers, chunk tokens, kv_heads * head_dim], bfloat16
+LAYERS, KV_DIM, CHUNK_TOKENS = 24, 2 * 64, 256
+CHUNK = 2 * LAYERS * CHUNK_TOKENS * KV_DIM * 2  # 3 MiB
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+FMT_KV_2LTD, DTYPE_BF16 = 1, 3  # MemoryFormat.KV_2LTD, DTYPE_TO_INT[torch.bfloat16] in lmcache/v1/protocol.py
+
+
+def engine_key(worker_id: int, chunk_hash: int, world_size: int = 2) -> str:
+    """CacheEngineKey.to_string(): model@world_size@worker_id@chunk_hash_hex@dtype."""
+    return f"{MODEL}@{world_size}@{worker_id}@{chunk_hash:x}@bfloat16"
+
+
+def remote_metadata(length: int) -> bytes:
+    """RemoteMetadata.serialize() for one KV group: length, fmt, then dtype and the 4-d shape."""
+    return struct.pack("i" * 7, length, FMT_KV_2LTD, DTYPE_BF16, 2, LAYERS, CHUNK_TOKENS, KV_DIM)
+
+
+def chunk_hashes(n: int, salt: str) -> list[int]:
+    """A prefix chain of 64-bit chunk hashes, as a token database makes them."""
+    out, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{salt}:{i}".encode()).digest()
+        out.append(int.from_bytes(prev[:8], "little"))
+    return out
+
+
+def kv_chunk(seed: int) -> bytes:
+    return np.random.default_rng(seed).bytes(CHUNK)
+
+
+def test_lmcache_redis_recipe(quilld_factory):
+    cfg = flat_yaml(recipe("lmcache-redis"))
+    assert cfg["remote_serde"] == "naive" and cfg["chunk_size"] == CHUNK_TOKENS
+    url = urlsplit(cfg["remote_url"])
+    assert url.scheme == "redis" and url.password
+    q = quilld_factory("--dram", "256MiB", "--requirepass", url.password)
+    live_url = url._replace(netloc=f"{url.username or ''}:{url.password}@127.0.0.1:{q.port}").geturl()
+    hashes = chunk_hashes(5, "prompt-a")
+    chunks = {(w, h): kv_chunk(w * 100 + i) for w in (0, 1) for i, h in enumerate(hashes)}
+
+    async def scenario() -> None:
+        # RedisConnector.__init__: a pool from the URL, 150 connections, a semaphore of 150
+        pool = aioredis.ConnectionPool.from_url(live_url, max_connections=150, socket_timeout=IO_TIMEOUT)
+        conn = aioredis.Redis.from_pool(pool)
+        sem = asyncio.Semaphore(150)
+
+        async def put(key: str, kv: bytes) -> None:  # _put: kv_bytes first, then metadata
+            async with sem:
+                await conn.set(key + "kv_bytes", kv)
+                await conn.set(key + "metadata", remote_metadata(len(kv)))
+
+        async def contains(keys: list[str]) -> int:  # _batched_async_contains
+            hits = 0
+            for key in keys:
+                async with sem:
+                    if not await conn.exists(key + "metadata"):
+                        return hits
+                hits += 1
+            return hits
+
+        async def get(key: str) -> bytearray | None:  # _get: metadata, allocate, kv_bytes, copy
+            async with sem:
+                meta = await conn.get(key + "metadata")
+                if meta is None:
+                    return None
+                length, fmt, dtype, *shape = struct.unpack_from("i" * 7, memoryview(meta))
+                assert (fmt, dtype, shape) == (FMT_KV_2LTD, DTYPE_BF16, [2, LAYERS, CHUNK_TOKENS, KV_DIM])
+                memory_obj = bytearray(2 * LAYERS * CHUNK_TOKENS * KV_DIM * 2)
+                kv = await conn.get(key + "kv_bytes")
+            if kv is None:  # evicted under the metadata: drop the metadata too
+                async with sem:
+                    await conn.delete(key + "metadata")
+                return None
+            memoryview(memory_obj)[:length] = kv
+            return memory_obj
+
+        try:
+            for w in (0, 1):  # two TP workers store their own halves of each chunk (batched_put)
+                await asyncio.gather(*(put(engine_key(w, h), chunks[w, h]) for h in hashes))
+            assert await contains([engine_key(0, h) for h in hashes]) == 5
+            assert await contains([engine_key(1, h) for h in hashes + chunk_hashes(2, "other")]) == 5
+            got = await asyncio.gather(*(get(engine_key(w, h)) for w in (0, 1) for h in hashes))
+            for (w, h), data in zip([(w, h) for w in (0, 1) for h in hashes], got):
+                assert data == chunks[w, h], f"worker {w} chunk {h:x}"
+            # quilld evicted one chunk's bytes: the read misses and the lookup stops there
+            assert await conn.delete(engine_key(0, hashes[2]) + "kv_bytes") == 1
+            assert await get(engine_key(0, hashes[2])) is None
+            assert await contains([engine_key(0, h) for h in hashes]) == 2
+        finally:
+            await conn.aclose()
+            await pool.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 45))
+    assert q.client(password=url.password).dbsize() == 2 * 2 * 5 - 2
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(url._replace(netloc=f":wrong@127.0.0.1:{q.port}").geturl()).ping()
+
+
+class NativeRespConnection:
+    """One worker connection of LMCache's RESP client (csrc/storage_backends/redis/connector.cpp)."""
+
+    def __init__(self, port: int, username: str, password: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.send(b"*3\r\n$4\r\nAUTH\r\n", self.bulk(username.encode()), self.bulk(password.encode()))
+        line = self.recv_line()
+        assert line == b"+OK\r\n", f"AUTH answered {line!r}"
+
+    @staticmethod
+    def bulk(b: bytes) -> bytes:
+        return b"$%d\r\n%b\r\n" % (len(b), b)
+
+    def send(self, *parts: bytes | memoryview) -> None:  # one writev per command
+        views = [memoryview(p) for p in parts]
+        while views:
+            n = self.sock.sendmsg(views)
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views.pop(0))
+                else:
+                    views[0], n = views[0][n:], 0
+
+    def recv_exactly(self, n: int, into: memoryview | None = None) -> bytes | None:
+        buf = into if into is not None else memoryview(bytearray(n))
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(buf[got:n])
+            assert k, "connection closed"
+            got += k
+        return None if into is not None else bytes(buf)
+
+    def recv_line(self) -> bytes:
+        line = b""
+        while not line.endswith(b"\r\n"):
+            line += self.recv_exactly(1)
+            assert len(line) < 64, f"reply header too long: {line!r}"
+        return line
+
+    def set(self, key: str, data: memoryview) -> None:
+        self.send(b"*3\r\n$3\r\nSET\r\n", self.bulk(key.encode()), b"$%d\r\n" % data.nbytes, data, b"\r\n")
+        assert self.recv_exactly(5) == b"+OK\r\n"
+
+    def exists(self, key: str) -> bool:
+        self.send(b"*2\r\n$6\r\nEXISTS\r\n", self.bulk(key.encode()))
+        reply = self.recv_exactly(4)
+        assert reply in (b":0\r\n", b":1\r\n"), reply
+        return reply == b":1\r\n"
+
+    def get(self, key: str, buf: memoryview) -> bool:
+        self.send(b"*2\r\n$3\r\nGET\r\n", self.bulk(key.encode()))
+        header = self.recv_line()
+        if header == b"$-1\r\n":
+            return False
+        assert header == b"$%d\r\n" % buf.nbytes, f"size header {header!r}"
+        self.recv_exactly(buf.nbytes, buf)
+        assert self.recv_exactly(2) == b"\r\n"
+        return True
+
+    def delete(self, key: str) -> bool:
+        self.send(b"*2\r\n$3\r\nDEL\r\n", self.bulk(key.encode()))
+        return self.recv_exactly(4) == b":1\r\n"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def tiles(n_items: int, workers: int) -> list[range]:
+    """ConnectorBase: min(workers, n) tiles of ceil(n / tiles) consecutive keys, one worker each."""
+    count = min(workers, n_items)
+    size = -(-n_items // count)
+    return [range(i * size, min((i + 1) * size, n_items)) for i in range(count) if i * size < n_items]
+
+
+def test_lmcache_resp_recipe(quilld_factory):
+    cfg = flat_yaml(recipe("lmcache-resp"))
+    extra = cfg["extra_config"]
+    assert urlsplit(cfg["remote_url"]).scheme == "resp" and cfg["save_unfull_chunk"] is False
+    q = quilld_factory("--dram", "256MiB", "--requirepass", extra["password"])
+    workers = [NativeRespConnection(q.port, extra["username"], extra["password"])
+               for _ in range(extra["resp_num_threads"])]
+    hashes = chunk_hashes(12, "resp")
+    keys = [engine_key(0, h, world_size=1) for h in hashes]
+    data = [memoryview(kv_chunk(1000 + i)) for i in range(len(keys))]
+
+    def batch(op, items: list) -> list:
+        """One batch op fanned out over the workers in tiles; per-item results in order."""
+        results: list = [None] * len(items)
+
+        def run(w: int, tile: range) -> None:
+            for i in tile:
+                results[i] = op(workers[w], *items[i])
+
+        with ThreadPoolExecutor(len(workers)) as ex:
+            for f in [ex.submit(run, w, t) for w, t in enumerate(tiles(len(items), len(workers)))]:
+                f.result(timeout=IO_TIMEOUT)
+        return results
+
+    def prefix(found: list[bool]) -> int:  # RESPConnector.batched_contains
+        return found.index(False) if False in found else len(found)
+
+    try:
+        batch(NativeRespConnection.set, [(k, d) for k, d in zip(keys[:10], data[:10])])
+        assert prefix(batch(NativeRespConnection.exists, [(k,) for k in keys])) == 10
+        bufs = [memoryview(bytearray(CHUNK)) for _ in keys]
+        assert batch(NativeRespConnection.get, list(zip(keys, bufs))) == [True] * 10 + [False] * 2
+        assert all(bytes(bufs[i]) == bytes(data[i]) for i in range(10))
+        assert batch(NativeRespConnection.delete, [(k,) for k in keys[3:5]]) == [True, True]
+        assert prefix(batch(NativeRespConnection.exists, [(k,) for k in keys])) == 3
+    finally:
+        for w in workers:
+            w.close()
+
+
+# ---------------------------------------------------------------------------
+# SGLang HiCache
+# ---------------------------------------------------------------------------
+
+STORAGE_BATCH_SIZE = 128  # sglang/srt/mem_cache/hicache_storage.py: pages per batched storage call
+PAGE, SG_LAYERS, SG_HEADS, SG_DIM = 4, 2, 2, 8
+
+
+@dataclass
+class StorageConfig:
+    """The HiCacheStorageConfig fields a backend reads (SGLang 0.5.23)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+    is_mla_model: bool = False
+    enable_storage_metrics: bool = False
+    is_page_first_layout: bool = True
+    model_name: str | None = "Qwen/Qwen3-8B"
+    extra_config: dict | None = None
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    should_split_heads: bool = False
+
+
+class HostPool:
+    """An MHA host pool in the page_first layout over numpy, with the methods HiCache uses."""
+
+    layout = "page_first"
+
+    def __init__(self, pages: int, seed: int | None = None) -> None:
+        self.page_size, self.size = PAGE, pages * PAGE
+        shape = (2, self.size, SG_LAYERS, SG_HEADS, SG_DIM)
+        self.kv_buffer = np.zeros(shape, np.float16)
+        if seed is not None:
+            self.kv_buffer[:] = np.random.default_rng(seed).standard_normal(shape)
+
+    def page(self, index: int) -> np.ndarray:
+        return self.kv_buffer[:, index:index + PAGE]
+
+    def get_data_page(self, index: int, flat: bool = True) -> np.ndarray:
+        return self.page(index).reshape(-1) if flat else self.page(index)
+
+    def get_dummy_flat_data_page(self) -> np.ndarray:
+        return np.zeros(2 * PAGE * SG_LAYERS * SG_HEADS * SG_DIM, np.float16)
+
+    def set_from_flat_data_page(self, index: int, data_page: np.ndarray) -> None:
+        self.kv_buffer[:, index:index + PAGE] = data_page.reshape(2, PAGE, SG_LAYERS, SG_HEADS, SG_DIM)
+
+    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        """K and V address per page: the page_first branch of MHATokenToKVPoolHost's."""
+        item = self.kv_buffer.itemsize
+        base, per_token = self.kv_buffer.ctypes.data, SG_LAYERS * SG_HEADS * SG_DIM * item
+        v_offset = self.size * per_token
+        ptrs = []
+        for start in list(indices)[::PAGE]:
+            ptrs += [base + int(start) * per_token, base + int(start) * per_token + v_offset]
+        return ptrs, [PAGE * per_token] * len(ptrs)
+
+
+def page_hashes(tokens: list[int], prior: str | None = None) -> list[str]:
+    """SGLang's page keys (get_hash_str): SHA-256 of the prior digest and the page's uint32 tokens, chained."""
+    out, digest = [], bytes.fromhex(prior) if prior else b""
+    for start in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        digest = hashlib.sha256(digest + np.asarray(tokens[start:start + PAGE], "<u4").tobytes()).digest()
+        out.append(digest.hex())
+    return out
+
+
+@pytest.fixture
+def hicache(quilld_factory):
+    """A quilld with the recipe's password, and a factory of backends built the way SGLang builds them."""
+    extra = json.loads(recipe("sglang-hicache"))
+    q = quilld_factory("--dram", "256MiB", "--requirepass", extra["password"])
+    made = []
+
+    def make(overrides: dict | None = None, **config) -> Any:
+        cfg_extra = {**extra, "host": "127.0.0.1", "port": q.port, **(overrides or {})}
+        # StorageBackendFactory._create_dynamic_backend: import, getattr, cls(storage_config, kwargs)
+        cls = getattr(importlib.import_module(cfg_extra["module_path"]), cfg_extra["class_name"])
+        backend = cls(StorageConfig(extra_config=cfg_extra, **config), {})
+        made.append(backend)
+        return backend
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def backup(backend, pool: HostPool, hashes: list[str], first_index: int = 0) -> None:
+    """HiCacheController._page_backup with _generic_page_set: batches of flat data pages."""
+    indices = np.arange(first_index, first_index + len(hashes) * PAGE)
+    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
+        batch = hashes[i:i + STORAGE_BATCH_SIZE]
+        data = [pool.get_data_page(int(indices[(i + j) * PAGE])) for j in range(len(batch))]
+        assert backend.batch_set(batch, data) is True
+
+
+def prefetch(backend, pool: HostPool, hashes: list[str]) -> int:
+    """_storage_hit_query then _generic_page_get: count the hit, read into dummy pages, copy back."""
+    hit: list[str] = []
+    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
+        batch = hashes[i:i + STORAGE_BATCH_SIZE]
+        n = backend.batch_exists(batch, None)
+        hit += batch[:n]
+        if n < len(batch):
+            break
+    for i in range(0, len(hit), STORAGE_BATCH_SIZE):
+        batch = hit[i:i + STORAGE_BATCH_SIZE]
+        pages = backend.batch_get(batch, [pool.get_dummy_flat_data_page() for _ in batch])
+        for j, page in enumerate(pages):
+            assert page is not None, f"page {i + j} counted as a hit, then missing"
+            pool.set_from_flat_data_page((i + j) * PAGE, page)
+    return len(hit)
+
+
+def test_sglang_class_subclasses_sglangs_base_when_sglang_is_importable(tmp_path):
+    """SGLang's factory requires issubclass(cls, HiCacheStorage): a stand-in base proves the lazy subclassing."""
+    pkg = tmp_path / "sglang" / "srt" / "mem_cache"
+    pkg.mkdir(parents=True)
+    for d in (tmp_path / "sglang", tmp_path / "sglang" / "srt", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "hicache_storage.py").write_text(
+        "from abc import ABC, abstractmethod\n"
+        "class HiCacheStorage(ABC):\n"
+        "    def register_mem_pool_host(self, mem_pool_host):\n"
+        "        self.mem_pool_host = mem_pool_host\n"
+        + "".join(f"    @abstractmethod\n    def {m}(self, *a, **k): ...\n"
+                  for m in ("get", "batch_get", "set", "batch_set", "exists")))
+    probe = ("import quillclient.sglang as m\n"
+             "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage\n"
+             "assert issubclass(m.QuillHiCacheStorage, HiCacheStorage)\n"
+             "assert not m.QuillHiCacheStorage.__abstractmethods__, m.QuillHiCacheStorage.__abstractmethods__\n"
+             "assert 'torch' not in __import__('sys').modules\n"
+             "print('ok')\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT / 'clients' / 'python'}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "ok", done.stderr
+    import quillclient.sglang as here
+    assert here.QuillHiCacheStorage.__mro__[1] is object  # no SGLang here: plain base
+
+
+def test_sglang_generic_path_backup_and_prefetch(hicache):
+    writer, reader = hicache(), hicache()  # two engines of the same model and rank layout
+    tokens = list(range(50_000, 50_000 + 130 * PAGE))
+    hashes = page_hashes(tokens)
+    assert len(hashes) == 130 and all(len(h) == 64 for h in hashes)
+    src, dst = HostPool(130, seed=1), HostPool(130)
+    backup(writer, src, hashes)
+    assert prefetch(reader, dst, hashes) == 130
+    assert np.array_equal(dst.kv_buffer, src.kv_buffer)
+    # a prompt sharing the first 5 pages, then diverging: 5 hit
+    other = page_hashes(tokens[:5 * PAGE] + [7] * (3 * PAGE))
+    assert other[:5] == hashes[:5] and other[5] != hashes[5]
+    assert reader.batch_exists(other) == 5
+    assert reader.batch_exists([]) == 0
+    # single-page calls; a miss is None / False
+    page = dst.get_dummy_flat_data_page()
+    assert reader.get(hashes[7], page) is page and np.array_equal(page, src.get_data_page(7 * PAGE))
+    assert reader.get(other[6], dst.get_dummy_flat_data_page()) is None
+    assert reader.exists(hashes[0]) and not reader.exists(other[7])
+    got = reader.batch_get([hashes[0], other[6], hashes[1]], [dst.get_dummy_flat_data_page() for _ in range(3)])
+    assert got[1] is None and got[0] is not None and got[2] is not None
+    assert reader.set(other[5], value=src.get_data_page(0)) is True
+    assert reader.batch_exists(other) == 6
+    # SGLang's address form (mooncake-style callers): data_ptr() and a size in bytes
+    page = src.get_data_page(3 * PAGE)
+    out = np.zeros_like(page)
+    assert reader.set(other[7], target_location=page.ctypes.data, target_sizes=page.nbytes) is True
+    assert reader.get(other[7], out.ctypes.data, out.nbytes) == out.ctypes.data
+    assert np.array_equal(out, page)
+    # a page of another size (another layout or dtype) is never handed back
+    with QuillClient(config=reader.client.config) as c:
+        c.put(reader.page_key(other[6]), b"\x00" * 100)
+    assert reader.get(other[6], dst.get_dummy_flat_data_page()) is None
+    big = np.zeros(4, np.float16)
+    assert reader.get(hashes[0], big) is None  # the stored page does not fit: nothing written
+    assert not big.any()
+
+
+def test_sglang_ranks_keep_their_heads_and_mla_is_shared(hicache):
+    hashes = page_hashes(list(range(8 * PAGE)))
+    rank0, rank1 = hicache(tp_rank=0, tp_size=2), hicache(tp_rank=1, tp_size=2)
+    pool0, pool1 = HostPool(8, seed=10), HostPool(8, seed=11)
+    backup(rank0, pool0, hashes)
+    assert rank1.batch_exists(hashes) == 0  # rank 1's heads are not stored yet
+    backup(rank1, pool1, hashes)
+    for backend, pool in ((rank0, pool0), (rank1, pool1)):
+        dst = HostPool(8)
+        assert prefetch(backend, dst, hashes) == 8
+        assert np.array_equal(dst.kv_buffer, pool.kv_buffer)
+    assert rank0.page_key(hashes[0]) == hashes[0] + "_0_2"
+    mla0, mla1 = hicache(tp_rank=0, tp_size=2, is_mla_model=True), hicache(tp_rank=1, tp_size=2, is_mla_model=True)
+    backup(mla0, pool0, hashes)  # only the writer rank backs up; every rank reads the one copy
+    dst = HostPool(8)
+    assert prefetch(mla1, dst, hashes) == 8 and np.array_equal(dst.kv_buffer, pool0.kv_buffer)
+    pp = hicache(pp_rank=1, pp_size=2)
+    assert pp.page_key("ab") == "ab_0_1_pp1_2"
+
+
+def test_sglang_interface_v1_reads_and_writes_the_host_pool(hicache):
+    writer, reader = hicache({"interface_v1": 1}), hicache({"interface_v1": 1})
+    src, dst = HostPool(16, seed=3), HostPool(16)
+    writer.register_mem_pool_host(src)
+    reader.register_mem_pool_host(dst)
+    hashes = page_hashes(list(range(900, 900 + 10 * PAGE)))
+    # SGLang passes the host pool indices of the pages: here pages 6..15 of the writer's pool
+    assert writer.batch_set_v1(hashes, np.arange(6 * PAGE, 16 * PAGE)) == [True] * 10
+    assert reader.batch_exists(hashes + page_hashes([1] * 2 * PAGE)) == 10
+    assert reader.batch_get_v1(hashes, np.arange(0, 10 * PAGE)) == [True] * 10
+    assert np.array_equal(dst.kv_buffer[:, :10 * PAGE], src.kv_buffer[:, 6 * PAGE:16 * PAGE])
+    assert writer.object_keys(hashes[0]) == [hashes[0] + "_0_1_k", hashes[0] + "_0_1_v"]
+    plain = hicache()  # the generic path keeps one object per page: a v1 page is not one of them
+    assert plain.batch_exists(hashes) == 0
+    missing = page_hashes([5] * PAGE)
+    assert reader.batch_get_v1(missing + hashes[:1], np.arange(0, 2 * PAGE)) == [False, True]
+
+
+def test_sglang_clear_settings_and_auth(hicache):
+    backend = hicache()
+    hashes = page_hashes(list(range(4 * PAGE)))
+    backup(backend, HostPool(4, seed=5), hashes)
+    other_model = hicache({"model": "meta-llama/Llama-3.1-8B"})
+    assert other_model.batch_exists(hashes) == 0  # the model is the scope
+    backup(other_model, HostPool(4, seed=6), hashes)
+    backend.clear()
+    assert backend.batch_exists(hashes) == 0
+    assert other_model.batch_exists(hashes) == 4  # clear() empties its own scope only
+    with pytest.raises(ValueError, match="unknown QuillHiCacheStorage settings"):
+        hicache({"hots": "typo"})
+    with pytest.raises(ValueError, match="'port' must be int"):
+        hicache({"port": "7379"})
+    with pytest.raises(WrongPass):
+        hicache({"password": "wrong"})
+
+
+# ---------------------------------------------------------------------------
+# vLLM --kv-events-config
+# ---------------------------------------------------------------------------
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM's event declarations (vllm/distributed/kv_events.py, main): tagged, map-encoded."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+@dataclass
+class VllmPublisher:
+    """What ZmqEventPublisher does on the wire: PUB (topic, seq, payload), a replay ROUTER, a bounded buffer."""
+
+    pub_port: int
+    replay_port: int
+    topic: bytes
+    buffer_steps: int
+    ctx: zmq.Context = field(default_factory=zmq.Context)
+    requests: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.replay = self.ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        self.seq = 0
+        self.encoder = msgspec.msgpack.Encoder()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self.thread.start()
+
+    def publish(self, *events: KVCacheEvent, drop: bool = False) -> int:
+        """One batch; `drop` keeps it out of the PUB socket (as past the HWM) but in the replay buffer."""
+        payload = self.encoder.encode(KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=0))
+        with self.lock:
+            seq, self.seq = self.seq, self.seq + 1
+            if not drop:
+                self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self.buffer.append((seq, payload))
+        return seq
+
+    def _serve_replay(self) -> None:
+        while not self.stop.is_set():
+            if not self.replay.poll(50):
+                continue
+            client_id, _, start = self.replay.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.requests.append(first)
+            with self.lock:
+                held = [(s, p) for s, p in self.buffer if s >= first]
+            for s, p in held:
+                self.replay.send_multipart((client_id, b"", s.to_bytes(8, "big"), p))
+            self.replay.send_multipart((client_id, b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.pub.close()
+        self.replay.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def vllm_engine(quilld_factory, tmp_path):
+    """quilld configured with the recipe's [[engines]] entry, fed by a vLLM-style publisher."""
+    kv = json.loads(recipe("vllm-kv-events"))
+    assert kv["enable_kv_cache_events"] and kv["publisher"] == "zmq"
+    assert "*" in kv["endpoint"], "vLLM binds its PUB socket only for a wildcard endpoint"
+    engine = tomllib.loads(recipe("quilld-engines"))["engines"][0]
+    pub_port, replay_port = free_port(), free_port()
+    for name, port, vllm_side in (("kv_events", pub_port, kv["endpoint"]), ("replay", replay_port,
+                                                                          kv["replay_endpoint"])):
+        assert engine[name].rsplit(":", 1)[1] == vllm_side.rsplit(":", 1)[1], f"{name} port differs from vLLM's"
+        engine[name] = f"tcp://127.0.0.1:{port}"
+    lines = ["[[engines]]"] + [f"{k} = {json.dumps(v)}" for k, v in engine.items()]
+    conf = tmp_path / "engines.toml"
+    conf.write_text("\n".join(lines) + "\n")
+    publisher = VllmPublisher(pub_port, replay_port, kv["topic"].encode(), kv["buffer_steps"])
+    try:
+        q = quilld_factory("--dram", "64MiB", "--config", str(conf))
+        with QuillClient("127.0.0.1", q.port).scope(engine["model"], "") as client:
+            yield publisher, client, engine, q
+    finally:
+        publisher.close()
+
+
+def stored(hashes: list, parent=None, block_size: int = 16) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=list(range(block_size * len(hashes))), block_size=block_size, lora_id=None,
+                       medium="GPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention")
+
+
+def join(publisher: VllmPublisher, q, *events: KVCacheEvent) -> None:
+    """Beat ZMQ's slow joiner: publish (new sequence numbers each time) until quilld has a batch."""
+    r = q.client()
+    assert wait_until(lambda: publisher.publish(*events) is not None and r.info("router")["kv_batches"] > 0,
+                      timeout=10, interval=0.1), "no KV event batch reached quilld"
+
+
+def test_vllm_kv_events_route_and_locate(vllm_engine):
+    publisher, client, engine, q = vllm_engine
+    blocks = [2**64 - 11, 17, 2**63 + 5, 42]  # vLLM's default: 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
+    hit = f"hit:{engine['id']}:hbm"
+    join(publisher, q, stored(blocks[:2]))
+    publisher.publish(stored(blocks[2:], parent=blocks[1]))
+    assert wait_until(lambda: client.route(blocks=blocks + [99])["plan"][3] == hit, timeout=5)
+    d = client.route(blocks=blocks + [99])
+    assert d["engine"] == engine["id"] and d["url"] == engine["url"]
+    assert d["plan"] == [hit] * 4 + ["recompute"]
+    where = client.locate(str(blocks[0]))[0]
+    assert any(p["node"] == engine["id"] and p["tier"] == "hbm" for p in where)
+    raw = [hashlib.sha256(b"block-%d" % i).digest() for i in range(3)]  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+    publisher.publish(stored(raw))
+    assert wait_until(lambda: client.route(blocks=raw)["plan"] == [hit] * 3, timeout=5)
+    assert client.locate(raw[0])[0][0]["node"] == engine["id"]
+    publisher.publish(BlockRemoved(block_hashes=blocks[2:], medium="GPU", group_idx=0))
+    assert wait_until(lambda: client.route(blocks=blocks)["plan"] == [hit] * 2 + ["recompute"] * 2, timeout=5)
+    publisher.publish(AllBlocksCleared())
+    assert wait_until(lambda: client.route(blocks=raw)["plan"] == ["recompute"] * 3, timeout=5)
+    assert client.locate(str(blocks[0])) == [[]]
+
+
+def test_vllm_kv_events_replay_fills_a_gap(vllm_engine):
+    publisher, client, engine, q = vllm_engine
+    join(publisher, q, stored([1, 2]))
+    publisher.publish(stored([3, 4], parent=2), drop=True)  # lost on the PUB socket, still in vLLM's buffer
+    publisher.publish(stored([5], parent=4), drop=True)
+    publisher.publish(stored([6], parent=5))
+    want = [f"hit:{engine['id']}:hbm"] * 6
+    assert wait_until(lambda: client.route(blocks=[1, 2, 3, 4, 5, 6])["plan"] == want, timeout=8)
+    info = q.client().info("router")
+    assert info["kv_zmq_replays"] == 1 and info["kv_gaps"] == 0
+    assert len(publisher.requests) == 1
