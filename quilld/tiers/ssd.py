@@ -34,6 +34,7 @@ these worker threads take. `recover` runs once, before anything else.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
@@ -569,22 +570,14 @@ class SsdTier:
         payload) match their record, minus any that overlap a newer one. Counts the rest."""
         total = len(state)
         per_seg: list[list[Found]] = [[] for _ in range(self.segments)]
-        fds, seg_size, pread = self._fds, self.segment_size, os.pread
-        dropped = 0
-        for done, (k, loc) in enumerate(state.items(), 1):
-            if progress is not None and done % PROGRESS_EVERY == 0:
-                progress(done, total)
-            seg, offset, length, crc, gen = loc
-            pages = extent_pages(length)
-            if not 0 <= seg < len(fds) or offset % PAGE or not 0 <= offset <= seg_size - pages * PAGE:
-                dropped += 1
-                continue
-            data = pread(fds[seg], HEADER_SIZE + length if payloads else HEADER_SIZE, offset)
-            if data[:HEADER_SIZE] != pack_block_header(k[1], k[0], gen, length, crc) or (
-                    payloads and crc32c(memoryview(data)[HEADER_SIZE:]) != crc):
-                dropped += 1
-                continue
-            per_seg[seg].append((offset // PAGE, pages, k, loc))
+        fds, seg_size = self._fds, self.segment_size
+        # headers are read through a read-only mapping: a slice per block, not a syscall
+        maps = [mmap.mmap(fd, seg_size, prot=mmap.PROT_READ) for fd in fds]
+        try:
+            dropped = self._verify_mapped(state, maps, per_seg, progress, payloads)
+        finally:
+            for m in maps:
+                m.close()
         if progress is not None:
             progress(total, total)
         for i, found in enumerate(per_seg):
@@ -594,6 +587,30 @@ class SsdTier:
             per_seg[i] = kept
         report.dropped_corrupt += dropped
         return per_seg
+
+    def _verify_mapped(self, state: State, maps: list, per_seg: list[list[Found]],
+                       progress: Callable[[int, int], None] | None, payloads: bool) -> int:
+        total, seg_size, dropped = len(state), self.segment_size, 0
+        for done, (k, loc) in enumerate(state.items(), 1):
+            if progress is not None and done % PROGRESS_EVERY == 0:
+                progress(done, total)
+            seg, offset, length, crc, gen = loc
+            pages = extent_pages(length)
+            if not 0 <= seg < len(maps) or offset % PAGE or not 0 <= offset <= seg_size - pages * PAGE:
+                dropped += 1
+                continue
+            m = maps[seg]
+            if m[offset:offset + HEADER_SIZE] != pack_block_header(k[1], k[0], gen, length, crc):
+                dropped += 1
+                continue
+            if payloads:
+                with memoryview(m) as view:
+                    ok = crc32c(view[offset + HEADER_SIZE:offset + HEADER_SIZE + length]) == crc
+                if not ok:
+                    dropped += 1
+                    continue
+            per_seg[seg].append((offset // PAGE, pages, k, loc))
+        return dropped
 
     def _build_index(self, per_seg: list[list[Found]]) -> None:
         seg_pages = self.segment_size // PAGE
