@@ -179,6 +179,8 @@ class Node:
         self.connections.pop(conn.session.id, None)
         self.sessions.pop(conn.session.id, None)
         self._draining.discard(conn)
+        if self.cluster is not None:
+            self.cluster.transfers.session_closed(conn.session.id)
 
     def parser_auth_changed(self, session: Any) -> None:
         conn = self.connections.get(session.id)

@@ -22,6 +22,7 @@ from quilld.cluster.directory import Directory
 from quilld.cluster.follower import Follower
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.replog import ReplicationLog
+from quilld.cluster.transfer import Transfers
 from quilld.errors import QuillError
 from quilld.index.guard import TAG_LEN
 from quilld.model import IdentityScope
@@ -42,6 +43,8 @@ class Cluster:
         self.followers: dict[str, Follower] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # peer -> RESP address
         self.pool = PeerPool(hello=(("PEERAUTH", self.cfg.secret),))
+        self.transfers = Transfers(self.cfg.transfer, self.pool)
+        self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
         self.stats: Counter[str] = Counter()
         self.gossip: Any = None
         self.started = time.time()
@@ -54,6 +57,8 @@ class Cluster:
         from quilld.cluster.gossip import Gossip
 
         node = self.node
+        # ConfigError here (cluster.transfer = "rdma" without RDMA) stops the start
+        self.transfers.open(node.store.arena.region, node.node_id, node.store.inline_max)
         self.node.feed.log = self.log
         self.gossip = Gossip(node.node_id, node.cfg.server.bind, self.cfg.gossip_port, self.meta(),
                              self.cfg, self._on_event)
@@ -70,6 +75,7 @@ class Cluster:
         for f in list(self.followers.values()):
             await f.stop()
         self.followers.clear()
+        self.transfers.close()
         self.pool.close()
 
     @property
@@ -86,6 +92,7 @@ class Cluster:
             "dram_capacity": st.capacity, "dram_used": st.used,
             "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
             "clients": len(node.connections), "version": __version__,
+            **self.transfers.advertise(),
         }
 
     def _advertised_host(self) -> str:
@@ -116,6 +123,7 @@ class Cluster:
         except (KeyError, IndexError, TypeError, ValueError):
             self.stats["members_without_address"] += 1
             return
+        self.peer_meta[peer] = meta
         if self.addresses.get(peer) == (host, port) and peer in self.followers:
             return
         old = self.followers.pop(peer, None)
@@ -136,6 +144,8 @@ class Cluster:
         addr = self.addresses.pop(peer, None)
         if addr is not None:
             self.pool.drop(*addr)
+        self.peer_meta.pop(peer, None)
+        self.transfers.peer_gone(peer)
         dropped = self.directory.forget(peer)
         if peer in self.node.control.pool:
             self.node.control.pool.remove(peer)
@@ -198,22 +208,20 @@ class Cluster:
 
             def target(length: int) -> memoryview:
                 nonlocal block, buf
+                if block is not None:  # called again (a fallback to TCP): the first reservation goes
+                    store.discard(block)
+                    block = None
                 if length <= store.inline_max:
                     buf = bytearray(length)
                     return memoryview(buf)
                 block = store.reserve(length)
                 return store.view(block)
 
-            conn = None
             t0 = time.perf_counter()
             try:
-                conn = await self.pool.acquire(*addr)
-                crc, view = await conn.fetch_into(
-                    ("PEERGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, key), target)
-                self.pool.release(conn)
+                crc, view = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key,
+                                                            target)
             except QuillError as e:
-                if conn is not None and not conn.closed:
-                    self.pool.release(conn)
                 if block is not None:
                     store.discard(block)
                 self.stats["peer_fetch_errors"] += 1
@@ -276,6 +284,7 @@ class Cluster:
             follow.update(f.stats)
         out += [(f"cluster_follow_{k}", v) for k, v in sorted(follow.items())]
         out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
+        out += self.transfers.info()
         if self.gossip is not None:
             out += [(f"cluster_{k}", v) for k, v in sorted(self.gossip.stats.items())]
         return out

@@ -90,7 +90,16 @@ def _scope_of(args) -> IdentityScope:
 
 
 def cmd_peerget(c, args):
-    """PEERGET tenant model tokenizer adapter key: [crc32c, bytes] of this node's copy, or nil."""
+    """PEERGET tenant model tokenizer adapter key [RDMA min_bytes]: [crc32c, bytes] of this node's copy, or nil.
+
+    With RDMA, a block of at least min_bytes is leased for an RDMA READ instead (cluster/rdma.py).
+    """
+    if len(args) == 8:
+        from quilld.cluster.rdma import peerget_rdma
+
+        return peerget_rdma(c, args)
+    if len(args) != 6:
+        raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
     cluster = _peer(c)
     store = c.node.store
     tag = c.node.scopes.tag(_scope_of(args))
@@ -107,6 +116,20 @@ def cmd_peerget(c, args):
     return Deferred(cluster.read_for_peer(value))
 
 
+def cmd_peerrdma(c, args):
+    """PEERRDMA CONNECT json: a peer sets up an RDMA queue pair with this node (cluster/rdma.py)."""
+    from quilld.cluster.rdma import cmd_peerrdma as handler
+
+    return handler(c, args)
+
+
+def cmd_peerrelease(c, args):
+    """PEERRELEASE lease [lease ...]: a peer is done reading blocks leased by PEERGET ... RDMA."""
+    from quilld.cluster.rdma import cmd_peerrelease as handler
+
+    return handler(c, args)
+
+
 def cmd_nodes(c, args):
     """NODES: one line per member: id, state, incarnation, RESP and admin addresses, usage."""
     cluster = _cluster(c)
@@ -116,6 +139,10 @@ def cmd_nodes(c, args):
 def register(t: CommandTable) -> None:
     t.add("peerauth", 2, NOAUTH, cmd_peerauth, "Authenticates a cluster peer connection.", "quillcache", "0.1.0")
     t.add("replog", -2, ADMIN, cmd_replog, "A peer follows this node's residency log.", "quillcache", "0.1.0")
-    t.add("peerget", 6, READONLY, cmd_peerget, "A peer reads this node's copy of a key, with its CRC32C.",
+    t.add("peerget", -6, READONLY, cmd_peerget, "A peer reads this node's copy of a key, with its CRC32C.",
+          "quillcache", "0.1.0")
+    t.add("peerrdma", 3, ADMIN, cmd_peerrdma, "A peer sets up an RDMA queue pair with this node.",
+          "quillcache", "0.1.0")
+    t.add("peerrelease", -2, READONLY, cmd_peerrelease, "A peer releases blocks leased for RDMA READ.",
           "quillcache", "0.1.0")
     t.add("nodes", 1, READONLY, cmd_nodes, "Lists the cluster's members.", "quillcache", "0.1.0")

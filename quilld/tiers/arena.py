@@ -35,6 +35,11 @@ class DramArena:
         start = self._alloc.offset(handle) * PAGE
         return self._view[start:start + nbytes]
 
+    @property
+    def region(self) -> memoryview:
+        """The whole arena, for registering it with an RDMA device (cluster/rdma.py)."""
+        return self._view
+
     def release(self, handle: int) -> None:
         self._alloc.free(handle)
 

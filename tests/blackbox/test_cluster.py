@@ -217,3 +217,21 @@ def test_with_passwords_peers_authenticate_with_the_cluster_secret(cluster):
         b.execute_command("PEERAUTH", "guess")
     with pytest.raises(redis.exceptions.NoPermissionError, match="PEERAUTH first"):
         b.execute_command("REPLOG", "SNAPSHOT")
+
+
+def test_rdma_is_used_only_when_available_and_rdma_mode_fails_loudly(cluster, tmp_path):
+    # these machines have no RDMA device: "auto" runs on TCP and says why ...
+    cluster.start("a", QUILLD_CLUSTER_TRANSFER="auto")
+    info = cluster.client("a").info("cluster")
+    assert info["cluster_transfer"] == "tcp" and info["cluster_rdma_unavailable_reason"]
+    # ... and "rdma" refuses to start instead of silently falling back
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "quilld", "--port", str(free_port()), "--admin-port", "0",
+                           "--gossip-port", str(free_udp_tcp_port()), "--dram", "16MiB"],
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")},
+                               "QUILLD_CLUSTER_TRANSFER": "rdma"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert 'cluster.transfer = "rdma" but RDMA is unavailable' in proc.stderr
