@@ -26,8 +26,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,38 +42,18 @@ try:
 except ImportError:  # not installed: use the source tree (redis, hiredis and crc32c are still needed)
     sys.path.insert(0, str(ROOT / "clients" / "python"))
 
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import free_port, stop_process as stop, wait_port  # noqa: E402
+
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [64 * KiB, MiB, 4 * MiB, 32 * MiB]
 MOONCAKE_SIZES = [64 * KiB, MiB, 4 * MiB]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {port} after {timeout}s")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def human(size: int) -> str:
