@@ -65,6 +65,11 @@ class Node:
             self.tiering = Tiering(self.store, cfg.ssd)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
         self.control = ControlPlane(cfg, self.scopes)
+        self._space = asyncio.Event()  # set (and replaced) when arena space is freed while writers wait
+        self._space_waiters = 0
+        self.store.on_free = self._space_freed
+        if self.tiering is not None:
+            self.tiering.space_freed = self.space_freed
         self.feed = ResidencyFeed(self.control.index, self.node_id, self.scopes)
         self.store.listener = self.feed
         self.control.pool = [self.node_id]  # pool nodes whose copies ROUTE can fetch from
@@ -163,6 +168,22 @@ class Node:
                         conn.check_drained()
             except Exception:  # a housekeeping bug must not stop housekeeping
                 log.exception("housekeeping failed")
+
+    # -- arena space ----------------------------------------------------------
+    def _space_freed(self) -> None:
+        if self._space_waiters:
+            ev, self._space = self._space, asyncio.Event()
+            ev.set()
+
+    async def space_freed(self, timeout: float) -> None:
+        """Return when arena space is next freed, or after `timeout` seconds, whichever is first."""
+        self._space_waiters += 1
+        try:
+            await asyncio.wait_for(self._space.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._space_waiters -= 1
 
     # -- connection hooks -----------------------------------------------------
     def connection_opened(self, conn: RespConnection) -> None:

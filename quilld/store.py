@@ -73,6 +73,7 @@ class Store:
         self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
         self.ssd_data: OrderedDict[bytes, Any] = OrderedDict()  # keys only on SSD -> SsdEntry
         self.tiering: Any = None  # tiers/tiering.py Tiering when there is an SSD tier
+        self.on_free: Any = None  # called when arena space is given back (wakes writers waiting for it)
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
         self.per_scope: Counter[bytes] = Counter()
@@ -372,6 +373,8 @@ class Store:
         self.arena.release(block.handle)
         self.used -= _extent(block.length)
         block.state = BlockState.GONE
+        if self.on_free is not None:
+            self.on_free()
 
     def _make_room(self, need: int) -> None:
         if self.tiering is not None and self.tiering.active:

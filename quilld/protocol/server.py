@@ -175,7 +175,7 @@ class RespConnection(asyncio.BufferedProtocol):
         deadline = time.monotonic() + ARENA_WAIT
         store, dispatch = self.node.store, self.node.table.dispatch
         while True:
-            await asyncio.sleep(ARENA_RETRY)
+            await self.node.space_freed(ARENA_RETRY)
             reply = dispatch(self.session, item)
             if reply.__class__ is Deferred:
                 return await reply.awaitable
@@ -230,7 +230,7 @@ class RespConnection(asyncio.BufferedProtocol):
             if self.node.store.space_may_free() and time.monotonic() < deadline:
                 self._waiting = (item, deadline)
                 self.transport.pause_reading()
-                asyncio.get_running_loop().call_later(ARENA_RETRY, self._retry_large)
+                asyncio.ensure_future(self._wait_space())
                 return False
             self.parser.drop(e, item.length)
             return True
@@ -239,6 +239,10 @@ class RespConnection(asyncio.BufferedProtocol):
             return True
         self.parser.attach(target, view)
         return True
+
+    async def _wait_space(self) -> None:
+        await self.node.space_freed(ARENA_RETRY)  # woken as soon as space is freed, polled meanwhile
+        self._retry_large()
 
     def _retry_large(self) -> None:
         if self._waiting is None or self.transport.is_closing():

@@ -64,6 +64,7 @@ class Tiering:
         self._deleting: asyncio.Task | None = None
         self.demoting = False
         self._pressure = False  # a write is waiting for space
+        self.space_freed = lambda timeout: asyncio.sleep(timeout)  # the node's waiter replaces it
         store.tiering = self
 
     # -- state -------------------------------------------------------------------
@@ -349,7 +350,7 @@ class Tiering:
                 if time.monotonic() > deadline or not store.space_may_free():
                     raise
                 self.wake()
-                await asyncio.sleep(0.01)
+                await self.space_freed(0.01)
 
     async def read_bytes(self, entry: SsdEntry) -> bytes:
         """An SSD-only block's verified bytes (for a peer), without promoting it."""
