@@ -75,6 +75,7 @@ UPSTREAM_KEEPALIVE = 4.0  # below uvicorn's 5 s, so a pooled connection is never
 SHUTDOWN_TIMEOUT = 2.0  # seconds open streams get at shutdown before they are cancelled
 WATCHDOG_TICKS = 8  # byte deadlines are checked this often per first_byte_timeout_ms (at least once a second)
 SLO_HEADER = "x-quillcache-ttft-slo-ms"
+SESSION_HEADER = "x-quillcache-session"
 
 
 class UpstreamFailed(Exception):
@@ -96,6 +97,7 @@ class Parsed(NamedTuple):
     slo_ms: float
     t0: float  # perf_counter when the request arrived
     request_id: str
+    session: str | None = None  # x-quillcache-session: requests of one session stay on one engine
 
 
 class Choice(NamedTuple):
@@ -225,8 +227,11 @@ class Gateway:
         prompt = prompt_of(path, body)
         if adapter:
             raw = json.dumps(body | {"model": adapter}).encode()
+        session = request.headers.get(SESSION_HEADER) or None
+        if session is not None:
+            session = f"{tenant}\0{session}"  # sessions of different tenants never meet
         return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
-                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}")
+                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session)
 
     # -- routing ----------------------------------------------------------------
     def _cool(self, engine_id: str) -> None:
@@ -246,7 +251,8 @@ class Gateway:
                 blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
             scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
             tag = self.node.scopes.tag(scope)
-            d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam))
+            d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam),
+                                   session=None if tried else req.session)  # a retry may leave it
             for c in d["candidates"]:
                 if c.engine not in ids:
                     continue

@@ -237,6 +237,36 @@ def test_requests_sharing_a_long_prefix_land_on_the_same_engine(gateway):
             assert raw.headers["x-quillcache-plan"].startswith(f"hits={overlap} fetches=0 ")
 
 
+def test_a_session_stays_on_its_engine_until_that_engine_fails(gateway):
+    gw = gateway([("e1", "m", []), ("e2", "m", [])])
+    client = gw.client()
+    first = client.chat.completions.with_raw_response.create(
+        model="m", messages=chat("hello", "session system prompt " * 40),
+        extra_headers={"x-quillcache-session": "conv-7"})
+    home = first.headers["x-quillcache-engine"]
+    away = "e2" if home == "e1" else "e1"
+    # unrelated prompts would go anywhere; the session keeps them on its engine, even when loaded
+    gw.engines[home].control(delay_ms=600)
+    busy = threading.Thread(target=lambda: client.chat.completions.create(
+        model="m", messages=chat("x", "busy"), extra_headers={"x-quillcache-session": "conv-7"}))
+    busy.start()
+    assert wait_until(lambda: gw.engines[home].stats()["open"] == 1)
+    without = client.chat.completions.with_raw_response.create(model="m", messages=chat("y", "elsewhere " * 30))
+    assert without.headers["x-quillcache-engine"] == away  # no session: the idle engine wins
+    for i in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=chat(f"unrelated {i}", f"other system {i} " * 30),
+            extra_headers={"x-quillcache-session": "conv-7"})
+        assert raw.headers["x-quillcache-engine"] == home
+    busy.join()
+    gw.engines[home].control(delay_ms=0)
+    # the session's engine dies: the request fails over instead of failing
+    gw.engines[home].kill()
+    raw = client.chat.completions.with_raw_response.create(
+        model="m", messages=chat("after the crash"), extra_headers={"x-quillcache-session": "conv-7"})
+    assert raw.headers["x-quillcache-engine"] == away
+
+
 def test_a_burst_with_one_prefix_spreads_over_the_engines_by_load(gateway):
     gw = gateway([("e1", "m", ["--delay-ms", "800"]), ("e2", "m", ["--delay-ms", "800"])])
 
