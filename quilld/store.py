@@ -38,7 +38,7 @@ LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already on SSD before
 class Block:
     """An arena-resident value: the one per-block object beyond its dict entry."""
 
-    __slots__ = ("handle", "length", "pins", "state", "last_access", "ssd")
+    __slots__ = ("handle", "length", "pins", "state", "last_access", "ssd", "crc")
 
     def __init__(self, handle: int, length: int) -> None:
         self.handle = handle
@@ -47,6 +47,7 @@ class Block:
         self.state = BlockState.WRITING
         self.last_access = 0.0
         self.ssd: Any = None  # an SsdEntry holding the same bytes, when there is one
+        self.crc: int | None = None  # CRC32C of the published bytes, once someone computed it
 
     def __len__(self) -> int:
         return self.length

@@ -145,6 +145,7 @@ class TwoPhasePuts:
                 store.discard(put.block)
             store.publish(put.tag, put.key, value, bhash=put.bhash)
         else:
+            put.block.crc = crc  # verified above (or None: computed when first needed)
             store.publish(put.tag, put.key, put.block, bhash=put.bhash)
         self.committed += 1
 

@@ -237,6 +237,8 @@ class Cluster:
                 self.stats["peer_fetch_checksum_failures"] += 1
                 last_error = PeerError(f"block from {peer} failed its checksum")
                 continue
+            if block is not None:
+                block.crc = crc  # verified: a later peer reading it from here needs no recompute
             self.stats["peer_fetches"] += 1
             self.stats["peer_fetch_bytes"] += len(view)
             self.stats["peer_fetch_usec"] += int((time.perf_counter() - t0) * 1e6)  # request to verified

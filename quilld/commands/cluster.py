@@ -110,7 +110,9 @@ def cmd_peerget(c, args):
     if type(value) is Block:
         store.pin(value)
         view = store.view(value)
-        return [crc32c.crc32c(view), BlockReply(view, lambda: store.unpin(value))]
+        if value.crc is None:  # published blocks never change: compute once, serve many
+            value.crc = crc32c.crc32c(view)
+        return [value.crc, BlockReply(view, lambda: store.unpin(value))]
     if type(value) is bytes:
         return [crc32c.crc32c(value), value]
     return Deferred(cluster.read_for_peer(value))

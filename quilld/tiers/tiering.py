@@ -47,6 +47,7 @@ DEMOTE_INTERVAL = 0.02  # seconds between checks of the DRAM watermark
 SCAN_LIMIT = 20_000  # DRAM entries looked at per demotion batch (bounds one loop turn)
 DELETE_BATCH = 4096
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
+STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 
 
 class Tiering:
@@ -64,6 +65,7 @@ class Tiering:
         self._deleting: asyncio.Task | None = None
         self.demoting = False
         self._pressure = False  # a write is waiting for space
+        self._stopping = False
         self.space_freed = lambda timeout: asyncio.sleep(timeout)  # the node's waiter replaces it
         store.tiering = self
 
@@ -119,8 +121,15 @@ class Tiering:
         """Finish the batch in flight, write every DRAM block to SSD (a clean restart loses
         nothing that fits), log pending deletions, close the files."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # let the batch in flight finish: cancelling it would leave its blocks pinned and
+            # its write running in a worker while the files close
+            self._stopping = True
+            self._wake.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_WAIT)
+            except asyncio.TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
         if self.active and self._task is not None:
             t0, before = time.monotonic(), self.stats["demoted_bytes"]
             try:
@@ -140,20 +149,20 @@ class Tiering:
         if self._deleting is not None:
             await asyncio.gather(self._deleting, return_exceptions=True)
         await self._flush_deletes()
-        await self._run(self.ssd.close)
-        self.executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)  # reads still in flight finish before the files close
+        self.ssd.close()
 
     # -- demotion ------------------------------------------------------------------
     async def _demoter(self) -> None:
         store = self.store
-        while True:
+        while not self._stopping:
             try:
                 await asyncio.wait_for(self._wake.wait(), DEMOTE_INTERVAL)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
             try:
-                while self.active and (store.used > store.high_bytes or self._pressure):
+                while self.active and not self._stopping and (store.used > store.high_bytes or self._pressure):
                     self._pressure = False
                     if not await self._demote_batch():
                         break
