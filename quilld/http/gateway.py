@@ -139,6 +139,7 @@ class Gateway:
         self._site: web.TCPSite | None = None
         self._handlers: set[asyncio.Task] = set()  # completion requests being served
         self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
+        self._leases: set[str] = set()  # in-flight leases, renewed so a long stream keeps counting
         self._watch_task: asyncio.Task | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -338,6 +339,7 @@ class Gateway:
             if attempt:
                 counts["retries"] += 1
             lease = engines.acquire(choice.engine.id)
+            self._leases.add(lease)
             try:
                 await self._attempt(req, choice, relay)
                 return
@@ -349,6 +351,7 @@ class Gateway:
                 log.warning("request %s: engine %s failed before its first byte (%s)", req.request_id,
                             choice.engine.id, e.reason)
             finally:
+                self._leases.discard(lease)
                 engines.release(lease)
         self._settle_missed(relay)
         if relay.resp is not None:  # headers went out with an engine that failed before its first byte
@@ -435,8 +438,11 @@ class Gateway:
         """
         loop = asyncio.get_running_loop()
         tick = min(1.0, self.cfg.first_byte_timeout_ms / 1000 / WATCHDOG_TICKS)
+        renew = self.control.engines.renew
         while True:
             await asyncio.sleep(tick)
+            for lease in self._leases:
+                renew(lease)
             now = loop.time()
             for relay, upstream in list(self._reading.items()):
                 if relay.deadline and now > relay.deadline:

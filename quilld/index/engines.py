@@ -54,6 +54,14 @@ class EngineRegistry:
         self.in_flight[engine_id] += 1
         return lease
 
+    def renew(self, lease: str) -> bool:
+        """Push a live lease's deadline back (a long stream is still in flight)."""
+        entry = self._leases.get(lease)
+        if entry is None:
+            return False
+        self._leases[lease] = (entry[0], time.monotonic() + self.lease_timeout)
+        return True
+
     def release(self, lease: str) -> bool:
         entry = self._leases.pop(lease, None)
         if entry is None:

@@ -267,6 +267,25 @@ def test_a_session_stays_on_its_engine_until_that_engine_fails(gateway):
     assert raw.headers["x-quillcache-engine"] == away
 
 
+def test_a_stream_longer_than_the_lease_timeout_keeps_counting_in_flight(gateway):
+    gw = gateway([("e1", "m", ["--chunks", "8", "--chunk-delay-ms", "500"])],
+                 env={"QUILLD_ROUTER_LEASE_TIMEOUT_MS": "1500"})
+    client = gw.client()
+    done = threading.Event()
+
+    def stream():
+        for _ in client.chat.completions.create(model="m", messages=chat("long"), stream=True):
+            pass
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(2.6)  # past the 1.5 s lease: the gateway renews it while the stream runs
+    assert not done.is_set() and gw.in_flight() == {"e1": 1}
+    t.join(15)
+    assert done.is_set() and gw.in_flight() == {"e1": 0}
+
+
 def test_a_burst_with_one_prefix_spreads_over_the_engines_by_load(gateway):
     gw = gateway([("e1", "m", ["--delay-ms", "800"]), ("e2", "m", ["--delay-ms", "800"])])
 
