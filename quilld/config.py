@@ -115,6 +115,7 @@ class GatewayConfig:
     first_byte_timeout_ms: int = 30_000
     chunk_chars: int = 256  # prompt characters per block when no tokenizer is configured
     max_attempts: int = 3
+    recorded_blocks: int = 1_000_000  # per engine without KV events: the gateway's own record of its cache
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
@@ -191,8 +192,9 @@ class Config:
             if not host or not port.isdigit():
                 raise ConfigError(f"cluster.seeds: {seed!r} is not host:port")
         g = self.gateway
-        if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts) <= 0:
-            raise ConfigError("gateway: timeouts, chunk_chars and max_attempts must be positive")
+        if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
+               g.recorded_blocks) <= 0:
+            raise ConfigError("gateway: timeouts, chunk_chars, max_attempts and recorded_blocks must be positive")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:

@@ -52,7 +52,7 @@ import logging
 import itertools
 import secrets
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -140,6 +140,7 @@ class Gateway:
         self._handlers: set[asyncio.Task] = set()  # completion requests being served
         self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
         self._leases: set[str] = set()  # in-flight leases, renewed so a long stream keeps counting
+        self._recorded: dict[str, OrderedDict] = {}  # engine -> (tag, block hash) it recorded, oldest first
         self._watch_task: asyncio.Task | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -277,9 +278,18 @@ class Gateway:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
         if choice.engine.kv_events or self.control.engines.engines.get(choice.engine.id) is not choice.engine:
             return  # its events are the authority, or it was removed or replaced meanwhile
-        put, engine_id, tag = self.control.index.put, choice.engine.id, choice.tag
-        self.stats.counts["residencies_recorded"] += sum(put(tag, h, engine_id, CacheTier.HBM)
+        index, engine_id, tag = self.control.index, choice.engine.id, choice.tag
+        self.stats.counts["residencies_recorded"] += sum(index.put(tag, h, engine_id, CacheTier.HBM)
                                                          for h in choice.blocks)
+        # a bounded LRU of what was recorded: the engine evicts too, and nothing says what
+        recorded = self._recorded.setdefault(engine_id, OrderedDict())
+        for h in reversed(choice.blocks):  # leading blocks last: a prefix is forgotten from its tail
+            recorded[(tag, h)] = None
+            recorded.move_to_end((tag, h))
+        while len(recorded) > self.cfg.recorded_blocks:
+            (old_tag, old_h), _ = recorded.popitem(last=False)
+            index.remove(old_tag, old_h, engine_id, CacheTier.HBM)
+            self.stats.counts["residencies_forgotten"] += 1
 
     # -- the request --------------------------------------------------------------
     async def completion(self, request: web.Request, path: str) -> web.StreamResponse:

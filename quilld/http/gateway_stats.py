@@ -70,6 +70,7 @@ class GatewayStats:
             ("gateway_stream_errors", c["stream_errors"]),  # engine failed after bytes reached the client
             ("gateway_client_disconnects", c["client_disconnects"]),
             ("gateway_residencies_recorded", c["residencies_recorded"]),
+            ("gateway_residencies_forgotten", c["residencies_forgotten"]),  # past gateway.recorded_blocks
             ("gateway_engines_cooling", cooling),
             ("gateway_ttft_slo_ms", slo_ms),
             ("gateway_slo_counted", c["slo_counted"]),

@@ -286,6 +286,21 @@ def test_a_stream_longer_than_the_lease_timeout_keeps_counting_in_flight(gateway
     assert done.is_set() and gw.in_flight() == {"e1": 0}
 
 
+def test_recorded_residencies_are_bounded_per_engine(gateway):
+    gw = gateway([("e1", "m", [])], env={"QUILLD_GATEWAY_RECORDED_BLOCKS": "6"})
+    client = gw.client()
+    for i in range(4):  # four different long prompts: each records several blocks on e1
+        client.chat.completions.create(model="m", messages=chat("q", f"prompt {i} " * 200))
+    s = gw.stats()
+    assert s["gateway_residencies_recorded"] > 6
+    assert s["gateway_residencies_recorded"] - s["gateway_residencies_forgotten"] == 6
+    # the newest prompt is still credited, the oldest no longer
+    newest = client.chat.completions.with_raw_response.create(model="m", messages=chat("q", "prompt 3 " * 200))
+    oldest = client.chat.completions.with_raw_response.create(model="m", messages=chat("q", "prompt 0 " * 200))
+    assert int(newest.headers["x-quillcache-overlap-blocks"]) > 0
+    assert int(oldest.headers["x-quillcache-overlap-blocks"]) == 0
+
+
 def test_a_burst_with_one_prefix_spreads_over_the_engines_by_load(gateway):
     gw = gateway([("e1", "m", ["--delay-ms", "800"]), ("e2", "m", ["--delay-ms", "800"])])
 
