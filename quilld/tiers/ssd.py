@@ -578,8 +578,8 @@ class SsdTier:
         finally:
             for m in maps:
                 m.close()
-        if progress is not None:
-            progress(total, total)
+        if progress is not None and (total == 0 or total % PROGRESS_EVERY):
+            progress(total, total)  # the last report, unless the loop just made it
         for i, found in enumerate(per_seg):
             found.sort()
             kept = drop_overlaps(found)
