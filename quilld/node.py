@@ -58,18 +58,16 @@ class Node:
         self.users = Users.from_config(cfg.security)
         self.scopes = ScopeRegistry()
         self.store = Store(cfg.dram, self.scopes)
+        self._space = asyncio.Event()  # set (and replaced) when arena space is freed while writers wait
+        self._space_waiters = 0
+        self.store.on_free = self._space_freed
         self.tiering: Any = None  # tiers/tiering.py Tiering when ssd.dir is set
         if cfg.ssd.dir:
             from quilld.tiers.tiering import Tiering
 
-            self.tiering = Tiering(self.store, cfg.ssd)
+            self.tiering = Tiering(self.store, cfg.ssd, self.space_freed)
         self.puts = TwoPhasePuts(self.store, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms)
         self.control = ControlPlane(cfg, self.scopes)
-        self._space = asyncio.Event()  # set (and replaced) when arena space is freed while writers wait
-        self._space_waiters = 0
-        self.store.on_free = self._space_freed
-        if self.tiering is not None:
-            self.tiering.space_freed = self.space_freed
         self.feed = ResidencyFeed(self.control.index, self.node_id, self.scopes)
         self.store.listener = self.feed
         self.control.pool = [self.node_id]  # pool nodes whose copies ROUTE can fetch from

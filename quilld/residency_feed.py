@@ -37,7 +37,7 @@ class ResidencyFeed:
         if self.log is not None:
             self.log.placed(self.scopes.scope_of(tag), fk[TAG_LEN:], tier, nbytes, bhash)
 
-    def removed(self, fk: bytes, tier: CacheTier, bhash: int | bytes | None) -> None:
+    def removed(self, fk: bytes, bhash: int | bytes | None) -> None:
         """The value of `fk` is gone from this node."""
         tag = fk[:TAG_LEN]
         if bhash is not None:

@@ -53,7 +53,7 @@ class Block:
         return self.length
 
 
-def _extent(nbytes: int) -> int:
+def page_extent(nbytes: int) -> int:
     """Arena bytes a value of `nbytes` occupies: whole pages, at least one."""
     return max(1, -(-nbytes // PAGE)) * PAGE
 
@@ -90,7 +90,7 @@ class Store:
         # are "tracked": the listener hears where each one is placed and when it goes, so the
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
-        self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, tier, bhash)
+        self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
         self.hits = self.misses = self.writes = 0
 
     # -- accounting --------------------------------------------------------
@@ -144,7 +144,7 @@ class Store:
 
     def pin(self, block: Block) -> None:
         if not block.pins:
-            self.held_bytes += _extent(block.length)
+            self.held_bytes += page_extent(block.length)
         block.pins += 1
         self.active_pins += 1
 
@@ -152,7 +152,7 @@ class Store:
         block.pins -= 1
         self.active_pins -= 1
         if block.pins == 0:
-            self.held_bytes -= _extent(block.length)
+            self.held_bytes -= page_extent(block.length)
             if block.state == BlockState.EVICTING:
                 self.unlinked_pinned -= 1
                 self._free(block)
@@ -166,7 +166,7 @@ class Store:
         """
         if nbytes > self.capacity:
             raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
-        need = _extent(nbytes)
+        need = page_extent(nbytes)
         if need > self.capacity - self.held_bytes:  # evicting everything would not be enough
             raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         self._make_room(need)
@@ -190,7 +190,7 @@ class Store:
         """Give back a reservation that will never be published."""
         if block.state in _RESERVED_STATES:
             self.reserved_blocks -= 1
-            self.held_bytes -= _extent(block.length)
+            self.held_bytes -= page_extent(block.length)
             self._free(block)
 
     def materialize(self, value: bytes | bytearray | memoryview) -> bytes | Block:
@@ -237,7 +237,7 @@ class Store:
                 self._make_room(0)
         else:
             self.reserved_blocks -= 1
-            self.held_bytes -= _extent(value.length)
+            self.held_bytes -= page_extent(value.length)
             value.state = BlockState.RESIDENT
             value.last_access = time.time()
             self.block_count += 1
@@ -291,10 +291,11 @@ class Store:
         """A read brought `entry` back into DRAM as `block` (keeping the SSD copy)."""
         del self.ssd_data[fk]
         self.reserved_blocks -= 1
-        self.held_bytes -= _extent(block.length)
+        self.held_bytes -= page_extent(block.length)
         block.state = BlockState.RESIDENT
         block.last_access = time.time()
         block.ssd = entry
+        block.crc = entry.crc  # verified by the read
         self.block_count += 1
         self.data[fk] = block
         if self.listener is not None and fk in self.tracked:
@@ -336,9 +337,9 @@ class Store:
         return n
 
     # -- internals ---------------------------------------------------------
-    def _forget(self, fk: bytes, tier: CacheTier = CacheTier.DRAM) -> None:
+    def _forget(self, fk: bytes) -> None:
         if fk in self.tracked:
-            self.listener.removed(fk, tier, self.tracked.pop(fk))
+            self.listener.removed(fk, self.tracked.pop(fk))
 
     def _unlink(self, fk: bytes) -> None:
         if self.tracked:
@@ -372,7 +373,7 @@ class Store:
 
     def _free(self, block: Block) -> None:
         self.arena.release(block.handle)
-        self.used -= _extent(block.length)
+        self.used -= page_extent(block.length)
         block.state = BlockState.GONE
         if self.on_free is not None:
             self.on_free()
@@ -381,8 +382,6 @@ class Store:
         if self.tiering is not None and self.tiering.active:
             # the demoter keeps use between the watermarks in the background; here only
             # make room when the arena is really full
-            if self.used + need <= self.capacity:
-                return
             while self.used + need > self.capacity:
                 if not self._evict_one():
                     return

@@ -262,8 +262,8 @@ class Cluster:
 
     async def read_for_peer(self, value: Any) -> list:
         """PEERGET of a value only on this node's SSD: read, verify, answer with its CRC."""
-        data = await self.node.tiering.read_bytes(value)
-        return [crc32c.crc32c(data), data]
+        data = await self.node.tiering.read_bytes(value)  # verified against value.crc
+        return [value.crc, data]
 
     # -- reporting ------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:

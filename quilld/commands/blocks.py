@@ -141,8 +141,12 @@ def _engine_hash(key: bytes) -> int | bytes:
     return int(k) if k.lstrip(b"-").isdigit() and len(k) < 21 else k
 
 
+def _place(node: str, tier: CacheTier, nbytes: int | None = None, last_ms: int | None = None) -> dict:
+    return {b"node": node.encode(), b"tier": tier.value.encode(), b"bytes": nbytes, b"last_access_ms": last_ms}
+
+
 def cmd_locate(c, args):
-    store, node_id, index = c.store, c.node.node_id, c.node.control.index
+    store, node_id, index, cluster = c.store, c.node.node_id, c.node.control.index, c.node.cluster
     out = []
     for key in args[1:]:
         places = []
@@ -150,19 +154,13 @@ def cmd_locate(c, args):
         value = store.data.get(fk) if store.contains(c.tag, key) else None
         if value is not None:
             last = int(value.last_access * 1000) if type(value) is Block else None
-            places.append({b"node": node_id.encode(), b"tier": CacheTier.DRAM.value.encode(),
-                           b"bytes": len(value), b"last_access_ms": last})
+            places.append(_place(node_id, CacheTier.DRAM, len(value), last))
         on_ssd = store.ssd_data.get(fk) if value is None else getattr(value, "ssd", None)
         if on_ssd is not None:
-            places.append({b"node": node_id.encode(), b"tier": CacheTier.SSD.value.encode(),
-                           b"bytes": on_ssd.length, b"last_access_ms": None})
-        if c.node.cluster is not None:
-            for holder, tier in c.node.cluster.directory.holders(c.tag, bytes(key)):
-                places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,
-                               b"last_access_ms": None})
-        for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]:
-            places.append({b"node": holder.encode(), b"tier": tier.value.encode(), b"bytes": None,
-                           b"last_access_ms": None})
+            places.append(_place(node_id, CacheTier.SSD, len(on_ssd)))
+        if cluster is not None:
+            places += [_place(holder, tier) for holder, tier in cluster.directory.holders(c.tag, bytes(key))]
+        places += [_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
         out.append(places)
     return out
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quilld.commands.common import block_reply, parse_int, reply_value, settle
+from quilld.commands.common import parse_int, reply_value, settle
 from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
@@ -12,12 +12,7 @@ _SYNTAX = CommandError("syntax error")
 
 
 def cmd_get(c, args):
-    v = c.store.lookup(c.tag, args[1])
-    if type(v) is Block:
-        return block_reply(c.store, v)
-    if v is None or type(v) is bytes:
-        return v
-    return reply_value(c.store, v)  # on SSD
+    return reply_value(c.store, c.store.lookup(c.tag, args[1]))
 
 
 def _storable(store, value):
@@ -112,7 +107,7 @@ def cmd_del(c, args):
 
 def cmd_strlen(c, args):
     v = c.store.lookup(c.tag, args[1])
-    return 0 if v is None else (len(v) if type(v) in (bytes, Block) else v.length)
+    return 0 if v is None else len(v)
 
 
 def cmd_type(c, args):

@@ -88,13 +88,12 @@ def _metric_lines(node: Any) -> list[str]:
     ):
         metric(name, "gauge", help_text, t[name])
     # the optional parts (SSD tier, cluster, gateway): every numeric field of their INFO section
-    for part, prefix, label in ((node.tiering, "", "SSD tier"), (node.cluster, "", "Cluster"),
-                                (node.gateway, "", "Gateway")):
+    for part, label in ((node.tiering, "SSD tier"), (node.cluster, "Cluster"), (node.gateway, "Gateway")):
         if part is None:
             continue
         for name, value in part.info():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                metric(prefix + name, "gauge", f"{label}: {name.replace('_', ' ')} (see INFO).", value)
+                metric(name, "gauge", f"{label}: {name.replace('_', ' ')} (see INFO).", value)
     return lines
 
 

@@ -26,11 +26,12 @@ ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or res
 ARENA_RETRY = 0.01
 
 
-def _collect_pins(reply: list, pins: list) -> None:
-    """The releases of block replies inside an array reply (MGET)."""
-    for item in reply:
-        if item.__class__ is BlockReply:
-            pins.append(item.release)
+def _collect_pins(reply: Any, pins: list) -> None:
+    """The releases of the block replies in `reply`: itself, or the items of an array (MGET)."""
+    if reply.__class__ is BlockReply:
+        pins.append(reply.release)
+    elif reply.__class__ is list:
+        pins.extend(item.release for item in reply if item.__class__ is BlockReply)
 
 
 class RespConnection(asyncio.BufferedProtocol):
@@ -124,7 +125,8 @@ class RespConnection(asyncio.BufferedProtocol):
                 batch = (item,)
             for i, item in enumerate(batch):
                 ncmds += 1
-                if self._large:
+                large = self._large
+                if large:
                     self._large = False
                     refused = next((a for a in item if isinstance(a, QuillError)), None)
                     reply = refused if refused is not None else dispatch(session, item)
@@ -142,17 +144,14 @@ class RespConnection(asyncio.BufferedProtocol):
                     self._backlog = list(batch[i + 1:])
                     self._defer(reply)
                     break
-                elif reply.__class__ is OutOfMemory and not self._large_item(item) \
-                        and self.node.store.space_may_free():
+                elif reply.__class__ is OutOfMemory and not large and self.node.store.space_may_free():
                     # space is only held for now (pins, puts, blocks being demoted): retry shortly
+                    # (a large command cannot be run again: its payload is already given back)
                     self._backlog = list(batch[i + 1:])
                     self._defer(Deferred(self._retry_when_space(item)))
                     break
                 else:
-                    if reply.__class__ is BlockReply:
-                        pins.append(reply.release)
-                    elif reply.__class__ is list:
-                        _collect_pins(reply, pins)
+                    _collect_pins(reply, pins)
                     encode(reply, session.resp3, out)
                     resp3 = session.resp3  # HELLO may have switched the protocol
                     if session.closing:
@@ -166,10 +165,6 @@ class RespConnection(asyncio.BufferedProtocol):
             self._write(out, pins)
         if session.closing:
             self.transport.close()
-
-    @staticmethod
-    def _large_item(item: list) -> bool:
-        return any(a.__class__ is not bytes for a in item)
 
     async def _retry_when_space(self, item: list):
         deadline = time.monotonic() + ARENA_WAIT
@@ -198,18 +193,14 @@ class RespConnection(asyncio.BufferedProtocol):
             reply = e
         except Exception as e:  # a bug in a read path: answer with it rather than hang the client
             reply = QuillError(f"internal error: {e}")
+        pins: list = []
+        _collect_pins(reply, pins)
         if self.transport.is_closing():
-            if reply.__class__ is BlockReply:
-                reply.release()
+            for release in pins:
+                release()
             return
         out: list = []
-        pins = [reply.release] if reply.__class__ is BlockReply else []
-        if reply.__class__ is list:
-            _collect_pins(reply, pins)
-        if reply is None and not self.session.resp3:
-            out.append(b"$-1\r\n")
-        else:
-            encode(reply, self.session.resp3, out)
+        encode(reply, self.session.resp3, out)
         self._write(out, pins)
         if not self._write_paused and self._waiting is None:
             self.transport.resume_reading()

@@ -113,6 +113,9 @@ class SsdEntry:
         self.pins = 0
         self.retired = False
 
+    def __len__(self) -> int:
+        return self.length
+
 
 @dataclass
 class RecoveryReport:

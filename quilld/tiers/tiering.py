@@ -30,14 +30,14 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from quilld.config import SsdConfig
 from quilld.errors import OutOfMemory
 from quilld.index.guard import TAG_LEN
-from quilld.model import BlockState, CacheTier, IdentityScope
+from quilld.model import BlockState, IdentityScope
 from quilld.protocol.resp import BlockReply
-from quilld.store import Block, Store
+from quilld.store import Block, Store, page_extent
 from quilld.tiers.ssd import PendingWrite, SsdEntry, SsdTier
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
 
@@ -51,7 +51,9 @@ STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 
 
 class Tiering:
-    def __init__(self, store: Store, cfg: SsdConfig, workers: int = 4) -> None:
+    def __init__(self, store: Store, cfg: SsdConfig, space_freed: Callable[[float], Awaitable[None]],
+                 workers: int = 4) -> None:
+        """`space_freed(timeout)` returns when arena space is next freed (or the timeout passes)."""
         self.store = store
         self.cfg = cfg
         segment = min(cfg.segment_size, cfg.size // 4096 * 4096)  # a small tier is one segment
@@ -63,10 +65,9 @@ class Tiering:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
-        self.demoting = False
         self._pressure = False  # a write is waiting for space
         self._stopping = False
-        self.space_freed = lambda timeout: asyncio.sleep(timeout)  # the node's waiter replaces it
+        self.space_freed = space_freed
         store.tiering = self
 
     # -- state -------------------------------------------------------------------
@@ -130,25 +131,22 @@ class Tiering:
             except asyncio.TimeoutError:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
-        if self.active and self._task is not None:
-            t0, before = time.monotonic(), self.stats["demoted_bytes"]
-            try:
+        started = self._task is not None  # else recovery failed: nothing to flush
+        try:
+            if started and self.active:
+                t0, before = time.monotonic(), self.stats["demoted_bytes"]
                 while self.active and await self._demote_batch(everything=True):
                     pass
-            except SsdFailure as e:
-                self._failed(e)
-            log.info("ssd tier: flushed %d bytes of DRAM blocks in %.2f s",
-                     self.stats["demoted_bytes"] - before, time.monotonic() - t0)
-        if self.active and self._task is not None:
+                log.info("ssd tier: flushed %d bytes of DRAM blocks in %.2f s",
+                         self.stats["demoted_bytes"] - before, time.monotonic() - t0)
+            if self._deleting is not None:
+                await asyncio.gather(self._deleting, return_exceptions=True)
             await self._flush_deletes()
-            try:  # so the next start loads a checkpoint instead of replaying the whole WAL
+            if started and self.active:  # the next start loads a checkpoint instead of replaying the WAL
                 n = await self._run(self.ssd.checkpoint)
                 log.info("ssd tier: checkpoint of %s blocks written at shutdown", n)
-            except SsdFailure as e:
-                self._failed(e)
-        if self._deleting is not None:
-            await asyncio.gather(self._deleting, return_exceptions=True)
-        await self._flush_deletes()
+        except SsdFailure as e:
+            self._failed(e)
         self.executor.shutdown(wait=True)  # reads still in flight finish before the files close
         self.ssd.close()
 
@@ -200,7 +198,7 @@ class Tiering:
             if expires and fk in expires:
                 continue  # values with a TTL stay in DRAM (the SSD tier keeps no TTLs)
             picked.append((fk, value))
-            total += -(-value.length // 4096) * 4096  # pages, as DRAM use is counted
+            total += page_extent(value.length)  # pages, as DRAM use is counted
         return picked
 
     async def _demote_batch(self, everything: bool = False) -> bool:
@@ -228,7 +226,6 @@ class Tiering:
             items.append((fk, block, PendingWrite(tuple(scope), fk[TAG_LEN:], store.view(block), extent)))
         if not items:
             return bool(clean)
-        self.demoting = True
         t0 = time.perf_counter()
         try:
             await self._run(ssd.write_batch, [it for _, _, it in items])
@@ -238,8 +235,6 @@ class Tiering:
                 store.unpin(block)
             self._failed(e)
             return False
-        finally:
-            self.demoting = False
         entries = ssd.publish([it for _, _, it in items])
         by_key = {(e.scope, e.key): e for e in entries}
         moved = 0
@@ -282,11 +277,7 @@ class Tiering:
             if entry.pins:
                 continue
             freed += entry.length
-            store.per_scope[fk[:TAG_LEN]] -= 1
-            if store.tracked:
-                store._forget(fk, tier=CacheTier.SSD)
-            del store.ssd_data[fk]
-            self._doomed.append(entry)
+            store.delete(fk[:TAG_LEN], fk[TAG_LEN:])  # its SSD copy joins the deletions flushed below
             self.stats["ssd_evictions"] += 1
         await self._flush_deletes()
 
@@ -379,9 +370,9 @@ class Tiering:
         store = self.store
         self.stats["ssd_read_corrupt" if isinstance(e, CorruptBlock) else "ssd_read_errors"] += 1
         log.error("ssd tier: dropping block %r: %s", entry.key[:64], e)
-        fk = store.scopes.tag(IdentityScope(*entry.scope)) + entry.key
-        if store.ssd_data.get(fk) is entry:
-            store._unlink(fk)  # releases it, which drops the SSD copy
+        tag = store.scopes.tag(IdentityScope(*entry.scope))
+        if store.ssd_data.get(tag + entry.key) is entry:
+            store.delete(tag, entry.key)  # releases it, which drops the SSD copy
         else:
             self.drop(entry)
 

@@ -49,6 +49,23 @@ def routed(quilld_factory, tmp_path):
     return q, r
 
 
+def publish_until_applied(pub, r, hashes: list[int]) -> int:
+    """Publish one vLLM BlockStored batch until quilld applies it (a ZMQ subscription takes a
+    moment to join); returns the next sequence number."""
+    payload = msgpack.packb([time.time(), [["BlockStored", hashes, None, list(range(16 * len(hashes))), 16,
+                                             None, "GPU"]], 0])
+    seq = 0
+
+    def delivered() -> bool:
+        nonlocal seq
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        seq += 1
+        return r.info("stats")["kv_batches"] > 0
+
+    assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
+    return seq
+
+
 def route(r, **req):
     reply = r.execute_command("ROUTE", json.dumps(req))
     return {reply[i].decode(): reply[i + 1] for i in range(0, len(reply), 2)}
@@ -138,17 +155,7 @@ kv_events = "tcp://127.0.0.1:{port}"
         q = quilld_factory("--config", str(conf))
         r = q.client(protocol=2)
         r.execute_command("SCOPE", "m", "")
-        payload = msgpack.packb([time.time(), [["BlockStored", [11, 12, 13], None, list(range(48)), 16, None,
-                                                 "GPU"]], 0])
-        seq = 0
-
-        def delivered() -> bool:
-            nonlocal seq
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-            seq += 1
-            return r.info("stats")["kv_batches"] > 0
-
-        assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
+        seq = publish_until_applied(pub, r, [11, 12, 13])
         d = route(r, blocks=[11, 12, 13])
         assert d["engine"] == b"live" and d["plan"] == [b"hit:live:hbm"] * 3
         pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1not msgpack"])
@@ -228,17 +235,7 @@ def test_an_engine_added_at_run_time_is_subscribed_and_removal_unsubscribes(rout
         call("POST", "/v1/engines", {"id": "late", "url": "http://127.0.0.1:9200", "model": "m",
                                      "kv_events": f"tcp://127.0.0.1:{port}"})
         assert r.info("router")["kv_subscriptions"] == 1
-        payload = msgpack.packb([time.time(), [["BlockStored", [41, 42], None, list(range(32)), 16, None,
-                                                 "GPU"]], 0])
-        seq = 0
-
-        def delivered() -> bool:
-            nonlocal seq
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-            seq += 1
-            return r.info("stats")["kv_batches"] > 0
-
-        assert wait_until(delivered, timeout=10, interval=0.1), "no KV event reached quilld"
+        publish_until_applied(pub, r, [41, 42])
         assert route(r, blocks=[41, 42])["engine"] == b"late"
         assert call("DELETE", "/v1/engines/late")["residencies_dropped"] == 2
         assert r.info("router")["kv_subscriptions"] == 0

@@ -325,3 +325,21 @@ def test_a_clean_stop_in_the_middle_of_demotion_loses_nothing(tmp_path, nodes):
     for k in acked:
         assert r.get(k) == value(k, 300 * KiB), k
     assert r.info("persistence")["recovery_wal_records"] == 0  # the stop wrote a checkpoint
+
+
+def test_a_client_gone_before_its_ssd_reads_finish_leaves_nothing_pinned(tmp_path, nodes):
+    q = ssd_node(tmp_path, tmp_path / "ssd", dram="64MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    keys = [f"g{i}" for i in range(100)]
+    for k in keys:
+        r.set(k, value(k, MiB))
+    cold = [k for k in keys if tiers_of(r, k) == {"ssd"}][:20]
+    assert len(cold) == 20
+    # MGET of SSD-only blocks is answered later (one read after another); the client leaves first
+    s = socket.create_connection(("127.0.0.1", q.port))
+    s.sendall(("*%d\r\n$4\r\nMGET\r\n" % (len(cold) + 1)).encode()
+              + b"".join(b"$%d\r\n%b\r\n" % (len(k), k.encode()) for k in cold))
+    s.close()
+    until(lambda: r.info("persistence").get("promotions", 0) >= len(cold), 10, "the reads to finish")
+    until(lambda: r.info("tiers")["dram_held_bytes"] == 0, 5, "the promoted blocks to be unpinned")
