@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from quilld.config import Config, EngineConfig  # noqa: E402
-from quilld.control import ControlPlane  # noqa: E402
+from quilld.index.control import ControlPlane  # noqa: E402
 from quilld.index.events import Batch, Stored  # noqa: E402
-from quilld.index.guard import ScopeRegistry  # noqa: E402
+from quilld.scopes import ScopeRegistry  # noqa: E402
 from quilld.model import IdentityScope  # noqa: E402
 
 ENGINES = 16

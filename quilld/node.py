@@ -16,17 +16,17 @@ from collections import Counter
 from typing import Any
 
 from quilld import __version__
-from quilld.commands import build_table
-from quilld.commands.blocks import large_target, release_args
-from quilld.commands.connection import REDIS_VERSION
+from quilld.protocol.commands import build_table
+from quilld.protocol.commands.blocks import large_target, release_args
+from quilld.protocol.commands.connection import REDIS_VERSION
 from quilld.config import Config
-from quilld.control import ControlPlane
-from quilld.index.guard import ScopeRegistry
+from quilld.index.control import ControlPlane
+from quilld.scopes import ScopeRegistry
 from quilld.protocol.server import RespConnection
-from quilld.residency_feed import ResidencyFeed
+from quilld.index.residency_feed import ResidencyFeed
 from quilld.security import Users
-from quilld.store import Store
-from quilld.twophase import TwoPhasePuts
+from quilld.tiers.keyspace import Store
+from quilld.tiers.puts import TwoPhasePuts
 
 log = logging.getLogger("quilld")
 

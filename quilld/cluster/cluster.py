@@ -24,7 +24,7 @@ from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.replog import ReplicationLog
 from quilld.cluster.transfer import Transfers
 from quilld.errors import QuillError
-from quilld.index.guard import TAG_LEN
+from quilld.scopes import TAG_LEN
 from quilld.model import IdentityScope
 from quilld.protocol.resp import BlockReply
 

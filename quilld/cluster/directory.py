@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from quilld.cluster.replog import PLACED, Entry
-from quilld.index.guard import ScopeRegistry
+from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex
 from quilld.model import CacheTier
 

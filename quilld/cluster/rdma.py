@@ -558,9 +558,9 @@ def cmd_peerrdma(c: Any, args: list) -> bytes:
 
 def peerget_rdma(c: Any, args: list) -> Any:
     """PEERGET tenant model tokenizer adapter key RDMA min_bytes (see the module docstring)."""
-    from quilld.commands.cluster import cmd_peerget
-    from quilld.commands.common import parse_int, text
-    from quilld.store import Block
+    from quilld.protocol.commands.cluster import cmd_peerget
+    from quilld.protocol.commands.common import parse_int, text
+    from quilld.tiers.keyspace import Block
 
     rdma = _rdma(c)
     if bytes(args[6]).upper() != b"RDMA":
@@ -588,7 +588,7 @@ def peerget_rdma(c: Any, args: list) -> Any:
 
 def cmd_peerrelease(c: Any, args: list) -> int:
     """PEERRELEASE lease [lease ...]: unpin blocks leased to this connection; the number released."""
-    from quilld.commands.common import parse_int
+    from quilld.protocol.commands.common import parse_int
 
     rdma = _rdma(c)
     return sum(rdma.leases.release(parse_int(a), c.id) for a in args[1:])

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from quilld import __version__
-from quilld.commands.route import route_request
+from quilld.protocol.commands.route import route_request
 from quilld.config import engine_from
 from quilld.errors import QuillError
 from quilld.index.events import decode_json

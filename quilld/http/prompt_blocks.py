@@ -5,7 +5,7 @@ Two ways, chosen per engine:
 - the engine's `tokenizer` names a `tokenizer.json` file (the value ends in
   `.json`): the prompt is encoded with it (the `tokenizers` package, loaded
   lazily, one instance per path) and the ids are hashed in blocks of the
-  engine's `block_size` with `quilld.control.chain_hashes`, exactly as a
+  engine's `block_size` with `quilld.index.control.chain_hashes`, exactly as a
   ROUTE with `tokens` would be;
 - otherwise the rendered prompt is cut into `chunk_chars`-character pieces and
   the full pieces are chained with xxhash the same way (each hash covers the
@@ -16,7 +16,7 @@ A completions prompt given as token ids is hashed as ids either way. Chat
 messages are rendered deterministically (`<|role|>` line, content, newline;
 non-text content parts as canonical JSON), so a shared system prompt is a
 shared leading run of blocks. These hashes are quilld's own, not the engine's
-internal ones (see quilld/control.py).
+internal ones (see quilld/index/control.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from quilld.config import EngineConfig
-from quilld.control import chain_hashes
+from quilld.index.control import chain_hashes
 
 INLINE_ENCODE_CHARS = 16_384  # longer prompts are tokenized off the event loop
 

@@ -34,10 +34,10 @@ from typing import Any, Awaitable, Callable
 
 from quilld.config import SsdConfig
 from quilld.errors import OutOfMemory
-from quilld.index.guard import TAG_LEN
+from quilld.scopes import TAG_LEN
 from quilld.model import BlockState, IdentityScope
 from quilld.protocol.resp import BlockReply
-from quilld.store import Block, Store, page_extent
+from quilld.tiers.keyspace import Block, Store, page_extent
 from quilld.tiers.ssd import PendingWrite, SsdEntry, SsdTier
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
 

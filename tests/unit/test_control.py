@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 from quilld.config import Config, EngineConfig
-from quilld.control import ControlPlane, chain_hashes
+from quilld.index.control import ControlPlane, chain_hashes
 from quilld.index.events import Batch, Stored
-from quilld.index.guard import ScopeRegistry
+from quilld.scopes import ScopeRegistry
 from quilld.model import IdentityScope
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from quilld.cluster.directory import Directory
 from quilld.cluster.replog import PLACED, REMOVED, Behind, ReplicationLog, from_wire
-from quilld.index.guard import ScopeRegistry
+from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex
 from quilld.model import CacheTier, IdentityScope
 

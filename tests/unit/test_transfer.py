@@ -34,13 +34,13 @@ from quilld.cluster.rdma import (IBV_WC_SUCCESS, Leases, QpInfo, RdmaError, Rdma
 from quilld.cluster.transfer import (RdmaInfo, RdmaProbe, TcpTransfer, Transfers, advertise,
                                      choose_transfer, path_for, probe_rdma)
 from quilld.cluster.wire import check_meta
-from quilld.commands.cluster import cmd_peerget
+from quilld.protocol.commands.cluster import cmd_peerget
 from quilld.config import DramConfig
 from quilld.errors import CommandError, ConfigError, PeerOnly, QuillError
-from quilld.index.guard import ScopeRegistry
+from quilld.scopes import ScopeRegistry
 from quilld.model import IdentityScope
 from quilld.protocol.resp import BlockReply, Deferred
-from quilld.store import Block, Store
+from quilld.tiers.keyspace import Block, Store
 from quilld.tiers.arena import PAGE, DramArena
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,13 +9,13 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
-from quilld.commands.common import block_hash, parse_int, reply_value, text
+from quilld.protocol.commands.common import block_hash, parse_int, reply_value, text
 from quilld.errors import CommandError, NoAuth, NoHandle, QuillError
 from quilld.model import BlockState, CacheTier
 from quilld.protocol.resp import OK, Deferred, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
-from quilld.store import Block
-from quilld.twophase import IntoBlock
+from quilld.tiers.keyspace import Block
+from quilld.tiers.puts import IntoBlock
 
 EXISTS = Status(b"EXISTS")
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from quilld.commands.common import parse_int, reply_value, settle
+from quilld.protocol.commands.common import parse_int, reply_value, settle
 from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
-from quilld.store import Block, now_ms
+from quilld.tiers.keyspace import Block, now_ms
 
 _SYNTAX = CommandError("syntax error")
 

@@ -23,13 +23,13 @@ import xxhash
 from quilld.config import Config, EngineConfig
 from quilld.index.engines import EngineRegistry
 from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
-from quilld.index.guard import ScopeRegistry
+from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex, hash_key
 from quilld.index.router import CostWeights, choose
 from quilld.index.sketch import HotPrefixes
 from quilld.model import IdentityScope
 
-log = logging.getLogger("quilld.control")
+log = logging.getLogger("quilld.index.control")
 
 
 def chain_hashes(tokens: list[int], block_size: int) -> list[int]:

@@ -8,7 +8,7 @@ from typing import Any
 from quilld.errors import CommandError
 from quilld.protocol.resp import BlockReply, Deferred
 from quilld.protocol.resp import _parse_len as _strict_int
-from quilld.store import Block
+from quilld.tiers.keyspace import Block
 
 _NOT_INT = "value is not an integer or out of range"
 

@@ -17,7 +17,7 @@ import crc32c
 
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle
 from quilld.model import BlockState
-from quilld.store import Block, Store
+from quilld.tiers.keyspace import Block, Store
 
 
 class Put:

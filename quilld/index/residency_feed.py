@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quilld.index.guard import TAG_LEN, ScopeRegistry
+from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.index.residency import ResidencyIndex
 from quilld.model import CacheTier
 

@@ -2,7 +2,7 @@
 
 A value is either `bytes` kept in the entry itself (at most `dram.inline_max`
 bytes: a 4 KiB page each would waste most of it) or a `Block`, an extent of
-the DRAM arena. Keys are `scope tag + key` (see index/guard.py). The dict's
+the DRAM arena. Keys are `scope tag + key` (see scopes.py). The dict's
 order is the LRU order: a hit moves the key to the end, eviction pops from
 the front, skipping pinned blocks.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from quilld.config import DramConfig
 from quilld.errors import OutOfMemory
-from quilld.index.guard import TAG_LEN, ScopeRegistry
+from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.model import BlockState, CacheTier
 from quilld.tiers.arena import NO_SPACE, PAGE, DramArena
 

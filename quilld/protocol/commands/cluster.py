@@ -7,12 +7,12 @@ import hmac
 import crc32c
 
 from quilld.cluster.replog import Behind as LogBehind
-from quilld.commands.common import parse_int, text
+from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope
 from quilld.protocol.resp import OK, BlockReply, Deferred
 from quilld.protocol.table import ADMIN, NOAUTH, READONLY, CommandTable
-from quilld.store import Block
+from quilld.tiers.keyspace import Block
 
 MAX_BATCH = 50_000
 MAX_WAIT_MS = 30_000

@@ -1,4 +1,4 @@
-"""The keyspace (store.py), two-phase puts (twophase.py) and identity scopes (index/guard.py).
+"""The keyspace (tiers/keyspace.py), two-phase puts (tiers/puts.py) and identity scopes (scopes.py).
 
 Small arenas (a few 4 KiB pages) make eviction, pins and out-of-memory easy to reach.
 The accounting invariant `store.used == store.arena.used + store.inline_bytes` is
@@ -18,11 +18,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from quilld.config import DramConfig
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory
-from quilld.index.guard import TAG_LEN, ScopeRegistry, refusal_reason
+from quilld.scopes import TAG_LEN, ScopeRegistry, refusal_reason
 from quilld.model import BlockState, IdentityScope
-from quilld.store import Block, Store, now_ms
+from quilld.tiers.keyspace import Block, Store, now_ms
 from quilld.tiers.arena import PAGE
-from quilld.twophase import IntoBlock, Put, TwoPhasePuts
+from quilld.tiers.puts import IntoBlock, Put, TwoPhasePuts
 
 DEFAULT = IdentityScope()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from quilld.commands.common import parse_int, text
+from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass
 from quilld.model import IdentityScope
 from quilld.protocol.resp import OK, PONG, Status

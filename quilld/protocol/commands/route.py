@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quilld.commands.common import block_hash, text
+from quilld.protocol.commands.common import block_hash, text
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
 from quilld.protocol.table import CommandTable
@@ -40,7 +40,7 @@ def route_request(control, session, req: dict[str, Any]) -> dict[str, Any]:
         raise CommandError(f"ROUTE: unknown field(s) {', '.join(sorted(unknown))}")
     try:
         if "tokens" in req:
-            from quilld.control import chain_hashes
+            from quilld.index.control import chain_hashes
 
             block_size = int(req.get("block_size", 16))
             tokens = [int(t) for t in req["tokens"]]

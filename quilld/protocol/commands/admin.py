@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from quilld.commands.common import text
+from quilld.protocol.commands.common import text
 from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Verbatim
 from quilld.protocol.table import Command, CommandTable

@@ -4,7 +4,7 @@ from quilld.protocol.table import CommandTable
 
 
 def build_table() -> CommandTable:
-    from quilld.commands import admin, blocks, cluster, connection, route, strings
+    from quilld.protocol.commands import admin, blocks, cluster, connection, route, strings
 
     table = CommandTable()
     for family in (connection, strings, blocks, route, admin, cluster):
