@@ -13,10 +13,11 @@ from typing import Any
 from aiohttp import web
 
 from quilld import __version__
-from quilld.protocol.commands.route import route_request
 from quilld.config import engine_from
-from quilld.errors import QuillError
+from quilld.errors import CommandError, QuillError
 from quilld.index.events import decode_json
+from quilld.index.route_request import RouteRequest, route as route_in_scope
+from quilld.index.router import Decision
 from quilld.model import IdentityScope
 
 NODE: web.AppKey[Any] = web.AppKey("node", object)
@@ -144,6 +145,23 @@ async def delete_engine(request: web.Request) -> web.Response:
     return web.json_response({"removed": engine_id, "residencies_dropped": dropped})
 
 
+def decision_json(d: Decision) -> dict[str, Any]:
+    """A decision (with an engine) as POST /v1/route's JSON body."""
+    return {"engine": d.engine, "url": d.url, "cost": d.cost, "lease": d.lease,
+            "candidates": [c._asdict() for c in d.candidates],
+            "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
+                     for s in d.plan]}
+
+
+def _route_scope(body: dict[str, Any]) -> IdentityScope:
+    """The identity a route request speaks for, taken out of its body; the model is required."""
+    ident = {k: body.pop(k) for k in ("tenant", "model", "tokenizer", "adapter") if k in body}
+    if not isinstance(ident.get("model"), str):
+        raise CommandError("model is required")
+    return IdentityScope(str(ident.get("tenant", "default")), ident["model"], str(ident.get("tokenizer", "")),
+                         str(ident.get("adapter", "")))
+
+
 async def route(request: web.Request) -> web.Response:
     """POST /v1/route: {tenant?, model, tokenizer?, adapter?, blocks | tokens + block_size, ...}.
 
@@ -153,23 +171,14 @@ async def route(request: web.Request) -> web.Response:
     body = await _body(request)
     if not isinstance(body, dict):
         return _json_error(400, "the body must be a JSON object")
-    ident = {k: body.pop(k) for k in ("tenant", "model", "tokenizer", "adapter") if k in body}
-    if not isinstance(ident.get("model"), str):
-        return _json_error(400, "model is required")
-    scope = IdentityScope(str(ident.get("tenant", "default")), ident["model"], str(ident.get("tokenizer", "")),
-                          str(ident.get("adapter", "")))
-    caller = _Caller(scope, node.scopes.tag(scope))
     try:
-        d = route_request(node.control, caller, body)
+        scope = _route_scope(body)
+        d = route_in_scope(node.control, scope, node.scopes.tag(scope), RouteRequest.parse(body))
     except QuillError as e:
         return _json_error(400, e.message)
-    if d["engine"] is None:
+    if d.engine is None:
         return _json_error(503, f"no engine serves model {scope.model!r}")
-    return web.json_response({
-        "engine": d["engine"], "url": d["url"], "cost": d["cost"], "lease": d.get("lease"),
-        "candidates": [c._asdict() for c in d["candidates"]],
-        "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
-                 for s in d["plan"]]})
+    return web.json_response(decision_json(d))
 
 
 async def kv_events(request: web.Request) -> web.Response:
@@ -202,14 +211,6 @@ async def nodes(request: web.Request) -> web.Response:
                     "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": m.node_id == node.node_id,
                     "following": m.node_id in node.cluster.followers, **(m.meta or {})})
     return web.json_response({"node_id": node.node_id, "nodes": out})
-
-
-class _Caller:
-    """The identity an admin-API route request speaks for."""
-
-    def __init__(self, scope: IdentityScope, tag: bytes) -> None:
-        self.scope = scope
-        self.tag = tag
 
 
 ROUTES = [

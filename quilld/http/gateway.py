@@ -47,12 +47,14 @@ HBM, unless the engine publishes KV events (they stay the authority).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import itertools
 import secrets
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -63,8 +65,10 @@ from quilld.config import EngineConfig
 from quilld.http.gateway_relay import Relay
 from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request, decode_tokens, prompt_of, read_body
 from quilld.http.gateway_stats import GatewayStats
+from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
+                                          upstream_headers, upstream_url)
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
-from quilld.index.router import choose as choose_engine
+from quilld.index.router import Candidate, Decision, choose as choose_engine
 from quilld.model import CacheTier, IdentityScope
 
 log = logging.getLogger("quilld.gateway")
@@ -76,14 +80,6 @@ SHUTDOWN_TIMEOUT = 2.0  # seconds open streams get at shutdown before they are c
 WATCHDOG_TICKS = 8  # byte deadlines are checked this often per first_byte_timeout_ms (at least once a second)
 SLO_HEADER = "x-quillcache-ttft-slo-ms"
 SESSION_HEADER = "x-quillcache-session"
-
-
-class UpstreamFailed(Exception):
-    """One attempt failed before any body byte reached the client; `cool` marks the engine."""
-
-    def __init__(self, reason: str, cool: bool = True) -> None:
-        super().__init__(reason)
-        self.reason, self.cool = reason, cool
 
 
 class Parsed(NamedTuple):
@@ -100,27 +96,14 @@ class Parsed(NamedTuple):
     session: str | None = None  # x-quillcache-session: requests of one session stay on one engine
 
 
-class Choice(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The engine one attempt goes to, the decision naming it (its headers), and the prompt's blocks."""
+
     engine: EngineConfig
-    tag: bytes
-    blocks: list[int]
-    cost: float
-    overlap: int
-    plan: str  # "hits=H fetches=F recomputes=R"
-
-
-def upstream_url(base: str, path: str) -> str:
-    """The engine URL for `path`: its base may or may not end in /v1."""
-    base = base.rstrip("/")
-    return base + path[3:] if base.endswith("/v1") else base + path
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, UpstreamFailed):
-        return e.reason
-    if isinstance(e, TimeoutError):
-        return "timed out"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    decision: Decision  # decision.engine == engine.id
+    tag: bytes  # the request's scope tag for this engine's family
+    blocks: list[int]  # the prompt's block hashes for this engine's family, recorded when it answers
 
 
 class Gateway:
@@ -255,24 +238,27 @@ class Gateway:
             tag = self.node.scopes.tag(scope)
             d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam),
                                    session=None if tried else req.session)  # a retry may leave it
-            for c in d["candidates"]:
+            for c in d.candidates:
                 if c.engine not in ids:
                     continue
-                key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d["engine"], c.cost, c.engine)
+                key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d.engine, c.cost, c.engine)
                 if best is None or key < best[0]:
                     best = (key, c, d, tag, blocks)
         if best is None:
             return None
         _, c, d, tag, blocks = best
-        steps = d["plan"]
-        if c.engine != d["engine"]:  # not the router's pick (it failed or cools down): this engine's own plan
-            ctl = self.control
-            steps = choose_engine(ctl.index, tag, blocks, [c.engine], ctl.pool, ctl.engines.in_flight,
-                                  0.0, ctl.weights).plan
-        actions = [step.action for step in steps]
-        hits, fetches = actions.count("hit"), actions.count("fetch")
-        plan = f"hits={hits} fetches={fetches} recomputes={len(blocks) - hits - fetches}"
-        return Choice(self.control.engines.get(c.engine), tag, blocks, c.cost, c.overlap_blocks, plan)
+        engine = self.control.engines.get(c.engine)
+        if c.engine != d.engine:  # not the router's pick (it failed or cools down)
+            d = self._decision_for(engine, c, d, tag, blocks)
+        return Choice(engine, d, tag, blocks)
+
+    def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
+                      blocks: list[int]) -> Decision:
+        """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan."""
+        ctl = self.control
+        plan = choose_engine(ctl.index, tag, blocks, [engine.id], ctl.pool, ctl.engines.in_flight, 0.0,
+                             ctl.weights).plan
+        return Decision(engine.id, c.cost, d.candidates, plan, engine.url)
 
     def _record(self, choice: Choice) -> None:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
@@ -314,7 +300,7 @@ class Gateway:
                 await relay.fail(str(e))
                 return relay.resp
             return ApiError(500, str(e), "server_error", "tokenizer_unavailable").response(
-                {"x-quillcache-request-id": req.request_id})
+                {REQUEST_ID_HEADER: req.request_id})
         except (asyncio.CancelledError, ConnectionResetError):
             counts["client_disconnects"] += 1
             if (time.perf_counter() - t0) * 1000 > req.slo_ms:
@@ -327,7 +313,7 @@ class Gateway:
             counts["unavailable"] += 1
             why = "; ".join(relay.failures) or "no engine left to try"
             return ApiError(503, f"No healthy engine for model `{req.model}`: {why}", "service_unavailable",
-                            "no_healthy_engine").response({"x-quillcache-request-id": req.request_id})
+                            "no_healthy_engine").response({REQUEST_ID_HEADER: req.request_id})
         return relay.resp
 
     def _settle_missed(self, relay: Relay) -> None:
@@ -370,68 +356,76 @@ class Gateway:
 
     async def _attempt(self, req: Parsed, choice: Choice, relay: Relay) -> None:
         """Ask one engine and relay its answer; UpstreamFailed while nothing reached the client's body."""
-        counts = self.stats.counts
         deadline = asyncio.get_running_loop().time() + self.cfg.first_byte_timeout_ms / 1000
-        asked = relay.request.headers
-        headers = {"Content-Type": "application/json", "Accept": asked.get("Accept", "*/*"),
-                   "Accept-Encoding": asked.get("Accept-Encoding", "identity"), "X-Request-Id": req.request_id}
+        upstream = await self._ask(req, choice, relay, deadline)
         try:
-            async with asyncio.timeout_at(deadline):
-                upstream = await self.session.post(self._url(choice.engine.url, req.path), data=req.body,
-                                                   headers=headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise UpstreamFailed(_describe(e)) from None
-        try:
-            status = upstream.status
-            if status >= 500 or status == 429:
-                raise UpstreamFailed(f"HTTP {status}")
-            ok = status < 300
-            if relay.resp is None:
-                await relay.prepare(upstream, {
-                    "x-quillcache-engine": choice.engine.id, "x-quillcache-overlap-blocks": str(choice.overlap),
-                    "x-quillcache-cost": f"{choice.cost:.6g}", "x-quillcache-plan": choice.plan,
-                    "x-quillcache-request-id": req.request_id})
-                if not ok:  # the engine refused the request itself: relayed as is, not counted for goodput
-                    counts["upstream_client_errors"] += 1
-                    relay.settled = True
-            elif not ok:
-                raise UpstreamFailed(f"HTTP {status} after the headers went out", cool=False)
-            content, loop = upstream.content, asyncio.get_running_loop()
-            limit = self.cfg.first_byte_timeout_ms / 1000
-            relay.stalled, relay.pending = False, b""  # nothing of an earlier attempt carries over
-            self._reading[relay] = upstream  # the watchdog bounds each wait for the engine's bytes
-            while True:
-                relay.deadline = loop.time() + limit if relay.started else deadline
-                try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError) as e:
-                    chunk, error = b"", _describe(e)
-                else:
-                    error = ""
-                relay.deadline = 0.0
-                if relay.stalled or error:
-                    why = f"no byte for {self.cfg.first_byte_timeout_ms} ms" if relay.stalled else error
-                    if not relay.started:
-                        raise UpstreamFailed(why)
-                    await self._broken(req, choice, relay, why)
-                    return
-                if not chunk:
-                    break
-                if await relay.forward(chunk):
-                    self._first_byte(req, choice, ok, relay)
-            if await relay.flush():
-                self._first_byte(req, choice, ok, relay)
-            if not relay.started and ok:
-                raise UpstreamFailed("the answer ended before its first byte")
-            await relay.resp.write_eof()
-            if ok:
-                counts["completed"] += 1
+            ok = await self._answer(req, choice, relay, upstream)
+            if await self._stream(req, choice, relay, upstream, ok, deadline):
+                await self._finish(req, choice, relay, ok)
         finally:
             self._reading.pop(relay, None)
-            if upstream.content.at_eof():
-                upstream.release()
-            else:  # cancelled or failed mid-body: drop the connection, the engine sees the request go
-                upstream.close()
+            _let_go(upstream)
+
+    async def _ask(self, req: Parsed, choice: Choice, relay: Relay, deadline: float) -> aiohttp.ClientResponse:
+        """Send the request to the engine; its status and headers are due by `deadline` (loop time)."""
+        headers = upstream_headers(relay.request.headers, req.request_id)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.session.post(self._url(choice.engine.url, req.path), data=req.body,
+                                               headers=headers)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamFailed(describe(e)) from None
+
+    async def _answer(self, req: Parsed, choice: Choice, relay: Relay, upstream: aiohttp.ClientResponse) -> bool:
+        """Judge the engine's status and, for the first answer, send the client its status and headers
+        with the decision's; True for a 2xx."""
+        ok = answer_ok(upstream.status, relay.resp is not None)
+        if relay.resp is None:
+            await relay.prepare(upstream, decision_headers(choice.decision, req.request_id))
+            if not ok:  # the engine refused the request itself: relayed as is, not counted for goodput
+                self.stats.counts["upstream_client_errors"] += 1
+                relay.settled = True
+        return ok
+
+    async def _stream(self, req: Parsed, choice: Choice, relay: Relay, upstream: aiohttp.ClientResponse, ok: bool,
+                      deadline: float) -> bool:
+        """Relay the engine's body as it comes, each wait bounded by the watchdog.
+
+        False when the engine broke off after bytes reached the client (the client's answer is ended).
+        """
+        content, loop = upstream.content, asyncio.get_running_loop()
+        limit = self.cfg.first_byte_timeout_ms / 1000
+        relay.stalled, relay.pending = False, b""  # nothing of an earlier attempt carries over
+        self._reading[relay] = upstream  # the watchdog bounds each wait for the engine's bytes
+        while True:
+            relay.deadline = loop.time() + limit if relay.started else deadline
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, OSError) as e:
+                chunk, error = b"", describe(e)
+            else:
+                error = ""
+            relay.deadline = 0.0
+            if relay.stalled or error:
+                why = f"no byte for {self.cfg.first_byte_timeout_ms} ms" if relay.stalled else error
+                if not relay.started:
+                    raise UpstreamFailed(why)
+                await self._broken(req, choice, relay, why)
+                return False
+            if not chunk:
+                return True
+            if await relay.forward(chunk):
+                self._first_byte(req, choice, ok, relay)
+
+    async def _finish(self, req: Parsed, choice: Choice, relay: Relay, ok: bool) -> None:
+        """The engine's answer ended: its held-back tail goes out, then the end of the client's body."""
+        if await relay.flush():
+            self._first_byte(req, choice, ok, relay)
+        if not relay.started and ok:
+            raise UpstreamFailed("the answer ended before its first byte")
+        await relay.resp.write_eof()
+        if ok:
+            self.stats.counts["completed"] += 1
 
     async def _broken(self, req: Parsed, choice: Choice, relay: Relay, why: str) -> None:
         self.stats.counts["stream_errors"] += 1
@@ -475,57 +469,52 @@ class Gateway:
         self.cooling.pop(choice.engine.id, None)  # tried as a last resort and it answered: healthy again
         self._record(choice)
 
-    # -- handlers ---------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        try:
-            self.tenant(request)
-        except ApiError as e:
-            self.stats.counts[e.counter] += 1
-            return e.response()
+    # -- the other endpoints: their answers once the API key is checked -----------------
+    def models(self, request: web.Request) -> web.Response:
         names = sorted({e.model for e in self.control.engines.engines.values()})
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "quillcache"} for name in names]})
 
-    async def model(self, request: web.Request) -> web.Response:
-        try:
-            self.tenant(request)
-            base, adapter = self.resolve_model(request.match_info["model"])
-        except ApiError as e:
-            self.stats.counts[e.counter] += 1
-            return e.response()
+    def model(self, request: web.Request) -> web.Response:
+        base, adapter = self.resolve_model(request.match_info["model"])
         return web.json_response({"id": request.match_info["model"], "object": "model", "created": 0,
                                   "owned_by": "quillcache", **({"parent": base} if adapter else {})})
 
-    async def own_stats(self, request: web.Request) -> web.Response:
-        try:
-            self.tenant(request)
-        except ApiError as e:
-            self.stats.counts[e.counter] += 1
-            return e.response()
+    def own_stats(self, request: web.Request) -> web.Response:
         return web.json_response(dict(self.info()))
+
+
+def _let_go(upstream: aiohttp.ClientResponse) -> None:
+    """Return a read answer's connection to the pool; one cancelled or failed mid-body is dropped
+    instead, so the engine sees the request go."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[GATEWAY].completion(request, CHAT)
+async def completion(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions: the route's path says which."""
+    return await request.app[GATEWAY].completion(request, request.match_info.route.resource.canonical)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[GATEWAY].completion(request, COMPLETIONS)
+def authorized(answer: Callable[[Gateway, web.Request], web.Response]) \
+        -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A handler answering with `answer` once the API key is checked; an ApiError is the answer otherwise."""
 
+    async def handler(request: web.Request) -> web.Response:
+        gateway = request.app[GATEWAY]
+        try:
+            gateway.tenant(request)
+            return answer(gateway, request)
+        except ApiError as e:
+            gateway.stats.counts[e.counter] += 1
+            return e.response()
 
-async def list_models(request: web.Request) -> web.Response:
-    return await request.app[GATEWAY].models(request)
-
-
-async def get_model(request: web.Request) -> web.Response:
-    return await request.app[GATEWAY].model(request)
-
-
-async def gateway_stats(request: web.Request) -> web.Response:
-    return await request.app[GATEWAY].own_stats(request)
+    return handler
 
 
 async def not_found(request: web.Request) -> web.Response:
@@ -534,11 +523,11 @@ async def not_found(request: web.Request) -> web.Response:
 
 
 ROUTES = [
-    ("POST", CHAT, chat_completions),
-    ("POST", COMPLETIONS, completions),
-    ("GET", "/v1/models", list_models),
-    ("GET", "/v1/models/{model:.+}", get_model),
-    ("GET", "/v1/quillcache/stats", gateway_stats),
+    ("POST", CHAT, completion),
+    ("POST", COMPLETIONS, completion),
+    ("GET", "/v1/models", authorized(Gateway.models)),
+    ("GET", "/v1/models/{model:.+}", authorized(Gateway.model)),
+    ("GET", "/v1/quillcache/stats", authorized(Gateway.own_stats)),
     ("*", "/{tail:.*}", not_found),
 ]
 

@@ -25,8 +25,9 @@ from quilld.index.engines import EngineRegistry
 from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
 from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex, hash_key
-from quilld.index.router import CostWeights, choose
+from quilld.index.router import CostWeights, Decision, choose
 from quilld.index.sketch import HotPrefixes
+from quilld.index.subscriber import KvEventSubscriber
 from quilld.model import IdentityScope
 
 log = logging.getLogger("quilld.index.control")
@@ -92,7 +93,9 @@ class ControlPlane:
 
     # -- routing ----------------------------------------------------------------
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
-              session: str | None = None, acquire: bool = False) -> dict[str, Any]:
+              session: str | None = None, acquire: bool = False) -> Decision:
+        """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
+        `acquire`, an in-flight lease on it (give it back with `engines.release`)."""
         engines = [e.id for e in self.engines.for_model(scope.model)]
         if blocks:
             self.hot.add(hash_key(blocks[0]))
@@ -105,16 +108,13 @@ class ControlPlane:
         if blocks and not any(c.overlap_blocks for c in decision.candidates):
             self.scopes.audit_miss(tag, hash_key(blocks[0]), self.index.has)
         self.stats["routes"] += 1
-        out: dict[str, Any] = {"engine": decision.engine, "cost": decision.cost,
-                               "candidates": decision.candidates, "plan": decision.plan}
-        if decision.engine is not None:
-            engine = self.engines.get(decision.engine)
-            out["url"] = engine.url
-            if session:
-                self.affinity[session] = engine.id
-            if acquire:
-                out["lease"] = self.engines.acquire(engine.id)
-        return out
+        if decision.engine is None:
+            return decision
+        engine = self.engines.get(decision.engine)
+        if session:
+            self.affinity[session] = engine.id
+        return Decision(decision.engine, decision.cost, decision.candidates, decision.plan, engine.url,
+                        self.engines.acquire(engine.id) if acquire else None)
 
     # -- engines and their subscriptions ------------------------------------------
     async def add_engine(self, engine: EngineConfig) -> bool:
@@ -129,8 +129,6 @@ class ControlPlane:
             new = True
         self.engines.add(engine)
         if engine.kv_events:
-            from quilld.index.subscriber import KvEventSubscriber
-
             sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply, self.on_gap, engine.replay or None)
             await sub.start()
             self._subscribers[engine.id] = sub

@@ -12,6 +12,12 @@ and the lowest cost wins, or a softmax draw over -cost / temperature when a
 temperature is set. The per-block plan says, for the winner, which blocks are
 hits on the engine, which are fetched from which pool node and tier, and which
 are recomputed. Pure: the caller supplies the index, engines and load.
+
+The result is a `Decision`, one typed value from here to the wire: the control
+plane adds the chosen engine's URL and lease, and RESP (ROUTE), the admin JSON
+(POST /v1/route) and the gateway's `x-quillcache-*` headers each render it.
+Candidates and plan steps are NamedTuples: a request builds one per engine and
+one per block, and a tuple is built without a Python-level __init__.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from quilld.index.residency import TIERS, ResidencyIndex
 from quilld.model import CacheTier
@@ -39,6 +45,8 @@ class CostWeights:
 
 
 class Candidate(NamedTuple):
+    """One eligible engine's score."""
+
     engine: str
     overlap_blocks: int
     credit: float
@@ -49,16 +57,45 @@ class Candidate(NamedTuple):
 class Step(NamedTuple):
     """What happens to one block on the chosen engine."""
 
-    action: str  # "hit" (already on the engine), "fetch" (from a pool node), "recompute"
-    holder: str | None = None
+    action: Literal["hit", "fetch", "recompute"]  # already on the engine, from a pool node, or prefilled
+    holder: str | None = None  # the engine (hit) or pool node (fetch) holding the block
     tier: CacheTier | None = None
 
 
-class Decision(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes and why: the chosen engine, every candidate's score and the block plan.
+
+    `engine` is None (and `cost` infinite) when no engine serves the model.
+    `url` and `lease` are the control plane's: the chosen engine's base URL,
+    and the in-flight lease when the caller asked for one. The lists are
+    never mutated once the decision is made.
+    """
+
     engine: str | None
     cost: float
-    candidates: list[Candidate] = []
-    plan: list[Step] = []
+    candidates: list[Candidate]  # one per eligible engine, in the order they were scored
+    plan: list[Step]  # one per block of the request, for the chosen engine
+    url: str | None = None
+    lease: str | None = None
+
+    @property
+    def overlap_blocks(self) -> int:
+        """The leading blocks the chosen engine reuses (hits and fetches); 0 without an engine."""
+        for c in self.candidates:
+            if c.engine == self.engine:
+                return c.overlap_blocks
+        return 0
+
+    def tally(self) -> tuple[int, int, int]:
+        """(hits, fetches, recomputes) of the plan."""
+        hits = fetches = 0
+        for step in self.plan:
+            if step.action == "hit":
+                hits += 1
+            elif step.action == "fetch":
+                fetches += 1
+        return hits, fetches, len(self.plan) - hits - fetches
 
 
 RECOMPUTE = Step("recompute")
@@ -107,7 +144,7 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
            rng: random.Random | None = None) -> Decision:
     """Score every engine in `engines` (already filtered to the request's model)."""
     if not engines:
-        return Decision(None, math.inf)
+        return Decision(None, math.inf, [], [])
     masks = index.masks(tag, blocks)
     n = len(blocks)
     first = masks[0] if masks else 0

@@ -34,7 +34,7 @@ def test_collision_workload_reuses_nothing_across_identities_and_counts_refusals
                     d = control.route(scope, control.scopes.tag(scope), chain)
                     same = owners[i] == (tenant, model, adapter)
                     naive_cross += not same  # a content-hash cache would have served these
-                    credit = max((c.credit for c in d["candidates"]), default=0.0)
+                    credit = max((c.credit for c in d.candidates), default=0.0)
                     if same:
                         assert credit == 8.0
                         safe_hits += 1

@@ -1,0 +1,104 @@
+"""A ROUTE request, typed: its fields, their checks and limits, and routing it in a caller's scope.
+
+RESP (`ROUTE {json}` or `ROUTE key value ...`) and the admin API
+(`POST /v1/route`) both turn what they received into a mapping of field name
+to value and hand it to `RouteRequest.parse`; the caller's identity (scope and
+tag) is theirs to supply. Fields:
+
+- `blocks`: engine block hashes (ints, or decimal or hex strings), or
+- `tokens` (+ `block_size`, default 16): token ids, chained into block hashes
+  with `chain_hashes`, as quilld's clients and gateway hash them;
+- `decode_tokens`: the tokens the request may generate (counted in blocks);
+- `session`: requests of one session stay on one engine while it is eligible;
+- `acquire`: 1/true/yes takes an in-flight lease on the chosen engine.
+
+Errors are `CommandError`s (ERR on RESP, 400 on HTTP) with stable texts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from quilld.errors import CommandError
+from quilld.index.control import ControlPlane, chain_hashes
+from quilld.index.residency import BlockHash
+from quilld.index.router import Decision
+from quilld.model import IdentityScope
+
+# At most this many blocks per request: 1M tokens in blocks of 16, beyond any context
+# window; the score walks every block for every engine.
+MAX_BLOCKS = 1 << 16
+DEFAULT_BLOCK_SIZE = 16
+MAX_TOKEN = (1 << 32) - 1  # chain_hashes packs each token id in 4 bytes
+FIELDS = frozenset({"blocks", "tokens", "block_size", "decode_tokens", "session", "acquire"})
+_YES = ("1", "true", "yes")
+_NOT_INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
+
+
+def parse_block_hash(v: Any) -> BlockHash:
+    """An engine block hash from a request: an int, or a decimal or hex string."""
+    if isinstance(v, bool):
+        raise CommandError("block hashes are integers or hex strings")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        s = v.strip()
+        if s.lstrip("-").isdigit():
+            return int(s)
+        try:
+            return bytes.fromhex(s.removeprefix("0x"))
+        except ValueError:
+            pass
+    raise CommandError(f"bad block hash {v!r}: an integer or a hex string")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    blocks: list[BlockHash]  # never mutated once parsed
+    block_size: int = DEFAULT_BLOCK_SIZE
+    decode_tokens: int = 0
+    session: str | None = None
+    acquire: bool = False
+
+    @property
+    def decode_blocks(self) -> float:
+        """The decode tokens in blocks, as the cost function counts them."""
+        return self.decode_tokens / max(self.block_size, 1)
+
+    @classmethod
+    def parse(cls, req: Mapping[str, Any]) -> RouteRequest:
+        """Check a request's fields (from JSON, or RESP key value pairs as strings)."""
+        unknown = set(req) - FIELDS
+        if unknown:
+            raise CommandError(f"ROUTE: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
+            if "tokens" in req:
+                tokens = [int(t) for t in req["tokens"]]
+                if block_size <= 0:
+                    raise ValueError("block_size")
+                blocks = None
+            else:
+                tokens = None
+                blocks = [parse_block_hash(h) for h in req.get("blocks", [])]
+            decode = int(req.get("decode_tokens", 0))
+        except (TypeError, ValueError):
+            raise CommandError(_NOT_INTEGERS) from None
+        if tokens is not None:
+            if len(tokens) // block_size > MAX_BLOCKS:  # checked before hashing them all
+                raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+            if not all(0 <= t <= MAX_TOKEN for t in tokens):
+                raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
+            blocks = chain_hashes(tokens, block_size)
+        if len(blocks) > MAX_BLOCKS:
+            raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+        session = req.get("session") or None
+        return cls(blocks, block_size, decode, str(session) if session else None,
+                   str(req.get("acquire", "")).lower() in _YES)
+
+
+def route(control: ControlPlane, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:
+    """Route `req` for a caller of `scope` (whose scope tag is `tag`)."""
+    return control.route(scope, tag, req.blocks, req.decode_blocks, req.session, req.acquire)
