@@ -12,6 +12,7 @@ import sys
 from quilld import __version__
 from quilld.config import load
 from quilld.errors import ConfigError
+from quilld.node import Node
 
 log = logging.getLogger("quilld")
 
@@ -70,8 +71,6 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
 
 
 async def _serve(cfg, config_file: str) -> None:
-    from quilld.node import Node
-
     node = Node(cfg, config_file)
     await node.start()
     loop = asyncio.get_running_loop()

@@ -1,9 +1,9 @@
-"""Core data model shared by every layer: identities, tiers, block states."""
+"""Core data model shared by every layer: identities, tiers, block states, read results."""
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Any, Awaitable, Callable, NamedTuple
 
 
 class IdentityScope(NamedTuple):
@@ -18,22 +18,45 @@ class IdentityScope(NamedTuple):
     tokenizer: str = ""
     adapter: str = ""
 
-    def describe(self) -> str:
-        return f"tenant={self.tenant} model={self.model} tokenizer={self.tokenizer} adapter={self.adapter}"
-
 
 class CacheTier(str, enum.Enum):
+    """Where a copy of a block lives. The residency index sizes its bit layout from this enum."""
+
     HBM = "hbm"  # an engine's GPU memory (from its KV events)
     CPU = "cpu"  # an engine's host memory
     DRAM = "dram"  # this pool's DRAM arena
     SSD = "ssd"  # this pool's SSD segments
 
 
-class BlockState(enum.IntEnum):
-    """A block's life: reserved -> writing -> resident -> evicting -> gone."""
+class Pinned:
+    """A stored value's bytes as a view of pinned memory (an arena block).
 
-    RESERVED = 0  # space held, nothing received, invisible
-    WRITING = 1  # bytes arriving (a large SET or PUT2PHASE DATA), invisible
-    RESIDENT = 2  # published, readable
-    EVICTING = 3  # unlinked from the keyspace, space freed when the last reader unpins
-    GONE = 4  # space returned to the allocator
+    Storage hands these out so a reader can send or copy the bytes without a
+    copy; `release()` must be called exactly once when the view is no longer
+    used. The protocol writes one as a bulk reply and releases it once the
+    transport has sent it.
+    """
+
+    __slots__ = ("view", "release")
+
+    def __init__(self, view: memoryview, release: Callable[[], None]) -> None:
+        self.view = view
+        self.release = release
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+class Pending:
+    """A read result that is not ready yet (SSD read, peer fetch, a wait).
+
+    `awaitable` resolves to the value itself (bytes, Pinned, None, ...). The
+    protocol answers in order: nothing after it on the connection runs before
+    it resolves.
+    """
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self.awaitable = awaitable
+

@@ -4,7 +4,9 @@ Gossip (SWIM) tells who is alive and where its RESP port is. For every live
 peer a follower keeps the directory current from that peer's replication
 log; a peer declared dead (or that left) is forgotten everywhere at once.
 `fetch` reads a block held only by peers straight into this node's arena,
-verifies its CRC32C, and keeps a local copy when configured to.
+verifies its CRC32C, and keeps a local copy when configured to. It returns
+the same plain values as a local read (bytes, a `Pinned` view, or None).
+The cluster reaches storage only through the keyspace's front door.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import crc32c
 
@@ -23,10 +25,15 @@ from quilld.cluster.follower import Follower
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.replog import ReplicationLog
 from quilld.cluster.transfer import Transfers
+from quilld.cluster.gossip import Gossip
+from quilld.config import Config
 from quilld.errors import QuillError
+from quilld.index.control import ControlPlane
+from quilld.index.residency_feed import ResidencyFeed
 from quilld.scopes import TAG_LEN
-from quilld.model import IdentityScope
-from quilld.protocol.resp import BlockReply
+from quilld.model import IdentityScope, Pinned
+from quilld.scopes import ScopeRegistry
+from quilld.tiers.keyspace import Keyspace
 
 log = logging.getLogger("quilld.cluster")
 
@@ -34,12 +41,20 @@ META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
 
 
 class Cluster:
-    def __init__(self, node: Any) -> None:
-        self.node = node
-        self.cfg = node.cfg.cluster
+    def __init__(self, cfg: Config, node_id: str, keyspace: Keyspace, scopes: ScopeRegistry,
+                 control: ControlPlane, feed: ResidencyFeed, usage: Callable[[], dict]) -> None:
+        """`usage()` gives what this node advertises besides its addresses: ports, capacity, use."""
+        self.node_cfg = cfg
+        self.cfg = cfg.cluster
+        self.node_id = node_id
+        self.keyspace = keyspace
+        self.scopes = scopes
+        self.control = control
+        self.feed = feed
+        self.usage = usage
         self.log = ReplicationLog(self._snapshot_source)
         self.log.on_append = self._wake
-        self.directory = Directory(node.scopes, node.control.index)
+        self.directory = Directory(scopes, control.index)
         self.followers: dict[str, Follower] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # peer -> RESP address
         self.pool = PeerPool(hello=(("PEERAUTH", self.cfg.secret),))
@@ -54,13 +69,11 @@ class Cluster:
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
-        from quilld.cluster.gossip import Gossip
-
-        node = self.node
+        ks = self.keyspace
         # ConfigError here (cluster.transfer = "rdma" without RDMA) stops the start
-        self.transfers.open(node.store.arena.region, node.node_id, node.store.inline_max)
-        self.node.feed.log = self.log
-        self.gossip = Gossip(node.node_id, node.cfg.server.bind, self.cfg.gossip_port, self.meta(),
+        self.transfers.open(ks.arena.region, self.node_id, ks.inline_max)
+        self.feed.log = self.log
+        self.gossip = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
                              self.cfg, self._on_event)
         await self.gossip.start()
         self._meta_task = asyncio.create_task(self._refresh_meta(), name="cluster-meta")
@@ -84,19 +97,18 @@ class Cluster:
 
     # -- membership -----------------------------------------------------------
     def meta(self) -> dict:
-        node, st = self.node, self.node.store
-        ssd = getattr(node, "tiering", None)
+        usage = self.usage()
+        host = self._advertised_host()
         return {
-            "resp": [self._advertised_host(), node.port],
-            "admin": [self._advertised_host(), node.admin_port],
-            "dram_capacity": st.capacity, "dram_used": st.used,
-            "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
-            "clients": len(node.connections), "version": __version__,
+            "resp": [host, usage.pop("port")],
+            "admin": [host, usage.pop("admin_port")],
+            "dram_capacity": self.keyspace.capacity, "dram_used": self.keyspace.used,
+            **usage, "version": __version__,
             **self.transfers.advertise(),
         }
 
     def _advertised_host(self) -> str:
-        bind = self.node.cfg.server.bind
+        bind = self.node_cfg.server.bind
         return "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind
 
     async def _refresh_meta(self) -> None:
@@ -109,7 +121,7 @@ class Cluster:
 
     def _on_event(self, event: Any) -> None:
         m = event.member
-        if m.node_id == self.node.node_id:
+        if m.node_id == self.node_id:
             return
         kind = event.kind.value
         if kind in ("joined", "updated", "alive"):
@@ -133,8 +145,8 @@ class Cluster:
         follower = Follower(peer, host, port, self.directory, (("PEERAUTH", self.cfg.secret),))
         self.followers[peer] = follower
         follower.start()
-        if peer not in self.node.control.pool:
-            self.node.control.pool.append(peer)
+        if peer not in self.control.pool:
+            self.control.pool.append(peer)
         log.info("cluster: following %s at %s:%d", peer, host, port)
 
     def _forget(self, peer: str, why: str) -> None:
@@ -147,8 +159,8 @@ class Cluster:
         self.peer_meta.pop(peer, None)
         self.transfers.peer_gone(peer)
         dropped = self.directory.forget(peer)
-        if peer in self.node.control.pool:
-            self.node.control.pool.remove(peer)
+        if peer in self.control.pool:
+            self.control.pool.remove(peer)
         self.stats[f"members_{why}"] += 1
         log.warning("cluster: %s is %s; dropped its %d residencies", peer, why, dropped)
 
@@ -158,20 +170,20 @@ class Cluster:
     def node_lines(self) -> list[str]:
         """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""
         lines = []
-        for m in sorted(self.members(), key=lambda m: (m.node_id != self.node.node_id, m.node_id)):
+        for m in sorted(self.members(), key=lambda m: (m.node_id != self.node_id, m.node_id)):
             meta = m.meta or {}
             resp = ":".join(map(str, meta.get("resp", ["?", "?"])))
             admin = ":".join(map(str, meta.get("admin", ["?", "?"])))
             state = m.state.name.lower()
-            me = " myself" if m.node_id == self.node.node_id else ""
+            me = " myself" if m.node_id == self.node_id else ""
             lines.append(f"{m.node_id} {state}{me} {m.incarnation} {resp} {admin} "
                          f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
         return lines
 
     # -- the replication log ----------------------------------------------------
     def _snapshot_source(self):
-        scope_of = self.node.scopes.scope_of
-        for fk, tier, nbytes, bhash in self.node.store.tracked_values():
+        scope_of = self.scopes.scope_of
+        for fk, tier, nbytes, bhash in self.keyspace.tracked_values():
             yield scope_of(fk[:TAG_LEN]), fk[TAG_LEN:], tier, nbytes, bhash
 
     def _wake(self) -> None:
@@ -197,7 +209,7 @@ class Cluster:
     # -- peer fetch ---------------------------------------------------------------
     async def fetch(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
         """A key held only by peers: read it into this node, verified; None if nobody has it."""
-        store = self.node.store
+        store = self.keyspace
         last_error: QuillError | None = None
         for peer, _tier in self.directory.holders(tag, key):
             addr = self.addresses.get(peer)
@@ -215,7 +227,7 @@ class Cluster:
                     buf = bytearray(length)
                     return memoryview(buf)
                 block = store.reserve(length)
-                return store.view(block)
+                return store.write_view(block)
 
             t0 = time.perf_counter()
             try:
@@ -247,8 +259,8 @@ class Cluster:
             raise PeerError(f"no peer could serve the block: {last_error.message}")
         return None
 
-    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None) -> Any:
-        store = self.node.store
+    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None) -> bytes | Pinned:
+        store = self.keyspace
         if block is None:
             value = bytes(buf or b"")
             if self.cfg.keep_fetched:
@@ -256,14 +268,8 @@ class Cluster:
             return value
         if self.cfg.keep_fetched:
             store.publish(tag, key, block)
-            store.pin(block)
-            return BlockReply(store.view(block), lambda: store.unpin(block))
-        return BlockReply(store.view(block), lambda: store.discard(block))
-
-    async def read_for_peer(self, value: Any) -> list:
-        """PEERGET of a value only on this node's SSD: read, verify, answer with its CRC."""
-        data = await self.node.tiering.read_bytes(value)  # verified against value.crc
-        return [value.crc, data]
+            return store.pinned(block)
+        return Pinned(store.view(block), lambda: store.discard(block))
 
     # -- reporting ------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
@@ -272,7 +278,7 @@ class Cluster:
         now = time.monotonic()
         lags = [now - f.last_applied for f in self.followers.values() if f.last_applied]
         out: list[tuple[str, Any]] = [
-            ("cluster_enabled", 1), ("cluster_node_id", self.node.node_id),
+            ("cluster_enabled", 1), ("cluster_node_id", self.node_id),
             ("cluster_gossip_port", self.gossip_port), ("cluster_members", len(members)),
             ("cluster_members_alive", states.get("alive", 0)), ("cluster_members_suspect", states.get("suspect", 0)),
             ("cluster_members_dead", states.get("dead", 0)), ("cluster_members_left", states.get("left", 0)),

@@ -47,12 +47,11 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import crc32c
 import hiredis
 
 from quilld.cluster.peer_client import PeerError, PeerPool
-from quilld.cluster.transfer import Fetched, RdmaInfo, Target
-from quilld.errors import CommandError, PeerOnly, QuillError
+from quilld.cluster.fabric import Fetched, RdmaInfo, Target
+from quilld.errors import CommandError, QuillError
 from quilld.model import IdentityScope
 
 log = logging.getLogger("quilld.cluster")
@@ -533,62 +532,3 @@ def _is_inline(r: Any) -> bool:
 def _is_lease(r: Any) -> bool:
     return (type(r) is list and len(r) == 5 and all(type(x) is int for x in r)
             and 0 < r[1] <= MAX_READ_BYTES and r[2] > 0)
-
-
-# -- command handlers (registered in commands/cluster.py) -------------------------------------
-def _rdma(c: Any) -> RdmaTransfer:
-    cluster = c.node.cluster
-    if cluster is None:
-        raise CommandError("this node is not in a cluster (cluster.gossip_port is 0)")
-    if not c.peer:
-        raise PeerOnly("node-to-node command: PEERAUTH first")
-    rdma = cluster.transfers.rdma
-    if rdma is None:
-        raise CommandError("RDMA is not enabled on this node (see INFO cluster: cluster_rdma_unavailable_reason)")
-    return rdma
-
-
-def cmd_peerrdma(c: Any, args: list) -> bytes:
-    """PEERRDMA CONNECT json: set up an RC queue pair for the caller; answers with ours."""
-    rdma = _rdma(c)
-    if bytes(args[1]).upper() != b"CONNECT" or len(args) != 3:
-        raise CommandError("syntax: PEERRDMA CONNECT json")
-    return rdma.accept(bytes(args[2]))
-
-
-def peerget_rdma(c: Any, args: list) -> Any:
-    """PEERGET tenant model tokenizer adapter key RDMA min_bytes (see the module docstring)."""
-    from quilld.protocol.commands.cluster import cmd_peerget
-    from quilld.protocol.commands.common import parse_int, text
-    from quilld.tiers.keyspace import Block
-
-    rdma = _rdma(c)
-    if bytes(args[6]).upper() != b"RDMA":
-        raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
-    min_bytes = parse_int(args[7])
-    store = c.node.store
-    tag = c.node.scopes.tag(IdentityScope(text(args[1]), text(args[2]), text(args[3]), text(args[4])))
-    value = store.data.get(tag + bytes(args[5]))  # a peek: cmd_peerget below does the counted lookup
-    if type(value) is not Block or value.length < min_bytes:
-        return cmd_peerget(c, args[:6])
-    value = store.lookup(tag, bytes(args[5]))  # expiry and LRU, as any read
-    if type(value) is not Block:
-        return value
-    c.node.cluster.stats["peer_gets_served"] += 1
-    store.pin(value)
-    try:
-        crc = crc32c.crc32c(store.view(value))
-        lease = rdma.leases.grant(c.id, lambda: store.unpin(value))
-    except BaseException:
-        store.unpin(value)
-        raise
-    rdma.stats["rdma_leases_granted"] += 1
-    return [crc, value.length, rdma.device.base + store.arena.offset(value.handle), rdma.device.rkey, lease]
-
-
-def cmd_peerrelease(c: Any, args: list) -> int:
-    """PEERRELEASE lease [lease ...]: unpin blocks leased to this connection; the number released."""
-    from quilld.protocol.commands.common import parse_int
-
-    rdma = _rdma(c)
-    return sum(rdma.leases.release(parse_int(a), c.id) for a in args[1:])

@@ -8,6 +8,8 @@ Two paths sit behind one small interface (`Transfer.fetch_into`):
   when this node will use it): one-sided RDMA READ from the peer's
   registered arena into ours, set up over the same TCP connection.
 
+fabric.py holds what the paths share (the device description, the Transfer seam).
+
 Which path is decided twice. Once at startup: `probe_rdma` looks for an RDMA
 device with an active port and `choose_transfer` applies `cluster.transfer`
 ("auto" uses RDMA if there is a device, "tcp" never does, "rdma" refuses to
@@ -16,20 +18,21 @@ has it enabled and the peer advertises a compatible device in its gossip meta
 (`advertise`). `Transfers` holds the paths, routes each fetch, and in "auto"
 falls back to TCP when an RDMA fetch fails; in "rdma" the failure is raised.
 
-Nothing here imports pyverbs at module level, nor cluster/rdma.py.
+Nothing here, nor in cluster/rdma.py, imports pyverbs at module level.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
+from quilld.cluster.fabric import ZERO_GID, Fetched, RdmaInfo, Target, Transfer
 from quilld.cluster.peer_client import PeerPool
+from quilld.cluster.rdma import RdmaTransfer  # imports pyverbs only when a device is opened
 from quilld.errors import ConfigError, QuillError
 from quilld.model import IdentityScope
 
@@ -42,46 +45,10 @@ IBV_PORT_ACTIVE = 4  # enum ibv_port_state
 PORT_STATES = {0: "nop", 1: "down", 2: "init", 3: "armed", 4: "active", 5: "active-defer"}
 LINK_LAYERS = {0: "ib", 1: "ib", 2: "eth"}  # IBV_LINK_LAYER_{UNSPECIFIED,INFINIBAND,ETHERNET}
 GID_TYPE_ROCE_V2 = 1  # enum ibv_gid_type_sysfs: IB_ROCE_V1 = 0, ROCE_V2 = 1
-MTU_MIN, MTU_MAX = 1, 5  # enum ibv_mtu: IBV_MTU_256 .. IBV_MTU_4096
 
 MAX_GID_SCAN = 16  # GID table entries looked at for a RoCE v2 address
 RDMA_RETRY_AFTER = 30.0  # seconds a peer is fetched over TCP after an RDMA failure ("auto")
 
-_GID_RE = re.compile(r"^[0-9a-f]{4}(:[0-9a-f]{4}){7}$")
-_ZERO_GID = ":".join(["0000"] * 8)
-
-
-@dataclass(frozen=True)
-class RdmaInfo:
-    """One RDMA port this node can use, as advertised in gossip meta (gid_index stays local)."""
-
-    device: str
-    port: int
-    lid: int
-    gid: str  # 'xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx'
-    mtu: int  # enum ibv_mtu (1..5), not bytes
-    link_layer: str  # "ib" or "eth" (RoCE); the two cannot talk to each other
-    gid_index: int = 0
-
-    def to_meta(self) -> dict:
-        return {"dev": self.device, "port": self.port, "lid": self.lid, "gid": self.gid,
-                "mtu": self.mtu, "ll": self.link_layer}
-
-    @classmethod
-    def from_meta(cls, m: Any) -> RdmaInfo | None:
-        """The device a peer advertises, or None when it advertises none or nothing valid."""
-        if type(m) is not dict:
-            return None
-        dev, port, lid, gid, mtu, ll = (m.get(k) for k in ("dev", "port", "lid", "gid", "mtu", "ll"))
-        if type(dev) is not str or not dev or type(gid) is not str or not _GID_RE.match(gid):
-            return None
-        if not (type(port) is int and 1 <= port <= 255 and type(lid) is int and 0 <= lid <= 0xFFFF):
-            return None
-        if not (type(mtu) is int and MTU_MIN <= mtu <= MTU_MAX and ll in ("ib", "eth")):
-            return None
-        if ll == "eth" and gid == _ZERO_GID or ll == "ib" and lid == 0 and gid == _ZERO_GID:
-            return None  # no address to reach it by
-        return cls(dev, port, lid, gid, mtu, ll)
 
 
 @dataclass(frozen=True)
@@ -164,7 +131,7 @@ def _pick_gid(ctx: Any, port: int, table_len: int, ll: str) -> tuple[int, str | 
             gid = str(ctx.query_gid(port, i))
         except Exception:
             continue
-        if gid == _ZERO_GID:
+        if gid == ZERO_GID:
             continue
         try:
             if ctx.query_gid_type(port, i) == GID_TYPE_ROCE_V2:
@@ -205,26 +172,6 @@ def path_for(mode: str, local: RdmaInfo | None, peer_meta: Any) -> str:
     if peer is None or peer.link_layer != local.link_layer:
         return "tcp"
     return "rdma"
-
-
-Target = Callable[[int], memoryview]
-Fetched = tuple[int | None, memoryview | None]
-
-
-class Transfer(Protocol):
-    """One way of reading a peer's block into memory that `target(length)` names.
-
-    Returns (crc32c the peer computed, the view written) or (None, None) when
-    the peer no longer has the key; raises QuillError (PeerError) on failure.
-    The caller verifies the CRC.
-    """
-
-    name: str
-
-    async def fetch_into(self, peer: str, addr: tuple[str, int], scope: IdentityScope, key: bytes,
-                         target: Target) -> Fetched: ...
-
-    def close(self) -> None: ...
 
 
 class TcpTransfer:
@@ -268,8 +215,6 @@ class _Once:
 
 
 def _open_rdma(info: RdmaInfo, region: memoryview, pool: PeerPool, node_id: str, inline_max: int) -> Transfer:
-    from quilld.cluster.rdma import RdmaTransfer  # pyverbs only from here on
-
     return RdmaTransfer.open(info, region, pool, node_id, inline_max)
 
 

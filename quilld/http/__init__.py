@@ -1,1 +1,1 @@
-"""HTTP surfaces: the admin API (and, later, the OpenAI-compatible gateway)."""
+"""HTTP surfaces: the admin API (admin.py) and the OpenAI-compatible gateway (gateway*.py)."""

@@ -19,8 +19,10 @@ from quilld.index.events import decode_json
 from quilld.index.route_request import RouteRequest, route as route_in_scope
 from quilld.index.router import Decision
 from quilld.model import IdentityScope
+from quilld.protocol.context import NodeContext
+from quilld.protocol.info import counters, tier_stats
 
-NODE: web.AppKey[Any] = web.AppKey("node", object)
+NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -38,16 +40,16 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({
         "node_id": node.node_id,
         "version": __version__,
-        "tiers": {"dram": node.store.arena.stats() | node.tier_stats()},
-        "counters": node.counters(),
-        "clients": {"connected": len(node.connections), "max": node.cfg.server.max_clients},
+        "tiers": {"dram": node.keyspace.arena.stats() | tier_stats(node)},
+        "counters": counters(node),
+        "clients": {"connected": len(node.clients.connections), "max": node.cfg.server.max_clients},
         "persistence": dict(node.tiering.info()) if node.tiering else None,
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
     })
 
 
-def _metric_lines(node: Any) -> list[str]:
+def _metric_lines(node: NodeContext) -> list[str]:
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, value: float) -> None:
@@ -55,7 +57,7 @@ def _metric_lines(node: Any) -> list[str]:
         lines.append(f"# TYPE quilld_{name} {kind}")
         lines.append(f"quilld_{name} {value}")
 
-    c = node.counters()
+    c = counters(node)
     for name, help_text in (
         ("total_commands_processed", "Commands executed."),
         ("total_connections_received", "Connections accepted."),
@@ -77,8 +79,8 @@ def _metric_lines(node: Any) -> list[str]:
     lines.append("# TYPE quilld_guard_refusals_by_reason_total counter")
     for reason in ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"):
         lines.append(f'quilld_guard_refusals_by_reason_total{{reason="{reason}"}} {c["guard_refusals_" + reason]}')
-    t = node.tier_stats()
-    metric("connected_clients", "gauge", "Open client connections.", len(node.connections))
+    t = tier_stats(node)
+    metric("connected_clients", "gauge", "Open client connections.", len(node.clients.connections))
     metric("put2phase_open", "gauge", "Two-phase puts in progress.", c["put2phase_open"])
     for name, help_text in (
         ("dram_capacity", "DRAM tier capacity in bytes."),
@@ -242,7 +244,7 @@ def _bearer_middleware(token: str):
     return check
 
 
-def build_app(node: Any) -> web.Application:
+def build_app(node: NodeContext) -> web.Application:
     middlewares = [_bearer_middleware(node.cfg.admin.token)] if node.cfg.admin.token else []
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
@@ -252,7 +254,7 @@ def build_app(node: Any) -> web.Application:
 
 
 class AdminServer:
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: NodeContext) -> None:
         self._runner = web.AppRunner(build_app(node), access_log=None)
 
     async def start(self, host: str, port: int) -> int:

@@ -1,7 +1,10 @@
-"""Sans-IO RESP codec: bytes in, commands out; reply values in, bytes out.
+"""Sans-IO RESP codec of the server: bytes in, commands out; reply values in, bytes out.
 
-No sockets, no asyncio. The server shell, the client library and peer
-transfer all share it, and its tests are plain functions on byte strings.
+No sockets, no asyncio; its tests are plain functions on byte strings. The
+other direction, commands out and replies in, is quillwire's (`wire/`):
+`quillwire.encode.encode_command` / `pack_command` encode commands and
+`quillwire.reply.ReplyReader` reads replies, for peer transfer, the client
+library and the tests alike.
 
 Parsing: `feed(data)` then call `next_command()` until it returns NEED_DATA.
 It returns either a command (a list of `bytes` arguments) or a `LargeBulk`
@@ -20,6 +23,7 @@ from itertools import chain
 from typing import Any
 
 from quilld.errors import ProtocolError, QuillError
+from quilld.model import Pinned
 
 try:  # hiredis parses runs of small commands ~15x faster than Python; optional
     import hiredis
@@ -461,33 +465,6 @@ class Raw(bytes):
     """Already-encoded reply bytes, written as they are."""
 
 
-class BlockReply:
-    """A bulk reply whose payload is a memoryview of pinned memory.
-
-    `release()` is called once the transport no longer needs the view.
-    """
-
-    __slots__ = ("view", "release")
-
-    def __init__(self, view: memoryview, release) -> None:
-        self.view = view
-        self.release = release
-
-
-class Deferred:
-    """A reply that is not ready yet: `awaitable` yields the real reply value.
-
-    The connection writes what came before, runs nothing after it until it
-    resolves (replies stay in order), then carries on. Used for reads that
-    wait on the disk or on a peer.
-    """
-
-    __slots__ = ("awaitable",)
-
-    def __init__(self, awaitable) -> None:
-        self.awaitable = awaitable
-
-
 OK = Status(b"OK")
 PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"
@@ -506,7 +483,7 @@ def encode(value: Any, resp3: bool, out: list) -> None:
     bytes -> bulk; Status -> simple string; int -> integer; None -> null;
     list/tuple -> array; dict -> map; set -> set; float -> double;
     bool -> boolean; Verbatim -> verbatim text; QuillError -> error;
-    Raw -> as is; BlockReply -> bulk header, the view, CRLF.
+    Raw -> as is; Pinned -> bulk header, the view, CRLF.
     """
     t = type(value)
     if t is bytes or t is bytearray:
@@ -548,7 +525,7 @@ def encode(value: Any, resp3: bool, out: list) -> None:
             out.append(b"=%d\r\ntxt:%b\r\n" % (len(value) + 4, value))
         else:
             out.append(b"$%d\r\n%b\r\n" % (len(value), value))
-    elif t is BlockReply:
+    elif t is Pinned:
         out.append(b"$%d\r\n" % len(value.view))
         out.append(value.view)
         out.append(b"\r\n")
@@ -556,15 +533,3 @@ def encode(value: Any, resp3: bool, out: list) -> None:
         out.append(b"$%d\r\n%b\r\n" % (len(value), value))
     else:
         raise TypeError(f"cannot encode reply of type {t.__name__}")
-
-
-def encode_command(*args: bytes | str | int) -> bytes:
-    """A multibulk command, as clients (and peer transfer) send it."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = str(a).encode()
-        parts.append(b"$%d\r\n%b\r\n" % (len(a), a))
-    return b"".join(parts)

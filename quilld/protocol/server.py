@@ -15,7 +15,9 @@ import time
 from typing import Any, Callable
 
 from quilld.errors import OutOfMemory, ProtocolError, QuillError
-from quilld.protocol.resp import OK, BlockReply, Deferred, LargeBulk, RespParser, encode, encode_error
+from quilld.model import Pending, Pinned
+from quilld.protocol.context import NodeContext
+from quilld.protocol.resp import OK, LargeBulk, RespParser, encode, encode_error
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
@@ -28,20 +30,26 @@ ARENA_RETRY = 0.01
 
 def _collect_pins(reply: Any, pins: list) -> None:
     """The releases of the block replies in `reply`: itself, or the items of an array (MGET)."""
-    if reply.__class__ is BlockReply:
+    if reply.__class__ is Pinned:
         pins.append(reply.release)
     elif reply.__class__ is list:
-        pins.extend(item.release for item in reply if item.__class__ is BlockReply)
+        pins.extend(item.release for item in reply if item.__class__ is Pinned)
 
 
 class RespConnection(asyncio.BufferedProtocol):
-    """One client connection. `node` supplies the table, store and policies."""
+    """One client connection.
 
-    def __init__(self, node: Any, large_target: Callable, release_args: Callable) -> None:
-        self.node = node
+    `large_target(session, args, index, length)` names where a large bulk argument is received
+    (and raises a QuillError to refuse it); `release_args(session, args)` gives back whatever a
+    command, or a connection lost mid-command, left unconsumed.
+    """
+
+    def __init__(self, ctx: NodeContext, large_target: Callable, release_args: Callable) -> None:
+        self.ctx = ctx
+        self.clients = ctx.clients
         self._large_target = large_target
         self._release_args = release_args
-        self.parser = RespParser(max_bulk_len=node.cfg.server.proto_max_bulk_len)
+        self.parser = RespParser(max_bulk_len=ctx.cfg.server.proto_max_bulk_len)
         self._rbuf = _shared_rbuf
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
         self._large = False  # the command being parsed carries a large bulk
@@ -55,13 +63,13 @@ class RespConnection(asyncio.BufferedProtocol):
     # -- transport callbacks ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        node = self.node
-        transport.set_write_buffer_limits(high=node.cfg.server.client_output_high_water)  # type: ignore[attr-defined]
+        ctx = self.ctx
+        transport.set_write_buffer_limits(high=ctx.cfg.server.client_output_high_water)  # type: ignore[attr-defined]
         peer = transport.get_extra_info("peername") or ("?", 0)
         sock = transport.get_extra_info("sockname") or ("?", 0)
-        self.session = Session(node, f"{peer[0]}:{peer[1]}", f"{sock[0]}:{sock[1]}")
+        self.session = Session(ctx, f"{peer[0]}:{peer[1]}", f"{sock[0]}:{sock[1]}")
         self.parser.authenticated = self.session.authenticated
-        node.connection_opened(self)
+        self.clients.opened(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.parser.receiving:
@@ -69,7 +77,7 @@ class RespConnection(asyncio.BufferedProtocol):
         return self._rbuf
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.node.net_in += nbytes
+        self.clients.net_in += nbytes
         if self.parser.receiving:
             self.parser.sink_advance(nbytes)
         else:
@@ -79,9 +87,9 @@ class RespConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._waiting = None
         self._backlog = []
-        self._release_args(self.node, self.parser.abandon())
+        self._release_args(self.session, self.parser.abandon())
         self._release_pins()
-        self.node.connection_closed(self)
+        self.clients.closed(self)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -95,89 +103,105 @@ class RespConnection(asyncio.BufferedProtocol):
 
     # -- the loop over buffered commands ----------------------------------
     def _process(self) -> None:
+        """Run every complete command buffered, in order, and write their replies in one go."""
         if self._waiting is not None or self._deferred is not None:
             return  # a large bulk waits for arena space, or a reply for the disk: nothing may overtake it
-        parser, session, out, pins = self.parser, self.session, [], []
-        dispatch = self.node.table.dispatch
-        append = out.append
-        resp3 = session.resp3
+        session, out, pins = self.session, [], []
         ncmds = 0
         while not session.closing:
-            if self._backlog:
-                batch, self._backlog = self._backlog, []
-            else:
-                batch = parser.parsed()
+            batch = self._next_batch(out)
             if not batch:
-                if not parser.buffered():
-                    break
-                try:
-                    item = parser.next_command()
-                except ProtocolError as e:
-                    append(encode_error(e))
-                    session.closing = True
-                    break
-                if item is None:
-                    break
-                if item.__class__ is LargeBulk:
-                    if not self._attach_large(item):
-                        break
-                    continue
-                batch = (item,)
-            for i, item in enumerate(batch):
-                ncmds += 1
-                large = self._large
-                if large:
-                    self._large = False
-                    refused = next((a for a in item if isinstance(a, QuillError)), None)
-                    reply = refused if refused is not None else dispatch(session, item)
-                    self._release_args(self.node, item)
-                else:
-                    reply = dispatch(session, item)
-                # the common replies inline; everything else through the codec
-                if reply is OK:
-                    append(b"+OK\r\n")
-                elif reply.__class__ is bytes:
-                    append(b"$%d\r\n%b\r\n" % (len(reply), reply))
-                elif reply is None and not resp3:
-                    append(b"$-1\r\n")
-                elif reply.__class__ is Deferred:
-                    self._backlog = list(batch[i + 1:])
-                    self._defer(reply)
-                    break
-                elif reply.__class__ is OutOfMemory and not large and self.node.store.space_may_free():
-                    # space is only held for now (pins, puts, blocks being demoted): retry shortly
-                    # (a large command cannot be run again: its payload is already given back)
-                    self._backlog = list(batch[i + 1:])
-                    self._defer(Deferred(self._retry_when_space(item)))
-                    break
-                else:
-                    _collect_pins(reply, pins)
-                    encode(reply, session.resp3, out)
-                    resp3 = session.resp3  # HELLO may have switched the protocol
-                    if session.closing:
-                        break  # QUIT: what follows it is never run
+                break
+            ncmds += self._run_batch(batch, out, pins)
             if self._deferred is not None:
                 break
         if ncmds:
-            self.node.commands_processed += ncmds
+            self.clients.commands_processed += ncmds
             session.last_active = time.monotonic()
         if out:
             self._write(out, pins)
         if session.closing:
             self.transport.close()
 
+    def _next_batch(self, out: list) -> list | tuple | None:
+        """Commands ready to run: what waited behind a pending reply, what the fast path parsed,
+        or the next one the Python parser completes (None when nothing is complete)."""
+        if self._backlog:
+            batch, self._backlog = self._backlog, []
+            return batch
+        parser = self.parser
+        batch = parser.parsed()
+        while not batch:
+            if not parser.buffered():
+                return None
+            try:
+                item = parser.next_command()
+            except ProtocolError as e:
+                out.append(encode_error(e))
+                self.session.closing = True
+                return None
+            if item is None:
+                return None
+            if item.__class__ is LargeBulk:
+                if not self._attach_large(item):
+                    return None
+                continue
+            batch = (item,)
+        return batch
+
+    def _run_batch(self, batch: list | tuple, out: list, pins: list) -> int:
+        """Dispatch each command and encode its reply; stops at a pending reply or QUIT.
+        Returns how many commands ran."""
+        session = self.session
+        dispatch = self.ctx.table.dispatch
+        append = out.append
+        resp3 = session.resp3
+        for i, item in enumerate(batch):
+            large = self._large
+            if large:
+                self._large = False
+                refused = next((a for a in item if isinstance(a, QuillError)), None)
+                reply = refused if refused is not None else dispatch(session, item)
+                self._release_args(session, item)
+            else:
+                reply = dispatch(session, item)
+            # the common replies inline; everything else through the codec
+            if reply is OK:
+                append(b"+OK\r\n")
+            elif reply.__class__ is bytes:
+                append(b"$%d\r\n%b\r\n" % (len(reply), reply))
+            elif reply is None and not resp3:
+                append(b"$-1\r\n")
+            elif reply.__class__ is Pending:
+                self._backlog = list(batch[i + 1:])
+                self._defer(reply)
+                return i + 1
+            elif reply.__class__ is OutOfMemory and not large and self.ctx.keyspace.space_may_free():
+                # space is only held for now (pins, puts, blocks being demoted): retry shortly
+                # (a large command cannot be run again: its payload is already given back)
+                self._backlog = list(batch[i + 1:])
+                self._defer(Pending(self._retry_when_space(item)))
+                return i + 1
+            else:
+                _collect_pins(reply, pins)
+                encode(reply, session.resp3, out)
+                resp3 = session.resp3  # HELLO may have switched the protocol
+                if session.closing:
+                    return i + 1  # QUIT: what follows it is never run
+        return len(batch)
+
     async def _retry_when_space(self, item: list):
         deadline = time.monotonic() + ARENA_WAIT
-        store, dispatch = self.node.store, self.node.table.dispatch
+        keyspace, dispatch = self.ctx.keyspace, self.ctx.table.dispatch
         while True:
-            await self.node.space_freed(ARENA_RETRY)
+            await self.ctx.space_freed(ARENA_RETRY)
             reply = dispatch(self.session, item)
-            if reply.__class__ is Deferred:
+            if reply.__class__ is Pending:
                 return await reply.awaitable
-            if reply.__class__ is not OutOfMemory or time.monotonic() > deadline or not store.space_may_free():
+            if reply.__class__ is not OutOfMemory or time.monotonic() > deadline or not keyspace.space_may_free():
                 return reply
 
-    def _defer(self, reply: Deferred) -> None:
+    def _defer(self, reply: Pending) -> None:
         """Stop reading and running commands until `reply` resolves."""
         self._deferred = asyncio.ensure_future(reply.awaitable)
         self.transport.pause_reading()
@@ -218,7 +242,7 @@ class RespConnection(asyncio.BufferedProtocol):
             target, view = self._large_target(self.session, item.args, item.index, item.length)
         except OutOfMemory as e:
             deadline = deadline or time.monotonic() + ARENA_WAIT
-            if self.node.store.space_may_free() and time.monotonic() < deadline:
+            if self.ctx.keyspace.space_may_free() and time.monotonic() < deadline:
                 self._waiting = (item, deadline)
                 self.transport.pause_reading()
                 asyncio.ensure_future(self._wait_space())
@@ -232,7 +256,7 @@ class RespConnection(asyncio.BufferedProtocol):
         return True
 
     async def _wait_space(self) -> None:
-        await self.node.space_freed(ARENA_RETRY)  # woken as soon as space is freed, polled meanwhile
+        await self.ctx.space_freed(ARENA_RETRY)  # woken as soon as space is freed, polled meanwhile
         self._retry_large()
 
     def _retry_large(self) -> None:
@@ -249,14 +273,14 @@ class RespConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if len(out) == 1:
             chunk = out[0]
-            self.node.net_out += len(chunk)
+            self.clients.net_out += len(chunk)
             transport.write(chunk)
         elif pins:
-            self.node.net_out += sum(len(x) for x in out)
+            self.clients.net_out += sum(len(x) for x in out)
             transport.writelines(out)
         else:
             chunk = b"".join(out)
-            self.node.net_out += len(chunk)
+            self.clients.net_out += len(chunk)
             transport.write(chunk)
         if pins:
             self._pins.extend(pins)
@@ -267,7 +291,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if self._pins and self.transport.get_write_buffer_size() == 0:
             self._release_pins()
         elif self._pins:
-            self.node.watch_drain(self)
+            self.clients.watch_drain(self)
 
     @property
     def has_pins(self) -> bool:

@@ -1,24 +1,31 @@
-"""Per-connection state that commands read and change (identity, protocol, name)."""
+"""Per-connection state that commands read and change (identity, protocol, name).
+
+A handler's `c` is its connection's Session: the node's shared parts are in
+`c.ctx` (context.py), and the ones every data command uses are also direct
+attributes (`c.keyspace`, `c.puts`, `c.control`).
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 from quilld.model import IdentityScope
+from quilld.protocol.context import NodeContext
 
 _ids = itertools.count(1)
 
 
 class Session:
-    __slots__ = ("node", "store", "id", "addr", "laddr", "name", "lib_name", "lib_ver", "resp3",
-                 "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
+    __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
+                 "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
                  "closing", "qbuf", "peer")
 
-    def __init__(self, node: Any, addr: str, laddr: str) -> None:
-        self.node = node
-        self.store = node.store
+    def __init__(self, ctx: NodeContext, addr: str, laddr: str) -> None:
+        self.ctx = ctx
+        self.keyspace = ctx.keyspace
+        self.puts = ctx.puts
+        self.control = ctx.control
         self.id = next(_ids)
         self.addr = addr
         self.laddr = laddr
@@ -27,7 +34,7 @@ class Session:
         self.lib_ver = b""
         self.resp3 = False
         self.user = "default"
-        self.authenticated = not node.users.required
+        self.authenticated = not ctx.users.required
         self.created = self.last_active = time.monotonic()
         self.last_cmd = "NULL"
         self.closing = False  # QUIT: close once the reply is written
@@ -37,7 +44,7 @@ class Session:
 
     def set_scope(self, scope: IdentityScope) -> None:
         self.scope = scope
-        self.tag = self.node.scopes.tag(scope)
+        self.tag = self.ctx.scopes.tag(scope)
 
     def login(self, user: str) -> None:
         """The tenant becomes the authenticated user; the model part of the scope is kept."""

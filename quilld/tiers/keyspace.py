@@ -1,21 +1,23 @@
-"""The keyspace: scoped keys -> values in DRAM, with LRU eviction, TTLs and pins.
+"""The keyspace, storage's one front door: scoped keys -> values, with LRU, TTLs and pins.
+
+Protocol, cluster and http read and write blocks only through `Keyspace`:
+`get` returns plain values (`bytes`, a `Pinned` arena view to release, a
+`Pending` read of a lower tier, or None), never wire objects; `publish`,
+`delete`, `reserve`/`write_view`/`discard`, `pin`/`unpin`, TTLs, `places`
+(for LOCATE) and `peer_copy`/`lease_extent` (for peers) are the rest.
 
 A value is either `bytes` kept in the entry itself (at most `dram.inline_max`
-bytes: a 4 KiB page each would waste most of it) or a `Block`, an extent of
-the DRAM arena. Keys are `scope tag + key` (see scopes.py). The dict's
-order is the LRU order: a hit moves the key to the end, eviction pops from
-the front, skipping pinned blocks.
+bytes: a 4 KiB page each would waste most of it) or a `Block` (block.py, which
+owns a block's life cycle), an extent of the DRAM arena. Keys are
+`scope tag + key` (see scopes.py). The dict's order is the LRU order: a hit
+moves the key to the end, eviction pops from the front, skipping pinned blocks.
 
-A Block's life is owned here: reserve() -> WRITING (invisible) -> publish()
--> RESIDENT -> unlinked by delete/overwrite/eviction -> EVICTING while pinned
--> GONE when its space is back in the allocator. Pins protect readers: a
-block being sent to a client is never freed under it.
-
-With an SSD tier (tiers/tiering.py) a key may instead live only on SSD: its
-value is then an `SsdEntry` in `ssd_data`, a second dict in SSD LRU order.
-A key is in exactly one of the two dicts. A Block whose bytes are also on
-SSD (written by demotion but still pinned, or promoted back by a read) keeps
-that copy in `block.ssd`: evicting it from DRAM then loses nothing.
+With a tier below DRAM (tier.py; the SSD tier, through tiering.py) a key may
+instead live only there: its value is then that tier's entry in `lower`, a
+second dict in the lower tier's LRU order. A key is in exactly one of the
+two dicts. A Block whose bytes are also in the lower tier (written by
+demotion but still pinned, or promoted back by a read) keeps that entry in
+`block.lower`: evicting it from DRAM then loses nothing.
 """
 
 from __future__ import annotations
@@ -25,44 +27,24 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
+import crc32c
+
 from quilld.config import DramConfig
 from quilld.errors import OutOfMemory
+from quilld.model import CacheTier, Pending, Pinned
 from quilld.scopes import TAG_LEN, ScopeRegistry
-from quilld.model import BlockState, CacheTier
-from quilld.tiers.arena import NO_SPACE, PAGE, DramArena
+from quilld.tiers.arena import NO_SPACE, DramArena
+from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.tier import LowerTier
 
-_RESERVED_STATES = (BlockState.RESERVED, BlockState.WRITING)
-LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already on SSD before waiting for the demoter
-
-
-class Block:
-    """An arena-resident value: the one per-block object beyond its dict entry."""
-
-    __slots__ = ("handle", "length", "pins", "state", "last_access", "ssd", "crc")
-
-    def __init__(self, handle: int, length: int) -> None:
-        self.handle = handle
-        self.length = length
-        self.pins = 0
-        self.state = BlockState.WRITING
-        self.last_access = 0.0
-        self.ssd: Any = None  # an SsdEntry holding the same bytes, when there is one
-        self.crc: int | None = None  # CRC32C of the published bytes, once someone computed it
-
-    def __len__(self) -> int:
-        return self.length
-
-
-def page_extent(nbytes: int) -> int:
-    """Arena bytes a value of `nbytes` occupies: whole pages, at least one."""
-    return max(1, -(-nbytes // PAGE)) * PAGE
+LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already in the lower tier before waiting for it
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class Store:
+class Keyspace:
     def __init__(self, cfg: DramConfig, scopes: ScopeRegistry) -> None:
         self.cfg = cfg
         self.scopes = scopes
@@ -72,8 +54,8 @@ class Store:
         self.low_bytes = int(self.capacity * cfg.low_watermark)
         self.inline_max = cfg.inline_max
         self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
-        self.ssd_data: OrderedDict[bytes, Any] = OrderedDict()  # keys only on SSD -> SsdEntry
-        self.tiering: Any = None  # tiers/tiering.py Tiering when there is an SSD tier
+        self.lower: OrderedDict[bytes, Any] = OrderedDict()  # keys only in the lower tier -> its entry
+        self.lower_tier: LowerTier | None = None  # the tier below DRAM (tiering.py installs the SSD tier)
         self.on_free: Any = None  # called when arena space is given back (wakes writers waiting for it)
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
@@ -102,10 +84,10 @@ class Store:
         """The live value of `key` in scope `tag` (a hit refreshes its LRU place)."""
         fk = tag + key
         value = self.data.get(fk)
-        if value is None and self.ssd_data:
-            value = self.ssd_data.get(fk)
+        if value is None and self.lower:
+            value = self.lower.get(fk)
             if value is not None:
-                self.ssd_data.move_to_end(fk)
+                self.lower.move_to_end(fk)
                 self.hits += 1
                 return value
         if value is None:
@@ -124,12 +106,12 @@ class Store:
         return value
 
     def _has(self, fk: bytes) -> bool:
-        return fk in self.data or fk in self.ssd_data
+        return fk in self.data or fk in self.lower
 
     def contains(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
         if fk not in self.data:
-            if fk in self.ssd_data:
+            if fk in self.lower:
                 return True
             self.scopes.audit_miss(tag, key, self._has)
             return False
@@ -142,6 +124,73 @@ class Store:
     def view(self, block: Block) -> memoryview:
         return self.arena.view(block.handle, block.length)
 
+    # -- the front door's reads: plain values --------------------------------
+    def get(self, tag: bytes, key: bytes) -> bytes | Pinned | Pending | None:
+        """The value of `key`: bytes, a pinned arena view (release it when sent), a pending
+        read of the lower tier, or None."""
+        value = self.lookup(tag, key)
+        t = value.__class__
+        if t is bytes or value is None:
+            return value
+        if t is Block:
+            return self.pinned(value)
+        return Pending(self.lower_tier.read(value))
+
+    def pinned(self, block: Block) -> Pinned:
+        """`block`'s bytes, pinned until the returned value is released."""
+        self.pin(block)
+        return Pinned(self.arena.view(block.handle, block.length), lambda: self.unpin(block))
+
+    def places(self, tag: bytes, key: bytes) -> list[tuple[CacheTier, int, int | None]]:
+        """Where this node holds `key`: (tier, bytes, last access in ms or None) per copy."""
+        out: list[tuple[CacheTier, int, int | None]] = []
+        value = self.data.get(tag + key) if self.contains(tag, key) else None
+        if value is not None:
+            last = int(value.last_access * 1000) if value.__class__ is Block else None
+            out.append((CacheTier.DRAM, len(value), last))
+        if value is None:
+            below = self.lower.get(tag + key)
+        else:
+            below = value.lower if value.__class__ is Block else None
+        if below is not None:
+            out.append((self.lower_tier.tier, below.length, None))
+        return out
+
+    def peer_copy(self, tag: bytes, key: bytes) -> list | Pending | None:
+        """`[crc32c, bytes | Pinned]` of this node's copy, for a peer; None when there is none."""
+        value = self.lookup(tag, key)
+        if value is None:
+            return None
+        if value.__class__ is Block:
+            pinned = self.pinned(value)
+            if value.crc is None:  # published blocks never change: compute once, serve many
+                value.crc = crc32c.crc32c(pinned.view)
+            return [value.crc, pinned]
+        if value.__class__ is bytes:
+            return [crc32c.crc32c(value), value]
+        return Pending(self._lower_copy(value))
+
+    async def _lower_copy(self, entry: Any) -> list:
+        data = await self.lower_tier.read_bytes(entry)  # verified against entry.crc
+        return [entry.crc, data]
+
+    def lease_extent(self, tag: bytes, key: bytes, min_bytes: int) -> tuple[int, int, int, Pinned] | None:
+        """(crc32c, arena offset, length, pin) of an arena block of at least `min_bytes`, for a
+        reader of the arena's memory (RDMA); None when the value is not such a block."""
+        value = self.data.get(tag + key)  # a peek: only a block this large is counted as a read
+        if value.__class__ is not Block or value.length < min_bytes:
+            return None
+        value = self.lookup(tag, key)  # expiry and LRU, as any read
+        if value.__class__ is not Block:
+            return None
+        pinned = self.pinned(value)
+        try:
+            crc = value.crc if value.crc is not None else crc32c.crc32c(pinned.view)
+        except BaseException:
+            pinned.release()
+            raise
+        return crc, self.arena.offset(value.handle), value.length, pinned
+
     def pin(self, block: Block) -> None:
         if not block.pins:
             self.held_bytes += page_extent(block.length)
@@ -153,7 +202,7 @@ class Store:
         self.active_pins -= 1
         if block.pins == 0:
             self.held_bytes -= page_extent(block.length)
-            if block.state == BlockState.EVICTING:
+            if block.state is BlockState.EVICTING:
                 self.unlinked_pinned -= 1
                 self._free(block)
 
@@ -182,13 +231,13 @@ class Store:
 
     def space_may_free(self) -> bool:
         """Whether space is held only for now: by readers' pins, puts in progress, or
-        blocks the SSD demoter is about to move out."""
+        blocks the lower tier is about to take."""
         return self.active_pins > 0 or self.reserved_blocks > 0 or (
-            self.tiering is not None and self.tiering.active and self.block_count > 0)
+            self.lower_tier is not None and self.lower_tier.active and self.block_count > 0)
 
     def discard(self, block: Block) -> None:
         """Give back a reservation that will never be published."""
-        if block.state in _RESERVED_STATES:
+        if block.unpublished:
             self.reserved_blocks -= 1
             self.held_bytes -= page_extent(block.length)
             self._free(block)
@@ -199,8 +248,14 @@ class Store:
         if n <= self.inline_max:
             return bytes(value)
         block = self.reserve(n)
-        self.view(block)[:] = value
+        self.write_view(block)[:] = value
         return block
+
+    def write_view(self, block: Block) -> memoryview:
+        """The memory of a reserved block, for its bytes to be written into (it is now WRITING)."""
+        if block.state is BlockState.RESERVED:
+            block.to(BlockState.WRITING)
+        return self.arena.view(block.handle, block.length)
 
     def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False,
                 bhash: int | bytes | None = None) -> None:
@@ -217,8 +272,8 @@ class Store:
             self.tracked[fk] = bhash
             listener.placed(fk, CacheTier.DRAM, len(value), bhash)
         old = data.pop(fk, None)
-        if old is None and self.ssd_data:
-            old = self.ssd_data.pop(fk, None)
+        if old is None and self.lower:
+            old = self.lower.pop(fk, None)
         if old is None:
             self.per_scope[tag] += 1
         else:
@@ -238,7 +293,7 @@ class Store:
         else:
             self.reserved_blocks -= 1
             self.held_bytes -= page_extent(value.length)
-            value.state = BlockState.RESIDENT
+            value.to(BlockState.RESIDENT)
             value.last_access = time.time()
             self.block_count += 1
         data[fk] = value
@@ -247,7 +302,7 @@ class Store:
     def delete(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
         if fk not in self.data:
-            if fk in self.ssd_data:
+            if fk in self.lower:
                 self._unlink(fk)
                 return True
             return False
@@ -257,7 +312,7 @@ class Store:
 
     def flush_scope(self, tag: bytes) -> int:
         doomed = [fk for fk in self.data if fk[:TAG_LEN] == tag]
-        doomed += [fk for fk in self.ssd_data if fk[:TAG_LEN] == tag]
+        doomed += [fk for fk in self.lower if fk[:TAG_LEN] == tag]
         for fk in doomed:
             self._unlink(fk)
         return len(doomed)
@@ -268,46 +323,46 @@ class Store:
             value = self.data.get(fk)
             if value is not None:
                 yield fk, CacheTier.DRAM, len(value), bhash
-            elif fk in self.ssd_data:
-                yield fk, CacheTier.SSD, self.ssd_data[fk].length, bhash
+            elif fk in self.lower:
+                yield fk, self.lower_tier.tier, self.lower[fk].length, bhash
 
-    # -- moves between tiers (driven by tiers/tiering.py) -----------------------
-    def to_ssd(self, fk: bytes, block: Block, entry: Any) -> None:
-        """`block` (unpinned, resident) now lives only on SSD as `entry`: free its DRAM.
+    # -- moves between tiers (driven by the lower tier's policy, e.g. tiering.py) -------
+    def demoted(self, fk: bytes, block: Block, entry: Any) -> None:
+        """`block` (unpinned, resident) now lives only in the lower tier as `entry`: free its DRAM.
 
-        The key leaves the DRAM LRU (keeping its TTL-free life) and joins the SSD LRU.
+        The key leaves the DRAM LRU (keeping its TTL-free life) and joins the lower tier's LRU.
         """
         self.data.pop(fk, None)  # eviction has already popped it
-        self.ssd_data[fk] = entry
-        block.ssd = None
+        self.lower[fk] = entry
+        block.lower = None
         self.block_count -= 1
         self._free(block)
         if self.listener is not None:
             if fk not in self.tracked:
                 self.tracked[fk] = None
-            self.listener.placed(fk, CacheTier.SSD, entry.length, self.tracked[fk])
+            self.listener.placed(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
 
-    def from_ssd(self, fk: bytes, block: Block, entry: Any) -> None:
-        """A read brought `entry` back into DRAM as `block` (keeping the SSD copy)."""
-        del self.ssd_data[fk]
+    def promoted(self, fk: bytes, block: Block, entry: Any) -> None:
+        """A read brought `entry` back into DRAM as `block` (keeping the lower copy)."""
+        del self.lower[fk]
         self.reserved_blocks -= 1
         self.held_bytes -= page_extent(block.length)
-        block.state = BlockState.RESIDENT
+        block.to(BlockState.RESIDENT)
         block.last_access = time.time()
-        block.ssd = entry
+        block.lower = entry
         block.crc = entry.crc  # verified by the read
         self.block_count += 1
         self.data[fk] = block
         if self.listener is not None and fk in self.tracked:
             self.listener.placed(fk, CacheTier.DRAM, block.length, self.tracked[fk])
 
-    def adopt_ssd(self, fk: bytes, entry: Any) -> None:
-        """A block found on SSD at start (recovery) joins the keyspace."""
-        self.ssd_data[fk] = entry
+    def adopt(self, fk: bytes, entry: Any) -> None:
+        """A value found in the lower tier at start (recovery) joins the keyspace."""
+        self.lower[fk] = entry
         self.per_scope[fk[:TAG_LEN]] += 1
         if self.listener is not None:
             self.tracked[fk] = None
-            self.listener.placed(fk, CacheTier.SSD, entry.length, None)
+            self.listener.placed(fk, self.lower_tier.tier, entry.length, None)
 
     # -- expiry ------------------------------------------------------------
     def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
@@ -346,7 +401,7 @@ class Store:
             self._forget(fk)
         value = self.data.pop(fk, None)
         if value is None:
-            value = self.ssd_data.pop(fk)
+            value = self.lower.pop(fk)
         self.per_scope[fk[:TAG_LEN]] -= 1
         if self.expires:
             self.expires.pop(fk, None)
@@ -358,15 +413,15 @@ class Store:
             self.inline_bytes -= len(value)
             self.used -= len(value)
             return
-        if t is not Block:  # an SsdEntry: its space goes once its deletion is logged
-            self.tiering.drop(value)
+        if t is not Block:  # a lower tier's entry: its space goes once its deletion is durable
+            self.lower_tier.drop(value)
             return
-        if value.ssd is not None:
-            self.tiering.drop(value.ssd)
-            value.ssd = None
+        if value.lower is not None:
+            self.lower_tier.drop(value.lower)
+            value.lower = None
         self.block_count -= 1
         if value.pins:
-            value.state = BlockState.EVICTING
+            value.to(BlockState.EVICTING)
             self.unlinked_pinned += 1
         else:
             self._free(value)
@@ -374,12 +429,12 @@ class Store:
     def _free(self, block: Block) -> None:
         self.arena.release(block.handle)
         self.used -= page_extent(block.length)
-        block.state = BlockState.GONE
+        block.to(BlockState.GONE)
         if self.on_free is not None:
             self.on_free()
 
     def _make_room(self, need: int) -> None:
-        if self.tiering is not None and self.tiering.active:
+        if self.lower_tier is not None and self.lower_tier.active:
             # the demoter keeps use between the watermarks in the background; here only
             # make room when the arena is really full
             while self.used + need > self.capacity:
@@ -395,20 +450,20 @@ class Store:
     def _evict_one(self) -> bool:
         """Evict the least-recently-used unpinned value; False when none can go.
 
-        With a working SSD tier nothing is lost: only blocks whose bytes are
-        already on SSD leave DRAM here (the demoter writes the others), and
+        With a working lower tier nothing is lost: only blocks whose bytes are
+        already there leave DRAM here (its demoter writes the others), and
         when there is none the caller waits for the demoter.
         """
         data = self.data
-        if self.tiering is not None and self.tiering.active:
+        if self.lower_tier is not None and self.lower_tier.active:
             for i, (fk, value) in enumerate(data.items()):
                 if i >= LOSSLESS_SCAN:
                     break
-                if type(value) is Block and value.ssd is not None and not value.pins:
-                    self.to_ssd(fk, value, value.ssd)
+                if type(value) is Block and value.lower is not None and not value.pins:
+                    self.demoted(fk, value, value.lower)
                     self.stats["evictions_to_ssd"] += 1
                     return True
-            self.tiering.wake()
+            self.lower_tier.wake()
             return False
         for _ in range(len(data)):
             fk, value = data.popitem(last=False)
@@ -416,8 +471,8 @@ class Store:
                 if value.pins:
                     data[fk] = value  # in use: it is the most recent anyway
                     continue
-                if value.ssd is not None:  # its bytes are safe on SSD (a failed tier still reads)
-                    self.to_ssd(fk, value, value.ssd)
+                if value.lower is not None:  # its bytes are safe below (a failed tier still reads)
+                    self.demoted(fk, value, value.lower)
                     self.stats["evictions_to_ssd"] += 1
                     return True
             self.per_scope[fk[:TAG_LEN]] -= 1

@@ -16,8 +16,8 @@ import time
 import crc32c
 
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle
-from quilld.model import BlockState
-from quilld.tiers.keyspace import Block, Store
+from quilld.tiers.block import Block
+from quilld.tiers.keyspace import Keyspace
 
 
 class Put:
@@ -68,7 +68,7 @@ class IntoBlock:
 
 
 class TwoPhasePuts:
-    def __init__(self, store: Store, default_lease_ms: int, max_lease_ms: int) -> None:
+    def __init__(self, store: Keyspace, default_lease_ms: int, max_lease_ms: int) -> None:
         self.store = store
         self.default_lease_ms = default_lease_ms
         self.max_lease_ms = max_lease_ms
@@ -109,14 +109,14 @@ class TwoPhasePuts:
     def write(self, put: Put, offset: int, data: bytes) -> None:
         self.check_range(put, offset, len(data))
         if data:
-            self.store.view(put.block)[offset:offset + len(data)] = data
+            self.store.write_view(put.block)[offset:offset + len(data)] = data
             put.mark(offset, offset + len(data))
 
     def open_writer(self, put: Put, offset: int, length: int) -> memoryview:
         """The slice of the block a large DATA payload is received into."""
         self.check_range(put, offset, length)
         put.writers += 1
-        return self.store.view(put.block)[offset:offset + length]
+        return self.store.write_view(put.block)[offset:offset + length]
 
     def close_writer(self, into: IntoBlock, complete: bool) -> None:
         put = into.put
@@ -164,7 +164,7 @@ class TwoPhasePuts:
 
     def _drop(self, put: Put) -> None:
         self.open.pop(put.handle, None)
-        if put.block is None or put.block.state not in (BlockState.RESERVED, BlockState.WRITING):
+        if put.block is None or not put.block.unpublished:
             return
         if put.writers:
             put.dead = True  # freed when the last writer finishes

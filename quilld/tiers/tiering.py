@@ -6,21 +6,22 @@
   group commit (payloads synced, then one WAL sync) from a worker thread, and
   only then frees their DRAM — so a block is never in neither place. A block
   read or overwritten meanwhile is handled: a pinned one keeps its SSD copy
-  as `block.ssd`, an overwritten one's stale copy is deleted.
-- Reads: a GET of an SSD-only key is a deferred reply: the entry is pinned,
+  as `block.lower`, an overwritten one's stale copy is deleted.
+- Reads: a GET of an SSD-only key is a pending read: the entry is pinned,
   read by a worker thread into a fresh DRAM block, verified (header and
   CRC32C), then promoted (or, with `promote_on_read` off, sent and dropped).
   A block that fails verification is dropped and counted, and the read is a
   miss: bytes that fail their checksum are never served.
 - Deletions of SSD copies are batched: DEL records are made durable before
   the space may be reused.
-- When the SSD is full its own LRU (the front of `store.ssd_data`) is evicted.
+- When the SSD is full its own LRU (the front of `keyspace.lower`) is evicted.
 - Faults: the first I/O error fails the tier (ssd.py); from then on nothing
   more is written to it, DRAM eviction drops blocks as it would without an
   SSD, and the error is in INFO, the log and /healthz.
 
-All bookkeeping runs on the event loop; only ssd.py's blocking methods run in
-the executor.
+This is the SSD tier as the keyspace sees it (tier.py's LowerTier) plus its
+policy. All bookkeeping runs on the event loop; only ssd.py's blocking
+methods run in the executor.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from typing import Any, Awaitable, Callable
 from quilld.config import SsdConfig
 from quilld.errors import OutOfMemory
 from quilld.scopes import TAG_LEN
-from quilld.model import BlockState, IdentityScope
-from quilld.protocol.resp import BlockReply
-from quilld.tiers.keyspace import Block, Store, page_extent
+from quilld.model import CacheTier, IdentityScope, Pinned
+from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.ssd import PendingWrite, SsdEntry, SsdTier
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
 
@@ -51,7 +52,9 @@ STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 
 
 class Tiering:
-    def __init__(self, store: Store, cfg: SsdConfig, space_freed: Callable[[float], Awaitable[None]],
+    tier = CacheTier.SSD
+
+    def __init__(self, store: Keyspace, cfg: SsdConfig, space_freed: Callable[[float], Awaitable[None]],
                  workers: int = 4) -> None:
         """`space_freed(timeout)` returns when arena space is next freed (or the timeout passes)."""
         self.store = store
@@ -68,7 +71,7 @@ class Tiering:
         self._pressure = False  # a write is waiting for space
         self._stopping = False
         self.space_freed = space_freed
-        store.tiering = self
+        store.lower_tier = self
 
     # -- state -------------------------------------------------------------------
     @property
@@ -109,7 +112,7 @@ class Tiering:
             return
         r = self.report
         for (scope, key), entry in self.ssd.entries.items():
-            self.store.adopt_ssd(scopes.tag(IdentityScope(*scope)) + key, entry)
+            self.store.adopt(scopes.tag(IdentityScope(*scope)) + key, entry)
         level = logging.WARNING if (r.dropped_corrupt or r.wal_stops or r.checkpoint_error) else logging.INFO
         log.log(level, "ssd tier: recovered %d blocks in %.2f s (dropped %d corrupt, %d torn WAL stops%s)",
                 r.recovered, time.monotonic() - t0, r.dropped_corrupt, r.dropped_torn_wal_records,
@@ -193,7 +196,7 @@ class Tiering:
         for i, (fk, value) in enumerate(store.data.items()):
             if i >= SCAN_LIMIT or total >= budget:
                 break
-            if type(value) is not Block or value.pins or value.state != BlockState.RESIDENT:
+            if type(value) is not Block or value.pins or value.state is not BlockState.RESIDENT:
                 continue
             if expires and fk in expires:
                 continue  # values with a TTL stay in DRAM (the SSD tier keeps no TTLs)
@@ -203,17 +206,37 @@ class Tiering:
 
     async def _demote_batch(self, everything: bool = False) -> bool:
         """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved."""
-        store, ssd = self.store, self.ssd
         picked = self._pick(everything)
         if not picked:
             return False
-        clean = [(fk, b) for fk, b in picked if b.ssd is not None]
-        for fk, block in clean:  # bytes already on SSD (promoted earlier): just free DRAM
-            store.to_ssd(fk, block, block.ssd)
+        clean = self._free_clean(picked)
+        items = await self._stage(picked)
+        if not items:
+            return bool(clean)
+        t0 = time.perf_counter()
+        if not await self._write(items):
+            return False
+        moved = self._settle(items)
+        self.stats["demotions"] += len(items)
+        self.stats["demoted_bytes"] += moved
+        self.stats["demote_batches"] += 1
+        self.stats["demote_usec"] += int((time.perf_counter() - t0) * 1e6)
+        return True
+
+    def _free_clean(self, picked: list[tuple[bytes, Block]]) -> int:
+        """Blocks whose bytes are already on SSD (promoted earlier): just free their DRAM."""
+        clean = [(fk, b) for fk, b in picked if b.lower is not None]
+        for fk, block in clean:
+            self.store.demoted(fk, block, block.lower)
             self.stats["demoted_clean"] += 1
-        items: list[tuple[bytes, Block, PendingWrite]] = []
+        return len(clean)
+
+    async def _stage(self, picked: list[tuple[bytes, Block]]) -> list[tuple[bytes, Block, PendingWrite]]:
+        """Pin each block still to be written and give it an SSD extent (making room if need be)."""
+        store, ssd = self.store, self.ssd
+        items = []
         for fk, block in picked:
-            if block.ssd is not None or block.state != BlockState.RESIDENT:
+            if block.lower is not None or block.state is not BlockState.RESIDENT:
                 continue
             extent = ssd.allocate(block.length)
             if extent is None:
@@ -224,18 +247,28 @@ class Tiering:
             store.pin(block)
             scope = store.scopes.scope_of(fk[:TAG_LEN])
             items.append((fk, block, PendingWrite(tuple(scope), fk[TAG_LEN:], store.view(block), extent)))
-        if not items:
-            return bool(clean)
-        t0 = time.perf_counter()
+        return items
+
+    async def _write(self, items: list[tuple[bytes, Block, PendingWrite]]) -> bool:
+        """One group commit from a worker thread; on failure everything staged is given back."""
         try:
-            await self._run(ssd.write_batch, [it for _, _, it in items])
+            await self._run(self.ssd.write_batch, [it for _, _, it in items])
         except SsdFailure as e:
-            for fk, block, it in items:
-                ssd.release_extent(it.extent)
-                store.unpin(block)
+            for _, block, it in items:
+                self.ssd.release_extent(it.extent)
+                self.store.unpin(block)
             self._failed(e)
             return False
-        entries = ssd.publish([it for _, _, it in items])
+        return True
+
+    def _settle(self, items: list[tuple[bytes, Block, PendingWrite]]) -> int:
+        """Publish the written blocks on SSD and free their DRAM; returns the bytes moved.
+
+        A block read meanwhile keeps its SSD copy as `block.lower` (freed on a later pass);
+        one overwritten or deleted meanwhile has a stale copy, dropped at once.
+        """
+        store = self.store
+        entries = self.ssd.publish([it for _, _, it in items])
         by_key = {(e.scope, e.key): e for e in entries}
         moved = 0
         for fk, block, it in items:
@@ -243,20 +276,15 @@ class Tiering:
             entry = by_key.get((it.scope, it.key))
             if entry is None:
                 continue
-            if store.data.get(fk) is block and block.state == BlockState.RESIDENT:
+            if store.data.get(fk) is block and block.state is BlockState.RESIDENT:
                 if block.pins:
-                    block.ssd = entry  # being read right now: free DRAM on a later pass
+                    block.lower = entry
                 else:
-                    store.to_ssd(fk, block, entry)
+                    store.demoted(fk, block, entry)
                 moved += block.length
             else:
-                self.drop(entry)  # overwritten or deleted while it was written: stale
-        dt = time.perf_counter() - t0
-        self.stats["demotions"] += len(items)
-        self.stats["demoted_bytes"] += moved
-        self.stats["demote_batches"] += 1
-        self.stats["demote_usec"] += int(dt * 1e6)
-        return True
+                self.drop(entry)
+        return moved
 
     async def _make_ssd_room(self, nbytes: int) -> None:
         """Free SSD space for `nbytes`: first the SSD copies of blocks that are also in DRAM
@@ -265,15 +293,15 @@ class Tiering:
         for i, block in enumerate(reversed(store.data.values())):
             if freed >= nbytes * 2 or i >= SCAN_LIMIT:
                 break
-            if type(block) is Block and block.ssd is not None and not block.ssd.pins:
-                freed += block.ssd.length
-                self._doomed.append(block.ssd)
-                block.ssd = None
+            if type(block) is Block and block.lower is not None and not block.lower.pins:
+                freed += block.lower.length
+                self._doomed.append(block.lower)
+                block.lower = None
                 self.stats["ssd_copies_dropped"] += 1
-        for fk in list(store.ssd_data)[:DELETE_BATCH]:
+        for fk in list(store.lower)[:DELETE_BATCH]:
             if freed >= nbytes * 2:
                 break
-            entry = store.ssd_data[fk]
+            entry = store.lower[fk]
             if entry.pins:
                 continue
             freed += entry.length
@@ -305,12 +333,12 @@ class Tiering:
             self.stats["ssd_deletes"] += len(batch)
 
     # -- reads -------------------------------------------------------------------------
-    def reply(self, entry: SsdEntry) -> Any:
-        """A deferred reply for a GET of an SSD-only key (pins the entry now)."""
+    def read(self, entry: SsdEntry):
+        """The entry's verified bytes in DRAM, later (tier.py's LowerTier.read); pins it now."""
         self.ssd.pin(entry)
-        return self._read_reply(entry)
+        return self._read(entry)
 
-    async def _read_reply(self, entry: SsdEntry) -> Any:
+    async def _read(self, entry: SsdEntry) -> Pinned | None:
         store = self.store
         try:
             block = await self._reserve(entry.length)
@@ -318,7 +346,7 @@ class Tiering:
             self.ssd.unpin(entry)
             raise
         try:
-            await self._run(self.ssd.read_into, entry, store.view(block))
+            await self._run(self.ssd.read_into, entry, store.write_view(block))
         except (CorruptBlock, SsdFailure) as e:
             store.discard(block)
             self.ssd.unpin(entry)
@@ -332,12 +360,11 @@ class Tiering:
         self.stats["ssd_reads"] += 1
         self.stats["ssd_read_bytes"] += entry.length
         fk = store.scopes.tag(IdentityScope(*entry.scope)) + entry.key
-        if self.cfg.promote_on_read and store.ssd_data.get(fk) is entry:
-            store.from_ssd(fk, block, entry)
+        if self.cfg.promote_on_read and store.lower.get(fk) is entry:
+            store.promoted(fk, block, entry)
             self.stats["promotions"] += 1
-            store.pin(block)
-            return BlockReply(store.view(block), lambda: store.unpin(block))
-        return BlockReply(store.view(block), lambda: store.discard(block))
+            return store.pinned(block)
+        return Pinned(store.view(block), lambda: store.discard(block))
 
     async def _reserve(self, nbytes: int) -> Block:
         """DRAM for a block read back from SSD, waiting (up to 5 s) for the demoter if need be."""
@@ -371,7 +398,7 @@ class Tiering:
         self.stats["ssd_read_corrupt" if isinstance(e, CorruptBlock) else "ssd_read_errors"] += 1
         log.error("ssd tier: dropping block %r: %s", entry.key[:64], e)
         tag = store.scopes.tag(IdentityScope(*entry.scope))
-        if store.ssd_data.get(tag + entry.key) is entry:
+        if store.lower.get(tag + entry.key) is entry:
             store.delete(tag, entry.key)  # releases it, which drops the SSD copy
         else:
             self.drop(entry)
@@ -382,7 +409,7 @@ class Tiering:
         r = self.report
         out: list[tuple[str, Any]] = [
             ("ssd_enabled", 1), ("ssd_dir", self.cfg.dir), ("ssd_capacity", s["capacity"]),
-            ("ssd_used", s["used"]), ("ssd_keys", len(self.store.ssd_data)),
+            ("ssd_used", s["used"]), ("ssd_keys", len(self.store.lower)),
             ("ssd_failed", int(bool(s["failed"]))), ("ssd_error", s["error"]),
             ("ssd_dirty_bytes", s["dirty_bytes"]), ("ssd_wal_bytes", s["wal_bytes"]),
             ("ssd_last_checkpoint", int(s["last_checkpoint"])),

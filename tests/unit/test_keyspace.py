@@ -19,20 +19,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from quilld.config import DramConfig
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory
 from quilld.scopes import TAG_LEN, ScopeRegistry, refusal_reason
-from quilld.model import BlockState, IdentityScope
-from quilld.tiers.keyspace import Block, Store, now_ms
+from quilld.model import IdentityScope
+from quilld.tiers.block import BlockState
+from quilld.tiers.keyspace import Block, Keyspace, now_ms
 from quilld.tiers.arena import PAGE
 from quilld.tiers.puts import IntoBlock, Put, TwoPhasePuts
 
 DEFAULT = IdentityScope()
 
 
-def make_store(pages: int = 64, high: float = 0.9, low: float = 0.5, inline_max: int = 256) -> Store:
+def make_store(pages: int = 64, high: float = 0.9, low: float = 0.5, inline_max: int = 256) -> Keyspace:
     cfg = DramConfig(size=pages * PAGE, high_watermark=high, low_watermark=low, inline_max=inline_max)
-    return Store(cfg, ScopeRegistry())
+    return Keyspace(cfg, ScopeRegistry())
 
 
-def check_accounting(store: Store) -> None:
+def check_accounting(store: Keyspace) -> None:
     assert store.used == store.arena.used + store.inline_bytes
     values = list(store.data.values())
     assert store.inline_bytes == sum(len(v) for v in values if type(v) is bytes)
@@ -41,11 +42,11 @@ def check_accounting(store: Store) -> None:
     assert sum(store.per_scope.values()) == len(store.data)
 
 
-def put(store: Store, tag: bytes, key: bytes, value: bytes) -> None:
+def put(store: Keyspace, tag: bytes, key: bytes, value: bytes) -> None:
     store.publish(tag, key, store.materialize(value))
 
 
-def read(store: Store, tag: bytes, key: bytes) -> bytes | None:
+def read(store: Keyspace, tag: bytes, key: bytes) -> bytes | None:
     value = store.lookup(tag, key)
     if value is None or type(value) is bytes:
         return value
@@ -57,12 +58,12 @@ def pattern(n: int, seed: int) -> bytes:
 
 
 @pytest.fixture
-def store() -> Store:
+def store() -> Keyspace:
     return make_store()
 
 
 @pytest.fixture
-def tag(store: Store) -> bytes:
+def tag(store: Keyspace) -> bytes:
     return store.scopes.tag(DEFAULT)
 
 
@@ -134,7 +135,7 @@ def test_hits_misses_and_writes(store, tag):
 
 def test_reserved_block_is_invisible_until_published(store, tag):
     block = store.reserve(5000)
-    store.view(block)[:] = b"z" * 5000
+    store.write_view(block)[:] = b"z" * 5000
     assert block.state == BlockState.WRITING
     assert store.lookup(tag, b"k") is None and store.reserved_blocks == 1
     store.publish(tag, b"k", block)
@@ -598,7 +599,7 @@ def test_audit_miss_reports_whether_refused():
 
 # -- two-phase puts ------------------------------------------------------------------------
 
-def make_puts(store: Store, default_lease_ms: int = 30_000, max_lease_ms: int = 600_000) -> TwoPhasePuts:
+def make_puts(store: Keyspace, default_lease_ms: int = 30_000, max_lease_ms: int = 600_000) -> TwoPhasePuts:
     return TwoPhasePuts(store, default_lease_ms, max_lease_ms)
 
 

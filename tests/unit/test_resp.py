@@ -22,6 +22,7 @@ from quilld.errors import (
     QuillError,
     WrongType,
 )
+from quilld.model import Pinned
 from quilld.protocol.resp import (
     LARGE_BULK,
     MAX_INLINE,
@@ -30,17 +31,16 @@ from quilld.protocol.resp import (
     OK,
     UNAUTH_BULK_LEN,
     UNAUTH_MULTIBULK_LEN,
-    BlockReply,
     LargeBulk,
     Raw,
     RespParser,
     Status,
     Verbatim,
     encode,
-    encode_command,
     encode_error,
     split_args,
 )
+from quillwire.encode import encode_command
 
 MODES = pytest.mark.parametrize("use_hiredis", [True, False], ids=["hiredis", "python"])
 
@@ -637,7 +637,7 @@ def test_errors_encode_with_their_prefix(err, wire, resp3):
 def test_block_reply_is_header_view_crlf(resp3):
     backing = bytearray(b"0123456789")
     view = memoryview(backing)[2:7]
-    reply = BlockReply(view, lambda: None)
+    reply = Pinned(view, lambda: None)
     out: list = []
     encode(reply, resp3, out)
     assert len(out) == 3

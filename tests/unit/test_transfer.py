@@ -30,17 +30,20 @@ import pytest
 from quilld.cluster import rdma as rdma_mod
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.rdma import (IBV_WC_SUCCESS, Leases, QpInfo, RdmaError, RdmaTransfer, address_of,
-                                 cmd_peerrdma, cmd_peerrelease, memlock_shortfall, peerget_rdma)
-from quilld.cluster.transfer import (RdmaInfo, RdmaProbe, TcpTransfer, Transfers, advertise,
+                                 memlock_shortfall)
+from quilld.cluster.fabric import RdmaInfo
+from quilld.cluster.transfer import (RdmaProbe, TcpTransfer, Transfers, advertise,
                                      choose_transfer, path_for, probe_rdma)
 from quilld.cluster.wire import check_meta
-from quilld.protocol.commands.cluster import cmd_peerget
+from quilld.protocol.commands.cluster import cmd_peerget, cmd_peerrdma, cmd_peerrelease
 from quilld.config import DramConfig
 from quilld.errors import CommandError, ConfigError, PeerOnly, QuillError
 from quilld.scopes import ScopeRegistry
 from quilld.model import IdentityScope
-from quilld.protocol.resp import BlockReply, Deferred
-from quilld.tiers.keyspace import Block, Store
+from quilld.model import Pending, Pinned
+from quilld.tiers.block import Block
+from quilld.tiers.keyspace import Keyspace
+from handler_context import make_context, session
 from quilld.tiers.arena import PAGE, DramArena
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -505,7 +508,7 @@ class LoopbackConn:
     async def call(self, *args):
         args = [a if isinstance(a, bytes) else str(a).encode() for a in args]
         self.server.calls.append(args[0])
-        handler = {b"PEERGET": peerget_rdma if len(args) == 8 else cmd_peerget, b"PEERRDMA": cmd_peerrdma,
+        handler = {b"PEERGET": cmd_peerget, b"PEERRDMA": cmd_peerrdma,
                    b"PEERRELEASE": cmd_peerrelease}[args[0]]
         try:
             reply = handler(self.server.session, args)
@@ -516,9 +519,9 @@ class LoopbackConn:
 
 async def as_received(reply):
     """A reply value as hiredis hands it to the caller."""
-    if isinstance(reply, Deferred):
+    if isinstance(reply, Pending):
         reply = await reply.awaitable
-    if isinstance(reply, BlockReply):
+    if isinstance(reply, Pinned):
         data = bytes(reply.view)
         reply.release()
         return data
@@ -540,8 +543,8 @@ class LoopbackPool:
         self.out -= 1
 
 
-def make_store(pages=64, inline_max=256) -> Store:
-    return Store(DramConfig(size=pages * PAGE, inline_max=inline_max), ScopeRegistry())
+def make_store(pages=64, inline_max=256) -> Keyspace:
+    return Keyspace(DramConfig(size=pages * PAGE, inline_max=inline_max), ScopeRegistry())
 
 
 class Pair:
@@ -549,15 +552,17 @@ class Pair:
 
     def __init__(self, client_inline=256, read_timeout=1.0):
         self.fabric = Fabric()
-        self.server_store, self.client_store = make_store(), make_store(inline_max=client_inline)
+        # the serving node's command handlers run on a real context; its cluster is a stand-in
+        # holding just what they use (the RDMA transfer and the counters)
+        cluster = SimpleNamespace(transfers=SimpleNamespace(rdma=None), stats=Counter())
+        self.ctx = make_context(cluster=cluster)
+        self.server_store, self.client_store = self.ctx.keyspace, make_store(inline_max=client_inline)
         self.server_dev = FakeDevice(self.fabric, self.server_store.arena._view)
         self.client_dev = FakeDevice(self.fabric, self.client_store.arena._view)
         self.calls: list[bytes] = []
         self.server_rdma = RdmaTransfer(self.server_dev, IB, self.server_store.arena._view, None, "n2", 256)
-        node = SimpleNamespace(store=self.server_store, scopes=self.server_store.scopes,
-                               cluster=SimpleNamespace(transfers=SimpleNamespace(rdma=self.server_rdma),
-                                                       stats=Counter()))
-        self.session = SimpleNamespace(node=node, peer=True, id=7)
+        cluster.transfers.rdma = self.server_rdma
+        self.session = session(self.ctx, peer=True)
         self.pool = LoopbackPool(self)
         self.rdma = RdmaTransfer(self.client_dev, IB, self.client_store.arena._view, self.pool, "n1",
                                  client_inline, read_timeout=read_timeout)
@@ -676,17 +681,16 @@ def test_address_of_does_not_hold_the_arena():
 # -- the serving side's commands ---------------------------------------------------------------
 def test_handlers_need_a_peer_and_rdma():
     p = Pair()
-    stranger = SimpleNamespace(node=p.session.node, peer=False, id=8)
+    stranger = session(p.ctx, peer=False)
     with pytest.raises(PeerOnly):
         cmd_peerrdma(stranger, [b"PEERRDMA", b"CONNECT", b"{}"])
-    no_rdma = SimpleNamespace(node=SimpleNamespace(cluster=SimpleNamespace(transfers=SimpleNamespace(rdma=None))),
-                              peer=True, id=9)
+    no_rdma = session(make_context(cluster=SimpleNamespace(transfers=SimpleNamespace(rdma=None))), peer=True)
     with pytest.raises(CommandError, match="RDMA is not enabled on this node"):
-        peerget_rdma(no_rdma, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"k", b"RDMA", b"257"])
+        cmd_peerget(no_rdma, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"k", b"RDMA", b"257"])
     with pytest.raises(CommandError, match="syntax"):
         cmd_peerrdma(p.session, [b"PEERRDMA", b"DISCONNECT", b"{}"])
     with pytest.raises(CommandError, match="syntax"):
-        peerget_rdma(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"k", b"TCP", b"257"])
+        cmd_peerget(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"k", b"TCP", b"257"])
 
 
 @pytest.mark.parametrize("raw", [
@@ -712,17 +716,17 @@ def test_qp_info_round_trip():
 def test_a_lease_is_released_only_by_its_connection():
     p = Pair()
     p.put(b"big", os.urandom(2 * PAGE))
-    reply = peerget_rdma(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
+    reply = cmd_peerget(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
     crc, length, raddr, rkey, lease = reply
     assert (length, rkey) == (2 * PAGE, p.server_dev.rkey)
     assert p.server_store.active_pins == 1
-    other = SimpleNamespace(node=p.session.node, peer=True, id=99)
+    other = session(p.ctx, peer=True)
     assert cmd_peerrelease(other, [b"PEERRELEASE", str(lease).encode()]) == 0
     assert p.server_store.active_pins == 1
     assert cmd_peerrelease(p.session, [b"PEERRELEASE", str(lease).encode(), b"12345"]) == 1
     assert p.server_store.active_pins == 0
-    peerget_rdma(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
-    p.server_rdma.session_closed(7)  # the connection closed without releasing
+    cmd_peerget(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
+    p.server_rdma.session_closed(p.session.id)  # the connection closed without releasing
     assert p.server_store.active_pins == 0
 
 
@@ -744,7 +748,7 @@ def test_close_releases_leases_and_queue_pairs():
     p = Pair()
     p.put(b"big", os.urandom(2 * PAGE))
     p.fetch(b"big")
-    peerget_rdma(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
+    cmd_peerget(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
     p.server_rdma.close()
     assert p.server_store.active_pins == 0 and p.server_dev.closed
     assert all(qp.destroyed for qp in p.fabric.qps.values() if qp.device is p.server_dev)

@@ -6,6 +6,8 @@ import fnmatch
 
 from quilld.protocol.commands.common import text
 from quilld.errors import CommandError
+from quilld.protocol.context import NodeContext
+from quilld.protocol.info import info_sections, reset_stats
 from quilld.protocol.resp import OK, Verbatim
 from quilld.protocol.table import Command, CommandTable
 
@@ -19,18 +21,18 @@ def cmd_info(c, args):
         names = list(DEFAULT_SECTIONS)
     else:
         names = [n for n in DEFAULT_SECTIONS if n in wanted]
-    sections = c.node.info_sections(c, names)
+    sections = info_sections(c.ctx, c, names)
     body = "\r\n".join(f"# {title}\r\n" + "".join(f"{k}:{v}\r\n" for k, v in fields)
                        for title, fields in sections)
     return Verbatim(body.encode())
 
 
-def _config_params(node) -> dict[str, str]:
-    cfg = node.cfg
+def _config_params(ctx: NodeContext) -> dict[str, str]:
+    cfg = ctx.cfg
     return {
         "bind": cfg.server.bind,
         "port": str(cfg.server.port),
-        "maxmemory": str(node.store.capacity),
+        "maxmemory": str(ctx.keyspace.capacity),
         "maxmemory-policy": "allkeys-lru",
         "maxclients": str(cfg.server.max_clients),
         "proto-max-bulk-len": str(cfg.server.proto_max_bulk_len),
@@ -46,7 +48,7 @@ def _config_params(node) -> dict[str, str]:
 
 
 def cmd_config_get(c, args):
-    params = _config_params(c.node)
+    params = _config_params(c.ctx)
     out: dict[bytes, bytes] = {}
     for pattern in args[2:]:
         pat = text(pattern).lower()
@@ -62,7 +64,7 @@ def cmd_config_set(c, args):
 
 
 def cmd_config_resetstat(c, args):
-    c.node.reset_stats()
+    reset_stats(c.ctx)
     return OK
 
 
@@ -80,7 +82,7 @@ def _command_doc(cmd: Command) -> dict:
 
 
 def _top(c) -> dict[bytes, Command]:
-    return c.node.table.commands
+    return c.ctx.table.commands
 
 
 def cmd_command(c, args):

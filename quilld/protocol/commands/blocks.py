@@ -9,12 +9,12 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
-from quilld.protocol.commands.common import block_hash, parse_int, reply_value, text
-from quilld.errors import CommandError, NoAuth, NoHandle, QuillError
-from quilld.model import BlockState, CacheTier
-from quilld.protocol.resp import OK, Deferred, Status
+from quilld.protocol.commands.common import block_hash, parse_int, text
+from quilld.errors import CommandError, NoAuth, NoHandle
+from quilld.model import CacheTier, Pending
+from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
-from quilld.tiers.keyspace import Block
+from quilld.tiers.block import Block
 from quilld.tiers.puts import IntoBlock
 
 EXISTS = Status(b"EXISTS")
@@ -29,27 +29,26 @@ def large_target(c, args: list, index: int, length: int):
     if not c.authenticated:
         raise NoAuth("Authentication required.")
     name = bytes(args[0]).lower() if args else b""
-    node = c.node
     if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
-        block = node.store.reserve(length)
-        return block, node.store.view(block)
+        block = c.keyspace.reserve(length)
+        return block, c.keyspace.write_view(block)
     if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
-        put = node.puts.get(bytes(args[2]), c.user)
+        put = c.puts.get(bytes(args[2]), c.user)
         offset = parse_int(args[3])
-        view = node.puts.open_writer(put, offset, length)
+        view = c.puts.open_writer(put, offset, length)
         return IntoBlock(put, offset, length), view
     buf = bytearray(length)
     return buf, memoryview(buf)
 
 
-def release_args(node, args: list) -> None:
+def release_args(c, args: list) -> None:
     """Give back reservations a command left unconsumed (or a dropped connection left)."""
     for a in args:
         t = type(a)
-        if t is Block and a.state in (BlockState.RESERVED, BlockState.WRITING):
-            node.store.discard(a)
+        if t is Block and a.unpublished:
+            c.keyspace.discard(a)
         elif t is IntoBlock and a.put is not None:
-            node.puts.close_writer(a, complete=False)
+            c.puts.close_writer(a, complete=False)
             a.put = None
 
 
@@ -57,8 +56,8 @@ def _put2phase_begin(c, args):
     if len(args) not in (4, 6, 8):
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
-    if nbytes < 0 or nbytes > c.node.cfg.server.proto_max_bulk_len:
-        raise CommandError(f"block size must be within 0..{c.node.cfg.server.proto_max_bulk_len} bytes")
+    if nbytes < 0 or nbytes > c.ctx.cfg.server.proto_max_bulk_len:
+        raise CommandError(f"block size must be within 0..{c.ctx.cfg.server.proto_max_bulk_len} bytes")
     lease = bhash = None
     for i in range(4, len(args), 2):
         opt = bytes(args[i]).upper()
@@ -68,7 +67,7 @@ def _put2phase_begin(c, args):
             bhash = block_hash(text(args[i + 1]))
         else:
             raise CommandError("syntax error")
-    handle = c.node.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash)
+    handle = c.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash)
     return EXISTS if handle is None else handle
 
 
@@ -76,7 +75,7 @@ def _put2phase_data(c, args):
     if len(args) != 5:
         raise CommandError("wrong number of arguments for 'put2phase|data' command")
     payload = args[4]
-    puts = c.node.puts
+    puts = c.puts
     if type(payload) is IntoBlock:
         dead = payload.put.dead
         puts.close_writer(payload, complete=True)
@@ -99,7 +98,7 @@ def _put2phase_commit(c, args):
         crc = parse_int(args[4])
         if not 0 <= crc < 1 << 32:
             raise CommandError("CRC32C must be an unsigned 32-bit integer")
-    puts = c.node.puts
+    puts = c.puts
     puts.commit(puts.get(bytes(args[2]), c.user), crc)
     return OK
 
@@ -107,7 +106,7 @@ def _put2phase_commit(c, args):
 def _put2phase_abort(c, args):
     if len(args) != 3:
         raise CommandError("wrong number of arguments for 'put2phase|abort' command")
-    puts = c.node.puts
+    puts = c.puts
     puts.abort(puts.get(bytes(args[2]), c.user))
     return OK
 
@@ -128,11 +127,11 @@ def cmd_getblk(c, args):
         raise CommandError("wrong number of arguments for 'getblk' command")
     if len(args) == 3 and bytes(args[2]).upper() != b"LOCAL":
         raise CommandError("syntax error")
-    value = c.store.lookup(c.tag, args[1])
-    cluster = c.node.cluster
+    value = c.keyspace.get(c.tag, args[1])
+    cluster = c.ctx.cluster
     if value is None and cluster is not None and len(args) == 2:
-        return Deferred(cluster.fetch(c.scope, c.tag, bytes(args[1])))
-    return reply_value(c.store, value)
+        return Pending(cluster.fetch(c.scope, c.tag, bytes(args[1])))
+    return value
 
 
 def _engine_hash(key: bytes) -> int | bytes:
@@ -146,18 +145,10 @@ def _place(node: str, tier: CacheTier, nbytes: int | None = None, last_ms: int |
 
 
 def cmd_locate(c, args):
-    store, node_id, index, cluster = c.store, c.node.node_id, c.node.control.index, c.node.cluster
+    ks, node_id, index, cluster = c.keyspace, c.ctx.node_id, c.control.index, c.ctx.cluster
     out = []
     for key in args[1:]:
-        places = []
-        fk = c.tag + key
-        value = store.data.get(fk) if store.contains(c.tag, key) else None
-        if value is not None:
-            last = int(value.last_access * 1000) if type(value) is Block else None
-            places.append(_place(node_id, CacheTier.DRAM, len(value), last))
-        on_ssd = store.ssd_data.get(fk) if value is None else getattr(value, "ssd", None)
-        if on_ssd is not None:
-            places.append(_place(node_id, CacheTier.SSD, len(on_ssd)))
+        places = [_place(node_id, tier, nbytes, last) for tier, nbytes, last in ks.places(c.tag, key)]
         if cluster is not None:
             places += [_place(holder, tier) for holder, tier in cluster.directory.holders(c.tag, bytes(key))]
         places += [_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
@@ -174,5 +165,3 @@ def register(t: CommandTable) -> None:
     t.add("locate", -2, f"{READONLY} {FAST}", cmd_locate, "Lists every residency of each key in the caller's scope.",
           "quillcache", "0.1.0", keys=(1, -1, 1))
 
-
-__all__ = ["large_target", "release_args", "register", "QuillError"]

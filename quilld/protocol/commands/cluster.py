@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import hmac
 
-import crc32c
-
+from quilld.cluster.rdma import RdmaTransfer
 from quilld.cluster.replog import Behind as LogBehind
 from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope
-from quilld.protocol.resp import OK, BlockReply, Deferred
+from quilld.model import Pending
+from quilld.protocol.resp import OK
 from quilld.protocol.table import ADMIN, NOAUTH, READONLY, CommandTable
-from quilld.tiers.keyspace import Block
 
 MAX_BATCH = 50_000
 MAX_WAIT_MS = 30_000
 
 
 def _cluster(c):
-    cluster = c.node.cluster
+    cluster = c.ctx.cluster
     if cluster is None:
         raise CommandError("this node is not in a cluster (cluster.gossip_port is 0)")
     return cluster
@@ -35,8 +34,8 @@ def _peer(c):
 def cmd_peerauth(c, args):
     """PEERAUTH secret: this connection is a cluster peer (the cluster secret, or "" when none is set)."""
     cluster = _cluster(c)
-    secret = c.node.cfg.cluster.secret
-    if not secret and c.node.users.required:
+    secret = c.ctx.cfg.cluster.secret
+    if not secret and c.ctx.users.required:
         raise WrongPass("peer connections need cluster.secret when clients need passwords")
     if not hmac.compare_digest(bytes(args[1]), secret.encode()):
         raise WrongPass("invalid cluster secret")
@@ -82,7 +81,7 @@ def cmd_replog(c, args):
         await cluster.wait_log(after, wait_ms / 1000)
         return answer()
 
-    return Deferred(later())
+    return Pending(later())
 
 
 def _scope_of(args) -> IdentityScope:
@@ -92,44 +91,50 @@ def _scope_of(args) -> IdentityScope:
 def cmd_peerget(c, args):
     """PEERGET tenant model tokenizer adapter key [RDMA min_bytes]: [crc32c, bytes] of this node's copy, or nil.
 
-    With RDMA, a block of at least min_bytes is leased for an RDMA READ instead (cluster/rdma.py).
+    With RDMA, a block of at least min_bytes is leased for an RDMA READ instead (cluster/rdma.py):
+    `[crc32c, length, remote_addr, rkey, lease]`.
     """
-    if len(args) == 8:
-        from quilld.cluster.rdma import peerget_rdma
-
-        return peerget_rdma(c, args)
-    if len(args) != 6:
+    if len(args) not in (6, 8):
         raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
+    if len(args) == 8:
+        rdma = _rdma(c)
+        if bytes(args[6]).upper() != b"RDMA":
+            raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
+        min_bytes = parse_int(args[7])
     cluster = _peer(c)
-    store = c.node.store
-    tag = c.node.scopes.tag(_scope_of(args))
-    value = store.lookup(tag, args[5])
+    tag = c.ctx.scopes.tag(_scope_of(args))
+    if len(args) == 8:
+        extent = c.keyspace.lease_extent(tag, bytes(args[5]), min_bytes)
+        if extent is not None:
+            cluster.stats["peer_gets_served"] += 1
+            crc, offset, length, pinned = extent
+            lease = rdma.leases.grant(c.id, pinned.release)
+            rdma.stats["rdma_leases_granted"] += 1
+            return [crc, length, rdma.device.base + offset, rdma.device.rkey, lease]
     cluster.stats["peer_gets_served"] += 1
-    if value is None:
-        return None
-    if type(value) is Block:
-        store.pin(value)
-        view = store.view(value)
-        if value.crc is None:  # published blocks never change: compute once, serve many
-            value.crc = crc32c.crc32c(view)
-        return [value.crc, BlockReply(view, lambda: store.unpin(value))]
-    if type(value) is bytes:
-        return [crc32c.crc32c(value), value]
-    return Deferred(cluster.read_for_peer(value))
+    return c.keyspace.peer_copy(tag, args[5])
+
+
+def _rdma(c) -> RdmaTransfer:
+    cluster = _peer(c)
+    rdma = cluster.transfers.rdma
+    if rdma is None:
+        raise CommandError("RDMA is not enabled on this node (see INFO cluster: cluster_rdma_unavailable_reason)")
+    return rdma
 
 
 def cmd_peerrdma(c, args):
-    """PEERRDMA CONNECT json: a peer sets up an RDMA queue pair with this node (cluster/rdma.py)."""
-    from quilld.cluster.rdma import cmd_peerrdma as handler
-
-    return handler(c, args)
+    """PEERRDMA CONNECT json: a peer sets up an RC queue pair with this node; answers with ours."""
+    rdma = _rdma(c)
+    if bytes(args[1]).upper() != b"CONNECT" or len(args) != 3:
+        raise CommandError("syntax: PEERRDMA CONNECT json")
+    return rdma.accept(bytes(args[2]))
 
 
 def cmd_peerrelease(c, args):
     """PEERRELEASE lease [lease ...]: a peer is done reading blocks leased by PEERGET ... RDMA."""
-    from quilld.cluster.rdma import cmd_peerrelease as handler
-
-    return handler(c, args)
+    rdma = _rdma(c)
+    return sum(rdma.leases.release(parse_int(a), c.id) for a in args[1:])
 
 
 def cmd_nodes(c, args):

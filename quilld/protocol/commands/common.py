@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from quilld.errors import CommandError
-from quilld.protocol.resp import BlockReply, Deferred
+from quilld.model import Pending
 from quilld.protocol.resp import _parse_len as _strict_int
-from quilld.tiers.keyspace import Block
 
 _NOT_INT = "value is not an integer or out of range"
 
@@ -22,34 +20,18 @@ def parse_int(raw: bytes, message: str = _NOT_INT) -> int:
     return value
 
 
-def block_reply(store, block: Block) -> BlockReply:
-    """Reply with the block's bytes straight from the arena, pinned until sent."""
-    store.pin(block)
-    return BlockReply(store.view(block), partial(store.unpin, block))
-
-
-def reply_value(store, value):
-    """A stored value as a reply: arena blocks pinned and sent from memory, SSD blocks read later."""
-    t = type(value)
-    if t is Block:
-        return block_reply(store, value)
-    if t is bytes or value is None:
-        return value
-    return Deferred(store.tiering.reply(value))  # only on SSD
-
-
 def settle(replies: list):
     """An array reply whose items may be deferred (MGET of SSD blocks): one deferred reply."""
-    if not any(type(r) is Deferred for r in replies):
+    if not any(type(r) is Pending for r in replies):
         return replies
 
     async def gather():
         out = []
         for r in replies:
-            out.append(await r.awaitable if type(r) is Deferred else r)
+            out.append(await r.awaitable if type(r) is Pending else r)
         return out
 
-    return Deferred(gather())
+    return Pending(gather())
 
 
 def block_hash(v: Any) -> int | bytes:

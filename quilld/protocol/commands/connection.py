@@ -7,10 +7,10 @@ import time
 from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass
 from quilld.model import IdentityScope
+from quilld.protocol.info import REDIS_VERSION
 from quilld.protocol.resp import OK, PONG, Status
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
 
-REDIS_VERSION = "7.0.15"  # the redis-server we answer like, for clients that read it
 
 _SYNTAX = CommandError("syntax error")
 
@@ -32,14 +32,14 @@ def cmd_echo(c, args):
 
 
 def _authenticate(c, user: str, password: str) -> None:
-    users = c.node.users
+    users = c.ctx.users
     if not users.required:
         if user != "default":  # redis: the default user has nopass; nobody else exists
             raise WrongPass("invalid username-password pair or user is disabled.")
         c.login("default")
         return
     if not users.check(user, password):
-        c.node.stats["auth_failures"] += 1
+        c.ctx.stats["auth_failures"] += 1
         raise WrongPass("invalid username-password pair or user is disabled.")
     c.login(user)
 
@@ -48,13 +48,13 @@ def cmd_auth(c, args):
     if len(args) > 3:
         raise _SYNTAX
     if len(args) == 2:
-        if not c.node.users.default_has_password and not c.node.users.required:
+        if not c.ctx.users.default_has_password and not c.ctx.users.required:
             raise CommandError("AUTH <password> called without any password configured for the default user. "
                                "Are you sure your configuration is correct?")
         _authenticate(c, "default", text(args[1]))
     else:
         _authenticate(c, text(args[1]), text(args[2]))
-    c.node.parser_auth_changed(c)
+    c.ctx.clients.auth_changed(c)
     return OK
 
 
@@ -74,7 +74,7 @@ def cmd_hello(c, args):
         more = len(args) - i - 1
         if opt == b"AUTH" and more >= 2:
             _authenticate(c, text(args[i + 1]), text(args[i + 2]))
-            c.node.parser_auth_changed(c)
+            c.ctx.clients.auth_changed(c)
             i += 3
         elif opt == b"SETNAME" and more >= 1:
             name = _client_name(args[i + 1])
@@ -154,7 +154,7 @@ def client_line(c, now: float) -> bytes:
 
 def cmd_client_list(c, args):
     now = time.monotonic()
-    return b"".join(client_line(s, now) for s in c.node.sessions.values())
+    return b"".join(client_line(s, now) for s in c.ctx.clients.sessions.values())
 
 
 def cmd_client_info(c, args):

@@ -49,15 +49,15 @@ def decision_reply(d: Decision) -> dict:
 
 
 def cmd_route(c, args):
-    return decision_reply(route(c.node.control, c.scope, c.tag, RouteRequest.parse(route_fields(args))))
+    return decision_reply(route(c.control, c.scope, c.tag, RouteRequest.parse(route_fields(args))))
 
 
 def cmd_release(c, args):
-    return 1 if c.node.control.engines.release(text(args[1])) else 0
+    return 1 if c.control.engines.release(text(args[1])) else 0
 
 
 def cmd_kvevents(c, args):
-    control = c.node.control
+    control = c.control
     engine_id = text(args[1])
     control.engines.get(engine_id)
     try:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from quilld.protocol.commands.common import parse_int, reply_value, settle
+from quilld.protocol.commands.common import parse_int, settle
 from quilld.errors import CommandError
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
-from quilld.tiers.keyspace import Block, now_ms
+from quilld.tiers.block import Block
+from quilld.tiers.keyspace import now_ms
 
 _SYNTAX = CommandError("syntax error")
 
 
 def cmd_get(c, args):
-    return reply_value(c.store, c.store.lookup(c.tag, args[1]))
+    return c.keyspace.get(c.tag, args[1])
 
 
 def _storable(store, value):
@@ -26,7 +27,7 @@ def _storable(store, value):
 
 
 def cmd_set(c, args):
-    store = c.store
+    store = c.keyspace
     if len(args) == 3:
         value = args[2]
         if value.__class__ is not bytes or len(value) > store.inline_max:
@@ -54,10 +55,9 @@ def cmd_set(c, args):
         i += 1
     expire_at = None if exp_opt is None else _expire_at(exp_opt, exp_raw)
     key = args[1]
-    old = store.lookup(c.tag, key) if get else None
-    reply = reply_value(store, old) if get else OK
+    reply = store.get(c.tag, key) if get else OK
     if nx or xx:
-        exists = old is not None if get else store.contains(c.tag, key)
+        exists = reply is not None if get else store.contains(c.tag, key)
         if (nx and exists) or (xx and not exists):
             return reply if get else None
     store.publish(c.tag, key, _storable(store, args[2]), keep_ttl=keepttl)
@@ -82,55 +82,56 @@ def _expire_at(opt: bytes, raw: bytes) -> int:
 
 
 def cmd_mget(c, args):
-    store, tag = c.store, c.tag
-    return settle([reply_value(store, store.lookup(tag, k)) for k in args[1:]])
+    store, tag = c.keyspace, c.tag
+    get = store.get
+    return settle([get(tag, k) for k in args[1:]])
 
 
 def cmd_mset(c, args):
     if len(args) % 2 == 0:
         raise CommandError("wrong number of arguments for 'mset' command")
-    store, tag = c.store, c.tag
+    store, tag = c.keyspace, c.tag
     for i in range(1, len(args), 2):
         store.publish(tag, args[i], _storable(store, args[i + 1]))
     return OK
 
 
 def cmd_exists(c, args):
-    store, tag = c.store, c.tag
+    store, tag = c.keyspace, c.tag
     return sum(1 for k in args[1:] if store.contains(tag, k))
 
 
 def cmd_del(c, args):
-    store, tag = c.store, c.tag
+    store, tag = c.keyspace, c.tag
     return sum(1 for k in args[1:] if store.delete(tag, k))
 
 
 def cmd_strlen(c, args):
-    v = c.store.lookup(c.tag, args[1])
+    v = c.keyspace.lookup(c.tag, args[1])
     return 0 if v is None else len(v)
 
 
 def cmd_type(c, args):
-    return Status(b"none" if not c.store.contains(c.tag, args[1]) else b"string")
+    return Status(b"none" if not c.keyspace.contains(c.tag, args[1]) else b"string")
 
 
 def cmd_ttl(c, args):
-    ms = c.store.ttl_ms(c.tag, args[1])
+    ms = c.keyspace.ttl_ms(c.tag, args[1])
     return ms if ms < 0 else (ms + 500) // 1000
 
 
 def cmd_pttl(c, args):
-    return c.store.ttl_ms(c.tag, args[1])
+    return c.keyspace.ttl_ms(c.tag, args[1])
 
 
 def cmd_dbsize(c, args):
-    return c.store.keys_in(c.tag)
+    return c.keyspace.keys_in(c.tag)
 
 
 def cmd_flushall(c, args):
     if len(args) > 2 or (len(args) == 2 and bytes(args[1]).upper() not in (b"ASYNC", b"SYNC")):
         raise _SYNTAX
-    c.store.flush_scope(c.tag)
+    c.keyspace.flush_scope(c.tag)
     return OK
 
 

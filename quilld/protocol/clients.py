@@ -1,0 +1,68 @@
+"""The node's open RESP connections and the counters they feed (INFO stats, CLIENT LIST)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for annotations only: server.py imports this module
+    from quilld.protocol.server import RespConnection
+
+
+class Clients:
+    def __init__(self, max_clients: int, on_close: Any = None) -> None:
+        self.max_clients = max_clients
+        self.connections: dict[int, RespConnection] = {}
+        self.sessions: dict[int, Any] = {}
+        self.stats: Counter[str] = Counter()  # total_connections_received, rejected_connections
+        self.commands_processed = 0
+        self.net_in = 0
+        self.net_out = 0
+        self.on_close = on_close  # called with a closed connection's session id (the cluster's RDMA leases)
+        self._draining: set[RespConnection] = set()
+
+    def opened(self, conn: RespConnection) -> bool:
+        """Admit a new connection, or refuse it (max clients reached): False."""
+        if len(self.connections) >= self.max_clients:
+            self.stats["rejected_connections"] += 1
+            conn.transport.write(b"-ERR max number of clients reached\r\n")
+            conn.transport.close()
+            return False
+        self.connections[conn.session.id] = conn
+        self.sessions[conn.session.id] = conn.session
+        self.stats["total_connections_received"] += 1
+        return True
+
+    def closed(self, conn: RespConnection) -> None:
+        self.connections.pop(conn.session.id, None)
+        self.sessions.pop(conn.session.id, None)
+        self._draining.discard(conn)
+        if self.on_close is not None:
+            self.on_close(conn.session.id)
+
+    def auth_changed(self, session: Any) -> None:
+        """The session logged in (or out): its parser's pre-AUTH limits follow."""
+        conn = self.connections.get(session.id)
+        if conn is not None:
+            conn.parser.authenticated = session.authenticated
+
+    def watch_drain(self, conn: RespConnection) -> None:
+        """Check `conn` again at the next housekeeping tick: its pinned replies are still being sent."""
+        self._draining.add(conn)
+
+    def check_draining(self) -> None:
+        if self._draining:
+            waiting, self._draining = self._draining, set()
+            for conn in waiting:
+                conn.check_drained()
+
+    def any_pinned(self) -> bool:
+        return any(c.has_pins for c in self.connections.values())
+
+    def close_all(self) -> None:
+        for conn in list(self.connections.values()):
+            conn.transport.close()
+
+    def reset_stats(self) -> None:
+        self.stats.clear()
+        self.commands_processed = self.net_in = self.net_out = 0

@@ -1,0 +1,44 @@
+"""The seam between the keyspace and a tier below DRAM.
+
+The keyspace keeps every key whose only copy lies below DRAM in one LRU
+dict of *entries*; it never knows what the tier is. A tier below DRAM (today
+the SSD tier through tiering.py; a CXL or remote-memory tier would be one
+more file implementing this) provides what the keyspace needs to serve,
+drop and make room. Moves between tiers (demotion, promotion) are the tier's
+policy: it calls `Keyspace.demoted` / `Keyspace.promoted` / `Keyspace.adopt`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Protocol
+
+from quilld.model import CacheTier, Pinned
+
+
+class LowerEntry(Protocol):
+    """One value held by a lower tier."""
+
+    length: int
+    crc: int
+    pins: int
+
+
+class LowerTier(Protocol):
+    tier: CacheTier  # what the residency index calls this tier
+
+    @property
+    def active(self) -> bool:
+        """Whether the tier takes writes (it exists and has not failed)."""
+
+    def read(self, entry: Any) -> Awaitable[Pinned | None]:
+        """The entry's verified bytes in DRAM (promoted or not, by policy); None when they failed
+        verification (the entry is then dropped). Pins the entry until the read is done."""
+
+    async def read_bytes(self, entry: Any) -> bytes:
+        """The entry's verified bytes, without promoting it."""
+
+    def drop(self, entry: Any) -> None:
+        """The entry's value is no longer wanted: free its space once that is durable."""
+
+    def wake(self) -> None:
+        """DRAM is short of space for a write: make room (demote) now."""
