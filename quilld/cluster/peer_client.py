@@ -1,9 +1,11 @@
 """A small asyncio RESP client for node-to-node calls, and a pool of them.
 
-Replies are parsed with hiredis. `fetch_into` receives a block's payload
-straight into memory the caller provides (an arena slot): no intermediate
-`bytes` of the payload is ever built. Any connection error or timeout closes
-the connection; the caller decides whether to retry elsewhere.
+Commands are encoded by quillwire (the codec quillclient shares). General
+replies are parsed with hiredis. `fetch_into` reads its reply with quillwire's
+`ReplyReader`, which lands the block's payload straight into memory the caller
+provides (an arena slot): no intermediate `bytes` of the payload is ever built.
+Any connection error or timeout closes the connection; the caller decides
+whether to retry elsewhere.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import socket
 from typing import Any, Callable
 
 import hiredis
+from quillwire.encode import encode_command
+from quillwire.reply import NEED_DATA, Bulk, ReplyError, ReplyReader
 
 from quilld.errors import QuillError
 
 CONNECT_TIMEOUT = 2.0
 CALL_TIMEOUT = 10.0
 _CHUNK = 256 * 1024
+_HEADER_READ = 1024  # asked for while a reply header is due: little of the payload passes through a copy
 SOCKET_BUFFER = 4 * 1024 * 1024  # a whole block in flight per round trip (capped by net.core.rmem_max)
 
 
@@ -28,23 +33,13 @@ class PeerError(QuillError):
     prefix = "PEERFAIL"
 
 
-def encode_command(args: tuple) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        parts.append(b"$%d\r\n%b\r\n" % (len(a), a))
-    return b"".join(parts)
-
-
 class PeerConnection:
     def __init__(self, host: str, port: int, hello: tuple[tuple, ...] = ()) -> None:
         self.host, self.port = host, port
         self.hello = hello  # commands sent right after connecting (authentication)
         self.sock: socket.socket | None = None
         self.reader = hiredis.Reader()
+        self.fetch_reader = ReplyReader(large_bulk=0)  # fetch_into's replies: every bulk announced
         self.loop = asyncio.get_running_loop()
 
     async def connect(self) -> None:
@@ -69,6 +64,7 @@ class PeerConnection:
             self.sock.close()
             self.sock = None
         self.reader = hiredis.Reader()
+        self.fetch_reader = ReplyReader(large_bulk=0)
 
     @property
     def closed(self) -> bool:
@@ -79,7 +75,7 @@ class PeerConnection:
         if self.sock is None:
             await self.connect()
         try:
-            return await asyncio.wait_for(self._call(encode_command(args)), timeout)
+            return await asyncio.wait_for(self._call(encode_command(*args)), timeout)
         except (OSError, asyncio.TimeoutError, hiredis.ProtocolError, PeerError) as e:
             self.close()
             raise PeerError(f"peer {self.host}:{self.port}: {e or 'timeout'}") from None
@@ -110,7 +106,7 @@ class PeerConnection:
         if self.sock is None:
             await self.connect()
         try:
-            return await asyncio.wait_for(self._fetch(encode_command(args), target), timeout)
+            return await asyncio.wait_for(self._fetch(encode_command(*args), target), timeout)
         except (OSError, asyncio.TimeoutError, ValueError) as e:
             self.close()
             raise PeerError(f"peer {self.host}:{self.port}: fetch failed: {e or 'timeout'}") from None
@@ -119,53 +115,38 @@ class PeerConnection:
             raise
 
     async def _fetch(self, data: bytes, target: Callable[[int], memoryview]) -> tuple:
-        loop, sock = self.loop, self.sock
+        loop, sock, reader = self.loop, self.sock, self.fetch_reader
         await loop.sock_sendall(sock, data)
-        head = bytearray()
-        # the header is at most three short lines: read until all of them are in
         while True:
-            lines = head.split(b"\r\n")
-            if head[:1] in (b"-", b"$") and len(lines) >= 2:
-                if head[:1] == b"-":
-                    raise QuillError(lines[0][1:].decode(errors="replace"))
-                if lines[0] == b"$-1":
-                    return None, None
-                raise ValueError(f"unexpected reply {bytes(lines[0][:40])!r}")
-            if head[:1] == b"*" and len(lines) >= 4:
+            event = reader.next_event()
+            if event is NEED_DATA:
+                # the header lands in the reader's buffer, the payload straight in the target
+                buf = reader.get_buffer(_HEADER_READ)
+                try:  # drain what the kernel already holds without a loop round trip per chunk
+                    n = sock.recv_into(buf)
+                except BlockingIOError:
+                    n = await loop.sock_recv_into(sock, buf)
+                if n == 0:
+                    raise PeerError("peer closed the connection mid-transfer" if reader.receiving
+                                    else "connection closed by peer")
+                reader.buffer_updated(n)
+            elif type(event) is Bulk:
+                # only the payload of `*2 :crc $len payload` goes anywhere: checked before it arrives
+                if not (event.depth == 1 and event.count == 2 and event.index == 1
+                        and type(event.items[0]) is int):
+                    raise ValueError(f"unexpected reply: {event!r}")
+                reader.attach(target(event.length))
+            else:
                 break
-            if len(head) > 1024 or (head and head[:1] not in b"*-$"):
-                raise ValueError("malformed reply header")
-            chunk = await loop.sock_recv(sock, 1024 if not head else 256)
-            if not chunk:
-                raise PeerError("connection closed by peer")
-            head += chunk
-        if lines[0] != b"*2" or lines[1][:1] != b":" or lines[2][:1] != b"$":
-            raise ValueError(f"unexpected reply header {bytes(head[:60])!r}")
-        crc, length = int(lines[1][1:]), int(lines[2][1:])
-        start = len(lines[0]) + len(lines[1]) + len(lines[2]) + 6
-        view = target(length)
-        got = head[start:start + length + 2]
-        take = min(len(got), length)
-        view[:take] = got[:take]
-        tail = bytearray(got[take:])
-        pos = take
-        while pos < length:
-            # drain what the kernel already holds without a loop round trip per chunk
-            try:
-                n = sock.recv_into(view[pos:])
-            except BlockingIOError:
-                n = await loop.sock_recv_into(sock, view[pos:])
-            if n == 0:
-                raise PeerError("peer closed the connection mid-transfer")
-            pos += n
-        while len(tail) < 2:
-            chunk = await loop.sock_recv(sock, 2 - len(tail))
-            if not chunk:
-                raise PeerError("peer closed the connection mid-transfer")
-            tail += chunk
-        if bytes(tail[:2]) != b"\r\n":
-            raise ValueError("payload not followed by CRLF")
-        return crc, view
+        if not reader.idle:  # bytes after the reply: the stream cannot be trusted any more
+            self.close()
+        if event is None:
+            return None, None
+        if isinstance(event, ReplyError):
+            raise QuillError(event.message)
+        if type(event) is not list or len(event) != 2:
+            raise ValueError(f"unexpected reply {event!r:.60}")
+        return event[0], event[1]
 
 
 class PeerPool:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from quilld.protocol.resp import encode_command
+from quillwire.encode import encode_command
 
 # Replies that differ by nature (ids, versions, timings) are kept out of the scripts.
 STRINGS = [

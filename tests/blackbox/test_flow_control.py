@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from quilld.protocol.resp import encode_command
+from quillwire.encode import encode_command
 
 MiB = 1 << 20
 

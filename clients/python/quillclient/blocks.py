@@ -33,9 +33,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import crc32c
+from quillwire.encode import as_readable
 
 from quillclient.errors import NoHandle, QuillConnectionError, QuillError
-from quillclient.wire import as_readable
 
 if TYPE_CHECKING:
     from quillclient.client import QuillClient

@@ -7,7 +7,7 @@ Two pools share one `ClientConfig`:
   redis-py, then `SCOPE`), so every pooled connection of a client carries the
   client's scope, including connections opened after a reconnect; two clients
   with different scopes never share a connection. Large arguments go out as
-  memoryviews (`wire.CommandPacker`), not copied.
+  memoryviews (`CommandPacker`, quillwire's encoder), not copied.
 - `zerocopy.RawPool`, raw sockets for `get_into` / `get_many_into`, set up
   with the same AUTH and SCOPE.
 
@@ -31,10 +31,12 @@ import redis.exceptions as rx
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from quillwire.encode import pack_command
+
 from quillclient import blocks, zerocopy
 from quillclient.config import ClientConfig, Scope
 from quillclient.errors import NotFound, QuillError, from_redis
-from quillclient.wire import CommandPacker, as_writable
+from quillclient.zerocopy import as_writable
 
 T = TypeVar("T")
 
@@ -47,6 +49,20 @@ def _setup_connection(scope: Scope | None, conn: redis.Connection) -> None:
         reply = conn.read_response()
         if reply not in (b"OK", "OK"):
             raise rx.ConnectionError(f"SCOPE answered {reply!r}")
+
+
+class CommandPacker:
+    """redis-py's `command_packer` interface, backed by quillwire's `pack_command`.
+
+    redis-py's hiredis packer copies every argument into one new bytes object
+    (twice for a memoryview); this one passes large arguments to the socket as
+    the caller's memoryviews, so a 4 MiB PUT2PHASE DATA chunk is not copied.
+    """
+
+    def pack(self, *args) -> list[bytes | memoryview]:
+        if isinstance(args[0], str) and " " in args[0]:  # "CLIENT LIST", as redis-py's packers do
+            args = tuple(args[0].split()) + args[1:]
+        return pack_command(*args)
 
 
 def _text(value: Any) -> Any:

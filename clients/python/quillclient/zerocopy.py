@@ -2,10 +2,12 @@
 
 redis-py cannot do this: its parsers (hiredis or the Python one) read ahead
 into their own buffer and hand back a new bytes object, so a block would be
-copied at least twice. These sockets are ours alone. Each keeps one small
-scratch buffer for what is not payload (reply headers, CRLFs, error lines,
-and at most `HEADER_READ` bytes that arrive with a header); everything else
-goes from the kernel into the caller's buffer with `recv_into`.
+copied at least twice. These sockets are ours alone. Each reads its replies
+with quillwire's `ReplyReader` (the codec quilld's peer transfer shares): what
+is not payload (reply headers, CRLFs, error lines, and at most `HEADER_READ`
+bytes that arrive with a header) goes through the reader's small buffer;
+everything else goes from the kernel into the caller's buffer with
+`recv_into`, the reader naming the spot (`get_buffer`).
 
 Nothing on a pooled socket is ever left half read: a reply too large for its
 buffer is read and dropped (up to `drain_max` bytes) or its socket is closed,
@@ -19,18 +21,29 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
+
+from quillwire.encode import as_readable, pack_command
+from quillwire.reply import NEED_DATA, Bulk, ReplyError, ReplyReader, Status
+from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
 from quillclient.errors import (BufferTooSmall, ProtocolError, QuillConnectionError, QuillError,
                                 QuillTimeout, from_wire)
-from quillclient.wire import pack_command
 
-SCRATCH = 64 * 1024  # per socket; also the longest reply line accepted
 HEADER_READ = 4096  # asked for when a header is needed: a reply this small comes in one recv
 MISS = -1
 
 T = TypeVar("T")
+
+
+def as_writable(buffer) -> memoryview:
+    """A flat writable byte view of `buffer`; TypeError for read-only objects."""
+    view = as_readable(buffer)
+    if view.readonly:
+        raise TypeError(f"{type(buffer).__name__} is read-only: get_into needs a writable buffer "
+                        "(bytearray, numpy array, mmap, memoryview)")
+    return view
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
@@ -55,7 +68,7 @@ def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
 class RawConnection:
     """One socket speaking RESP2, set up with the client's AUTH and SCOPE."""
 
-    __slots__ = ("sock", "buf", "mv", "start", "end", "broken", "generation")
+    __slots__ = ("sock", "reader", "broken", "generation")
 
     def __init__(self, cfg: ClientConfig, generation: int) -> None:
         try:
@@ -67,9 +80,7 @@ class RawConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _kernel_timeouts(sock, cfg.socket_timeout)
         self.sock = sock
-        self.buf = bytearray(SCRATCH)
-        self.mv = memoryview(self.buf)
-        self.start = self.end = 0  # buffered, not yet consumed: buf[start:end]
+        self.reader = ReplyReader(large_bulk=0)  # every bulk announced: its payload goes where we say
         self.broken = False
         self.generation = generation
         try:
@@ -90,11 +101,12 @@ class RawConnection:
         self.send([piece for cmd in commands for piece in pack_command(*cmd)])
         first_error = None
         for _ in commands:  # read every reply, so an error leaves nothing unread
-            line = self.read_line()
-            if line[:1] == b"-" and first_error is None:
-                first_error = from_wire(line[1:].decode("utf-8", "replace"))
-            elif line[:1] not in (b"+", b"-"):
-                raise ProtocolError(f"unexpected reply {bytes(line[:40])!r} while setting the connection up")
+            reply = self.next_event()
+            if isinstance(reply, ReplyError):
+                if first_error is None:
+                    first_error = from_wire(reply.message)
+            elif type(reply) is not Status:
+                raise ProtocolError(f"unexpected reply {reply!r:.60} while setting the connection up")
         if first_error is not None:
             raise first_error
 
@@ -114,83 +126,40 @@ class RawConnection:
         for piece in pieces:
             sendall(piece)
 
-    def _fill(self, want: int) -> None:
-        """Receive up to `want` more bytes into the scratch buffer (at least one)."""
-        if self.start == self.end:
-            self.start = self.end = 0
-        elif self.end + want > SCRATCH:
-            n = self.end - self.start
-            self.buf[:n] = self.mv[self.start:self.end]
-            self.start, self.end = 0, n
-        room = min(want, SCRATCH - self.end)
-        if room <= 0:
-            raise ProtocolError(f"reply line longer than {SCRATCH} bytes")
-        got = self.sock.recv_into(self.mv[self.end:self.end + room])
-        if not got:
-            raise ConnectionResetError("the server closed the connection")
-        self.end += got
+    def next_event(self) -> Any:
+        """The reader's next reply or bulk announcement, receiving as much as it needs.
 
-    def read_line(self) -> bytes:
-        """The next CRLF-terminated line, without its CRLF."""
-        while True:
-            i = self.buf.find(b"\r\n", self.start, self.end)
-            if i >= 0:
-                line = bytes(self.mv[self.start:i])
-                self.start = i + 2
-                return line
-            self._fill(HEADER_READ)
-
-    def read_into(self, target: memoryview) -> None:
-        """Fill `target` exactly: first from what is buffered, then straight from the socket."""
-        size = len(target)
-        pos = min(self.end - self.start, size)
-        if pos:
-            target[:pos] = self.mv[self.start:self.start + pos]
-            self.start += pos
+        While a payload is arriving, the reader's buffer is the caller's view:
+        `recv_into` writes the payload straight into it.
+        """
+        reader = self.reader
         recv_into = self.sock.recv_into
-        while pos < size:
-            got = recv_into(target[pos:])
-            if not got:
-                raise ConnectionResetError("the server closed the connection mid-reply")
-            pos += got
-
-    def skip(self, n: int) -> None:
-        """Read and drop `n` bytes (a payload that did not fit its buffer)."""
-        have = min(self.end - self.start, n)
-        self.start += have
-        n -= have
-        if n:  # the scratch buffer is empty now: use all of it
-            self.start = self.end = 0
-        while n:
-            got = self.sock.recv_into(self.mv[:min(n, SCRATCH)])
-            if not got:
-                raise ConnectionResetError("the server closed the connection mid-reply")
-            n -= got
-
-    def expect_crlf(self) -> None:
-        while self.end - self.start < 2:
-            self._fill(HEADER_READ)
-        if self.buf[self.start:self.start + 2] != b"\r\n":
-            raise ProtocolError("bulk reply not followed by CRLF")
-        self.start += 2
+        try:
+            while (event := reader.next_event()) is NEED_DATA:
+                got = recv_into(reader.get_buffer(HEADER_READ))
+                if not got:
+                    raise ConnectionResetError("the server closed the connection mid-reply" if reader.receiving
+                                               else "the server closed the connection")
+                reader.buffer_updated(got)
+        except WireProtocolError as e:
+            raise ProtocolError(str(e)) from None
+        return event
 
     def read_bulk_header(self) -> int:
-        """A bulk reply's length, MISS for nil; raises the error a `-` reply carries."""
-        line = self.read_line()
-        kind = line[:1]
-        if kind == b"$":
-            try:
-                n = int(line[1:])
-            except ValueError:
-                n = -2
-            if n < -1:
-                raise ProtocolError(f"bad bulk length {line[:40]!r}")
-            return n
-        if kind == b"_":  # RESP3 null
+        """A bulk reply's length, MISS for nil; raises the error a `-` reply carries.
+
+        A length is announced: `read_payload` or `skip_payload` must follow.
+        """
+        event = self.next_event()
+        if type(event) is Bulk:
+            if event.depth:
+                raise ProtocolError(f"expected a bulk reply, got an array ({event!r})")
+            return event.length
+        if event is None:  # `$-1`, or RESP3's `_`
             return MISS
-        if kind == b"-":
-            raise from_wire(line[1:].decode("utf-8", "replace"))
-        raise ProtocolError(f"expected a bulk reply, got {line[:40]!r}")
+        if isinstance(event, ReplyError):
+            raise from_wire(event.message)
+        raise ProtocolError(f"expected a bulk reply, got {event!r:.60}")
 
     def read_bulk_header_safe(self) -> int | QuillError:
         """read_bulk_header, with a server error returned instead of raised (pipelines go on)."""
@@ -200,6 +169,17 @@ class RawConnection:
             raise
         except QuillError as e:
             return e
+
+    def read_payload(self, view: memoryview) -> None:
+        """Receive the announced payload into the front of `view` (first what is buffered,
+        then straight from the socket), then its CRLF."""
+        self.reader.attach(view)
+        self.next_event()
+
+    def skip_payload(self) -> None:
+        """Read and drop the announced payload (one that did not fit its buffer)."""
+        self.reader.drop()
+        self.next_event()
 
     def read_bulk_into(self, view: memoryview, drain_max: int) -> int:
         """Read one GETBLK reply into `view`; its length, or MISS.
@@ -213,13 +193,11 @@ class RawConnection:
             return MISS
         if n > len(view):
             if n <= drain_max:
-                self.skip(n)
-                self.expect_crlf()
+                self.skip_payload()
             else:
                 self.broken = True
             raise BufferTooSmall(n, len(view))
-        self.read_into(view[:n])
-        self.expect_crlf()
+        self.read_payload(view)
         return n
 
 
@@ -247,7 +225,7 @@ class RawPool:
         return conn
 
     def release(self, conn: RawConnection) -> None:
-        if conn.broken or conn.start != conn.end:
+        if conn.broken or not conn.reader.idle:
             conn.close()
             return
         with self._lock:
@@ -349,14 +327,12 @@ def get_many_into(pool: RawPool, keys: Sequence, views: Sequence[memoryview]) ->
                 if n == MISS:
                     continue
                 if n > len(view):
-                    conn.skip(n)
-                    conn.expect_crlf()
+                    conn.skip_payload()
                     results[i] = None
                     if too_small is None:
                         too_small = BufferTooSmall(n, len(view), index=i)
                     continue
-                conn.read_into(view[:n])
-                conn.expect_crlf()
+                conn.read_payload(view)
                 results[i] = n
         if error is not None:
             raise error

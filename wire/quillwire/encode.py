@@ -1,11 +1,16 @@
-"""RESP request encoding and buffer views: no payload is ever copied here.
+"""RESP request encoding: no large payload is ever copied here.
 
-`pack_command` turns arguments into a list of pieces for `sendall`: small
-arguments are joined into one bytes object, while an argument of `LARGE_ARG`
-bytes or more is passed through as the caller's own memoryview. redis-py's
-hiredis packer copies every argument into one new bytes object (twice for a
-memoryview); `CommandPacker` gives redis-py this function instead, so a 4 MiB
-PUT2PHASE DATA chunk goes from the caller's buffer to the socket untouched.
+`pack_command` turns arguments into a list of pieces for `sendall` (or a
+`writelines`): small arguments are joined into one bytes object, while an
+argument of `LARGE_ARG` bytes or more is passed through as the caller's own
+memoryview, so a 4 MiB block goes from the caller's buffer to the socket
+untouched. `encode_command` is the same, joined into one bytes object, for
+small commands and for tests.
+
+Arguments: bytes as they are; str as UTF-8; int in decimal; float as its
+`repr`; anything with the buffer protocol (bytearray, memoryview, numpy
+arrays, mmap) as its bytes. A bool is refused (is `True` "1" or "True"?), as
+is any other type.
 """
 
 from __future__ import annotations
@@ -16,23 +21,15 @@ LARGE_ARG = 16 * 1024  # quilld receives bulks of 16 KiB or more straight into t
 def as_readable(data) -> memoryview:
     """A flat byte view of anything exposing the buffer protocol (bytes, bytearray, numpy, mmap)."""
     view = data if isinstance(data, memoryview) else memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("the data must be C-contiguous")
     if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise ValueError("the data must be C-contiguous")
         view = view.cast("B")
     return view
 
 
-def as_writable(buffer) -> memoryview:
-    """A flat writable byte view of `buffer`; TypeError for read-only objects."""
-    view = as_readable(buffer)
-    if view.readonly:
-        raise TypeError(f"{type(buffer).__name__} is read-only: get_into needs a writable buffer "
-                        "(bytearray, numpy array, mmap, memoryview)")
-    return view
-
-
 def encode_arg(arg) -> bytes | memoryview:
+    """One argument as bytes, or as a flat memoryview of the caller's buffer."""
     if isinstance(arg, bytes):
         return arg
     if isinstance(arg, str):
@@ -50,9 +47,9 @@ def encode_arg(arg) -> bytes | memoryview:
 
 
 def pack_command(*args) -> list[bytes | memoryview]:
-    """RESP multibulk pieces; large arguments stay the caller's memory."""
-    if isinstance(args[0], str) and " " in args[0]:  # "CLIENT LIST", as redis-py's packers do
-        args = tuple(args[0].split()) + args[1:]
+    """RESP multibulk pieces; arguments of LARGE_ARG bytes or more stay the caller's memory."""
+    if not args:
+        raise ValueError("a command needs at least one argument")
     out: list[bytes | memoryview] = []
     head = bytearray(b"*%d\r\n" % len(args))
     for arg in args:
@@ -70,8 +67,6 @@ def pack_command(*args) -> list[bytes | memoryview]:
     return out
 
 
-class CommandPacker:
-    """redis-py's `command_packer` interface, backed by `pack_command`."""
-
-    def pack(self, *args) -> list[bytes | memoryview]:
-        return pack_command(*args)
+def encode_command(*args) -> bytes:
+    """The whole command as one bytes object (large arguments are copied into it)."""
+    return b"".join(pack_command(*args))

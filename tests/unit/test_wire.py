@@ -1,0 +1,434 @@
+"""quillwire, the sans-IO codec quilld's peer client and quillclient share, on plain byte
+strings: the command encoder (large arguments stay the caller's memory) and the reply
+reader (every reply split at every byte offset reads the same, announced payloads land
+in the caller's buffer, every limit is hit).
+"""
+
+from __future__ import annotations
+
+import array
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quillwire.encode import LARGE_ARG, encode_command, pack_command
+from quillwire.reply import (
+    MAX_ARRAY_LEN,
+    MAX_BULK_LEN,
+    MAX_DEPTH,
+    MAX_LINE,
+    NEED_DATA,
+    Bulk,
+    ProtocolError,
+    ReplyError,
+    ReplyReader,
+    Status,
+)
+
+# -- helpers ----------------------------------------------------------------
+
+
+def plain(value):
+    """A reply with every buffer as bytes and errors as ('ERR', text), for comparisons."""
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, ReplyError):
+        return ("ERR", value.message)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def attach_new(reader: ReplyReader, bulk: Bulk) -> None:
+    reader.attach(bytearray(bulk.length))
+
+
+def read(chunks, large_bulk=None, answer=attach_new) -> list:
+    """Feed `chunks` one by one; every reply, with announced bulks answered by `answer`."""
+    reader = ReplyReader(large_bulk)
+    out = []
+    for chunk in chunks:
+        reader.feed(chunk)
+        while (ev := reader.next_event()) is not NEED_DATA:
+            if type(ev) is Bulk:
+                answer(reader, ev)
+            else:
+                out.append(ev)
+    assert reader.idle, f"reader not idle after {chunks!r}"
+    return out
+
+
+def splits(data: bytes):
+    """`data` whole, byte by byte, and cut in two at every offset."""
+    yield [data]
+    yield [data[i:i + 1] for i in range(len(data))]
+    for i in range(1, len(data)):
+        yield [data[:i], data[i:]]
+
+
+PAYLOAD = bytes(range(256)) * 3 + b"\r\n$-1\r\n*2\r\n"  # 778 bytes, RESP-looking bytes inside
+
+REPLIES = {
+    "status": (b"+OK\r\n", [b"OK"]),
+    "error": (b"-WRONGTYPE Operation against a key\r\n", [("ERR", "WRONGTYPE Operation against a key")]),
+    "integer": (b":42\r\n:-7\r\n:0\r\n", [42, -7, 0]),
+    "nil_bulk": (b"$-1\r\n", [None]),
+    "nil_array": (b"*-1\r\n", [None]),
+    "resp3_null": (b"_\r\n", [None]),
+    "empty_bulk": (b"$0\r\n\r\n", [b""]),
+    "empty_array": (b"*0\r\n", [[]]),
+    "bulk": (b"$%d\r\n%b\r\n" % (len(PAYLOAD), PAYLOAD), [PAYLOAD]),
+    "peerget": (b"*2\r\n:3735928559\r\n$%d\r\n%b\r\n" % (len(PAYLOAD), PAYLOAD), [[3735928559, PAYLOAD]]),
+    "mget": (b"*4\r\n$3\r\nabc\r\n$-1\r\n$5\r\nhe\r\no\r\n$0\r\n\r\n", [[b"abc", None, b"he\r\no", b""]]),
+    "nested": (b"*3\r\n*2\r\n:1\r\n+x\r\n*0\r\n-ERR in\r\n", [[[1, b"x"], [], ("ERR", "ERR in")]]),
+    "pipeline": (b"+OK\r\n$-1\r\n$3\r\nabc\r\n-ERR no\r\n*1\r\n$2\r\nhi\r\n",
+                 [b"OK", None, b"abc", ("ERR", "ERR no"), [b"hi"]]),
+}
+
+
+# -- the encoder --------------------------------------------------------------
+
+def test_small_arguments_become_one_piece():
+    assert pack_command("SET", b"k", 12, -3, 1.5) == [
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n$2\r\n-3\r\n$3\r\n1.5\r\n"]
+    assert encode_command("GET", "clé") == b"*2\r\n$3\r\nGET\r\n$4\r\ncl\xc3\xa9\r\n"
+
+
+def test_large_arguments_stay_the_callers_memory():
+    data = bytearray(b"x" * LARGE_ARG)
+    raw = b"y" * (LARGE_ARG + 5)
+    pieces = pack_command("PUT2PHASE", "DATA", "h", 0, data, raw)
+    assert pieces[0] == b"*6\r\n$9\r\nPUT2PHASE\r\n$4\r\nDATA\r\n$1\r\nh\r\n$1\r\n0\r\n$%d\r\n" % LARGE_ARG
+    assert isinstance(pieces[1], memoryview) and pieces[1].obj is data  # not copied
+    assert pieces[2] == b"\r\n$%d\r\n" % len(raw)
+    assert pieces[3] is raw
+    assert pieces[4] == b"\r\n"
+    assert b"".join(pieces) == encode_command("PUT2PHASE", "DATA", "h", 0, bytes(data), raw)
+
+
+def test_large_arg_limit_is_exact():
+    below = pack_command("SET", "k", b"v" * (LARGE_ARG - 1))
+    at = pack_command("SET", "k", bytearray(LARGE_ARG))
+    assert len(below) == 1
+    assert len(at) == 3 and isinstance(at[1], memoryview)
+
+
+def test_buffers_of_any_format_are_sent_as_their_bytes():
+    ints = array.array("i", [1, 2, 3])
+    assert encode_command("SET", "k", ints) == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n%b\r\n" % (
+        ints.itemsize * 3, ints.tobytes())
+    strided = memoryview(bytearray(b"abcdef"))[::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pack_command("SET", "k", strided)
+
+
+@pytest.mark.parametrize("arg, match", [(True, "bool"), (None, "NoneType"), (object(), "object"),
+                                        ([b"a"], "list")])
+def test_unsendable_arguments_raise_type_error(arg, match):
+    with pytest.raises(TypeError, match=match):
+        pack_command("SET", "k", arg)
+
+
+def test_a_command_needs_an_argument():
+    with pytest.raises(ValueError):
+        pack_command()
+
+
+def test_the_encoder_does_not_split_its_first_argument():
+    # splitting "CLIENT LIST" is redis-py's API, kept in quillclient's redis-py packer
+    assert read([encode_command("CLIENT LIST")]) == [[b"CLIENT LIST"]]
+    from quillclient.client import CommandPacker
+
+    assert b"".join(CommandPacker().pack("CLIENT LIST", "x")) == encode_command("CLIENT", "LIST", "x")
+
+
+@settings(max_examples=60, deadline=None)
+@given(args=st.lists(st.one_of(st.binary(max_size=40), st.text(max_size=10),
+                               st.integers(-10**18, 10**18)), min_size=1, max_size=6))
+def test_a_command_reads_back_as_the_array_of_its_arguments(args):
+    expected = [a if isinstance(a, bytes) else str(a).encode() if isinstance(a, int) else a.encode()
+                for a in args]
+    assert read([encode_command(*args)]) == [expected]
+
+
+# -- the reader: every reply at every split -------------------------------------
+
+@pytest.mark.parametrize("name", REPLIES)
+@pytest.mark.parametrize("large_bulk", [None, 0, 4], ids=["bytes", "all_announced", "announced_from_4"])
+def test_every_split_reads_the_same(name, large_bulk):
+    data, expected = REPLIES[name]
+    for chunks in splits(data):
+        assert plain(read(chunks, large_bulk)) == expected, f"{name} split as {[len(c) for c in chunks]}"
+
+
+def test_types_of_values():
+    (ok, err, n, nil) = read([b"+OK\r\n-NOAUTH Authentication required.\r\n:5\r\n$-1\r\n"])
+    assert type(ok) is Status and ok == b"OK"
+    assert isinstance(err, ReplyError) and err.message == "NOAUTH Authentication required."
+    assert type(n) is int and nil is None
+
+
+def test_attached_payload_lands_in_the_callers_buffer():
+    target = bytearray(b"#" * (len(PAYLOAD) + 4))
+    seen = []
+
+    def answer(reader, bulk):
+        seen.append((bulk.depth, bulk.index, bulk.count, list(bulk.items)))
+        reader.attach(target)  # longer than the payload: it fills the front
+
+    [reply] = read([REPLIES["peerget"][0]], 0, answer)
+    assert seen == [(1, 1, 2, [3735928559])]
+    assert reply[0] == 3735928559 and reply[1] is target
+    assert target == PAYLOAD + b"####"
+
+
+def test_mget_style_array_lands_each_bulk_in_its_own_buffer():
+    targets = [bytearray(3), bytearray(5), bytearray(0)]
+    it = iter(targets)
+    data = REPLIES["mget"][0]
+    for chunks in splits(data):
+        it = iter(targets)
+        [reply] = read(chunks, 0, lambda r, b: r.attach(next(it)))
+        assert reply[0] is targets[0] and reply[1] is None and reply[2] is targets[1] and reply[3] is targets[2]
+        assert targets[:2] == [b"abc", b"he\r\no"]
+
+
+def test_a_top_level_bulk_is_announced_at_depth_zero():
+    reader = ReplyReader()
+    reader.feed(b"$3\r\nab")
+    bulk = reader.next_event()
+    assert (bulk.length, bulk.depth, bulk.items, bulk.count, bulk.index) == (3, 0, None, None, None)
+
+
+def socket_read(data: bytes, step: int, hint: int, target: bytearray) -> tuple[list, int]:
+    """Replies read with get_buffer/buffer_updated, at most `step` bytes per "recv";
+    how many of the payload bytes were received straight into `target`."""
+    reader = ReplyReader(0)
+    out, pos, direct = [], 0, 0
+    while pos < len(data) or not reader.idle:
+        ev = reader.next_event()
+        if ev is NEED_DATA:
+            view = reader.get_buffer(hint)
+            n = min(len(view), step, len(data) - pos)
+            assert n > 0, "the reader waits for data that will never come"
+            view[:n] = data[pos:pos + n]
+            if view.obj is target:
+                direct += n
+            reader.buffer_updated(n)
+            pos += n
+        elif type(ev) is Bulk:
+            reader.attach(target)
+        else:
+            out.append(ev)
+    return out, direct
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 64, 1000, 10**6])
+@pytest.mark.parametrize("hint", [-1, 1, 16])
+def test_received_in_place_at_any_recv_size(step, hint):
+    data = REPLIES["peerget"][0]
+    target = bytearray(len(PAYLOAD))
+    out, direct = socket_read(data, step, hint, target)
+    assert plain(out) == [[3735928559, PAYLOAD]]
+    if hint == 1:  # headers read a byte at a time: the whole payload goes straight to the target
+        assert direct == len(PAYLOAD)
+    if step == 10**6 and hint == -1:  # all in one recv: copied from the reader's buffer once
+        assert direct == 0
+
+
+def test_drop_and_take():
+    data = b"*3\r\n$4\r\nkeep\r\n$4\r\ndrop\r\n$4\r\ntake\r\n"
+    for chunks in splits(data):
+        calls = iter([lambda r: r.attach(bytearray(4)), lambda r: r.drop("dropped"), lambda r: r.take()])
+        [reply] = read(chunks, 0, lambda r, b: next(calls)(r))
+        assert plain(reply) == [b"keep", "dropped", b"take"]
+        assert type(reply[2]) is bytes
+
+
+def test_a_dropped_payload_larger_than_the_buffer():
+    big = b"z" * 300_000  # more than the reader's own buffer
+    data = b"$%d\r\n%b\r\n+OK\r\n" % (len(big), big)
+    reader = ReplyReader(0)
+    reader.feed(data[:10])
+    assert type(reader.next_event()) is Bulk
+    reader.drop()
+    pos = 10
+    while (ev := reader.next_event()) is NEED_DATA:
+        view = reader.get_buffer(4096)
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos:pos + n]
+        reader.buffer_updated(n)
+        pos += n
+    assert ev is None
+    assert reader.next_event() == b"OK" and reader.idle
+
+
+def test_unannounced_bulk_larger_than_the_buffer_comes_out_whole():
+    big = bytes(range(256)) * 1000
+    assert read([b"$%d\r\n" % len(big), big[:100], big[100:], b"\r\n"]) == [big]
+
+
+def test_feeding_far_ahead_of_reading():
+    data = b"".join(b"$6\r\nv%05d\r\n" % i for i in range(30_000))  # 390 KB, more than the buffer
+    assert read([data]) == [b"v%05d" % i for i in range(30_000)]
+
+
+def test_buffered_and_idle():
+    reader = ReplyReader()
+    reader.feed(b"+OK\r\n:1")
+    assert not reader.idle and reader.buffered == 7
+    assert reader.next_event() == b"OK"
+    assert reader.next_event() is NEED_DATA and not reader.idle
+    reader.feed(b"\r\n")
+    assert reader.next_event() == 1 and reader.idle and reader.buffered == 0
+
+
+# -- the reader: misuse -----------------------------------------------------------
+
+def test_an_announcement_must_be_answered():
+    reader = ReplyReader()
+    reader.feed(b"$3\r\nabc\r\n")
+    assert type(reader.next_event()) is Bulk
+    with pytest.raises(RuntimeError, match="answer"):
+        reader.next_event()
+    with pytest.raises(ValueError, match="3 bytes but the buffer holds 2"):
+        reader.attach(bytearray(2))
+    with pytest.raises(TypeError, match="writable"):
+        reader.attach(b"xyz")
+    target = bytearray(3)
+    reader.attach(target)  # still answerable after the refusals
+    assert reader.next_event() is target and target == b"abc"
+    with pytest.raises(RuntimeError, match="no bulk"):
+        reader.drop()
+
+
+# -- the reader: errors and limits --------------------------------------------------
+
+@pytest.mark.parametrize("data, match", [
+    (b"$3\r\nabcXY", "not followed by CRLF"),
+    (b"$3\r\nabc\rX", "not followed by CRLF"),
+    (b"*1\r\n$0\r\nXX", "not followed by CRLF"),
+    (b"$-2\r\n", "invalid bulk length"),
+    (b"$01\r\n", "invalid bulk length"),
+    (b"$+1\r\n", "invalid bulk length"),
+    (b"$1_0\r\n", "invalid bulk length"),
+    (b"$ 1\r\n", "invalid bulk length"),
+    (b"$-0\r\n", "invalid bulk length"),
+    (b"$\r\n", "invalid bulk length"),
+    (b"*x\r\n", "invalid array length"),
+    (b"*-2\r\n", "invalid array length"),
+    (b":1.5\r\n", "invalid integer"),
+    (b":\r\n", "invalid integer"),
+    (b"_x\r\n", "unexpected reply"),
+    (b"~1\r\n", "unexpected reply"),
+    (b"hello\r\n", "unexpected reply"),
+])
+@pytest.mark.parametrize("large_bulk", [None, 0])
+def test_malformed_replies_raise_protocol_error(data, match, large_bulk):
+    for chunks in splits(data):
+        with pytest.raises(ProtocolError, match=match):
+            read(chunks, large_bulk, lambda r, b: r.attach(bytearray(b.length)))
+    assert issubclass(ProtocolError, ValueError)
+
+
+def test_limit_max_line():
+    ok = b"+" + b"s" * (MAX_LINE - 1) + b"\r\n"  # the line without its CRLF is MAX_LINE bytes
+    assert read([ok]) == [ok[1:-2]]
+    with pytest.raises(ProtocolError, match="longer than"):
+        read([b"-" + b"e" * MAX_LINE + b"\r\n"])  # arrived whole
+    reader = ReplyReader()
+    reader.feed(b"+" + b"s" * (MAX_LINE - 1))
+    assert reader.next_event() is NEED_DATA  # at the limit, still waiting for its CRLF
+    reader.feed(b"s")
+    with pytest.raises(ProtocolError, match="longer than"):
+        reader.next_event()  # over it with no end in sight
+
+
+def test_limit_max_bulk_len():
+    assert ReplyReader().max_bulk_len == MAX_BULK_LEN
+    with pytest.raises(ProtocolError, match="over the reader's limit"):
+        read([b"$%d\r\n" % (MAX_BULK_LEN + 1)])
+    reader = ReplyReader(None, max_bulk_len=100)
+    reader.feed(b"$100\r\n" + b"a" * 100 + b"\r\n$101\r\n")
+    assert reader.next_event() == b"a" * 100
+    with pytest.raises(ProtocolError, match="over the reader's limit of 100"):
+        reader.next_event()
+    # take() allocates too: the same limit
+    reader = ReplyReader(0, max_bulk_len=100)
+    reader.feed(b"$101\r\n")
+    assert reader.next_event().length == 101
+    with pytest.raises(ProtocolError, match="over the reader's limit"):
+        reader.take()
+    # an attached bulk goes to the caller's memory: the caller judges its length
+    reader = ReplyReader(0, max_bulk_len=100)
+    reader.feed(b"$101\r\n" + b"b" * 101 + b"\r\n")
+    target = bytearray(101)
+    reader.next_event()
+    reader.attach(target)
+    assert reader.next_event() is target
+
+
+def test_limit_max_array_len():
+    reader = ReplyReader()
+    reader.feed(b"*%d\r\n:1\r\n" % MAX_ARRAY_LEN)
+    assert reader.next_event() is NEED_DATA  # accepted: elements are kept as they come
+    with pytest.raises(ProtocolError, match="invalid array length"):
+        read([b"*%d\r\n" % (MAX_ARRAY_LEN + 1)])
+
+
+def test_limit_max_depth():
+    deepest = b"*1\r\n" * MAX_DEPTH + b":1\r\n"
+    value: object = 1
+    for _ in range(MAX_DEPTH):
+        value = [value]
+    assert read([deepest]) == [value]
+    with pytest.raises(ProtocolError, match="nested deeper"):
+        read([b"*1\r\n" * (MAX_DEPTH + 1) + b":1\r\n"])
+
+
+def test_limit_signed_64_bit_integers_and_lengths():
+    assert read([b":9223372036854775807\r\n:-9223372036854775808\r\n"]) == [2**63 - 1, -2**63]
+    for bad in (b":9223372036854775808\r\n", b":-9223372036854775809\r\n", b":" + b"9" * 5000 + b"\r\n"):
+        with pytest.raises(ProtocolError, match="invalid integer"):
+            read([bad])
+    with pytest.raises(ProtocolError, match="invalid bulk length"):
+        read([b"$99999999999999999999\r\n"])
+
+
+# -- hypothesis: random reply trees, random splits ---------------------------------
+
+leaf = st.one_of(st.binary(max_size=60), st.integers(-2**63, 2**63 - 1), st.none(),
+                 st.text(alphabet="abcXYZ -_:", max_size=20).map(lambda s: ("ERR", s)),
+                 st.text(alphabet="OKabc ", max_size=10).map(lambda s: ("+", s)))
+tree = st.recursive(leaf, lambda kids: st.lists(kids, max_size=4), max_leaves=12)
+
+
+def encode_reply(value) -> bytes:
+    if isinstance(value, bytes):
+        return b"$%d\r\n%b\r\n" % (len(value), value)
+    if isinstance(value, int):
+        return b":%d\r\n" % value
+    if value is None:
+        return b"$-1\r\n"
+    if isinstance(value, tuple):
+        return (b"-" if value[0] == "ERR" else b"+") + value[1].encode() + b"\r\n"
+    return b"*%d\r\n" % len(value) + b"".join(encode_reply(v) for v in value)
+
+
+def expected_value(value):
+    if isinstance(value, tuple):
+        return value if value[0] == "ERR" else value[1].encode()
+    if isinstance(value, list):
+        return [expected_value(v) for v in value]
+    return value
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies=st.lists(tree, min_size=1, max_size=4), large_bulk=st.sampled_from([None, 0, 8]),
+       data=st.data())
+def test_random_replies_through_random_splits(replies, large_bulk, data):
+    wire = b"".join(encode_reply(r) for r in replies)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6), label="cuts"))
+    chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
+    assert plain(read(chunks, large_bulk)) == [expected_value(r) for r in replies]
