@@ -28,10 +28,6 @@ class ProtocolError(QuillError):
         return f"ERR Protocol error: {self.message}"
 
 
-class WrongType(QuillError):
-    prefix = "WRONGTYPE"
-
-
 class NoAuth(QuillError):
     prefix = "NOAUTH"
 

@@ -1,9 +1,10 @@
 """The residency index: (scope, block hash) -> every holder and tier that has the block.
 
 A holder is this pool's node (tiers dram, ssd) or an engine (tiers hbm, cpu).
-Each (holder, tier) pair is interned as a *slot*: slot = holder number * 4 +
-tier number, and an entry is one int whose bit `slot` is set when that holder
-has the block in that tier. So an entry costs one dict slot, its key (scope
+Each (holder, tier) pair is interned as a *slot*: slot = holder number *
+TIER_SLOTS + tier number (the tiers are CacheTier's members, in order; a new
+tier widens every holder's group of bits by one), and an entry is one int
+whose bit `slot` is set when that holder has the block in that tier. So an entry costs one dict slot, its key (scope
 tag + 8-byte or raw hash) and one small int, however many holders share it.
 
 Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
@@ -18,7 +19,9 @@ from typing import Iterable
 
 from quilld.model import CacheTier
 
-TIERS = (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD)
+TIERS = tuple(CacheTier)
+TIER_SLOTS = len(TIERS)  # bits per holder
+TIER_MASK = (1 << TIER_SLOTS) - 1  # one holder's bits, shifted down to bit 0
 _TIER_NO = {t: i for i, t in enumerate(TIERS)} | {t.value: i for i, t in enumerate(TIERS)}
 _U64 = (1 << 64) - 1
 _PACK = struct.Struct(">Q").pack  # an int hash's stored form, as hash_key() makes it
@@ -48,16 +51,17 @@ class ResidencyIndex:
         if no is None:
             no = self._holder_no[holder] = len(self._holders)
             self._holders.append(holder)
-            self._counts.extend((0, 0, 0, 0))
+            self._counts.extend((0,) * TIER_SLOTS)
         try:
-            return no * 4 + _TIER_NO[tier]
+            return no * TIER_SLOTS + _TIER_NO[tier]
         except KeyError:
-            raise ValueError(f"unknown tier {tier!r} (expected one of hbm, cpu, dram, ssd)") from None
+            raise ValueError(f"unknown tier {tier!r} (expected one of "
+                             f"{', '.join(t.value for t in TIERS)})") from None
 
     def holder_bits(self, holder: str) -> int:
-        """The mask of `holder`'s four slots (0 when the holder is unknown)."""
+        """The mask of `holder`'s slots, one per tier (0 when the holder is unknown)."""
         no = self._holder_no.get(holder)
-        return 0 if no is None else 0xF << (4 * no)
+        return 0 if no is None else TIER_MASK << (TIER_SLOTS * no)
 
     def slots(self, mask: int) -> list[tuple[str, CacheTier]]:
         """Decode an entry mask into (holder, tier) pairs."""
@@ -65,7 +69,8 @@ class ResidencyIndex:
         while mask:
             low = mask & -mask
             slot = low.bit_length() - 1
-            out.append((self._holders[slot >> 2], TIERS[slot & 3]))
+            no, tier = divmod(slot, TIER_SLOTS)
+            out.append((self._holders[no], TIERS[tier]))
             mask ^= low
         return out
 
@@ -119,8 +124,8 @@ class ResidencyIndex:
                     entries[key] = mask
                 else:
                     del entries[key]
-        base = self._holder_no[holder] * 4
-        for slot in range(base, base + 4):
+        base = self._holder_no[holder] * TIER_SLOTS
+        for slot in range(base, base + TIER_SLOTS):
             if bits >> slot & 1:
                 self._counts[slot] = 0
         return dropped
@@ -142,23 +147,26 @@ class ResidencyIndex:
     def prefix_lengths(self, tag: bytes, blocks: list[BlockHash]) -> dict[str, int]:
         """For every holder with at least the first block: how many leading blocks it holds
         consecutively, in any of its tiers."""
-        nibbles = 0
+        lowest = 0  # the lowest bit of every holder's group
         for no in range(len(self._holders)):
-            nibbles |= 1 << (4 * no)
+            lowest |= 1 << (TIER_SLOTS * no)
         running = -1
         lengths: dict[str, int] = {}
         prev = 0
         for i, mask in enumerate(self.masks(tag, blocks)):
-            present = (mask | mask >> 1 | mask >> 2 | mask >> 3) & nibbles
+            folded = mask
+            for t in range(1, TIER_SLOTS):
+                folded |= mask >> t
+            present = folded & lowest  # a holder's lowest bit: it has the block in some tier
             now = (running & present) if i else present
             for slot in self._bits(prev & ~now):
-                lengths[self._holders[slot >> 2]] = i
+                lengths[self._holders[slot // TIER_SLOTS]] = i
             running, prev = now, now
             if not now:
                 break
         else:
             for slot in self._bits(prev):
-                lengths[self._holders[slot >> 2]] = len(blocks)
+                lengths[self._holders[slot // TIER_SLOTS]] = len(blocks)
         return lengths
 
     @staticmethod

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from quilld.index.residency import TIERS, ResidencyIndex
+from quilld.index.residency import TIER_MASK, TIERS, ResidencyIndex
 from quilld.model import CacheTier
 
 _HBM, _CPU, _DRAM, _SSD = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD))
@@ -111,7 +111,7 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
     credit, steps = 0.0, []
     hit_hbm, hit_cpu = Step("hit", engine, CacheTier.HBM), Step("hit", engine, CacheTier.CPU)
     for mask in masks:
-        own = (mask >> shift) & 0xF if shift >= 0 else 0
+        own = (mask >> shift) & TIER_MASK if shift >= 0 else 0
         if own & _HBM_BIT:
             credit += w.hbm_credit
             steps.append(hit_hbm)

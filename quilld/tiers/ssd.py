@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 
 from crc32c import crc32c
 
-from quilld.config import SsdConfig
 from quilld.errors import ConfigError
 from quilld.model import IdentityScope
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
@@ -165,11 +164,6 @@ class SsdTier:
         self._fsyncs = 0
         self._fsync_last = self._fsync_total = self._fsync_max = 0.0
         self._dirty = 0
-
-    @classmethod
-    def from_config(cls, cfg: SsdConfig, *, fsync: bool = True) -> SsdTier:
-        return cls(cfg.dir, cfg.size, cfg.segment_size,
-                   checkpoint_wal_bytes=cfg.checkpoint_wal_bytes, fsync=fsync)
 
     # -- loop thread -----------------------------------------------------------
 

@@ -20,7 +20,6 @@ from quilld.errors import (
     OutOfMemory,
     ProtocolError,
     QuillError,
-    WrongType,
 )
 from quilld.model import Pinned
 from quilld.protocol.resp import (
@@ -619,8 +618,6 @@ def test_null_constants():
 @pytest.mark.parametrize("resp3", [False, True])
 @pytest.mark.parametrize("err, wire", [
     (CommandError("unknown command 'foo'"), b"-ERR unknown command 'foo'\r\n"),
-    (WrongType("Operation against a key holding the wrong kind of value"),
-     b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"),
     (OutOfMemory("no room"), b"-OOM no room\r\n"),
     (NoHandle("gone"), b"-NOHANDLE gone\r\n"),
     (ChecksumMismatch("bad\r\ncrc\nhere"), b"-CHECKSUM bad  crc here\r\n"),

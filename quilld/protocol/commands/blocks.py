@@ -9,7 +9,8 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
-from quilld.protocol.commands.common import block_hash, parse_int, text
+from quilld.index.route_request import parse_block_hash
+from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.model import CacheTier, Pending
 from quilld.protocol.resp import OK, Status
@@ -64,7 +65,7 @@ def _put2phase_begin(c, args):
         if opt == b"LEASE" and lease is None:
             lease = parse_int(args[i + 1])
         elif opt == b"HASH" and bhash is None:
-            bhash = block_hash(text(args[i + 1]))
+            bhash = parse_block_hash(text(args[i + 1]))
         else:
             raise CommandError("syntax error")
     handle = c.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from quilld.errors import CommandError
 from quilld.model import Pending
 from quilld.protocol.resp import _parse_len as _strict_int
@@ -32,23 +30,6 @@ def settle(replies: list):
         return out
 
     return Pending(gather())
-
-
-def block_hash(v: Any) -> int | bytes:
-    """An engine block hash from a request: an int, or a decimal or hex string."""
-    if isinstance(v, bool):
-        raise CommandError("block hashes are integers or hex strings")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        s = v.strip()
-        if s.lstrip("-").isdigit():
-            return int(s)
-        try:
-            return bytes.fromhex(s.removeprefix("0x"))
-        except ValueError:
-            pass
-    raise CommandError(f"bad block hash {v!r}: an integer or a hex string")
 
 
 def text(raw: bytes) -> str:
