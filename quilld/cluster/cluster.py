@@ -22,17 +22,16 @@ import crc32c
 from quilld import __version__
 from quilld.cluster.directory import Directory
 from quilld.cluster.follower import Follower
+from quilld.cluster.gossip import Gossip
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.replog import ReplicationLog
 from quilld.cluster.transfer import Transfers
-from quilld.cluster.gossip import Gossip
 from quilld.config import Config
 from quilld.errors import QuillError
 from quilld.index.control import ControlPlane
 from quilld.index.residency_feed import ResidencyFeed
-from quilld.scopes import TAG_LEN
 from quilld.model import IdentityScope, Pinned
-from quilld.scopes import ScopeRegistry
+from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.keyspace import Keyspace
 
 log = logging.getLogger("quilld.cluster")
@@ -241,6 +240,8 @@ class Cluster:
                 last_error = e
                 continue
             if view is None:  # the peer no longer has it: the directory was behind
+                if block is not None:  # memory named by an attempt before the nil (RDMA, then TCP)
+                    store.discard(block)
                 self.stats["peer_fetch_stale"] += 1
                 continue
             if crc32c.crc32c(view) != crc:

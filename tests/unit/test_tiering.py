@@ -1,0 +1,425 @@
+"""The SSD tiering policy (tiers/tiering.py) over a real keyspace and a real SSD tier in a
+temporary directory: demotion, pins, overwrites in flight, promotion, corruption, a full
+SSD, and shutdown followed by recovery.
+
+No daemon, no sockets: each test drives the policy's steps (`_demote_batch`, `read`,
+`_flush_deletes`) on its own event loop, bounded by TIMEOUT. Values of VAL bytes take
+exactly one DRAM page and one SSD page (the SSD header is 64 bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+
+import pytest
+
+from quilld.config import DramConfig, SsdConfig
+from quilld.model import IdentityScope, Pending, Pinned
+from quilld.scopes import ScopeRegistry
+from quilld.tiers.arena import PAGE
+from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.keyspace import Keyspace, now_ms
+from quilld.tiers.ssd import seg_name
+from quilld.tiers.ssd_format import HEADER_SIZE, extent_pages
+from quilld.tiers.tiering import Tiering
+
+SCOPE = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
+VAL = PAGE - HEADER_SIZE  # one DRAM page, one SSD page
+INLINE_MAX = 256
+TIMEOUT = 10.0  # seconds one test's event loop may run
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+def data(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+async def no_space_wait(timeout: float) -> None:
+    await asyncio.sleep(timeout)
+
+
+@contextlib.asynccontextmanager
+async def tiered(ssd_dir, *, pages=32, high=1.0, low=0.9, ssd_pages=64, promote=True,
+                 group_commit=64 << 20):
+    """A started Tiering over a fresh keyspace; stopped (DRAM flushed, files closed) on exit.
+
+    With `high` = 1.0 the background demoter never runs on its own (use cannot exceed the
+    arena), so the steps the test calls are the only ones that move blocks.
+    """
+    scopes = ScopeRegistry()
+    ks = Keyspace(DramConfig(size=pages * PAGE, high_watermark=high, low_watermark=low,
+                             inline_max=INLINE_MAX), scopes)
+    cfg = SsdConfig(dir=str(ssd_dir), size=ssd_pages * PAGE, segment_size=ssd_pages * PAGE,
+                    promote_on_read=promote, group_commit_bytes=group_commit)
+    tiering = Tiering(ks, cfg, no_space_wait, workers=2)
+    await tiering.start(scopes)
+    try:
+        yield ks, tiering, scopes.tag(SCOPE)
+    finally:
+        await tiering.stop()
+
+
+def put(ks: Keyspace, tag: bytes, key: bytes, value: bytes):
+    ks.publish(tag, key, ks.materialize(value))
+    return ks.data[tag + key]
+
+
+async def read_back(ks: Keyspace, tag: bytes, key: bytes) -> bytes | None:
+    """What a GET returns, copied out, with any pin released."""
+    value = ks.get(tag, key)
+    if type(value) is Pending:
+        value = await value.awaitable
+    if value is None or type(value) is bytes:
+        return value
+    assert type(value) is Pinned
+    try:
+        return bytes(value.view)
+    finally:
+        value.release()
+
+
+async def demote_all(t: Tiering) -> None:
+    for _ in range(100):
+        if not await t._demote_batch(everything=True):
+            return
+    raise AssertionError("demotion did not converge")
+
+
+async def settle_deletes(t: Tiering) -> None:
+    if t._deleting is not None:
+        await t._deleting
+    await t._flush_deletes()
+
+
+def check_accounting(ks: Keyspace) -> None:
+    """Nothing pinned, reserved or held; byte counts match what is stored."""
+    assert (ks.active_pins, ks.held_bytes, ks.reserved_blocks, ks.unlinked_pinned) == (0, 0, 0, 0)
+    blocks = [v for v in ks.data.values() if type(v) is Block]
+    assert all(b.state is BlockState.RESIDENT and b.pins == 0 for b in blocks)
+    assert ks.block_count == len(blocks)
+    assert ks.arena.used == sum(page_extent(b.length) for b in blocks)
+    assert ks.inline_bytes == sum(len(v) for v in ks.data.values() if type(v) is bytes)
+    assert ks.used == ks.arena.used + ks.inline_bytes
+    assert not ks.data.keys() & ks.lower.keys()
+    assert sum(ks.per_scope.values()) == len(ks.data) + len(ks.lower)
+
+
+async def check_ssd(ks: Keyspace, t: Tiering) -> None:
+    """Once deletions are durable, the SSD index holds exactly the keyspace's SSD copies and
+    its allocators exactly their pages (no leaked, no stale extent)."""
+    await settle_deletes(t)
+    copies = dict(ks.lower)
+    copies.update({fk: b.lower for fk, b in ks.data.items() if type(b) is Block and b.lower is not None})
+    tag_of = ks.scopes.tag
+    indexed = {tag_of(IdentityScope(*scope)) + key: e for (scope, key), e in t.ssd.entries.items()}
+    assert indexed.keys() == copies.keys()
+    assert all(indexed[fk] is e for fk, e in copies.items())
+    assert t.used == sum(extent_pages(e.length) for e in indexed.values()) * PAGE
+
+
+# -- demotion --------------------------------------------------------------------------
+
+def test_demoter_moves_the_coldest_unpinned_blocks_above_the_high_watermark(tmp_path):
+    async def body():
+        async with tiered(tmp_path, pages=32, high=0.75, low=0.5) as (ks, t, tag):
+            values = {b"k%02d" % i: data(VAL, i) for i in range(28)}  # 28 pages > 24 (high)
+            for key, value in values.items():
+                put(ks, tag, key, value)
+            p = ks.get(tag, b"k00")  # a read: k00 is now the most recently used
+            p.release()
+            reader = ks.get(tag, b"k01")  # held by a reader across the demotion
+            assert ks.used > ks.high_bytes
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 3
+            while ks.used > ks.high_bytes and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            # one batch: down to the low watermark (16 pages), the 12 coldest unpinned blocks
+            demoted = {b"k%02d" % i for i in range(2, 14)}
+            assert {fk[len(tag):] for fk in ks.lower} == demoted
+            assert t.stats["demotions"] == 12
+            assert ks.used == ks.arena.used == 16 * PAGE
+            assert type(ks.data[tag + b"k00"]) is Block and type(ks.data[tag + b"k01"]) is Block
+            assert bytes(reader.view) == values[b"k01"]
+            reader.release()
+            for key in (b"k02", b"k07", b"k13"):
+                pending = ks.get(tag, key)
+                assert type(pending) is Pending
+                pinned = await pending.awaitable
+                assert type(pinned) is Pinned and bytes(pinned.view) == values[key]
+                pinned.release()
+            for key in (b"k00", b"k20"):
+                assert await read_back(ks, tag, key) == values[key]
+        check_accounting(ks)
+    run(body())
+
+
+def test_block_read_during_its_demotion_keeps_its_ssd_copy_and_goes_on_a_later_pass(tmp_path):
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            value = data(3 * PAGE + 100, 1)
+            block = put(ks, tag, b"k", value)
+            batch = asyncio.create_task(t._demote_batch())
+            await asyncio.sleep(0)
+            assert block.pins == 1  # staged: its write to SSD is in flight
+            reader = ks.get(tag, b"k")
+            assert await batch is True
+            entry = t.ssd.lookup(SCOPE, b"k")
+            assert entry is not None and block.lower is entry
+            assert ks.data[tag + b"k"] is block and block.state is BlockState.RESIDENT
+            assert ks.arena.used == 4 * PAGE and tag + b"k" not in ks.lower
+            assert bytes(reader.view) == value
+            assert await t._demote_batch() is False  # still pinned: not freed under the reader
+            assert block.state is BlockState.RESIDENT and ks.arena.used == 4 * PAGE
+            reader.release()
+            writes = t.stats["demotions"]
+            assert await t._demote_batch() is True
+            assert t.stats["demoted_clean"] == 1 and t.stats["demotions"] == writes
+            assert block.state is BlockState.GONE and ks.arena.used == 0
+            assert ks.lower[tag + b"k"] is entry
+            check_accounting(ks)
+            await check_ssd(ks, t)
+            assert await read_back(ks, tag, b"k") == value
+            check_accounting(ks)
+    run(body())
+
+
+@pytest.mark.parametrize("change", ["inline", "block", "delete"])
+def test_overwrite_during_demotion_leaves_no_stale_ssd_copy(tmp_path, change):
+    old, new_block = data(2 * PAGE, 2), data(PAGE + 1, 3)
+    expected = {"inline": b"new", "block": new_block, "delete": None}[change]
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            block = put(ks, tag, b"k", old)
+            batch = asyncio.create_task(t._demote_batch())
+            await asyncio.sleep(0)
+            assert block.pins == 1  # its write to SSD is in flight
+            if change == "delete":
+                assert ks.delete(tag, b"k")
+            else:
+                put(ks, tag, b"k", b"new" if change == "inline" else new_block)
+            assert await batch is True
+            assert block.state is BlockState.GONE
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"k") is None
+            assert t.stats["ssd_deletes"] == 1
+            assert tag + b"k" not in ks.lower
+            assert await read_back(ks, tag, b"k") == expected
+            check_accounting(ks)
+            await check_ssd(ks, t)
+        # after a restart only the newest value can come back (the inline one lives in DRAM only)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == (1 if change == "block" else 0)
+            assert await read_back(ks, tag, b"k") == (new_block if change == "block" else None)
+            check_accounting(ks)
+    run(body())
+
+
+def test_values_with_a_ttl_and_inline_values_stay_in_dram(tmp_path):
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            plain, timed, small = data(2 * PAGE, 4), data(2 * PAGE, 5), data(100, 6)
+            put(ks, tag, b"plain", plain)
+            put(ks, tag, b"timed", timed)
+            ks.set_expire(tag, b"timed", now_ms() + 60_000)
+            put(ks, tag, b"small", small)
+            await demote_all(t)
+            assert list(ks.lower) == [tag + b"plain"]
+            assert type(ks.data[tag + b"timed"]) is Block and ks.data[tag + b"small"] == small
+            assert t._pick(everything=True) == []
+            assert 0 < ks.ttl_ms(tag, b"timed") <= 60_000
+            assert await read_back(ks, tag, b"timed") == timed
+            assert await read_back(ks, tag, b"small") == small
+            assert await read_back(ks, tag, b"plain") == plain
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+# -- reads -------------------------------------------------------------------------------
+
+def test_promoted_read_keeps_the_ssd_copy_so_a_second_eviction_writes_nothing(tmp_path):
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            value = data(5 * PAGE + 7, 7)
+            put(ks, tag, b"k", value)
+            assert await t._demote_batch() is True
+            entry = ks.lower[tag + b"k"]
+            assert ks.arena.used == 0
+            pending = ks.get(tag, b"k")
+            assert type(pending) is Pending
+            pinned = await pending.awaitable
+            assert type(pinned) is Pinned and bytes(pinned.view) == value
+            block = ks.data[tag + b"k"]
+            assert block.lower is entry and block.crc == entry.crc
+            assert ks.active_pins == 1
+            pinned.release()
+            assert t.stats["promotions"] == 1 and tag + b"k" not in ks.lower
+            check_accounting(ks)
+            await check_ssd(ks, t)
+            before = (t.stats["demotions"], t.ssd.stats()["wal_bytes"], t.used)
+            assert await t._demote_batch() is True
+            assert (t.stats["demotions"], t.ssd.stats()["wal_bytes"], t.used) == before
+            assert t.stats["demoted_clean"] == 1
+            assert ks.lower[tag + b"k"] is entry and ks.arena.used == 0
+            assert block.state is BlockState.GONE
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_read_without_promotion_leaves_the_key_on_ssd_and_gives_dram_back(tmp_path):
+    async def body():
+        async with tiered(tmp_path, promote=False) as (ks, t, tag):
+            value = data(2 * PAGE + 1, 8)
+            put(ks, tag, b"k", value)
+            await demote_all(t)
+            entry = ks.lower[tag + b"k"]
+            pinned = await t.read(entry)
+            assert entry.pins == 0  # the entry is pinned only while it is read
+            assert bytes(pinned.view) == value
+            assert ks.arena.used == 3 * PAGE and ks.reserved_blocks == 1
+            pinned.release()
+            assert ks.arena.used == 0 and ks.lower[tag + b"k"] is entry
+            assert t.stats["promotions"] == 0 and t.stats["ssd_reads"] == 1
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupt_ssd_block_reads_as_a_miss_and_is_counted(tmp_path, where):
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            value = data(2 * PAGE, 9)
+            put(ks, tag, b"k", value)
+            put(ks, tag, b"other", data(VAL, 10))
+            await demote_all(t)
+            entry = ks.lower[tag + b"k"]
+            offset = entry.offset + (HEADER_SIZE + 1000 if where == "payload" else 20)
+            with open(os.path.join(tmp_path, seg_name(entry.seg)), "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0x01]))
+            pending = ks.get(tag, b"k")
+            assert type(pending) is Pending
+            assert await pending.awaitable is None
+            assert t.stats["ssd_read_corrupt"] == 1 and t.stats["ssd_reads"] == 0
+            assert not ks.contains(tag, b"k") and ks.get(tag, b"k") is None
+            assert ks.arena.used == 0
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"k") is None
+            assert await read_back(ks, tag, b"other") == data(VAL, 10)  # the rest is unaffected
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+# -- a full SSD ---------------------------------------------------------------------------
+
+def test_full_ssd_drops_ssd_copies_of_dram_blocks_first_then_its_lru(tmp_path):
+    async def body():
+        # 8 SSD pages; one block per group commit
+        async with tiered(tmp_path, ssd_pages=8, group_commit=PAGE) as (ks, t, tag):
+            values = {b"k%d" % i: data(VAL, 20 + i) for i in range(8)}
+            for key, value in values.items():
+                put(ks, tag, key, value)
+            await demote_all(t)
+            assert t.used == t.capacity == 8 * PAGE and len(ks.lower) == 8
+            new = data(VAL, 30)
+            put(ks, tag, b"new", new)
+            assert await read_back(ks, tag, b"k7") == values[b"k7"]  # promoted: DRAM + SSD copy
+            k7 = ks.data[tag + b"k7"]
+            assert k7.lower is not None
+            # the batch takes the coldest block, "new": the SSD has no room for it
+            assert await t._demote_batch() is True
+            assert t.stats["ssd_copies_dropped"] == 1 and t.stats["ssd_evictions"] == 1
+            assert k7.lower is None and ks.data[tag + b"k7"] is k7
+            assert not ks.contains(tag, b"k0")  # the SSD's least recently used key
+            assert set(ks.lower) == {tag + b"k%d" % i for i in range(1, 7)} | {tag + b"new"}
+            await settle_deletes(t)
+            assert t.used == 7 * PAGE
+            assert await read_back(ks, tag, b"new") == new
+            assert await read_back(ks, tag, b"k1") == values[b"k1"]
+            direct = ks.get(tag, b"k7")
+            assert type(direct) is Pinned  # straight from DRAM
+            direct.release()
+            assert await read_back(ks, tag, b"k7") == values[b"k7"]
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+# -- shutdown and recovery -------------------------------------------------------------------
+
+def test_stop_flushes_dram_blocks_and_a_new_tiering_recovers_them(tmp_path):
+    blocks = {b"a": data(VAL, 40), b"b": data(3 * PAGE + 5, 41), b"c": data(20_000, 42)}
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            for key, value in blocks.items():
+                put(ks, tag, key, value)
+            put(ks, tag, b"small", b"inline")
+            assert not ks.lower
+        assert ks.arena.used == 0 and set(ks.lower) == {tag + k for k in blocks}
+        check_accounting(ks)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == 3 and t.report.dropped_corrupt == 0
+            assert set(ks.lower) == {tag + k for k in blocks}
+            for key, value in blocks.items():
+                assert await read_back(ks, tag, key) == value
+            assert ks.get(tag, b"small") is None  # inline values live in DRAM only
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+# -- a random sequence against a model ---------------------------------------------------------
+
+def test_random_sequence_keeps_values_and_accounting(tmp_path):
+    rng = random.Random(1234)
+    keys = [b"k%d" % i for i in range(10)]
+    model: dict[bytes, bytes] = {}
+
+    async def body():
+        async with tiered(tmp_path, pages=64, ssd_pages=256) as (ks, t, tag):
+            for step in range(60):
+                key = rng.choice(keys)
+                op = rng.choice(["block", "block", "inline", "delete", "read", "demote", "race"])
+                if op in ("block", "inline"):
+                    value = data(rng.randrange(INLINE_MAX + 1, 2 * PAGE) if op == "block"
+                                 else rng.randrange(0, INLINE_MAX + 1), step)
+                    put(ks, tag, key, value)
+                    model[key] = value
+                elif op == "delete":
+                    assert ks.delete(tag, key) == (model.pop(key, None) is not None)
+                elif op == "read":
+                    assert await read_back(ks, tag, key) == model.get(key)
+                elif op == "demote":
+                    await t._demote_batch(everything=rng.random() < 0.5)
+                else:  # overwrite a key while a batch is being written
+                    batch = asyncio.create_task(t._demote_batch(everything=True))
+                    await asyncio.sleep(0)
+                    value = data(rng.randrange(INLINE_MAX + 1, 2 * PAGE), step)
+                    put(ks, tag, key, value)
+                    model[key] = value
+                    await batch
+                check_accounting(ks)
+                await check_ssd(ks, t)
+            for key in keys:
+                assert await read_back(ks, tag, key) == model.get(key)
+        async with tiered(tmp_path, pages=64, ssd_pages=256) as (ks, t, tag):
+            survivors = {k: v for k, v in model.items() if len(v) > INLINE_MAX}
+            assert {fk[len(tag):] for fk in ks.lower} == set(survivors)
+            for key, value in survivors.items():
+                assert await read_back(ks, tag, key) == value
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
