@@ -239,6 +239,10 @@ class Cluster:
                 log.warning("cluster: fetching from %s failed: %s", peer, e.message)
                 last_error = e
                 continue
+            except BaseException:  # cancelled (shutdown) mid-transfer: give the memory back
+                if block is not None:
+                    store.discard(block)
+                raise
             if view is None:  # the peer no longer has it: the directory was behind
                 if block is not None:  # memory named by an attempt before the nil (RDMA, then TCP)
                     store.discard(block)

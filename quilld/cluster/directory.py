@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 from quilld.cluster.replog import PLACED, Entry
-from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex
 from quilld.model import CacheTier
+from quilld.scopes import ScopeRegistry
 
 _LOCAL = (CacheTier.DRAM, CacheTier.SSD)
 

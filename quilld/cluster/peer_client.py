@@ -15,10 +15,10 @@ import socket
 from typing import Any, Callable
 
 import hiredis
-from quillwire.encode import encode_command
-from quillwire.reply import NEED_DATA, Bulk, ReplyError, ReplyReader
 
 from quilld.errors import QuillError
+from quillwire.encode import encode_command
+from quillwire.reply import NEED_DATA, Bulk, ReplyError, ReplyReader
 
 CONNECT_TIMEOUT = 2.0
 CALL_TIMEOUT = 10.0

@@ -49,8 +49,8 @@ from typing import Any, Callable
 
 import hiredis
 
-from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.fabric import Fetched, RdmaInfo, Target
+from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import CommandError, QuillError
 from quilld.model import IdentityScope
 

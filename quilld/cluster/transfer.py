@@ -18,7 +18,7 @@ has it enabled and the peer advertises a compatible device in its gossip meta
 (`advertise`). `Transfers` holds the paths, routes each fetch, and in "auto"
 falls back to TCP when an RDMA fetch fails; in "rdma" the failure is raised.
 
-Nothing here, nor in cluster/rdma.py, imports pyverbs at module level.
+Nothing here imports pyverbs, nor cluster/rdma.py, at module level.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 from quilld.cluster.fabric import ZERO_GID, Fetched, RdmaInfo, Target, Transfer
 from quilld.cluster.peer_client import PeerPool
-from quilld.cluster.rdma import RdmaTransfer  # imports pyverbs only when a device is opened
 from quilld.errors import ConfigError, QuillError
 from quilld.model import IdentityScope
 
@@ -215,6 +214,10 @@ class _Once:
 
 
 def _open_rdma(info: RdmaInfo, region: memoryview, pool: PeerPool, node_id: str, inline_max: int) -> Transfer:
+    # The optional RDMA path is loaded only on a node that turns it on (no cycle: rdma.py
+    # imports fabric.py, not this module); everywhere else the module is never imported.
+    from quilld.cluster.rdma import RdmaTransfer
+
     return RdmaTransfer.open(info, region, pool, node_id, inline_max)
 
 

@@ -16,7 +16,8 @@ from quilld import __version__
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
 from quilld.index.events import decode_json
-from quilld.index.route_request import RouteRequest, route as route_in_scope
+from quilld.index.route_request import RouteRequest
+from quilld.index.route_request import route as route_in_scope
 from quilld.index.router import Decision
 from quilld.model import IdentityScope
 from quilld.protocol.context import NodeContext

@@ -68,7 +68,8 @@ from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
                                           upstream_headers, upstream_url)
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
-from quilld.index.router import Candidate, Decision, choose as choose_engine
+from quilld.index.router import Candidate, Decision
+from quilld.index.router import choose as choose_engine
 from quilld.model import CacheTier, IdentityScope
 
 log = logging.getLogger("quilld.gateway")

@@ -23,12 +23,12 @@ import xxhash
 from quilld.config import Config, EngineConfig
 from quilld.index.engines import EngineRegistry
 from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
-from quilld.scopes import ScopeRegistry
 from quilld.index.residency import ResidencyIndex, hash_key
 from quilld.index.router import CostWeights, Decision, choose
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import KvEventSubscriber
 from quilld.model import IdentityScope
+from quilld.scopes import ScopeRegistry
 
 log = logging.getLogger("quilld.index.control")
 

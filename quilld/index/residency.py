@@ -14,7 +14,6 @@ Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
 from __future__ import annotations
 
 import struct
-
 from typing import Iterable
 
 from quilld.model import CacheTier

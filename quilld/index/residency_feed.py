@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.index.residency import ResidencyIndex
 from quilld.model import CacheTier
+from quilld.scopes import TAG_LEN, ScopeRegistry
 
 _LOCAL = (CacheTier.DRAM, CacheTier.SSD)
 

@@ -46,24 +46,10 @@ from crc32c import crc32c
 from quilld.errors import ConfigError
 from quilld.model import IdentityScope
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
-from quilld.tiers.ssd_format import (
-    HEADER_SIZE,
-    PAGE,
-    BadCheckpoint,
-    CheckpointEncoder,
-    CorruptBlock,
-    Found,
-    Scope,
-    SsdFailure,
-    State,
-    check_block_header,
-    decode_checkpoint_body,
-    decode_checkpoint_header,
-    drop_overlaps,
-    extent_pages,
-    pack_block_header,
-    replay_log,
-)
+from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, BadCheckpoint, CheckpointEncoder, CorruptBlock, Found, Scope,
+                                     SsdFailure, State, check_block_header, decode_checkpoint_body,
+                                     decode_checkpoint_header, drop_overlaps, extent_pages, pack_block_header,
+                                     replay_log)
 from quilld.tiers.wal import DelRecord, PutRecord, WalWriter, encode_batch, parse_wal_name, wal_name
 
 CHECKPOINT = "checkpoint"

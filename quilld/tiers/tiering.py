@@ -35,8 +35,8 @@ from typing import Any, Awaitable, Callable
 
 from quilld.config import SsdConfig
 from quilld.errors import OutOfMemory
-from quilld.scopes import TAG_LEN
 from quilld.model import CacheTier, IdentityScope, Pinned
+from quilld.scopes import TAG_LEN
 from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.ssd import PendingWrite, SsdEntry, SsdTier
@@ -241,6 +241,8 @@ class Tiering:
             extent = ssd.allocate(block.length)
             if extent is None:
                 await self._make_ssd_room(block.length)
+                if store.data.get(fk) is not block or block.state is not BlockState.RESIDENT:
+                    continue  # deleted or overwritten while room was made: nothing to write
                 extent = ssd.allocate(block.length)
                 if extent is None:
                     break

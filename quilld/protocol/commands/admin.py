@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 
-from quilld.protocol.commands.common import text
 from quilld.errors import CommandError
+from quilld.protocol.commands.common import text
 from quilld.protocol.context import NodeContext
 from quilld.protocol.info import info_sections, reset_stats
 from quilld.protocol.resp import OK, Verbatim

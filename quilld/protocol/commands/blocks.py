@@ -9,10 +9,10 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
-from quilld.index.route_request import parse_block_hash
-from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, NoHandle
+from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
+from quilld.protocol.commands.common import parse_int, text
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block

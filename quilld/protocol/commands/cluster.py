@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import hmac
+from typing import TYPE_CHECKING
 
-from quilld.cluster.rdma import RdmaTransfer
 from quilld.cluster.replog import Behind as LogBehind
-from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
-from quilld.model import IdentityScope
-from quilld.model import Pending
+from quilld.model import IdentityScope, Pending
+from quilld.protocol.commands.common import parse_int, text
 from quilld.protocol.resp import OK
 from quilld.protocol.table import ADMIN, NOAUTH, READONLY, CommandTable
+
+if TYPE_CHECKING:  # annotations only: the RDMA module is loaded only on a node that turns RDMA on
+    from quilld.cluster.rdma import RdmaTransfer
 
 MAX_BATCH = 50_000
 MAX_WAIT_MS = 30_000

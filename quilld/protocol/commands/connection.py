@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 
-from quilld.protocol.commands.common import parse_int, text
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass
 from quilld.model import IdentityScope
+from quilld.protocol.commands.common import parse_int, text
 from quilld.protocol.info import REDIS_VERSION
 from quilld.protocol.resp import OK, PONG, Status
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
-
 
 _SYNTAX = CommandError("syntax error")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from quilld.protocol.commands.common import parse_int, settle
 from quilld.errors import CommandError
+from quilld.protocol.commands.common import parse_int, settle
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
