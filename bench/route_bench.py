@@ -110,7 +110,7 @@ def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
 
     Returns (naive hits, unsafe naive hits, quilld hits, quilld refusals). quilld's
     hits are same-identity by construction (the scope is part of the key)."""
-    from quilld.index.residency import ResidencyIndex, hash_key
+    from quilld.index.residency import ResidencyIndex
 
     identities = [IdentityScope(t, m, "", a) for t in ("t1", "t2", "t3", "t4") for m in ("m1", "m2")
                   for a in ("", "lora-a")]
@@ -118,7 +118,7 @@ def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
     content = [[rng.getrandbits(64) for _ in range(8)] for _ in range(200)]
     naive: dict[int, IdentityScope] = {}  # content hash -> who stored it last
     scopes = ScopeRegistry()
-    index = ResidencyIndex()
+    index = ResidencyIndex(scopes)
     hits = unsafe = guarded_hits = 0
     for _ in range(4000):
         who = rng.choice(identities)
@@ -131,7 +131,9 @@ def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
             if index.masks(tag, [h])[0]:
                 guarded_hits += 1
             else:
-                scopes.audit_miss(tag, hash_key(h), index.has)
+                other = index.held_elsewhere(tag, h)
+                if other is not None:
+                    scopes.refused(tag, other)
             naive[h] = who
             index.put(tag, h, "e0", "hbm")
     return hits, unsafe, guarded_hits, scopes.total_refusals

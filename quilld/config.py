@@ -9,6 +9,7 @@ unknown keys are errors, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -44,6 +45,8 @@ class ServerConfig:
     max_clients: int = 10000
     proto_max_bulk_len: int = 512 * MiB
     client_output_high_water: int = 64 * MiB
+    client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
+    protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class DramConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     inline_max: int = 4 * KiB  # values up to this size live in the index entry, not in arena pages
+    max_unfilled_share: float = 0.5  # of the arena, held at most by reservations still waiting for clients' bytes
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,11 @@ class BlocksConfig:
 class SecurityConfig:
     requirepass: str = ""
     users_file: str = ""  # lines of `user password`; `#` starts a comment
+    auth_throttle_after: int = 10  # failed AUTHs from one address before its attempts are slowed; 0: never
+    auth_throttle_window_ms: int = 60_000  # an address with no failure for this long starts afresh
+    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused
+    max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
+    max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
 
 
 @dataclass(frozen=True)
@@ -160,10 +169,22 @@ class Config:
             raise ConfigError("dram watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
         if s.proto_max_bulk_len < 1:
             raise ConfigError("server.proto_max_bulk_len must be positive")
+        if s.client_query_buffer_limit < 1 * MiB:
+            raise ConfigError("server.client_query_buffer_limit must be at least 1MiB (as redis's), "
+                              f"got {s.client_query_buffer_limit}")
+        sec = self.security
+        if sec.auth_throttle_after < 0 or sec.auth_throttle_window_ms <= 0 or sec.auth_delay_max_ms <= 0:
+            raise ConfigError("security: auth_throttle_after must be >= 0, auth_throttle_window_ms and "
+                              "auth_delay_max_ms positive")
         if not 0 <= d.inline_max <= 64 * KiB:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
             raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        if self.security.max_scopes_per_tenant < 1:
+            raise ConfigError("security.max_scopes_per_tenant must be at least 1")
+        if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:
+            raise ConfigError("dram.max_unfilled_share must be within (0, 1] and "
+                              "security.max_unfilled_bytes_per_tenant at least 0")
         seen = set()
         for e in self.engines:
             validate_engine(e)
@@ -178,6 +199,7 @@ class Config:
         if ssd.group_commit_bytes < 1 * MiB or ssd.checkpoint_wal_bytes < 1 * MiB:
             raise ConfigError("ssd: group_commit_bytes and checkpoint_wal_bytes must be at least 1MiB")
         c = self.cluster
+        passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:
             raise ConfigError(f"cluster.transfer must be one of {', '.join(TRANSFERS)}, got {c.transfer!r}")
         if min(c.probe_interval_ms, c.probe_timeout_ms, c.push_pull_interval_ms) <= 0 or c.indirect_probes < 0 \
@@ -187,6 +209,19 @@ class Config:
         if c.gossip_port and not c.secret and (self.security.requirepass or self.security.users_file):
             raise ConfigError("cluster.secret is required when clients need passwords: peers "
                               "authenticate to each other with it")
+        if c.gossip_port and not c.secret and not is_loopback(s.bind):
+            raise ConfigError(f"cluster.secret (QUILLD_CLUSTER_SECRET) is required to gossip on {s.bind!r}, "
+                              "a non-loopback address: without it one forged UDP packet can mark a node dead. "
+                              "Set the same secret on every node, or bind to 127.0.0.1")
+        if c.gossip_port and s.protected_mode and not passwords and not is_loopback(s.bind):
+            raise ConfigError(f"a cluster on {s.bind!r} needs client passwords (security.requirepass or "
+                              "security.users_file) or server.protected_mode = false: in protected mode "
+                              "peers' RESP connections from other hosts would be refused")
+        if self.admin.port and not self.admin.token and passwords:
+            raise ConfigError("admin.token (QUILLD_ADMIN_TOKEN) is required when clients need passwords "
+                              "(security.requirepass or security.users_file): without it anyone who reaches "
+                              "admin.port could remove engines and register their own. Set it, or turn the "
+                              "admin API off with admin.port = 0 (--admin-port 0)")
         for seed in filter(None, (x.strip() for x in c.seeds.split(","))):
             host, _, port = seed.rpartition(":")
             if not host or not port.isdigit():
@@ -204,6 +239,37 @@ class Config:
             if out[section][key]:
                 out[section][key] = "***"
         return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP literal, `localhost`, or a peer's address) is this machine's loopback:
+    127.0.0.0/8, ::1 or an IPv4-mapped 127.x. `0.0.0.0`, `::`, `""` and other names are not."""
+    if host == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def protected_mode_refuses(server: ServerConfig, passwords: bool, peer: str | None) -> bool:
+    """Protected mode's decision for one connection on any listener: refused when protected mode
+    is on, no password is in force (`passwords`: the node's users require AUTH) and the peer is
+    not loopback (or unknown)."""
+    return server.protected_mode and not passwords and not (peer is not None and is_loopback(peer))
+
+
+PROTECTED_MODE_REFUSAL = (
+    "quilld is running in protected mode because protected mode is enabled and no password is set for "
+    "the default user. In this mode connections are only accepted from the loopback interface. If you want "
+    "to connect from external computers to quilld you may adopt one of the following solutions: 1) Set a "
+    "password: security.requirepass (--requirepass) or security.users_file (--users-file); the admin API then "
+    "needs admin.token too. 2) Disable protected mode: server.protected_mode = false in the config file, "
+    "QUILLD_SERVER_PROTECTED_MODE=false or --protected-mode no, and restart; MAKE SURE quilld is not reachable "
+    "from the internet if you do so. NOTE: You only need to do one of the above things in order for the "
+    "server to start accepting connections from the outside.")
 
 
 def validate_engine(e: EngineConfig) -> EngineConfig:
@@ -231,7 +297,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
 _SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
 _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("server", "proto_max_bulk_len"),
-              ("server", "client_output_high_water"), ("ssd", "size"), ("ssd", "segment_size"),
+              ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),
+              ("ssd", "size"), ("ssd", "segment_size"),
               ("ssd", "group_commit_bytes"), ("ssd", "checkpoint_wal_bytes")}
 
 

@@ -2,7 +2,26 @@
 
 The RESP layer turns a `QuillError` into an error reply in exactly one place
 (`protocol/resp.py: encode_error`); the client library maps prefixes back.
+
+A message that quotes what a client sent carries those bytes as they came, as
+redis echoes them: `echo()` decodes them with surrogate escapes, which
+`encode_error` turns back into the very same bytes (never U+FFFD).
 """
+
+
+def echo(raw: bytes | bytearray | memoryview, limit: int | None = None) -> str:
+    """Client bytes quoted in an error message, as redis's `%s` / `%.<limit>s` quote them.
+
+    Up to the first NUL byte (a C string ends there), at most `limit` bytes, and any
+    byte that is not UTF-8 kept as a surrogate escape so the wire gets it back raw.
+    """
+    raw = bytes(raw)
+    nul = raw.find(0)
+    if nul >= 0:
+        raw = raw[:nul]
+    if limit is not None:
+        raw = raw[:limit]
+    return raw.decode("utf-8", "surrogateescape")
 
 
 class QuillError(Exception):
@@ -38,6 +57,10 @@ class WrongPass(QuillError):
 
 class OutOfMemory(QuillError):
     prefix = "OOM"
+
+
+class UnfilledLimit(OutOfMemory):
+    """Clients' reservations still waiting for their bytes hold as much of the arena as they may."""
 
 
 class NoHandle(QuillError):

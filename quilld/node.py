@@ -5,6 +5,11 @@ control plane (engine subscriptions), cluster, gateway, housekeeping.
 Stop: stop accepting, leave the cluster, drain replies still being sent,
 close connections, stop housekeeping, gateway and admin API, stop the control
 plane, drop open puts, flush the SSD tier, release the arena.
+
+`stop` may be called at any moment of `start` (a signal cancels `start`, or a
+step of it failed): it undoes the steps that were taken, in the same order. SSD
+recovery runs in a worker thread that cannot be interrupted, so a stop during
+recovery waits for it to end, then stops the tier as usual.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class Node:
     def __init__(self, cfg: Config, config_file: str = "") -> None:
         self.cfg = cfg
         node_id = cfg.server.node_id or f"{socket.gethostname()}:{cfg.server.port}"
-        scopes = ScopeRegistry()
-        keyspace = Keyspace(cfg.dram, scopes)
+        scopes = ScopeRegistry(cfg.security.max_scopes_per_tenant)
+        keyspace = Keyspace(cfg.dram, scopes, cfg.security.max_unfilled_bytes_per_tenant)
         self._space = asyncio.Event()  # set (and replaced) when arena space is freed while writers wait
         self._space_waiters = 0
         keyspace.on_free = self._space_freed
@@ -64,6 +69,10 @@ class Node:
         self._admin: AdminServer | None = None
         self._gateway: Gateway | None = None
         self._tasks: list[asyncio.Task] = []
+        self._recovery: asyncio.Future | None = None  # the SSD tier's start, once begun
+        self._control_started = False
+        self._stopped = False
+        self.phase = "not started"  # the start step under way, for the log of a stop during start
 
     # what tests and benches read off a running in-process node
     @property
@@ -87,7 +96,11 @@ class Node:
         ctx, s = self.ctx, self.cfg.server
         loop = asyncio.get_running_loop()
         if ctx.tiering is not None:
-            await ctx.tiering.start(ctx.scopes)  # recovery completes before anything is served
+            self.phase = "recovering the SSD tier"
+            # recovery completes before anything is served; shielded, so a stop meanwhile can wait for it
+            self._recovery = asyncio.ensure_future(ctx.tiering.start(ctx.scopes))
+            await asyncio.shield(self._recovery)
+        self.phase = "opening listeners"
         self._server = await loop.create_server(
             lambda: RespConnection(ctx, large_target, release_args), s.bind, s.port,
             reuse_address=True, backlog=1024)
@@ -95,26 +108,37 @@ class Node:
         if self.cfg.admin.port:
             self._admin = AdminServer(ctx)
             ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
+        self.phase = "subscribing to engines"
+        self._control_started = True
         await ctx.control.start()
         if self.cfg.cluster.gossip_port:
+            self.phase = "joining the cluster"
             cluster = Cluster(self.cfg, ctx.node_id, ctx.keyspace, ctx.scopes, ctx.control, self.feed, self._usage)
-            await cluster.start()
             ctx.cluster = cluster
+            await cluster.start()
         if self.cfg.gateway.port:
+            self.phase = "opening the gateway"
             self._gateway = Gateway(ctx)
-            ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
             ctx.gateway = self._gateway
+            ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
-        log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s",
+        self.phase = "serving"
+        log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s%s",
                  __version__, ctx.node_id, s.bind, ctx.port,
-                 f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity))
+                 f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
+                 ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
 
     async def stop(self) -> None:
-        """Stop accepting, drain replies in flight, close clients, stop admin, free memory."""
-        if self._server is None:
+        """Stop accepting, drain replies in flight, close clients, stop admin, free memory.
+
+        Safe at any point of `start` (and a second call does nothing): only what was started is stopped.
+        """
+        if self._stopped:
             return
+        self._stopped = True
         ctx = self.ctx
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
         if ctx.cluster is not None:
             await ctx.cluster.stop()
         deadline = time.monotonic() + DRAIN_TIMEOUT
@@ -129,9 +153,13 @@ class Node:
             await self._gateway.stop()
         if self._admin is not None:
             await self._admin.stop()
-        await ctx.control.stop()
+        if self._control_started:
+            await ctx.control.stop()
         ctx.puts.close()
-        if ctx.tiering is not None:
+        if self._recovery is not None:
+            if not self._recovery.done():
+                log.info("ssd tier: waiting for recovery to finish before stopping (it cannot be interrupted)")
+            await asyncio.gather(self._recovery, return_exceptions=True)
             await ctx.tiering.stop()
         ctx.keyspace.close()
         self._server = None
@@ -143,6 +171,7 @@ class Node:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             try:
                 ctx.keyspace.sweep_expired()
+                ctx.scopes.sweep()
                 ctx.puts.reclaim_expired()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()

@@ -1,58 +1,155 @@
-"""Identity scopes as compact key prefixes, and the guard that counts refusals.
+"""Identity scopes as compact key prefixes, their lifetime, and the guard's refusal counts.
 
-Every distinct IdentityScope is interned once and given a 4-byte tag; a key
-is stored as `tag + key`, so equal keys in different scopes can never meet.
+Every distinct IdentityScope in use is given a 4-byte tag; a key is stored
+as `tag + key`, so equal keys in different scopes can never meet. Tags are
+never reused: a released scope's tag is retired, so a stale reference can
+never point at another identity.
+
+Lifetime: whoever keeps something under a tag holds it (`hold`/`drop`): a
+connection that chose the scope, the keyspace while it has keys in it, the
+residency index while it has entries in it, an open two-phase put. A scope
+nobody holds is released by `sweep` once it has been idle for
+`IDLE_GRACE` seconds, so SCOPE commands and gateway requests cannot grow the
+registry without bound; each tenant may have at most `max_per_tenant`
+scopes at once (clients' new scopes past that are refused).
+
 A lookup that misses in its own scope but would have matched in another one
-is a refused cross-scope reuse: it is counted by reason, never served.
+is a refused cross-scope reuse: it is counted by the refused tenant and the
+reason, never served. Callers find the other scope themselves in O(1) (the
+keyspace keeps an owner map, see tiers/keyspace.py) and call `refused`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
+from quilld.errors import QuillError
 from quilld.model import IdentityScope
 
 TAG_LEN = 4
+IDLE_GRACE = 30.0  # seconds an unheld scope is kept (a gateway request between routing and recording)
+DEFAULT_MAX_PER_TENANT = 1024
+REASONS = ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter")
+NO_SCOPE = b"\xff\xff\xff\xff"  # a tag no scope ever gets: lookups under it find nothing
+
+
+class ScopeLimit(QuillError):
+    """A tenant asked for more identity scopes than it may hold at once."""
 
 
 class ScopeRegistry:
-    def __init__(self) -> None:
+    def __init__(self, max_per_tenant: int = DEFAULT_MAX_PER_TENANT, clock=time.monotonic) -> None:
+        self.max_per_tenant = max_per_tenant
+        self._clock = clock
         self._tags: dict[IdentityScope, bytes] = {}
-        self._scopes: list[IdentityScope] = []
-        self.refusals: Counter[str] = Counter()
+        self._scopes: dict[bytes, IdentityScope] = {}
+        self._next = 0
+        self._holds: Counter[bytes] = Counter()
+        self._idle: dict[bytes, float] = {}  # unheld tags -> since when
+        self._per_tenant: Counter[str] = Counter()
+        self.refusals: Counter[tuple[str, str]] = Counter()  # (refused tenant, reason) -> count
+        self.released = 0
+        self.limited = 0  # new scopes refused by the per-tenant cap
+        self.on_release: list = []  # called with (tag, scope) as a scope is released
 
-    def tag(self, scope: IdentityScope) -> bytes:
+    # -- tags -------------------------------------------------------------------------
+    def tag(self, scope: IdentityScope, capped: bool = False) -> bytes:
+        """The tag of `scope`, given one if it has none.
+
+        `capped`: the scope is a client's choice, refused (ScopeLimit) when its tenant
+        already has `max_per_tenant` scopes; the node's own scopes (engines, recovery,
+        peers) are never refused.
+        """
         tag = self._tags.get(scope)
-        if tag is None:
-            tag = len(self._scopes).to_bytes(TAG_LEN, "big")
-            self._tags[scope] = tag
-            self._scopes.append(scope)
+        if tag is not None:
+            return tag
+        if capped and self._per_tenant[scope.tenant] >= self.max_per_tenant:
+            self.sweep(tenant=scope.tenant, grace=0.0)
+            if self._per_tenant[scope.tenant] >= self.max_per_tenant:
+                self.limited += 1
+                raise ScopeLimit(f"tenant '{scope.tenant}' already uses {self.max_per_tenant} identity scopes "
+                                 "(security.max_scopes_per_tenant); close connections or let unused scopes expire")
+        if self._next >= (1 << (8 * TAG_LEN)) - 1:  # NO_SCOPE is never given out
+            raise QuillError("identity scope tags exhausted; restart the node")
+        tag = self._next.to_bytes(TAG_LEN, "big")
+        self._next += 1
+        self._tags[scope] = tag
+        self._scopes[tag] = scope
+        self._per_tenant[scope.tenant] += 1
+        self._idle[tag] = self._clock()
         return tag
 
-    def scope_of(self, tag: bytes) -> IdentityScope:
-        return self._scopes[int.from_bytes(tag[:TAG_LEN], "big")]
+    def find(self, scope: IdentityScope) -> bytes:
+        """The tag of `scope` if it is in use, else NO_SCOPE (a lookup that must not create one)."""
+        return self._tags.get(scope, NO_SCOPE)
 
-    def tags(self) -> list[bytes]:
-        return list(self._tags.values())
+    def scope_of(self, tag: bytes) -> IdentityScope:
+        return self._scopes[tag[:TAG_LEN]]
+
+    def __len__(self) -> int:
+        return len(self._scopes)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def hold(self, tag: bytes) -> None:
+        if tag not in self._scopes:
+            return  # NO_SCOPE, or a scope already released: nothing to keep alive
+        self._holds[tag] += 1
+        self._idle.pop(tag, None)
+
+    def drop(self, tag: bytes) -> None:
+        n = self._holds.get(tag)
+        if n is None:
+            return
+        if n <= 1:
+            del self._holds[tag]
+            self._idle[tag] = self._clock()
+        else:
+            self._holds[tag] = n - 1
+
+    def sweep(self, tenant: str | None = None, grace: float = IDLE_GRACE, limit: int = 10_000) -> int:
+        """Release scopes nobody has held for `grace` seconds (of one tenant, or all); how many went."""
+        now, gone = self._clock(), []
+        for tag, since in self._idle.items():
+            if len(gone) >= limit:
+                break
+            if now - since >= grace and (tenant is None or self._scopes[tag].tenant == tenant):
+                gone.append(tag)
+        for tag in gone:
+            del self._idle[tag]
+            scope = self._scopes.pop(tag)
+            del self._tags[scope]
+            for hook in self.on_release:
+                hook(tag, scope)
+            self._per_tenant[scope.tenant] -= 1
+            if not self._per_tenant[scope.tenant]:
+                del self._per_tenant[scope.tenant]
+        self.released += len(gone)
+        return len(gone)
+
+    def scopes_of(self, tenant: str) -> int:
+        return self._per_tenant.get(tenant, 0)
+
+    # -- the guard's counts -----------------------------------------------------------------
+    def refused(self, wanted_tag: bytes, held_tag: bytes) -> bool:
+        """Count a lookup in `wanted_tag` refused because `held_tag` holds the same key."""
+        wanted, held = self._scopes.get(wanted_tag), self._scopes.get(held_tag)
+        if wanted is None or held is None:
+            return False
+        self.refusals[(wanted.tenant, refusal_reason(wanted, held))] += 1
+        return True
+
+    def refusals_of(self, tenant: str | None = None) -> dict[str, int]:
+        """Refusals by reason, of one tenant's lookups or (None) of everyone's."""
+        out = dict.fromkeys(REASONS, 0)
+        for (t, reason), n in self.refusals.items():
+            if tenant is None or t == tenant:
+                out[reason] += n
+        return out
 
     @property
     def total_refusals(self) -> int:
         return sum(self.refusals.values())
-
-    def audit_miss(self, tag: bytes, key: bytes, contains) -> bool:
-        """After a miss of `key` in scope `tag`: count a refusal if another scope holds it.
-
-        `contains(full_key)` tells whether a stored key exists. Returns True when
-        the lookup was refused rather than a plain miss.
-        """
-        if len(self._scopes) < 2:
-            return False
-        mine = self.scope_of(tag)
-        for other_scope, other in self._tags.items():
-            if other != tag and contains(other + key):
-                self.refusals[refusal_reason(mine, other_scope)] += 1
-                return True
-        return False
 
 
 def refusal_reason(wanted: IdentityScope, held: IdentityScope) -> str:

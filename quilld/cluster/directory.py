@@ -20,7 +20,7 @@ _LOCAL = (CacheTier.DRAM, CacheTier.SSD)
 class Directory:
     def __init__(self, scopes: ScopeRegistry, blocks: ResidencyIndex) -> None:
         self.scopes = scopes
-        self.keys = ResidencyIndex()  # holders are peer node ids; entries are keys, not hashes
+        self.keys = ResidencyIndex(scopes)  # holders are peer node ids; entries are keys, not hashes
         self.blocks = blocks
         self.applied: Counter[str] = Counter()  # peer -> entries applied
 

@@ -1,13 +1,18 @@
 """Admin HTTP API (aiohttp): health, stats, Prometheus metrics, effective config.
 
 Routes live in one table; the node is kept in a typed AppKey. With
-`admin.token` set, every request needs `Authorization: Bearer <token>`.
+`admin.token` set, every request needs `Authorization: Bearer <token>`; the
+config refuses to start a node whose clients need passwords without one. With
+no password at all, protected mode admits loopback peers only (perimeter.py).
+A body that is not JSON, or nests too deeply, is answered 400.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -15,6 +20,7 @@ from aiohttp import web
 from quilld import __version__
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
+from quilld.http.perimeter import loopback_only, parse_json
 from quilld.index.events import decode_json
 from quilld.index.route_request import RouteRequest
 from quilld.index.route_request import route as route_in_scope
@@ -47,7 +53,32 @@ async def stats(request: web.Request) -> web.Response:
         "persistence": dict(node.tiering.info()) if node.tiering else None,
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
+        "tenants": tenant_stats(node),
     })
+
+
+def tenant_stats(node: NodeContext) -> dict[str, dict[str, int]]:
+    """Per tenant, what RESP clients see of their own tenant only (INFO) — the operator's view."""
+    tenants = {s.user for s in node.clients.sessions.values()} | {t for t, _ in node.scopes.refusals}
+    out = {}
+    for tenant in sorted(tenants):
+        hits, misses = node.keyspace.lookups_of(tenant)
+        out[tenant] = {"connected_clients": sum(1 for s in node.clients.sessions.values() if s.user == tenant),
+                       "scopes": node.scopes.scopes_of(tenant), "keyspace_hits": hits, "keyspace_misses": misses,
+                       **{f"guard_refusals_{k}": v for k, v in node.scopes.refusals_of(tenant).items()}}
+    return out
+
+
+async def clients(request: web.Request) -> web.Response:
+    """GET /v1/clients: every RESP connection, of every tenant (CLIENT LIST shows a tenant its own)."""
+    node = request.app[NODE]
+    now = time.monotonic()
+    return web.json_response({"clients": [
+        {"id": s.id, "addr": s.addr, "laddr": s.laddr, "user": s.user, "name": (s.name or b"").decode(errors="replace"),
+         "scope": {"model": s.scope.model, "tokenizer": s.scope.tokenizer, "adapter": s.scope.adapter},
+         "age": int(now - s.created), "idle": int(now - s.last_active), "cmd": s.last_cmd, "resp": 3 if s.resp3 else 2,
+         "peer": s.peer}
+        for s in node.clients.sessions.values()]})
 
 
 def _metric_lines(node: NodeContext) -> list[str]:
@@ -117,9 +148,10 @@ def _json_error(status: int, message: str) -> web.Response:
 
 async def _body(request: web.Request) -> Any:
     try:
-        return await request.json()
-    except ValueError:
-        raise web.HTTPBadRequest(text='{"error": "the body is not JSON"}', content_type="application/json")
+        return parse_json(await request.read())
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"the body is not JSON: {e}"}),
+                                 content_type="application/json") from None
 
 
 async def list_engines(request: web.Request) -> web.Response:
@@ -219,6 +251,7 @@ async def nodes(request: web.Request) -> web.Response:
 ROUTES = [
     ("GET", "/healthz", healthz),
     ("GET", "/v1/stats", stats),
+    ("GET", "/v1/clients", clients),
     ("GET", "/metrics", metrics),
     ("GET", "/v1/config", config),
     ("GET", "/v1/engines", list_engines),
@@ -246,7 +279,9 @@ def _bearer_middleware(token: str):
 
 
 def build_app(node: NodeContext) -> web.Application:
-    middlewares = [_bearer_middleware(node.cfg.admin.token)] if node.cfg.admin.token else []
+    middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m))]
+    if node.cfg.admin.token:
+        middlewares.append(_bearer_middleware(node.cfg.admin.token))
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
     for method, path, handler in ROUTES:

@@ -67,10 +67,12 @@ from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request
 from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
                                           upstream_headers, upstream_url)
+from quilld.http.perimeter import loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.router import Candidate, Decision
 from quilld.index.router import choose as choose_engine
 from quilld.model import CacheTier, IdentityScope
+from quilld.scopes import NO_SCOPE, ScopeLimit
 
 log = logging.getLogger("quilld.gateway")
 
@@ -236,7 +238,10 @@ class Gateway:
             if blocks is None:
                 blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
             scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
-            tag = self.node.scopes.tag(scope)
+            try:
+                tag = self.node.scopes.tag(scope, capped=True)
+            except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
+                tag = self.node.scopes.find(scope)
             d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam),
                                    session=None if tried else req.session)  # a retry may leave it
             for c in d.candidates:
@@ -265,6 +270,8 @@ class Gateway:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
         if choice.engine.kv_events or self.control.engines.engines.get(choice.engine.id) is not choice.engine:
             return  # its events are the authority, or it was removed or replaced meanwhile
+        if choice.tag == NO_SCOPE:
+            return
         index, engine_id, tag = self.control.index, choice.engine.id, choice.tag
         self.stats.counts["residencies_recorded"] += sum(index.put(tag, h, engine_id, CacheTier.HBM)
                                                          for h in choice.blocks)
@@ -533,8 +540,15 @@ ROUTES = [
 ]
 
 
+def _refused(message: str) -> web.Response:
+    return ApiError(403, message, "permission_error", "protected_mode").response()
+
+
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+    node = gateway.node
+    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule)
+    app = web.Application(client_max_size=MAX_BODY,
+                          middlewares=[loopback_only(node.cfg.server, lambda: node.users.required, _refused)])
     app[GATEWAY] = gateway
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

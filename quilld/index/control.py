@@ -48,7 +48,7 @@ def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
 class ControlPlane:
     def __init__(self, cfg: Config, scopes: ScopeRegistry) -> None:
         self.scopes = scopes
-        self.index = ResidencyIndex()
+        self.index = ResidencyIndex(scopes)
         self.engines = EngineRegistry(cfg.engines, cfg.router.lease_timeout_ms)
         self.hot = HotPrefixes()
         r = cfg.router
@@ -106,7 +106,9 @@ class ControlPlane:
         decision = choose(self.index, tag, blocks, engines_considered, self.pool, self.engines.in_flight,
                           decode_blocks, self.weights)
         if blocks and not any(c.overlap_blocks for c in decision.candidates):
-            self.scopes.audit_miss(tag, hash_key(blocks[0]), self.index.has)
+            other = self.index.held_elsewhere(tag, blocks[0])
+            if other is not None:
+                self.scopes.refused(tag, other)
         self.stats["routes"] += 1
         if decision.engine is None:
             return decision

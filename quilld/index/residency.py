@@ -17,6 +17,7 @@ import struct
 from typing import Iterable
 
 from quilld.model import CacheTier
+from quilld.scopes import TAG_LEN, ScopeRegistry
 
 TIERS = tuple(CacheTier)
 TIER_SLOTS = len(TIERS)  # bits per holder
@@ -38,7 +39,10 @@ def hash_key(block: BlockHash) -> bytes:
 
 
 class ResidencyIndex:
-    def __init__(self) -> None:
+    def __init__(self, scopes: ScopeRegistry | None = None) -> None:
+        """With `scopes`, the index holds each scope tag while it has entries under it."""
+        self.scopes = scopes
+        self.tag_entries: dict[bytes, int] = {}  # scope tag -> entries under it
         self._entries: dict[bytes, int] = {}
         self._holders: list[str] = []  # holder number -> name
         self._holder_no: dict[str, int] = {}
@@ -84,7 +88,24 @@ class ResidencyIndex:
             return False
         self._entries[key] = mask | bit
         self._counts[slot] += 1
+        if not mask:
+            self._entry_added(tag)
         return True
+
+    def _entry_added(self, tag: bytes) -> None:
+        n = self.tag_entries.get(tag, 0)
+        self.tag_entries[tag] = n + 1
+        if not n and self.scopes is not None:
+            self.scopes.hold(tag)
+
+    def _entry_gone(self, tag: bytes) -> None:
+        n = self.tag_entries[tag] - 1
+        if n:
+            self.tag_entries[tag] = n
+        else:
+            del self.tag_entries[tag]
+            if self.scopes is not None:
+                self.scopes.drop(tag)
 
     def remove(self, tag: bytes, block: BlockHash, holder: str, tier: CacheTier | str) -> bool:
         """Forget one residency; False if it was not recorded."""
@@ -101,6 +122,7 @@ class ResidencyIndex:
             self._entries[key] = mask
         else:
             del self._entries[key]
+            self._entry_gone(tag)
         self._counts[slot] -= 1
         return True
 
@@ -123,6 +145,7 @@ class ResidencyIndex:
                     entries[key] = mask
                 else:
                     del entries[key]
+                    self._entry_gone(key[:TAG_LEN])
         base = self._holder_no[holder] * TIER_SLOTS
         for slot in range(base, base + TIER_SLOTS):
             if bits >> slot & 1:
@@ -138,6 +161,19 @@ class ResidencyIndex:
     def has(self, key: bytes) -> bool:
         """Whether a stored key (scope tag + hash key) has any residency."""
         return key in self._entries
+
+    def held_elsewhere(self, tag: bytes, block: BlockHash) -> bytes | None:
+        """A scope tag other than `tag` with a residency of `block`, or None.
+
+        Looks only at scopes that have entries (engines' and pools' scopes), never at
+        every scope clients have named.
+        """
+        hk = hash_key(block)
+        entries = self._entries
+        for other in self.tag_entries:
+            if other != tag and other + hk in entries:
+                return other
+        return None
 
     def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
         """For each block, every (holder, tier) that has it."""

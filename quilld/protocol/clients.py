@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from quilld.config import PROTECTED_MODE_REFUSAL, protected_mode_refuses
+
 if TYPE_CHECKING:  # for annotations only: server.py imports this module
     from quilld.protocol.server import RespConnection
+
+
+DENIED = f"-DENIED {PROTECTED_MODE_REFUSAL}\r\n".encode()  # redis 7's protected-mode refusal, in quilld's words
 
 
 class Clients:
@@ -22,10 +27,18 @@ class Clients:
         self._draining: set[RespConnection] = set()
 
     def opened(self, conn: RespConnection) -> bool:
-        """Admit a new connection, or refuse it (max clients reached): False."""
+        """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
+        other than loopback, as redis refuses it: `-DENIED ...` before reading a byte): False."""
+        refusal = None
         if len(self.connections) >= self.max_clients:
+            refusal = b"-ERR max number of clients reached\r\n"
+        else:
+            peer = conn.transport.get_extra_info("peername")
+            if protected_mode_refuses(conn.ctx.cfg.server, conn.ctx.users.required, peer[0] if peer else None):
+                refusal = DENIED
+        if refusal is not None:
             self.stats["rejected_connections"] += 1
-            conn.transport.write(b"-ERR max number of clients reached\r\n")
+            conn.transport.write(refusal)
             conn.transport.close()
             return False
         self.connections[conn.session.id] = conn
@@ -34,6 +47,7 @@ class Clients:
         return True
 
     def closed(self, conn: RespConnection) -> None:
+        conn.session.close()
         self.connections.pop(conn.session.id, None)
         self.sessions.pop(conn.session.id, None)
         self._draining.discard(conn)

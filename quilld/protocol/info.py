@@ -32,9 +32,13 @@ def human(n: float) -> str:
     return str(n)
 
 
-def counters(ctx: NodeContext) -> dict[str, int]:
+def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
+    """The node's counters; with `tenant`, those that tell about tenants' data (lookups, the
+    guard's refusals) count that tenant's own only. The admin API shows everyone's (None)."""
     ks, puts, clients, scopes = ctx.keyspace, ctx.puts, ctx.clients, ctx.scopes
     st = ks.stats
+    hits, misses = ks.lookups_of(tenant)
+    refusals = scopes.refusals_of(tenant)
     out = {
         "total_connections_received": clients.stats["total_connections_received"],
         "total_commands_processed": clients.commands_processed,
@@ -43,13 +47,21 @@ def counters(ctx: NodeContext) -> dict[str, int]:
         "rejected_connections": clients.stats["rejected_connections"],
         "expired_keys": st["expired"],
         "evicted_keys": st["evictions"],
-        "keyspace_hits": ks.hits,
-        "keyspace_misses": ks.misses,
+        "unfilled_refused": st["unfilled_refused"],
+        "keyspace_hits": hits,
+        "keyspace_misses": misses,
         "auth_failures": ctx.stats["auth_failures"],
-        "guard_refusals": scopes.total_refusals,
+        "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their address kept failing
+        "auth_throttle_refused": ctx.stats["auth_throttle_refused"],  # ... or refused outright
+        "client_query_buffer_limit_disconnections": clients.stats["client_query_buffer_limit_disconnections"],
+        "internal_errors": ctx.stats["internal_errors"],  # commands answered "internal error" (a bug; logged)
+        "guard_refusals": sum(refusals.values()),
+        "identity_scopes": len(scopes) if tenant is None else scopes.scopes_of(tenant),
+        "identity_scopes_released": scopes.released,
+        "identity_scopes_refused": scopes.limited,
     }
-    for reason in ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"):
-        out[f"guard_refusals_{reason}"] = scopes.refusals[reason]
+    for reason, n in refusals.items():
+        out[f"guard_refusals_{reason}"] = n
     out.update(put2phase_open=len(puts.open), put2phase_committed=puts.committed,
                put2phase_aborted=puts.aborted, put2phase_expired=puts.expired)
     ctl = ctx.control
@@ -65,7 +77,7 @@ def reset_stats(ctx: NodeContext) -> None:
     ctx.clients.reset_stats()
     ks = ctx.keyspace
     ks.stats.clear()
-    ks.hits = ks.misses = ks.writes = 0
+    ks.reset_lookups()
     ctx.scopes.refusals.clear()
 
 
@@ -82,6 +94,7 @@ def tier_stats(ctx: NodeContext) -> dict[str, Any]:
         "dram_reserved_blocks": ks.reserved_blocks,
         "dram_pinned_unlinked": ks.unlinked_pinned,
         "dram_held_bytes": ks.held_bytes,
+        "dram_unfilled_bytes": ks.unfilled_bytes,
         "dram_largest_free": arena["largest_free"],
         "dram_fragmentation": arena["fragmentation"],
         "dram_high_watermark": cfg.dram.high_watermark,
@@ -105,14 +118,14 @@ def info_sections(ctx: NodeContext, session: Any, names: list[str]) -> list[tupl
             ("server_time_usec", int(now * 1e6)), ("uptime_in_seconds", uptime),
             ("uptime_in_days", uptime // 86400), ("config_file", ctx.config_file)],
         "clients": lambda: [
-            ("connected_clients", len(ctx.clients.connections)), ("maxclients", ctx.cfg.server.max_clients),
+            ("connected_clients", sum(1 for s in ctx.clients.sessions.values() if s.user == session.user)), ("maxclients", ctx.cfg.server.max_clients),
             ("blocked_clients", 0)],
         "memory": lambda: [
             ("used_memory", ks.used), ("used_memory_human", human(ks.used)),
             ("used_memory_rss", rss_bytes()), ("used_memory_rss_human", human(rss_bytes())),
             ("maxmemory", ks.capacity), ("maxmemory_human", human(ks.capacity)),
             ("maxmemory_policy", "allkeys-lru")],
-        "stats": lambda: list(counters(ctx).items()),
+        "stats": lambda: list(counters(ctx, session.user).items()),
         "replication": lambda: [
             ("role", "master"), ("connected_slaves", 0), ("master_failover_state", "no-failover"),
             ("master_replid", "0" * 40), ("master_replid2", "0" * 40), ("master_repl_offset", 0),

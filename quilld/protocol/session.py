@@ -40,14 +40,28 @@ class Session:
         self.closing = False  # QUIT: close once the reply is written
         self.qbuf = 0
         self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
-        self.set_scope(IdentityScope())
+        self.tag = b""
+        self.set_scope(IdentityScope(), capped=False)
 
-    def set_scope(self, scope: IdentityScope) -> None:
-        self.scope = scope
-        self.tag = self.ctx.scopes.tag(scope)
+    def set_scope(self, scope: IdentityScope, capped: bool = True) -> None:
+        """Use `scope` from now on; the connection holds it (a client's new scope counts
+        against its tenant's cap: ScopeLimit)."""
+        scopes = self.ctx.scopes
+        tag = scopes.tag(scope, capped=capped)
+        scopes.hold(tag)
+        if self.tag:
+            scopes.drop(self.tag)
+        self.scope, self.tag = scope, tag
 
     def login(self, user: str) -> None:
         """The tenant becomes the authenticated user; the model part of the scope is kept."""
         self.user = user
         self.authenticated = True
-        self.set_scope(self.scope._replace(tenant=user))
+        self.set_scope(self.scope._replace(tenant=user), capped=bool(self.scope.model or self.scope.tokenizer
+                                                                     or self.scope.adapter))
+
+    def close(self) -> None:
+        """The connection is gone: its scope is no longer held by it."""
+        if self.tag:
+            self.ctx.scopes.drop(self.tag)
+            self.tag = b""

@@ -46,7 +46,7 @@ class BlockStateError(AssertionError):
 class Block:
     """An arena-resident value: the one per-block object beyond its dict entry."""
 
-    __slots__ = ("handle", "length", "pins", "state", "last_access", "lower", "crc")
+    __slots__ = ("handle", "length", "pins", "state", "last_access", "lower", "crc", "owner")
 
     def __init__(self, handle: int, length: int) -> None:
         self.handle = handle
@@ -56,6 +56,7 @@ class Block:
         self.last_access = 0.0
         self.lower: Any = None  # the lower tier's entry holding the same bytes, when there is one
         self.crc: int | None = None  # CRC32C of the published bytes, once someone computed it
+        self.owner: str | None = None  # the tenant whose bytes are awaited, while unpublished
 
     def __len__(self) -> int:
         return self.length

@@ -30,7 +30,7 @@ from typing import Any
 import crc32c
 
 from quilld.config import DramConfig
-from quilld.errors import OutOfMemory
+from quilld.errors import OutOfMemory, UnfilledLimit
 from quilld.model import CacheTier, Pending, Pinned
 from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.arena import NO_SPACE, DramArena
@@ -45,7 +45,8 @@ def now_ms() -> int:
 
 
 class Keyspace:
-    def __init__(self, cfg: DramConfig, scopes: ScopeRegistry) -> None:
+    def __init__(self, cfg: DramConfig, scopes: ScopeRegistry, max_unfilled: int = 0) -> None:
+        """`max_unfilled`: bytes one tenant's unfilled reservations may hold (0: a quarter of the arena)."""
         self.cfg = cfg
         self.scopes = scopes
         self.arena = DramArena(cfg.size)
@@ -53,6 +54,11 @@ class Keyspace:
         self.high_bytes = int(self.capacity * cfg.high_watermark)
         self.low_bytes = int(self.capacity * cfg.low_watermark)
         self.inline_max = cfg.inline_max
+        # reservations awaiting clients' bytes (see reserve): by tenant, and in all
+        self.unfilled: dict[str, int] = {}
+        self.unfilled_bytes = 0
+        self.max_unfilled_all = int(self.capacity * cfg.max_unfilled_share)
+        self.max_unfilled = max_unfilled or self.capacity // 4
         self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
         self.lower: OrderedDict[bytes, Any] = OrderedDict()  # keys only in the lower tier -> its entry
         self.lower_tier: LowerTier | None = None  # the tier below DRAM (tiering.py installs the SSD tier)
@@ -73,9 +79,40 @@ class Keyspace:
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
         self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
-        self.hits = self.misses = self.writes = 0
+        # a delete/publish/flush_scope released a copy in the lower tier whose deletion is not
+        # durable yet: whoever acknowledges it waits for `take_unsynced()` first
+        self.unsynced = False
+        self.hits: Counter[bytes] = Counter()  # scope tag -> lookups that found a value
+        self.misses: Counter[bytes] = Counter()
+        self.writes = 0
+        # plain key -> the tag (or set of tags) holding it, kept from the first miss once there are
+        # two scopes: a miss then tells in O(1) whether another identity holds the same key
+        self._owners: dict[bytes, Any] | None = None
+        self._retired: Counter[tuple[str, str]] = Counter()  # (tenant, hits|misses) of released scopes
+        scopes.on_release.append(self._fold)
 
     # -- accounting --------------------------------------------------------
+    def lookups_of(self, tenant: str | None = None) -> tuple[int, int]:
+        """(hits, misses) of one tenant's lookups, or (None) of everyone's."""
+        if tenant is None:
+            return (sum(self.hits.values()) + sum(n for (_, k), n in self._retired.items() if k == "hits"),
+                    sum(self.misses.values()) + sum(n for (_, k), n in self._retired.items() if k == "misses"))
+        scope_of = self.scopes.scope_of
+        hits = sum(n for tag, n in self.hits.items() if scope_of(tag).tenant == tenant)
+        misses = sum(n for tag, n in self.misses.items() if scope_of(tag).tenant == tenant)
+        return hits + self._retired[(tenant, "hits")], misses + self._retired[(tenant, "misses")]
+
+    def reset_lookups(self) -> None:
+        self.hits.clear()
+        self.misses.clear()
+        self._retired.clear()
+        self.writes = 0
+
+    def _fold(self, tag: bytes, scope: Any) -> None:
+        """A scope is released: its lookup counts stay, under its tenant."""
+        self._retired[(scope.tenant, "hits")] += self.hits.pop(tag, 0)
+        self._retired[(scope.tenant, "misses")] += self.misses.pop(tag, 0)
+
     def keys_in(self, tag: bytes) -> int:
         return self.per_scope.get(tag, 0)
 
@@ -88,32 +125,46 @@ class Keyspace:
             value = self.lower.get(fk)
             if value is not None:
                 self.lower.move_to_end(fk)
-                self.hits += 1
+                self.hits[tag] += 1
                 return value
         if value is None:
-            self.misses += 1
-            self.scopes.audit_miss(tag, key, self._has)
+            self.misses[tag] += 1
+            self._audit(tag, key)
             return None
         if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
             self.stats["expired"] += 1
-            self.misses += 1
+            self.misses[tag] += 1
             return None
         self.data.move_to_end(fk)
-        self.hits += 1
+        self.hits[tag] += 1
         if type(value) is Block:
             value.last_access = time.time()
         return value
 
-    def _has(self, fk: bytes) -> bool:
-        return fk in self.data or fk in self.lower
+    def _audit(self, tag: bytes, key: bytes) -> None:
+        """After a miss in `tag`: if another scope holds the same key, count a refused reuse."""
+        if self._owners is None:
+            if len(self.scopes) < 2:
+                return  # one identity only: a miss is a miss
+            self._track_owners()
+        owner = self._owners.get(bytes(key))
+        if owner is None:
+            return
+        if owner.__class__ is bytes:
+            if owner != tag:
+                self.scopes.refused(tag, owner)
+            return
+        other = next((t for t in owner if t != tag), None)
+        if other is not None:
+            self.scopes.refused(tag, other)
 
     def contains(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
         if fk not in self.data:
             if fk in self.lower:
                 return True
-            self.scopes.audit_miss(tag, key, self._has)
+            self._audit(tag, key)
             return False
         if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
@@ -207,17 +258,25 @@ class Keyspace:
                 self._free(block)
 
     # -- writes ------------------------------------------------------------
-    def reserve(self, nbytes: int) -> Block:
+    def reserve(self, nbytes: int, owner: str | None = None) -> Block:
         """Space for a block of `nbytes`, invisible until published.
 
         Evicts least-recently-used unpinned values as needed; raises
         OutOfMemory when the value cannot fit even after that.
+
+        `owner` is the tenant whose bytes will fill it (a client's payload or put, as
+        opposed to the node's own reads from SSD or peers): until published, what all
+        clients reserve may hold at most `dram.max_unfilled_share` of the arena (only
+        within it does a reservation evict other values before its bytes arrive), and
+        one tenant at most `max_unfilled` bytes.
         """
         if nbytes > self.capacity:
             raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
         need = page_extent(nbytes)
         if need > self.capacity - self.held_bytes:  # evicting everything would not be enough
             raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
+        if owner is not None:
+            self._check_unfilled(owner, need)
         self._make_room(need)
         handle = self.arena.reserve(nbytes)
         while handle == NO_SPACE:
@@ -227,7 +286,35 @@ class Keyspace:
         self.reserved_blocks += 1
         self.used += need
         self.held_bytes += need
-        return Block(handle, nbytes)
+        block = Block(handle, nbytes)
+        if owner is not None:
+            block.owner = owner
+            self.unfilled[owner] = self.unfilled.get(owner, 0) + need
+            self.unfilled_bytes += need
+        return block
+
+    def _check_unfilled(self, owner: str, need: int) -> None:
+        mine = self.unfilled.get(owner, 0)
+        if mine + need > self.max_unfilled:
+            self.stats["unfilled_refused"] += 1
+            raise UnfilledLimit(f"tenant '{owner}' already waits for {mine} bytes of payloads and open puts "
+                                f"(limit {self.max_unfilled}, security.max_unfilled_bytes_per_tenant)")
+        if self.unfilled_bytes + need > self.max_unfilled_all:
+            self.stats["unfilled_refused"] += 1
+            raise UnfilledLimit(f"payloads and open puts already hold {self.unfilled_bytes} bytes of the arena "
+                                f"(limit {self.max_unfilled_all}, dram.max_unfilled_share)")
+
+    def _filled(self, block: Block) -> None:
+        """A client's reservation is published or given back: it no longer counts as awaited."""
+        owner = block.owner
+        block.owner = None
+        need = page_extent(block.length)
+        left = self.unfilled[owner] - need
+        if left:
+            self.unfilled[owner] = left
+        else:
+            del self.unfilled[owner]
+        self.unfilled_bytes -= need
 
     def space_may_free(self) -> bool:
         """Whether space is held only for now: by readers' pins, puts in progress, or
@@ -240,6 +327,8 @@ class Keyspace:
         if block.unpublished:
             self.reserved_blocks -= 1
             self.held_bytes -= page_extent(block.length)
+            if block.owner is not None:
+                self._filled(block)
             self._free(block)
 
     def materialize(self, value: bytes | bytearray | memoryview) -> bytes | Block:
@@ -275,13 +364,13 @@ class Keyspace:
         if old is None and self.lower:
             old = self.lower.pop(fk, None)
         if old is None:
-            self.per_scope[tag] += 1
+            self._added(fk)
         else:
             if old.__class__ is bytes:
                 self.inline_bytes -= len(old)
                 self.used -= len(old)
-            else:
-                self._release_value(old)
+            elif self._release_value(old):
+                self.unsynced = True
             if self.expires and not keep_ttl:
                 self.expires.pop(fk, None)
         if value.__class__ is bytes:
@@ -293,6 +382,8 @@ class Keyspace:
         else:
             self.reserved_blocks -= 1
             self.held_bytes -= page_extent(value.length)
+            if value.owner is not None:
+                self._filled(value)
             value.to(BlockState.RESIDENT)
             value.last_access = time.time()
             self.block_count += 1
@@ -304,18 +395,31 @@ class Keyspace:
         if fk not in self.data:
             if fk in self.lower:
                 self._unlink(fk)
+                self.unsynced = True
                 return True
             return False
         expired = self.expires and fk in self.expires and self.expires[fk] <= now_ms()
-        self._unlink(fk)
+        if self._unlink(fk):
+            self.unsynced = True
         return not expired
 
     def flush_scope(self, tag: bytes) -> int:
         doomed = [fk for fk in self.data if fk[:TAG_LEN] == tag]
         doomed += [fk for fk in self.lower if fk[:TAG_LEN] == tag]
         for fk in doomed:
-            self._unlink(fk)
+            if self._unlink(fk):
+                self.unsynced = True
         return len(doomed)
+
+    def take_unsynced(self):
+        """After delete/publish/flush_scope: None when they released no copy in the lower tier
+        (no awaitable, no allocation); else an awaitable that resolves once the deletion of
+        every such copy is durable (raising if it cannot be made so). A caller acknowledging
+        the change to a client answers only then, so no crash brings the old bytes back."""
+        if not self.unsynced:
+            return None
+        self.unsynced = False
+        return self.lower_tier.synced()
 
     def tracked_values(self):
         """(full key, tier, bytes, block hash) of every tracked value, for replication snapshots."""
@@ -359,7 +463,7 @@ class Keyspace:
     def adopt(self, fk: bytes, entry: Any) -> None:
         """A value found in the lower tier at start (recovery) joins the keyspace."""
         self.lower[fk] = entry
-        self.per_scope[fk[:TAG_LEN]] += 1
+        self._added(fk)
         if self.listener is not None:
             self.tracked[fk] = None
             self.listener.placed(fk, self.lower_tier.tier, entry.length, None)
@@ -392,39 +496,98 @@ class Keyspace:
         return n
 
     # -- internals ---------------------------------------------------------
+    def _added(self, fk: bytes) -> None:
+        """A key joined the keyspace: its scope is held while it has keys, and owners are kept."""
+        tag = fk[:TAG_LEN]
+        per_scope = self.per_scope
+        n = per_scope[tag]
+        per_scope[tag] = n + 1
+        if not n:
+            self.scopes.hold(tag)
+        if self._owners is not None:
+            key = fk[TAG_LEN:]
+            owner = self._owners.get(key)
+            if owner is None:
+                self._owners[key] = tag
+            elif owner.__class__ is bytes:
+                self._owners[key] = {owner, tag}
+            else:
+                owner.add(tag)
+
+    def _removed(self, fk: bytes) -> None:
+        tag = fk[:TAG_LEN]
+        n = self.per_scope[tag] - 1
+        if n:
+            self.per_scope[tag] = n
+        else:
+            del self.per_scope[tag]
+            self.scopes.drop(tag)
+        if self._owners is not None:
+            key = fk[TAG_LEN:]
+            owner = self._owners.get(key)
+            if owner.__class__ is bytes:
+                del self._owners[key]
+            elif owner is not None:
+                owner.discard(tag)
+                if len(owner) == 1:
+                    self._owners[key] = owner.pop()
+
+    def _track_owners(self) -> None:
+        """Start keeping key -> scope tag(s), so a miss finds another scope's copy in O(1)."""
+        owners: dict[bytes, Any] = {}
+        for fk in list(self.data) + list(self.lower):
+            key, tag = fk[TAG_LEN:], fk[:TAG_LEN]
+            owner = owners.get(key)
+            if owner is None:
+                owners[key] = tag
+            elif owner.__class__ is bytes:
+                owners[key] = {owner, tag}
+            else:
+                owner.add(tag)
+        self._owners = owners
+
     def _forget(self, fk: bytes) -> None:
         if fk in self.tracked:
             self.listener.removed(fk, self.tracked.pop(fk))
 
-    def _unlink(self, fk: bytes) -> None:
+    def _unlink(self, fk: bytes) -> bool:
+        """Remove `fk`; True when a copy in the lower tier is being deleted (see _release_value)."""
         if self.tracked:
             self._forget(fk)
         value = self.data.pop(fk, None)
         if value is None:
             value = self.lower.pop(fk)
-        self.per_scope[fk[:TAG_LEN]] -= 1
+        self._removed(fk)
         if self.expires:
             self.expires.pop(fk, None)
-        self._release_value(value)
+        return self._release_value(value)
 
-    def _release_value(self, value: Any) -> None:
+    def _release_value(self, value: Any) -> bool:
+        """Release a value leaving the keyspace. True when that deletes a copy in the lower
+        tier (its own entry, a block's `lower`, or the copy a write in flight is making):
+        the deletion is durable only once `lower_tier.synced()` says so."""
         t = type(value)
         if t is bytes:
             self.inline_bytes -= len(value)
             self.used -= len(value)
-            return
+            return False
         if t is not Block:  # a lower tier's entry: its space goes once its deletion is durable
             self.lower_tier.drop(value)
-            return
+            return True
+        below = False
         if value.lower is not None:
             self.lower_tier.drop(value.lower)
             value.lower = None
+            below = True
         self.block_count -= 1
         if value.pins:
             value.to(BlockState.EVICTING)
             self.unlinked_pinned += 1
+            if self.lower_tier is not None and self.lower_tier.writing(value):
+                below = True
         else:
             self._free(value)
+        return below
 
     def _free(self, block: Block) -> None:
         self.arena.release(block.handle)
@@ -475,7 +638,7 @@ class Keyspace:
                     self.demoted(fk, value, value.lower)
                     self.stats["evictions_to_ssd"] += 1
                     return True
-            self.per_scope[fk[:TAG_LEN]] -= 1
+            self._removed(fk)
             if self.expires:
                 self.expires.pop(fk, None)
             if self.tracked:

@@ -85,11 +85,12 @@ class TwoPhasePuts:
         lease = self.default_lease_ms if lease_ms is None else lease_ms
         if not 0 < lease <= self.max_lease_ms:
             raise CommandError(f"LEASE must be within 1..{self.max_lease_ms} ms")
-        block = self.store.reserve(nbytes) if nbytes else None
+        block = self.store.reserve(nbytes, tenant) if nbytes else None
         handle = secrets.token_hex(12).encode()
         put = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
         put.bhash = bhash
         self.open[handle] = put
+        self.store.scopes.hold(tag)  # the scope lives at least as long as the put
         return handle
 
     def get(self, handle: bytes, tenant: str) -> Put:
@@ -147,6 +148,7 @@ class TwoPhasePuts:
         else:
             put.block.crc = crc  # verified above (or None: computed when first needed)
             store.publish(put.tag, put.key, put.block, bhash=put.bhash)
+        store.scopes.drop(put.tag)  # the published key holds the scope now
         self.committed += 1
 
     def abort(self, put: Put) -> None:
@@ -163,7 +165,8 @@ class TwoPhasePuts:
         return len(late)
 
     def _drop(self, put: Put) -> None:
-        self.open.pop(put.handle, None)
+        if self.open.pop(put.handle, None) is not None:
+            self.store.scopes.drop(put.tag)
         if put.block is None or not put.block.unpublished:
             return
         if put.writers:

@@ -40,11 +40,12 @@ def test_collision_workload_reuses_nothing_across_identities_and_counts_refusals
                         safe_hits += 1
                     else:
                         assert credit == 0.0, (i, scope)
-    refusals = control.scopes.refusals
+    refusals = control.scopes.refusals_of()  # by reason, every tenant's lookups
     # every cross-identity request whose model has engines was refused and counted
     assert safe_hits == len(chains)
     assert sum(refusals.values()) > 0
-    assert set(refusals) <= {"cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"}
+    assert set(refusals) == {"cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"}
+    assert {t for t, _ in control.scopes.refusals} <= {"t1", "t2"}  # counted by the refused tenant
     assert refusals["cross_tenant"] > 0 and refusals["cross_adapter"] > 0
     assert naive_cross == len(chains) * 7
 

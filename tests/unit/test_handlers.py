@@ -94,7 +94,7 @@ def test_scopes_keep_keys_apart_and_refusals_are_counted(ctx, c):
     assert run(ctx, other, "SCOPE", "llama", "tok") is OK
     run(ctx, c, "SET", "k", "default-scope")
     assert run(ctx, other, "GET", "k") is None
-    assert ctx.scopes.refusals["cross_model"] == 1
+    assert ctx.scopes.refusals_of("default")["cross_model"] == 1
     assert run(ctx, other, "DBSIZE") == 0 and run(ctx, c, "DBSIZE") == 1
 
 

@@ -130,7 +130,8 @@ def test_hits_misses_and_writes(store, tag):
     store.lookup(tag, b"a")
     store.lookup(tag, b"a")
     store.lookup(tag, b"nope")
-    assert (store.hits, store.misses, store.writes) == (2, 1, 1)
+    assert (store.lookups_of(), store.writes) == ((2, 1), 1)
+    assert store.lookups_of("default") == (2, 1) and store.lookups_of("someone-else") == (0, 0)
 
 
 def test_reserved_block_is_invisible_until_published(store, tag):
@@ -570,9 +571,9 @@ def test_miss_held_by_another_scope_is_a_counted_refusal(store, held, wanted, re
     put(store, h, b"prefix-hash", b"kv")
     assert refusal_reason(wanted, held) == reason
     assert store.lookup(w, b"prefix-hash") is None  # never served across scopes
-    assert store.scopes.refusals == {reason: 1}
+    assert store.scopes.refusals == {(wanted.tenant, reason): 1}
     assert not store.contains(w, b"prefix-hash")
-    assert store.scopes.refusals == {reason: 2}
+    assert store.scopes.refusals == {(wanted.tenant, reason): 2}
     assert store.scopes.total_refusals == 2
     # a plain miss, or a hit in its own scope, is no refusal
     assert store.lookup(w, b"other") is None
@@ -586,15 +587,13 @@ def test_no_refusal_with_a_single_scope(store, tag):
     assert store.scopes.total_refusals == 0
 
 
-def test_audit_miss_reports_whether_refused():
+def test_refused_counts_by_the_refused_tenant_and_reason():
     scopes = ScopeRegistry()
     a, b = scopes.tag(IdentityScope("a")), scopes.tag(IdentityScope("b"))
-    held = {a + b"k"}
-    assert scopes.audit_miss(b, b"k", held.__contains__) is True
-    assert scopes.audit_miss(b, b"x", held.__contains__) is False
-    assert scopes.audit_miss(a, b"k", held.__contains__) is False  # its own key is not "another scope"
-    assert scopes.refusals == {"cross_tenant": 1}
-    assert sorted(scopes.tags()) == sorted([a, b])
+    assert scopes.refused(b, a) is True
+    assert scopes.refused(b, b"\x00\x00\x09\x99") is False  # an unknown scope: nothing to blame
+    assert scopes.refusals == {("b", "cross_tenant"): 1}
+    assert scopes.refusals_of("b")["cross_tenant"] == 1 and scopes.refusals_of("a")["cross_tenant"] == 0
 
 
 # -- two-phase puts ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
 from quilld.protocol.commands.common import parse_int, text
+from quilld.protocol.commands.strings import acked
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
@@ -22,24 +23,27 @@ EXISTS = Status(b"EXISTS")
 
 
 def large_target(c, args: list, index: int, length: int):
-    """(object standing for the argument, writable view to receive it into).
+    """(object standing for the argument, writable view to receive it into), or None.
 
+    None: the argument is an ordinary one, received by the parser as its bytes
+    arrive (memory grows with what is sent, never with what a header claims).
     Raising a QuillError makes the payload be read and dropped, and the
     command answered with that error.
     """
-    if not c.authenticated:
-        raise NoAuth("Authentication required.")
     name = bytes(args[0]).lower() if args else b""
+    if not c.authenticated:  # nothing reaches the arena before AUTH
+        if name in (b"set", b"mset", b"put2phase"):
+            raise NoAuth("Authentication required.")
+        return None  # the table answers as redis does (an unknown command, AUTH itself)
     if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
-        block = c.keyspace.reserve(length)
+        block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
     if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
         put = c.puts.get(bytes(args[2]), c.user)
         offset = parse_int(args[3])
         view = c.puts.open_writer(put, offset, length)
         return IntoBlock(put, offset, length), view
-    buf = bytearray(length)
-    return buf, memoryview(buf)
+    return None
 
 
 def release_args(c, args: list) -> None:
@@ -101,7 +105,7 @@ def _put2phase_commit(c, args):
             raise CommandError("CRC32C must be an unsigned 32-bit integer")
     puts = c.puts
     puts.commit(puts.get(bytes(args[2]), c.user), crc)
-    return OK
+    return acked(c.keyspace, OK)  # over a value on SSD: answered once its deletion is durable
 
 
 def _put2phase_abort(c, args):

@@ -1,0 +1,195 @@
+"""Tenants kept apart in what they can use and what they can see (issue 11, findings 3, 6, 7).
+
+- Identity scopes are bounded per tenant and reclaimed when unused, and a lookup
+  miss costs the same however many scopes exist (finding 3).
+- Headers alone cannot hold the arena: clients' unfilled reservations are capped per
+  tenant and in all (finding 6).
+- INFO's counters and CLIENT LIST show a tenant its own; the admin API shows all (finding 7).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+import urllib.request
+
+import pytest
+import redis
+
+from conftest import start_quilld, stop_process, wait_until
+
+MiB = 1 << 20
+TOKEN = "admin-secret-token"
+
+
+def _command(*args) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%b\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def _drain(sock: socket.socket, replies: int, timeout: float = 60.0) -> bytes:
+    """Read until `replies` CRLF-terminated simple replies (+OK / -ERR) have arrived."""
+    buf = bytearray()
+    deadline = time.monotonic() + timeout
+    while buf.count(b"\r\n") < replies and time.monotonic() < deadline:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+@pytest.fixture(scope="module")
+def users(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tenants")
+    path = tmp / "users"
+    path.write_text("alice apw\nbob bpw\nmallory mpw\n")
+    return tmp, path
+
+
+def _admin(q, path: str):
+    req = urllib.request.Request(f"http://127.0.0.1:{q.admin_port}{path}",
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)
+
+
+def _start(tmp, users_path, *flags, **env):
+    env = {"QUILLD_ADMIN_TOKEN": TOKEN, **env}
+    return start_quilld(tmp, "--users-file", str(users_path), *flags, env=env)
+
+
+# -- finding 3: scopes ----------------------------------------------------------------------
+def test_scopes_are_capped_per_tenant_and_unused_ones_reclaimed(users):
+    tmp, path = users
+    q = _start(tmp, path, "--dram", "64MiB", QUILLD_SECURITY_MAX_SCOPES_PER_TENANT="20")
+    try:
+        alice = q.client(username="alice", password="apw", single_connection_client=True)
+        # switching scopes with nothing kept in them never runs into the cap: idle ones are reclaimed
+        for i in range(200):
+            assert alice.execute_command("SCOPE", f"model-{i}", "tok") == b"OK"
+        # scopes that hold keys (or connections) count: a 21st is refused
+        for i in range(20):
+            alice.execute_command("SCOPE", f"kept-{i}", "tok")
+            alice.set("k", f"v{i}")
+        with pytest.raises(redis.ResponseError, match=r"tenant 'alice' already uses 20 identity scopes "
+                                                      r"\(security.max_scopes_per_tenant\)"):
+            alice.execute_command("SCOPE", "one-too-many", "tok")
+        assert alice.ping() is True and alice.get("k") == b"v19"  # the connection stays in its scope
+        # another tenant is not affected by alice's cap
+        bob = q.client(username="bob", password="bpw", single_connection_client=True)
+        assert bob.execute_command("SCOPE", "one-too-many", "tok") == b"OK"
+        # once a scope holds nothing it can be reused for another
+        alice.execute_command("SCOPE", "kept-0", "tok")
+        alice.delete("k")
+        alice.execute_command("SCOPE", "kept-1", "tok")
+        assert alice.execute_command("SCOPE", "finally", "tok") == b"OK"
+        assert _admin(q, "/v1/stats")["tenants"]["alice"]["scopes"] <= 20
+    finally:
+        stop_process(q.proc)
+
+
+def _median_miss_us(client, n: int = 300) -> float:
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        assert client.get(f"absent-{i}") is None
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def test_a_miss_costs_the_same_however_many_scopes_exist(users):
+    tmp, path = users
+    q = _start(tmp, path, "--dram", "256MiB", QUILLD_SECURITY_MAX_SCOPES_PER_TENANT="100000")
+    try:
+        bob = q.client(username="bob", password="bpw", single_connection_client=True)
+        bob.set("own", "x")
+        before = _median_miss_us(bob)
+        n = 20_000
+        with socket.create_connection(("127.0.0.1", q.port), timeout=60) as s:
+            s.sendall(_command("AUTH", "mallory", "mpw"))
+            assert _drain(s, 1) == b"+OK\r\n"
+            batch = b"".join(_command("SCOPE", f"m{i}", "t") + _command("SET", f"key-{i}", "v") for i in range(n))
+            s.sendall(batch)
+            replies = _drain(s, 2 * n)
+            assert replies.count(b"+OK\r\n") == 2 * n, replies[:200]
+        after = _median_miss_us(bob)
+        # before the fix every miss scanned every scope: 100k scopes took a miss from 39 us to 10 ms
+        assert after < 3 * before + 200, (before, after)
+        # and a key another identity holds is still refused, not served
+        mallory_key = q.client(username="bob", password="bpw", single_connection_client=True)
+        assert mallory_key.get("key-7") is None
+        assert mallory_key.info("stats")["guard_refusals_cross_tenant"] == 1
+    finally:
+        stop_process(q.proc)
+
+
+# -- finding 7: what a tenant sees ---------------------------------------------------------------
+def test_info_and_client_list_show_a_tenant_only_its_own(users):
+    tmp, path = users
+    q = _start(tmp, path, "--dram", "64MiB")
+    try:
+        alice = q.client(username="alice", password="apw", single_connection_client=True)
+        bob = q.client(username="bob", password="bpw", single_connection_client=True)
+        bob_too = q.client(username="bob", password="bpw", single_connection_client=True)
+        alice.set("secret-prefix", "kv")
+        bob_too.ping()
+        before = alice.info("stats")
+        for _ in range(5):
+            assert bob.get("secret-prefix") is None  # refused: alice holds it
+            assert bob.get("nothing") is None
+        after = alice.info("stats")
+        for field in ("keyspace_hits", "keyspace_misses", "guard_refusals", "guard_refusals_cross_tenant"):
+            assert after[field] == before[field], field  # nothing of bob's shows in alice's INFO
+        bob_stats = bob.info("stats")
+        assert bob_stats["guard_refusals_cross_tenant"] == 5 and bob_stats["keyspace_misses"] == 10
+        assert alice.info("clients")["connected_clients"] == 1
+        assert bob.info("clients")["connected_clients"] == 2
+        listed = alice.execute_command("CLIENT", "LIST").decode()
+        assert listed.count("\n") == 1 and "user=alice" in listed and "user=bob" not in listed
+        assert bob.execute_command("CLIENT", "LIST").decode().count("user=bob") == 2
+        # the operator sees everyone, behind the admin token
+        everyone = _admin(q, "/v1/clients")["clients"]
+        assert sorted(c["user"] for c in everyone) == ["alice", "bob", "bob"]
+        tenants = _admin(q, "/v1/stats")["tenants"]
+        assert tenants["bob"]["guard_refusals_cross_tenant"] == 5 and tenants["alice"]["keyspace_misses"] == 0
+    finally:
+        stop_process(q.proc)
+
+
+# -- finding 6: headers alone cannot starve the arena ---------------------------------------------
+def test_unfilled_reservations_are_capped_per_tenant(users):
+    tmp, path = users
+    q = _start(tmp, path, "--dram", "256MiB")
+    try:
+        alice = q.client(username="alice", password="apw", single_connection_client=True)
+        kept = bytes(range(256)) * (128 * 1024)  # 32 MiB
+        alice.set("kept", kept)
+        # mallory announces payloads she never sends: 3 x 80 MiB over a 64 MiB per-tenant cap
+        stalled = []
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", q.port), timeout=30)
+            s.sendall(_command("AUTH", "mallory", "mpw"))
+            assert _drain(s, 1) == b"+OK\r\n"
+            s.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhold\r\n$%d\r\n" % (80 * MiB))
+            stalled.append(s)
+        # alice's value was not evicted for them, and alice can still write a large value
+        assert wait_until(lambda: alice.info("stats").get("unfilled_refused", 0) >= 3, timeout=15)
+        assert alice.get("kept") == kept
+        assert alice.set("more", b"m" * (64 * MiB)) is True
+        tiers = alice.info("tiers")
+        assert tiers["dram_unfilled_bytes"] == 0
+        for s in stalled:
+            s.close()
+        # within the cap a payload is accepted and completes normally
+        mallory = q.client(username="mallory", password="mpw", single_connection_client=True)
+        assert mallory.set("fine", b"f" * (16 * MiB)) is True
+        assert mallory.strlen("fine") == 16 * MiB
+    finally:
+        stop_process(q.proc)
