@@ -45,6 +45,7 @@ class ServerConfig:
     max_clients: int = 10000
     proto_max_bulk_len: int = 512 * MiB
     client_output_high_water: int = 64 * MiB
+    payload_timeout_ms: int = 15_000  # a large payload that stops arriving this long closes its client
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
 
@@ -180,6 +181,8 @@ class Config:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
             raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        if s.payload_timeout_ms < 1:
+            raise ConfigError("server.payload_timeout_ms must be positive")
         if self.security.max_scopes_per_tenant < 1:
             raise ConfigError("security.max_scopes_per_tenant must be at least 1")
         if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:

@@ -175,6 +175,7 @@ class Node:
                 ctx.puts.reclaim_expired()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()
+                ctx.clients.close_stalled(self.cfg.server.payload_timeout_ms / 1000, time.monotonic())
             except Exception:  # a housekeeping bug must not stop housekeeping
                 log.exception("housekeeping failed")
 

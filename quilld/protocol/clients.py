@@ -25,6 +25,8 @@ class Clients:
         self.net_out = 0
         self.on_close = on_close  # called with a closed connection's session id (the cluster's RDMA leases)
         self._draining: set[RespConnection] = set()
+        self._progress: dict[int, tuple[int, float]] = {}  # session id -> (payload bytes seen, since when)
+        self._stall_check = 0.0
 
     def opened(self, conn: RespConnection) -> bool:
         """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
@@ -69,6 +71,31 @@ class Clients:
             waiting, self._draining = self._draining, set()
             for conn in waiting:
                 conn.check_drained()
+
+    def close_stalled(self, timeout: float, now: float) -> int:
+        """Close connections whose large payload (a value received into the arena, or one being
+        refused) has not advanced for `timeout` seconds: a sender that stops mid-payload must not
+        keep its reservation. Looks about once a second; returns how many were closed."""
+        if now - self._stall_check < min(1.0, timeout / 2):
+            return 0
+        self._stall_check = now
+        progress, closed = self._progress, 0
+        for sid, conn in list(self.connections.items()):
+            filled = conn.parser.sink_progress()
+            if filled < 0:
+                progress.pop(sid, None)
+                continue
+            seen = progress.get(sid)
+            if seen is None or seen[0] != filled:
+                progress[sid] = (filled, now)
+            elif now - seen[1] >= timeout:
+                progress.pop(sid, None)
+                self.stats["payload_timeouts"] += 1
+                conn.transport.close()  # connection_lost gives the reservation back
+                closed += 1
+        for sid in [s for s in progress if s not in self.connections]:
+            del progress[sid]
+        return closed
 
     def any_pinned(self) -> bool:
         return any(c.has_pins for c in self.connections.values())

@@ -45,6 +45,7 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
         "total_net_input_bytes": clients.net_in,
         "total_net_output_bytes": clients.net_out,
         "rejected_connections": clients.stats["rejected_connections"],
+        "payload_timeouts": clients.stats["payload_timeouts"],
         "expired_keys": st["expired"],
         "evicted_keys": st["evictions"],
         "unfilled_refused": st["unfilled_refused"],

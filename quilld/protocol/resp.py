@@ -13,7 +13,12 @@ answers a `LargeBulk` with `attach(target)`, a writable buffer of exactly that
 length (an arena slot); the payload then lands in `target` with no
 intermediate `bytes`. While a large bulk is being received, `sink_view()`
 exposes the unfilled part of the target so a `BufferedProtocol` can receive
-into it directly, and `sink_advance(n)` records what arrived.
+into it directly, and `sink_advance(n)` records what arrived. A large bulk
+that has no target of its own is answered with `accumulate()`: it is then
+received in the parser's buffer, which grows only as its bytes arrive (a
+header alone commits no memory), and becomes an ordinary `bytes` argument.
+`query_bytes()` tells how much a half-received command holds in memory, for
+the caller's query-buffer limit.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
 
 # Limits, with redis-server 7's precedent (src/server.h, src/networking.c).
 MAX_INLINE = 64 * 1024  # PROTO_INLINE_MAX_SIZE: inline request or a header line without CRLF
-MAX_MULTIBULK_LEN = 1024 * 1024 * 1024  # redis allows up to INT_MAX; we cap at 2**30 arguments
+MAX_MULTIBULK_LEN = 2**31 - 1  # INT_MAX, as redis; arguments only take memory as they arrive
+MAX_INT_CHARS = 20  # LONG_STR_SIZE - 1: string2ll refuses longer numbers (and int() would refuse 4301+ digits)
+CLIENT_QUERY_BUFFER_LIMIT = 1024 * 1024 * 1024  # client-query-buffer-limit default: see query_bytes()
+ARG_OVERHEAD = 48  # what a parsed argument costs beyond its bytes (bytes object header, list slot)
 MAX_BULK_LEN = 512 * 1024 * 1024  # proto-max-bulk-len default; also the largest block
 UNAUTH_MULTIBULK_LEN = 10  # before AUTH, redis refuses larger commands
 UNAUTH_BULK_LEN = 16384
@@ -69,6 +77,28 @@ def _suspect_pattern(large_bulk: int, max_bulk_len: int):
     return suspect
 
 
+def _bulks_so_far(partial: bytes) -> bool:
+    """Whether a partial multibulk command holds only bulk strings so far (with valid lengths).
+
+    Run only on the command a read ended in the middle of, so it stays off the common path.
+    """
+    nl = partial.find(b"\r\n")
+    if nl < 0:
+        return True
+    pos, end = nl + 2, len(partial)
+    while pos < end:
+        if partial[pos] != 36:  # '$'
+            return False
+        nl = partial.find(b"\r\n", pos)
+        if nl < 0:
+            return True
+        n = _parse_len(partial[pos + 1:nl])
+        if n is None or n < 0:
+            return False
+        pos = nl + 2 + n + 2
+    return True
+
+
 class LargeBulk:
     """A bulk argument of `length` bytes is coming for command `args` (argument `index`)."""
 
@@ -80,13 +110,24 @@ class LargeBulk:
         self.length = length
 
 
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
 def _parse_len(raw: bytes | bytearray) -> int | None:
-    """Strict decimal as redis's string2ll: optional '-', digits, no leading zero, no '+'."""
+    """Strict signed 64-bit decimal as redis's string2ll: optional '-', digits, no leading
+    zero, no '+', at most 20 characters, within the 64-bit range; None otherwise."""
+    if len(raw) > MAX_INT_CHARS:
+        return None
     if raw.isdigit():
-        return int(raw) if raw[:1] != b"0" or len(raw) == 1 else None
-    if raw[:1] == b"-" and raw[1:].isdigit() and raw[1:2] != b"0":
-        return -int(raw[1:])
-    return None
+        if raw[:1] == b"0" and len(raw) != 1:
+            return None
+        value = int(raw)
+    elif raw[:1] == b"-" and raw[1:].isdigit() and raw[1:2] != b"0":
+        value = -int(raw[1:])
+    else:
+        return None
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
 
 
 class RespParser:
@@ -108,6 +149,9 @@ class RespParser:
         self._sink_filled = 0
         self._skip_crlf = False  # the CRLF after a large bulk is still to come
         self._scratch: memoryview | None = None
+        self._announced = 0  # length of the last LargeBulk announced
+        self._plain = -1  # length of a large bulk being received into _buf (accumulate()), or -1
+        self._args_bytes = 0  # what the arguments of the command being assembled hold
         # Fast path: hiredis parses while the Python parser is idle and nothing suspect arrives.
         self._use_hiredis = use_hiredis and hiredis is not None
         self._suspect = _suspect_pattern(large_bulk, max_bulk_len)
@@ -189,7 +233,14 @@ class RespParser:
             if used <= len(stream):
                 self._queue.extend(cmds)
             return
-        self._tail = stream[used:]
+        partial = stream[used:]
+        if not _bulks_so_far(partial):
+            # hiredis would wait for the end of a nested array (or a reply type) where redis
+            # refuses the command at once: the Python parser answers it now, as redis does
+            self._to_python(partial)
+            self._queue.extend(cmds)
+            return
+        self._tail = partial
         self._reader = hiredis.Reader()  # a fresh reader holding exactly the partial command
         self._reader.feed(self._tail)
         self._queue.extend(cmds)
@@ -213,6 +264,10 @@ class RespParser:
             self._scratch = memoryview(bytearray(_SCRATCH))
         return self._scratch[:min(_SCRATCH, self._sink_len - self._sink_filled)]
 
+    def sink_progress(self) -> int:
+        """Bytes of the large bulk being received so far (-1 when none is being received)."""
+        return self._sink_filled if self.receiving else -1
+
     def sink_advance(self, n: int) -> None:
         """`n` bytes were written into `sink_view()` by the caller."""
         self._sink_filled += n
@@ -224,7 +279,14 @@ class RespParser:
             self._skip_crlf = True
 
     def pending_bytes(self) -> int:
+        """Bytes received and not yet consumed."""
         return len(self._buf) - self._pos + len(self._tail)
+
+    def query_bytes(self) -> int:
+        """Memory the client's unfinished input holds: bytes buffered and not yet consumed, plus
+        the arguments already parsed for the command being assembled (redis's query buffer; a
+        bulk received into a caller's target is not counted: the target bounds it)."""
+        return len(self._buf) - self._pos + len(self._tail) + self._args_bytes
 
     def attach(self, target: Any, view: memoryview | None = None) -> None:
         """Receive the announced LargeBulk into `view` (default: `target`'s buffer).
@@ -233,6 +295,19 @@ class RespParser:
         """
         view = memoryview(target) if view is None else view
         self._start_sink(target, view, len(view))
+
+    def head(self, n: int) -> bytes:
+        """The first `n` bytes of the unconsumed input (for a log line)."""
+        if self._tail:
+            return self._tail[:n]
+        return bytes(self._buf[self._pos:self._pos + n])
+
+    def accumulate(self) -> None:
+        """Receive the announced LargeBulk into the parser's own buffer, as an ordinary argument.
+
+        Nothing is allocated up front: the buffer grows with the bytes that actually arrive.
+        """
+        self._plain = self._announced
 
     def drop(self, marker: Any, length: int) -> None:
         """Read the announced LargeBulk of `length` bytes and throw it away.
@@ -265,6 +340,12 @@ class RespParser:
         self._sink = self._sink_obj = None
         self.receiving = False
         self._args = None
+        self._plain = -1
+        self._args_bytes = 0
+        self._buf = bytearray()  # the connection is gone: nothing buffered is kept
+        self._pos = 0
+        self._tail = b""
+        self._queue = []
         return held
 
     # -- commands ----------------------------------------------------------
@@ -326,10 +407,24 @@ class RespParser:
                 self._pos = pos
                 return _SKIPPED
             args = self._args = []
+            self._args_bytes = 0
             self._remaining = n
         remaining = self._remaining
+        held = self._args_bytes
         max_bulk = self.max_bulk_len if self.authenticated else UNAUTH_BULK_LEN
         while remaining:
+            if self._plain >= 0:  # a large bulk without a target: taken once it has all arrived
+                stop = pos + self._plain
+                if stop + 2 > end:
+                    break
+                with memoryview(buf) as view:  # one copy, not a bytearray slice and then bytes
+                    args.append(bytes(view[pos:stop]))
+                held += self._plain + ARG_OVERHEAD
+                self._plain = -1
+                remaining -= 1
+                del buf[:stop + 2]  # give the long buffer back now, not at the next compaction
+                pos, end = 0, len(buf)
+                continue
             if pos >= end:
                 break
             if buf[pos] != 36:  # '$'
@@ -347,19 +442,24 @@ class RespParser:
             if n >= self.large_bulk:
                 self._pos = start
                 self._remaining = remaining
+                self._args_bytes = held
+                self._announced = n
                 return LargeBulk(args, len(args), n)
             stop = start + n
             if stop + 2 > end:
                 break
             args.append(bytes(buf[start:stop]))
+            held += n + ARG_OVERHEAD
             pos = stop + 2
             remaining -= 1
         self._pos = pos
         self._remaining = remaining
         if remaining:
+            self._args_bytes = held
             self._maybe_compact()
             return NEED_DATA
         self._args = None
+        self._args_bytes = 0
         return args
 
     def _inline(self) -> list | None:
@@ -472,9 +572,13 @@ NULL3 = b"_\r\n"
 
 
 def encode_error(err: QuillError) -> bytes:
-    """The one place a typed error becomes `-PREFIX message`."""
+    """The one place a typed error becomes `-PREFIX message`.
+
+    Client bytes quoted in the message (`errors.echo`) go back raw; CR and LF become
+    spaces, as redis's addReplyError makes them.
+    """
     text = err.wire().replace("\r", " ").replace("\n", " ")
-    return b"-" + text.encode() + b"\r\n"
+    return b"-" + text.encode("utf-8", "surrogateescape") + b"\r\n"
 
 
 def encode(value: Any, resp3: bool, out: list) -> None:

@@ -193,3 +193,34 @@ def test_unfilled_reservations_are_capped_per_tenant(users):
         assert mallory.strlen("fine") == 16 * MiB
     finally:
         stop_process(q.proc)
+
+
+def test_a_stalled_payload_is_cut_off_and_its_space_freed(users):
+    tmp, path = users
+    q = _start(tmp, path, "--dram", "256MiB", QUILLD_SERVER_PAYLOAD_TIMEOUT_MS="600")
+    try:
+        alice = q.client(username="alice", password="apw", single_connection_client=True)
+        s = socket.create_connection(("127.0.0.1", q.port), timeout=30)
+        s.sendall(_command("AUTH", "mallory", "mpw"))
+        assert _drain(s, 1) == b"+OK\r\n"
+        s.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhold\r\n$%d\r\n" % (40 * MiB) + b"x" * MiB)  # then nothing
+        assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] > 0, timeout=10)
+        # a slow sender that keeps sending is not cut off
+        slow = socket.create_connection(("127.0.0.1", q.port), timeout=30)
+        slow.sendall(_command("AUTH", "alice", "apw"))
+        assert _drain(slow, 1) == b"+OK\r\n"
+        slow.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nslow\r\n$%d\r\n" % (20 * 64 * 1024))
+        for _ in range(20):
+            slow.sendall(b"s" * 64 * 1024)
+            time.sleep(0.1)  # 2 s in all, each gap well under the 0.6 s timeout
+        slow.sendall(b"\r\n")
+        assert _drain(slow, 1) == b"+OK\r\n"
+        slow.close()
+        # the stalled one was closed and its 40 MiB given back
+        s.settimeout(10)
+        assert s.recv(100) == b""
+        assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] == 0, timeout=10)
+        assert alice.info("stats")["payload_timeouts"] == 1
+        assert alice.strlen("slow") == 20 * 64 * 1024 and alice.exists("hold") == 0
+    finally:
+        stop_process(q.proc)
