@@ -6,11 +6,17 @@ it (an arena block): `get_buffer` hands the transport that memory. Block
 replies are written from arena memoryviews with `writelines`; each block
 stays pinned until the transport's buffer has drained past it. Reading is
 paused while the peer does not drain what we write.
+
+A client whose unfinished input holds more than `server.client_query_buffer_limit`
+bytes is closed without a reply, as redis closes it (client-query-buffer-limit).
+A reply that cannot be encoded, or a deferred reply that fails, is answered with
+an error and its pins are given back; the connection stays.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Callable
 
@@ -26,6 +32,7 @@ RECV_BUFFER = 256 * 1024
 _shared_rbuf = memoryview(bytearray(RECV_BUFFER))
 ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
 ARENA_RETRY = 0.01
+log = logging.getLogger("quilld.protocol")
 
 
 def _collect_pins(reply: Any, pins: list) -> None:
@@ -40,8 +47,9 @@ class RespConnection(asyncio.BufferedProtocol):
     """One client connection.
 
     `large_target(session, args, index, length)` names where a large bulk argument is received
-    (and raises a QuillError to refuse it); `release_args(session, args)` gives back whatever a
-    command, or a connection lost mid-command, left unconsumed.
+    (and raises a QuillError to refuse it), or returns None to have the parser receive it as an
+    ordinary argument; `release_args(session, args)` gives back whatever a command, or a
+    connection lost mid-command, left unconsumed.
     """
 
     def __init__(self, ctx: NodeContext, large_target: Callable, release_args: Callable) -> None:
@@ -50,6 +58,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._large_target = large_target
         self._release_args = release_args
         self.parser = RespParser(max_bulk_len=ctx.cfg.server.proto_max_bulk_len)
+        self._query_limit = ctx.cfg.server.client_query_buffer_limit
         self._rbuf = _shared_rbuf
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
         self._large = False  # the command being parsed carries a large bulk
@@ -140,7 +149,14 @@ class RespConnection(asyncio.BufferedProtocol):
                 out.append(encode_error(e))
                 self.session.closing = True
                 return None
+            except Exception as e:  # a parser bug: its state is unknown, so the connection ends
+                self.ctx.stats["internal_errors"] += 1
+                out.append(encode_error(self.ctx.table.internal_error("(parser)", e)))
+                self.session.closing = True
+                return None
             if item is None:
+                if parser.query_bytes() > self._query_limit:
+                    self._over_query_limit()
                 return None
             if item.__class__ is LargeBulk:
                 if not self._attach_large(item):
@@ -160,9 +176,11 @@ class RespConnection(asyncio.BufferedProtocol):
             large = self._large
             if large:
                 self._large = False
-                refused = next((a for a in item if isinstance(a, QuillError)), None)
-                reply = refused if refused is not None else dispatch(session, item)
-                self._release_args(session, item)
+                try:
+                    refused = next((a for a in item if isinstance(a, QuillError)), None)
+                    reply = refused if refused is not None else dispatch(session, item)
+                finally:  # whatever happens, what the command did not consume is given back
+                    self._release_args(session, item)
             else:
                 reply = dispatch(session, item)
             # the common replies inline; everything else through the codec
@@ -183,12 +201,26 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._defer(Pending(self._retry_when_space(item)))
                 return i + 1
             else:
-                _collect_pins(reply, pins)
-                encode(reply, session.resp3, out)
+                self._encode(reply, out, pins)
                 resp3 = session.resp3  # HELLO may have switched the protocol
                 if session.closing:
                     return i + 1  # QUIT: what follows it is never run
         return len(batch)
+
+    def _encode(self, reply: Any, out: list, pins: list) -> None:
+        """Append `reply`'s encoding and its pins; a reply that cannot be encoded becomes an
+        internal error of the command that made it, and the pins it held are released at once."""
+        mark, held = len(out), len(pins)
+        _collect_pins(reply, pins)
+        try:
+            encode(reply, self.session.resp3, out)
+        except Exception as e:
+            del out[mark:]
+            for release in pins[held:]:
+                release()
+            del pins[held:]
+            self.ctx.stats["internal_errors"] += 1
+            out.append(encode_error(self.ctx.table.internal_error(self.session.last_cmd, e)))
 
     async def _retry_when_space(self, item: list):
         deadline = time.monotonic() + ARENA_WAIT
@@ -215,16 +247,18 @@ class RespConnection(asyncio.BufferedProtocol):
             reply = fut.result()
         except QuillError as e:
             reply = e
-        except Exception as e:  # a bug in a read path: answer with it rather than hang the client
-            reply = QuillError(f"internal error: {e}")
-        pins: list = []
-        _collect_pins(reply, pins)
+        except Exception as e:  # a bug in a read path: answer it rather than hang the client
+            self.ctx.stats["internal_errors"] += 1
+            reply = self.ctx.table.internal_error(self.session.last_cmd, e)
         if self.transport.is_closing():
+            pins: list = []
+            _collect_pins(reply, pins)
             for release in pins:
                 release()
             return
         out: list = []
-        encode(reply, self.session.resp3, out)
+        pins = []
+        self._encode(reply, out, pins)
         self._write(out, pins)
         if not self._write_paused and self._waiting is None:
             self.transport.resume_reading()
@@ -239,7 +273,7 @@ class RespConnection(asyncio.BufferedProtocol):
         """
         self._large = True
         try:
-            target, view = self._large_target(self.session, item.args, item.index, item.length)
+            where = self._large_target(self.session, item.args, item.index, item.length)
         except OutOfMemory as e:
             deadline = deadline or time.monotonic() + ARENA_WAIT
             if self.ctx.keyspace.space_may_free() and time.monotonic() < deadline:
@@ -252,8 +286,26 @@ class RespConnection(asyncio.BufferedProtocol):
         except QuillError as e:
             self.parser.drop(e, item.length)
             return True
-        self.parser.attach(target, view)
+        except Exception as e:  # a bug: the payload is read and dropped, the command answered with it
+            self.ctx.stats["internal_errors"] += 1
+            cmd = self.ctx.table.lookup(bytes(item.args[0])) if item.args else None
+            self.parser.drop(self.ctx.table.internal_error(cmd.name if cmd else "?", e), item.length)
+            return True
+        if where is None:  # an ordinary argument: the parser's buffer grows as its bytes arrive
+            self.parser.accumulate()
+        else:
+            self.parser.attach(*where)
         return True
+
+    def _over_query_limit(self) -> None:
+        """Close a client whose unfinished input passed the query-buffer limit, as redis does:
+        no reply, one line in the log."""
+        session, parser = self.session, self.parser
+        self.clients.stats["client_query_buffer_limit_disconnections"] += 1
+        log.warning("closing client that reached the max query buffer length: addr=%s id=%d qbuf=%d "
+                    "limit=%d (qbuf initial bytes: %r)", session.addr, session.id, parser.query_bytes(),
+                    self._query_limit, parser.head(64))
+        session.closing = True
 
     async def _wait_space(self) -> None:
         await self.ctx.space_freed(ARENA_RETRY)  # woken as soon as space is freed, polled meanwhile

@@ -337,14 +337,17 @@ def test_bulk_longer_than_default_max_bulk_len(use_hiredis):
 
 
 @MODES
-@pytest.mark.parametrize("header", [b"$-1", b"$-5", b"$abc", b"$", b"$+3", b"$3 "])
+@pytest.mark.parametrize("header", [b"$-1", b"$-2", b"$-5", b"$abc", b"$", b"$+3", b"$3 ", b"$99999999999",
+                                    b"$" + b"9" * 5000, b"$-" + b"9" * 5000])
 def test_invalid_bulk_length(header, use_hiredis):
     for chunks in _chunkings(b"*2\r\n$3\r\nGET\r\n" + header + b"\r\nfoo\r\n"):
         assert protocol_error(chunks, use_hiredis).wire() == "ERR Protocol error: invalid bulk length"
 
 
 @MODES
-@pytest.mark.parametrize("header", [b"*abc", b"*", b"*+1", b"*1x", b"*%d" % (2**30 + 1)])
+@pytest.mark.parametrize("header", [b"*abc", b"*", b"*+1", b"*1x", b"*%d" % 2**31, b"*" + b"9" * 5000,
+                                    b"*-9223372036854775809"], ids=["abc", "empty", "plus", "1x", "int-max+1",
+                                                                    "5000-digits", "below-int64"])
 def test_invalid_multibulk_length(header, use_hiredis):
     for chunks in _chunkings(header + b"\r\n$4\r\nPING\r\n"):
         assert protocol_error(chunks, use_hiredis).wire() == "ERR Protocol error: invalid multibulk length"
@@ -646,3 +649,111 @@ def test_block_reply_is_header_view_crlf(resp3):
 def test_encode_refuses_unknown_types():
     with pytest.raises(TypeError):
         enc(object(), False)
+
+
+# -- issue 11: numbers of any length, bulks that claim more than they send, bytes in errors ----
+
+@pytest.mark.parametrize("raw, value", [
+    (b"0", 0), (b"-1", -1), (b"9223372036854775807", 2**63 - 1), (b"-9223372036854775808", -2**63),
+    (b"9223372036854775808", None), (b"-9223372036854775809", None), (b"99999999999999999999", None),
+    (b"0" * 21, None), (b"9" * 4301, None), (b"9" * 100_000, None), (b"-" + b"9" * 5000, None), (b"", None),
+    (b"-", None), (b"-0", None), (b"01", None), (b"+1", None), (b"1 ", None), (b"\xd9\xa1", None),
+], ids=lambda v: repr(v)[:24])
+def test_parse_len_is_string2ll_and_never_raises(raw, value):
+    from quilld.protocol.resp import _parse_len
+    assert _parse_len(raw) == value
+    assert _parse_len(bytearray(raw)) == value
+
+
+def parse_accumulating(chunks, use_hiredis: bool, **kw) -> tuple[list, RespParser]:
+    """Parse with every LargeBulk answered by accumulate(), as the server answers a large
+    argument that has no target of its own (anything but a value)."""
+    p = RespParser(use_hiredis=use_hiredis, **kw)
+    out: list = []
+
+    def take():
+        while True:
+            out.extend(list(c) for c in p.parsed())
+            item = p.next_command()
+            if item is None:
+                return
+            if isinstance(item, LargeBulk):
+                p.accumulate()
+                continue
+            out.append(item)
+
+    for chunk in chunks:
+        p.feed(chunk)
+        take()
+    return out, p
+
+
+@MODES
+def test_accumulated_large_bulk_is_an_ordinary_argument_at_any_split(use_hiredis):
+    big = bytes(range(256)) * 80 + b"\r\n$3\r\n*1"  # 20 KiB+: a large bulk
+    data = encode_command(b"ECHO", big) + encode_command(b"PING") + encode_command(b"MSET", b"k" * 17000, b"v")
+    expected = [[b"ECHO", big], [b"PING"], [b"MSET", b"k" * 17000, b"v"]]
+    for step in (1, 7, 4096, 16384, len(data)):
+        got, p = parse_accumulating(pieces(data, step), use_hiredis)
+        assert got == expected, step
+        assert all(type(a) is bytes for c in got for a in c)
+        assert p.query_bytes() == 0 and p.pending_bytes() == 0
+
+
+@MODES
+def test_accumulating_commits_memory_only_as_bytes_arrive(use_hiredis):
+    p = RespParser(use_hiredis=use_hiredis)
+    p.feed(b"*2\r\n$4\r\nECHO\r\n$536870912\r\n")
+    item = p.next_command()
+    assert isinstance(item, LargeBulk) and item.length == 536870912
+    tracemalloc.start()
+    try:
+        p.accumulate()
+        assert p.next_command() is None
+        assert tracemalloc.get_traced_memory()[0] < 64 * 1024  # the header alone: nothing allocated
+        for _ in range(4):
+            p.feed(b"x" * 65536)
+            assert p.next_command() is None
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 4 * 65536 <= held < 4 * 65536 * 2 + 64 * 1024  # what arrived (the buffer's slack at most)
+    assert 4 * 65536 <= p.query_bytes() < 4 * 65536 + 1024
+
+
+def test_query_bytes_counts_what_an_unfinished_command_holds():
+    p = RespParser(use_hiredis=False)
+    p.feed(b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nhel")
+    assert p.next_command() is None
+    held = p.query_bytes()
+    assert held >= len(b"SET") + len(b"k") + len(b"$5\r\nhel")
+    p.feed(b"lo\r\n$2\r\nEX\r\n")
+    assert p.next_command() is None
+    assert p.query_bytes() > held + 4  # the arguments parsed so far still count
+    p.feed(b"$2\r\n10\r\n")
+    assert p.next_command() == [b"SET", b"k", b"hello", b"EX", b"10"]
+    assert p.query_bytes() == 0
+
+
+@MODES
+@pytest.mark.parametrize("data, got", [
+    (b"*2\r\n*1\r\n$4\r\nPING\r\n", "*"), (b"*2\r\n:5\r\n", ":"), (b"*3\r\n$3\r\nGET\r\n*2\r\n", "*"),
+    (b"*2\r\n$4\r\nECHO\r\n_\r\n", "_"),
+], ids=["nested-array", "integer", "nested-after-bulk", "null"])
+def test_a_non_bulk_element_is_refused_before_the_command_completes(data, got, use_hiredis):
+    """redis refuses the command as soon as it sees the element; the fast path must not wait
+    for a nested array to complete (nor for more bytes that never come)."""
+    for prefix in (b"", encode_command(b"PING")):
+        err = protocol_error([prefix + data], use_hiredis)
+        assert err.wire() == f"ERR Protocol error: expected '$', got '{got}'"
+
+
+@pytest.mark.parametrize("raw, quoted", [
+    (b"plain", b"plain"), (b"\xff\xfe", b"\xff\xfe"), (b"caf\xc3\xa9", b"caf\xc3\xa9"),
+    (b"ab\x00cd", b"ab"), (b"\xed\xb3\xbf", b"\xed\xb3\xbf"), (bytes(range(1, 256)), bytes(range(1, 256))),
+], ids=["ascii", "not-utf8", "utf8", "nul", "utf8-surrogate", "every-byte"])
+def test_error_text_quotes_client_bytes_raw(raw, quoted):
+    from quilld.errors import echo
+    assert encode_error(CommandError(f"unknown '{echo(raw)}'")) == (
+        b"-ERR unknown '" + quoted.replace(b"\r", b" ").replace(b"\n", b" ") + b"'\r\n")
+    assert echo(b"x" * 300 + raw, 128) == "x" * 128
