@@ -1,4 +1,12 @@
-"""`quilld` entry point: flags -> config -> node, on uvloop, until SIGINT/SIGTERM."""
+"""`quilld` entry point: flags -> config -> node, on uvloop, until SIGINT/SIGTERM.
+
+SIGINT and SIGTERM stop the node cleanly at any moment, each saying so in the
+log: before the event loop runs (nothing to undo), while the node starts (the
+start is cancelled and what it opened is closed; an SSD recovery under way is
+let finish, as its worker thread cannot be interrupted) and while it serves. A
+second SIGINT while stopping (Ctrl-C twice) exits at once, as redis does,
+leaving what was not flushed to the SSD tier's crash recovery.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +16,15 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from quilld import __version__
 from quilld.config import load
 from quilld.errors import ConfigError
-from quilld.node import Node
+
+if TYPE_CHECKING:  # imported in main(), once the stop signals are handled: the import takes about a second
+    from quilld.node import Node
 
 log = logging.getLogger("quilld")
 
@@ -42,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gossip-port", type=int, help="cluster gossip port, UDP and TCP (default 0: single node)")
     p.add_argument("--seeds", help="comma-separated host:port gossip addresses of nodes to join")
     p.add_argument("--gateway-port", type=int, help="OpenAI-compatible gateway port (default 0: off)")
+    p.add_argument("--protected-mode", choices=["yes", "no"],
+                   help="with no password set, accept only loopback clients on every listener (default yes)")
     p.add_argument("--log-level", default=os.environ.get("QUILLD_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"quilld {__version__}")
@@ -58,6 +72,7 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     put("server", "bind", a.bind)
     put("server", "port", a.port)
     put("server", "node_id", a.node_id)
+    put("server", "protected_mode", a.protected_mode)
     put("admin", "port", a.admin_port)
     put("dram", "size", a.dram)
     put("security", "requirepass", a.requirepass)
@@ -70,17 +85,53 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     return out
 
 
-async def _serve(cfg, config_file: str) -> None:
-    node = Node(cfg, config_file)
-    await node.start()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class EarlySignal(Exception):
+    """A stop signal that arrived before the event loop took the signals over."""
+
+
+def _early_signal(signum: int, frame) -> None:
+    raise EarlySignal(signal.Signals(signum).name)
+
+
+async def _serve(cfg, make_node: Callable[[], Node]) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"quilld ready on {cfg.server.bind}:{node.port}", flush=True)
-    await stop.wait()
-    log.info("signal received, shutting down")
-    await node.stop()
+    node = make_node()
+    starting = asyncio.ensure_future(node.start())
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        if len(received) == 1:
+            if starting.done():
+                log.info("%s received, shutting down", sig.name)
+            else:
+                log.warning("%s received while starting (%s): stopping without serving", sig.name, node.phase)
+                starting.cancel()
+            stop.set()
+        elif sig == signal.SIGINT:
+            log.warning("SIGINT received again while stopping: exiting now, without a clean stop")
+            logging.shutdown()
+            os._exit(1)
+        else:
+            log.info("%s received while stopping: the stop goes on", sig.name)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        try:
+            await starting
+        except asyncio.CancelledError:
+            if not received:
+                raise
+            return
+        print(f"quilld ready on {cfg.server.bind}:{node.port}", flush=True)
+        await stop.wait()
+    finally:
+        await node.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,19 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     config_file = args.config or os.environ.get("QUILLD_CONFIG", "")
+    for sig in STOP_SIGNALS:  # until the event loop takes them over (a SIGINT ignored by a shell included)
+        signal.signal(sig, _early_signal)
+    log.info("quilld %s starting, pid %d", __version__, os.getpid())
     try:
-        cfg = load(config_file or None, overrides=_overrides(args))
-    except ConfigError as e:
-        print(f"quilld: {e.message}", file=sys.stderr)
-        return 2
-    loop_name = install_loop()
-    log.info("event loop: %s", loop_name)
-    try:
-        asyncio.run(_serve(cfg, config_file))
-    except ConfigError as e:
-        print(f"quilld: {e.message}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"quilld: cannot start: {e}", file=sys.stderr)
-        return 1
+        # imported here, not at the top: a stop signal during this import (about a second) is handled
+        from quilld.node import Node
+        try:
+            cfg = load(config_file or None, overrides=_overrides(args))
+        except ConfigError as e:
+            print(f"quilld: {e.message}", file=sys.stderr)
+            return 2
+        loop_name = install_loop()
+        log.info("event loop: %s", loop_name)
+        try:
+            asyncio.run(_serve(cfg, lambda: Node(cfg, config_file)))
+        except ConfigError as e:
+            print(f"quilld: {e.message}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"quilld: cannot start: {e}", file=sys.stderr)
+            return 1
+    except EarlySignal as e:
+        log.info("%s received before the node started: exiting", e)
+        return 0
     return 0

@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 10.0
+ADMIN_TOKEN = "conftest-admin-token"  # given to a node with passwords and an admin port (quilld requires one)
 
 
 def free_port() -> int:
@@ -62,6 +63,10 @@ class Quilld:
     proc: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)
+    admin_token: str = ""  # the admin API's bearer token, when the node has one
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
     def client(self, **kw):
         import redis
@@ -85,9 +90,13 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     full_env["PYTHONPATH"] = str(ROOT)
     full_env.update(env or {})
+    passwords = {"--requirepass", "--users-file"} & set(extra) or \
+        {"QUILLD_SECURITY_REQUIREPASS", "QUILLD_SECURITY_USERS_FILE"} & set(env or {})
+    if admin_port and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
+        full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
-    q = Quilld(port, admin_port, proc, log_path, args)
+    q = Quilld(port, admin_port, proc, log_path, args, full_env.get("QUILLD_ADMIN_TOKEN", ""))
     try:
         wait_port(port, proc)
         if admin_port:

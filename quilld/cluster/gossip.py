@@ -9,8 +9,13 @@ packet). The real clock (`time.monotonic`) and a real `random.Random` drive
 the state machine.
 
 Bad input never escapes: a packet that fails authentication is counted in
-`stats["gossip_auth_failures"]`, any other malformed one in
-`stats["gossip_malformed"]`, and both are dropped unanswered.
+`stats["gossip_auth_failures"]`, an authentic one replayed in
+`stats["gossip_replays_rejected"]` (or `gossip_stale_rejected` when stamped
+outside the replay window: an old packet, or a clock out of step, which is
+logged), any other malformed one in `stats["gossip_malformed"]`; all are
+dropped unanswered. Without `cluster.secret` packets are neither
+authenticated nor stamped, so `start` refuses to gossip on an address other
+than loopback.
 
 Tasks: one ticker (sleeps until `Swim.next_deadline()`, at most a tenth of
 a probe interval, woken early when a packet moves a deadline closer), and
@@ -38,7 +43,9 @@ from collections import Counter
 from typing import Callable, Iterable
 
 from quilld.cluster.swim import Event, Member, Swim
-from quilld.cluster.wire import MAX_FRAME, Addr, AuthFailure, Codec, MalformedPacket
+from quilld.cluster.wire import MAX_FRAME, REPLAY_WINDOW, Addr, AuthFailure, Codec, MalformedPacket, Replayed
+from quilld.config import is_loopback
+from quilld.errors import ConfigError
 
 log = logging.getLogger("quilld.gossip")
 
@@ -47,6 +54,7 @@ MAX_OUTBOUND_SYNCS = 4  # push/pulls we start at once; more requests are skipped
 MAX_INBOUND_SYNCS = 16  # push/pulls we serve at once; more connections are closed
 MIN_SLEEP = 0.001  # seconds: the ticker never spins
 BIND_ATTEMPTS = 8  # port 0: tries at finding a number free for both UDP and TCP
+SKEW_LOG_INTERVAL = 60.0  # seconds between two warnings about packets stamped outside the replay window
 _LEN = struct.Struct(">I")
 
 
@@ -93,7 +101,10 @@ class Gossip:
         self.port = port
         self.cfg = cfg
         self.on_event = on_event
-        self.stats: Counter[str] = Counter()
+        # the refusals are shown (in INFO cluster) before the first one
+        self.stats: Counter[str] = Counter(gossip_auth_failures=0, gossip_replays_rejected=0,
+                                           gossip_stale_rejected=0)
+        self._skew_logged = -SKEW_LOG_INTERVAL
         self._meta = dict(meta or {})
         self._advertise_host = advertise_host
         self._seeds = list(seeds) if seeds is not None else parse_seeds(cfg.seeds)
@@ -127,8 +138,15 @@ class Gossip:
             self._pump()
 
     async def start(self) -> None:
+        """Bind, then join. ConfigError, with nothing left open, when there is no secret and the
+        bound address is not loopback."""
         loop = asyncio.get_running_loop()
         await self._bind(loop)
+        bound = self._transport.get_extra_info("sockname")[0]
+        if not self._codec.authenticated and not is_loopback(bound):
+            await self.stop(leave=False)
+            raise ConfigError(f"cluster.secret (QUILLD_CLUSTER_SECRET) is required to gossip on {bound}, "
+                              "a non-loopback address: without it one forged UDP packet can mark a node dead")
         host = await self._advertised_ip(loop)
         self.swim = Swim.from_config(self.node_id, (host, self.port), self._meta, self.cfg,
                                      clock=time.monotonic, rng=self._rng)
@@ -242,11 +260,8 @@ class Gossip:
         self.stats["gossip_bytes_in"] += len(data)
         try:
             msg = self._codec.decode_datagram(data)
-        except AuthFailure:
-            self.stats["gossip_auth_failures"] += 1
-            return
-        except MalformedPacket:
-            self.stats["gossip_malformed"] += 1
+        except MalformedPacket as e:
+            self._count_bad(e, addr)
             return
         try:
             self.swim.receive(msg, (addr[0], addr[1]))
@@ -275,8 +290,19 @@ class Gossip:
     def _frame(self, payload: bytes) -> bytes:
         return _LEN.pack(len(payload)) + payload
 
-    def _count_bad(self, e: Exception) -> None:
-        self.stats["gossip_auth_failures" if isinstance(e, AuthFailure) else "gossip_malformed"] += 1
+    def _count_bad(self, e: MalformedPacket, addr) -> None:
+        if isinstance(e, AuthFailure):
+            self.stats["gossip_auth_failures"] += 1
+        elif isinstance(e, Replayed):
+            self.stats["gossip_stale_rejected" if e.stale else "gossip_replays_rejected"] += 1
+            now = time.monotonic()
+            if e.stale and now - self._skew_logged >= SKEW_LOG_INTERVAL:
+                self._skew_logged = now
+                log.warning("gossip: dropped a packet from %s stamped %+.1f s off this node's clock (the replay "
+                            "window is %.0f s): a replay, or clocks out of step (NTP)", addr[0], e.skew,
+                            REPLAY_WINDOW)
+        else:
+            self.stats["gossip_malformed"] += 1
 
     async def _push_pull(self, addr: Addr) -> None:
         """Send our table to `addr`, merge the table it sends back."""
@@ -288,7 +314,7 @@ class Gossip:
                 await writer.drain()
                 reply = self._codec.decode_frame(await _read_frame(reader))
         except MalformedPacket as e:
-            self._count_bad(e)
+            self._count_bad(e, addr)
             return
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             self.stats["gossip_push_pull_failed"] += 1
@@ -320,7 +346,7 @@ class Gossip:
                 await writer.drain()
             self.stats["gossip_push_pull_served"] += 1
         except MalformedPacket as e:
-            self._count_bad(e)
+            self._count_bad(e, writer.get_extra_info("peername") or ("?", 0))
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             self.stats["gossip_push_pull_failed"] += 1
         finally:

@@ -4,16 +4,25 @@ No sockets here. `swim.py` speaks in the message classes below; the shell
 (`gossip.py`) turns them into bytes with a `Codec` and back.
 
 A packet is one msgpack array, `[VERSION, TYPE, field, ...]`. When a shared
-secret is configured, the first `MAC_LEN` bytes of
-HMAC-SHA256(secret, MAC_CONTEXT + body) follow the body. The MAC is checked
-with `hmac.compare_digest` *before* the body is parsed, so unauthenticated
-bytes never reach msgpack. There is no replay protection: a captured packet
-can be replayed, and SWIM's incarnation precedence bounds what that can do
-(an old ALIVE cannot undo a newer SUSPECT, DEAD or LEFT).
+secret is configured, the body is followed by an 8-byte stamp (the sender's
+clock in microseconds since the epoch, big-endian, strictly increasing per
+sender) and the first `MAC_LEN` bytes of HMAC-SHA256(secret, MAC_CONTEXT +
+body + stamp). The MAC is checked with `hmac.compare_digest` *before* the
+body is parsed, so unauthenticated bytes never reach msgpack.
+
+Replays. An authenticated packet is accepted once: its stamp must be within
+`REPLAY_WINDOW` of this node's clock (so nodes' clocks must agree within it,
+as NTP keeps them), and not one this node already accepted from the same
+sender (its node id, which every message carries) within the window
+(`ReplayGuard`). A replayed packet raises `Replayed` (`stale` when outside the
+window). Without a secret there is no MAC and no stamp, so anyone who can
+send a UDP packet can speak for any member: quilld refuses to gossip without
+a secret anywhere but on loopback.
 
 Decoding is strict: any wrong type, length, range or shape raises
 `MalformedPacket` (a wrong or missing MAC raises its subclass
-`AuthFailure`). The shell counts and drops those; nothing else escapes.
+`AuthFailure`, a replay its subclass `Replayed`). The shell counts and
+drops those; nothing else escapes.
 
 Layouts (fields after VERSION and TYPE):
 
@@ -35,9 +44,13 @@ State codes on the wire: ALIVE 0, SUSPECT 1, DEAD 2, LEFT 3 (`STATE_CODES`).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
-from dataclasses import dataclass
+import struct
+import time
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgpack
@@ -59,7 +72,11 @@ MAX_ENTRIES = 10_000  # members in one push/pull
 MAX_SEQ = 2**32 - 1
 MAX_INCARNATION = 2**63 - 1
 MAC_LEN = 16  # truncated HMAC-SHA256, as in RFC 4868's 128-bit truncations
-MAC_CONTEXT = b"quilld-gossip-v1\0"  # domain separation: the secret may be reused elsewhere
+MAC_CONTEXT = b"quilld-gossip-v2\0"  # domain separation: the secret may be reused elsewhere (v2: stamped)
+STAMP_LEN = 8  # the sender's clock, microseconds since the epoch, between the body and the MAC
+REPLAY_WINDOW = 30.0  # seconds a stamp may be off this node's clock (Kerberos allows 5 minutes of skew)
+MAX_STAMPS_PER_SENDER = 4096  # stamps remembered per sender within the window (SWIM sends a few a second)
+_STAMP = struct.Struct(">Q")
 
 
 class MalformedPacket(Exception):
@@ -68,6 +85,79 @@ class MalformedPacket(Exception):
 
 class AuthFailure(MalformedPacket):
     """A missing or wrong MAC (wrong secret, no secret, or tampering)."""
+
+
+class Replayed(MalformedPacket):
+    """An authentic packet accepted before (a replay), or `stale`: stamped outside REPLAY_WINDOW
+    of this node's clock (an old packet replayed, or clocks that disagree)."""
+
+    def __init__(self, message: str, stale: bool, skew: float = 0.0) -> None:
+        super().__init__(message)
+        self.stale, self.skew = stale, skew
+
+
+@dataclass(slots=True)
+class _Seen:
+    stamps: set[int] = field(default_factory=set)
+    order: list[int] = field(default_factory=list)  # the same stamps, a min-heap
+    floor: int = 0  # stamps at or below it are refused (raised when the set overflows)
+
+
+class ReplayGuard:
+    """The stamps each sender used within the window: an authentic packet is accepted once.
+
+    Sans-IO: the caller gives the time. Memory is bounded by the authenticated
+    traffic of one window: at most `per_sender` stamps per sender (past it the
+    oldest is forgotten and stamps up to it are refused), and a sender with no
+    stamp left in the window is forgotten.
+    """
+
+    SWEEP_EVERY = 1024  # checks between sweeps of senders gone quiet
+
+    def __init__(self, window: float = REPLAY_WINDOW, per_sender: int = MAX_STAMPS_PER_SENDER) -> None:
+        self.window_us = int(window * 1_000_000)
+        self.per_sender = per_sender
+        self._senders: dict[str, _Seen] = {}
+        self._checks = 0
+
+    def check(self, sender: str, stamp: int, now: float) -> None:
+        """Accept `stamp` from `sender` (remember it), or raise Replayed."""
+        now_us = int(now * 1_000_000)
+        low = now_us - self.window_us
+        if not low <= stamp <= now_us + self.window_us:
+            skew = (stamp - now_us) / 1e6
+            raise Replayed(f"stamped {skew:+.1f} s off this node's clock", stale=True, skew=skew)
+        seen = self._senders.get(sender)
+        if seen is None:
+            seen = self._senders[sender] = _Seen()
+        self._expire(seen, low)
+        if stamp <= seen.floor or stamp in seen.stamps:
+            raise Replayed(f"a replay of a packet from {sender}", stale=False)
+        seen.stamps.add(stamp)
+        heapq.heappush(seen.order, stamp)
+        if len(seen.order) > self.per_sender:
+            oldest = heapq.heappop(seen.order)
+            seen.stamps.discard(oldest)
+            seen.floor = max(seen.floor, oldest)
+        self._checks += 1
+        if self._checks % self.SWEEP_EVERY == 0:
+            self._sweep(low)
+
+    @staticmethod
+    def _expire(seen: _Seen, low: int) -> None:
+        while seen.order and seen.order[0] < low:
+            seen.stamps.discard(heapq.heappop(seen.order))
+
+    def _sweep(self, low: int) -> None:
+        for sender in list(self._senders):
+            seen = self._senders[sender]
+            self._expire(seen, low)
+            if not seen.order:
+                del self._senders[sender]
+
+    def __len__(self) -> int:
+        """Senders remembered."""
+        return len(self._senders)
 
 
 class State(str, Enum):
@@ -218,7 +308,7 @@ def room(msg: Datagram) -> int:
     The update list's array header grows from 1 to at most 3 bytes
     (MAX_UPDATES < 65536), so 2 bytes are held back for it.
     """
-    return PACKET_BUDGET - MAC_LEN - len(_pack(_body(msg))) - 2
+    return PACKET_BUDGET - STAMP_LEN - MAC_LEN - len(_pack(_body(msg))) - 2
 
 
 def check_meta(meta: Any) -> int:
@@ -234,31 +324,51 @@ def check_meta(meta: Any) -> int:
 
 
 class Codec:
-    """Encodes and decodes gossip packets under one (possibly empty) shared secret."""
+    """Encodes and decodes gossip packets under one (possibly empty) shared secret.
 
-    def __init__(self, secret: str | bytes = "") -> None:
+    With a secret, each encoded packet is stamped from `clock` (wall time, seconds) and
+    each decoded one must pass this codec's `ReplayGuard`: one Codec per node.
+    """
+
+    def __init__(self, secret: str | bytes = "", clock: Callable[[], float] = time.time) -> None:
         self._key = secret.encode() if isinstance(secret, str) else bytes(secret)
+        self._clock = clock
+        self._last_stamp = 0
+        self.guard = ReplayGuard()
 
     @property
     def authenticated(self) -> bool:
         return bool(self._key)
 
-    def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self._key, MAC_CONTEXT + body, hashlib.sha256).digest()[:MAC_LEN]
+    def _mac(self, signed: bytes) -> bytes:
+        return hmac.new(self._key, MAC_CONTEXT + signed, hashlib.sha256).digest()[:MAC_LEN]
+
+    def _seal(self, body: bytes) -> bytes:
+        """`body` stamped and MAC'd (with a secret)."""
+        self._last_stamp = max(int(self._clock() * 1_000_000), self._last_stamp + 1)
+        signed = body + _STAMP.pack(self._last_stamp)
+        return signed + self._mac(signed)
 
     def encode(self, msg: Message) -> bytes:
         body = _pack(_body(msg))
-        return body + self._mac(body) if self._key else body
+        return self._seal(body) if self._key else body
 
-    def _open(self, data: bytes, limit: int) -> list:
+    def _fresh(self, msg: Message, stamp: int | None) -> Message:
+        if stamp is not None:
+            self.guard.check(msg.source, stamp, self._clock())
+        return msg
+
+    def _open(self, data: bytes, limit: int) -> tuple[list, int | None]:
         if len(data) > limit:
             raise MalformedPacket(f"{len(data)} bytes, over the {limit}-byte limit")
+        stamp = None
         if self._key:
-            if len(data) <= MAC_LEN:
-                raise AuthFailure("packet too short to carry a MAC")
-            body, mac = data[:-MAC_LEN], data[-MAC_LEN:]
-            if not hmac.compare_digest(mac, self._mac(body)):
+            if len(data) <= STAMP_LEN + MAC_LEN:
+                raise AuthFailure("packet too short to carry a stamp and a MAC")
+            signed, mac = data[:-MAC_LEN], data[-MAC_LEN:]
+            if not hmac.compare_digest(mac, self._mac(signed)):
                 raise AuthFailure("MAC mismatch")
+            body, (stamp,) = signed[:-STAMP_LEN], _STAMP.unpack(signed[-STAMP_LEN:])
         else:
             body = data
         try:
@@ -269,33 +379,39 @@ class Codec:
             raise MalformedPacket("not a [version, type, ...] array")
         if obj[0] != VERSION or type(obj[0]) is not int:
             raise MalformedPacket(f"unsupported version {obj[0]!r}")
-        return obj
+        return obj, stamp
 
     def decode_datagram(self, data: bytes) -> Datagram:
-        """A UDP packet's message; raises MalformedPacket (AuthFailure for MAC problems)."""
-        obj = self._open(data, MAX_DATAGRAM)
-        t = obj[1] if type(obj[1]) is int else None
-        if t == Type.PING and len(obj) == 6:
-            return Ping(_seq(obj[2]), _id(obj[3]), _id(obj[4]), _updates(obj[5]))
-        if t == Type.ACK and len(obj) == 5:
-            return Ack(_seq(obj[2]), _id(obj[3]), _updates(obj[4]))
-        if t == Type.NACK and len(obj) == 4:
-            return Nack(_seq(obj[2]), _id(obj[3]))
-        if t == Type.PING_REQ and len(obj) == 8:
-            return PingReq(_seq(obj[2]), _id(obj[3]), _addr(obj[4], obj[5]), _id(obj[6]), _updates(obj[7]))
-        if t == Type.RUMOR and len(obj) == 4:
-            return Rumor(_id(obj[2]), _updates(obj[3]))
-        raise MalformedPacket(f"unknown datagram type {t!r} with {len(obj)} fields")
+        """A UDP packet's message; raises MalformedPacket (AuthFailure for MAC problems, Replayed
+        for a replay)."""
+        obj, stamp = self._open(data, MAX_DATAGRAM)
+        return self._fresh(_datagram(obj), stamp)
 
     def decode_frame(self, data: bytes) -> PushPull:
-        """A TCP push/pull frame's message; raises MalformedPacket (AuthFailure for MAC problems)."""
-        obj = self._open(data, MAX_FRAME)
+        """A TCP push/pull frame's message; raises MalformedPacket (AuthFailure for MAC problems,
+        Replayed for a replay)."""
+        obj, stamp = self._open(data, MAX_FRAME)
         if obj[1] != Type.PUSH_PULL or type(obj[1]) is not int or len(obj) != 4:
             raise MalformedPacket(f"expected a push/pull frame, got type {obj[1]!r}")
         rows = obj[3]
         if not isinstance(rows, list) or len(rows) > MAX_ENTRIES:
             raise MalformedPacket("push/pull entries must be a list of at most MAX_ENTRIES rows")
-        return PushPull(_id(obj[2]), tuple(_entry(r) for r in rows))
+        return self._fresh(PushPull(_id(obj[2]), tuple(_entry(r) for r in rows)), stamp)
+
+
+def _datagram(obj: list) -> Datagram:
+    t = obj[1] if type(obj[1]) is int else None
+    if t == Type.PING and len(obj) == 6:
+        return Ping(_seq(obj[2]), _id(obj[3]), _id(obj[4]), _updates(obj[5]))
+    if t == Type.ACK and len(obj) == 5:
+        return Ack(_seq(obj[2]), _id(obj[3]), _updates(obj[4]))
+    if t == Type.NACK and len(obj) == 4:
+        return Nack(_seq(obj[2]), _id(obj[3]))
+    if t == Type.PING_REQ and len(obj) == 8:
+        return PingReq(_seq(obj[2]), _id(obj[3]), _addr(obj[4], obj[5]), _id(obj[6]), _updates(obj[7]))
+    if t == Type.RUMOR and len(obj) == 4:
+        return Rumor(_id(obj[2]), _updates(obj[3]))
+    raise MalformedPacket(f"unknown datagram type {t!r} with {len(obj)} fields")
 
 
 # -- strict field validation --------------------------------------------------

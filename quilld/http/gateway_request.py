@@ -6,11 +6,11 @@ OpenAI uses: 400 malformed, 401 bad API key, 404 unknown model, 503 no engine.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
+from quilld.http.perimeter import parse_json
 from quilld.http.prompt_blocks import completion_prompt, render_chat
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -35,9 +35,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def read_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request, with a model name; 400 otherwise."""
+    """The JSON object of a request, with a model name; 400 otherwise (not JSON, nested too deeply, ...)."""
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError as e:
         raise bad_request(f"The request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -131,10 +131,10 @@ def test_metrics_prometheus(quilld):
 
 def test_config_redacts_password(quilld_factory):
     q = quilld_factory("--dram", "256MiB", "--requirepass", "hunter2-pw",
-                       env={"QUILLD_CLUSTER_SECRET": "gossip-key-1"})
-    status, _, body = http_get(q.admin_port, "/v1/config")
+                       env={"QUILLD_CLUSTER_SECRET": "gossip-key-1", "QUILLD_ADMIN_TOKEN": "admin-tok-1"})
+    status, _, body = http_get(q.admin_port, "/v1/config", {"Authorization": "Bearer admin-tok-1"})
     assert status == 200
-    assert b"hunter2-pw" not in body and b"gossip-key-1" not in body
+    assert b"hunter2-pw" not in body and b"gossip-key-1" not in body and b"admin-tok-1" not in body
     assert json.loads(body)["cluster"]["secret"] == "***"
     cfg = json.loads(body)
     assert cfg["security"]["requirepass"] == "***"
@@ -242,4 +242,44 @@ def test_sigterm_with_reply_in_flight(quilld):
         writer.close()
     assert code == 0, quilld.log()
     assert "quilld stopped" in quilld.log()
+    assert "Traceback" not in quilld.log(), quilld.log()
+
+
+def http_post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, dict(e.headers), e.read()
+
+
+MALFORMED_BODIES = [
+    b"[" * 100_000 + b"]" * 100_000,  # deeper than the interpreter's recursion limit
+    b'{"a":' * 5_000 + b"1" + b"}" * 5_000,
+    b'{"model": "m", "blocks": ' + b"[" * 200 + b"]" * 200 + b"}",  # valid JSON, 201 levels deep
+    b"\xff\xfe\xfd",  # not UTF-8
+    b"not json",
+    b"",
+    b'{"model": "m", "blocks": [' + b"9" * 5_000 + b"]}",  # past Python's 4300-digit int limit
+]
+
+
+def test_malformed_json_bodies_answer_400_never_500(quilld):
+    """Issue 11, finding 12: deeply nested (or otherwise malformed) JSON on any admin route is a 400."""
+    for path in ("/v1/engines", "/v1/route", "/v1/kv-events"):
+        for body in MALFORMED_BODIES:
+            status, hdrs, answer = http_post(quilld.admin_port, path, body)
+            assert status == 400, (path, body[:40], status, answer[:200])
+            assert hdrs["Content-Type"].startswith("application/json") and json.loads(answer)["error"]
+    status, _, answer = http_post(quilld.admin_port, "/v1/route", b'{"model": "m", "blocks": ' + b"[" * 200
+                                  + b"]" * 200 + b"}")
+    assert b"nested deeper than 128" in answer
+    # just within the limit is parsed, and judged on its fields
+    status, _, answer = http_post(quilld.admin_port, "/v1/engines", b'{"id": "e", "model": "m", "url": "http://x", '
+                                  b'"locality": ' + b"[" * 127 + b"]" * 127 + b"}")
+    assert status == 201, answer
+    assert get_json(quilld.admin_port, "/healthz")["status"] == "ok"
     assert "Traceback" not in quilld.log(), quilld.log()

@@ -235,3 +235,36 @@ def test_rdma_is_used_only_when_available_and_rdma_mode_fails_loudly(cluster, tm
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert 'cluster.transfer = "rdma" but RDMA is unavailable' in proc.stderr
+
+
+def test_gossip_needs_a_secret_off_loopback_and_counts_replays_in_info(cluster):
+    """Issue 11, finding 11: without cluster.secret one forged UDP packet could mark a node dead,
+    so a node refuses to gossip off loopback without one; with one, a replayed packet is refused
+    and counted in INFO cluster."""
+    import subprocess
+    import sys
+
+    from quilld.cluster.wire import Codec, Ping, Rumor, State, Update
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    proc = subprocess.run([sys.executable, "-m", "quilld", "--bind", "0.0.0.0", "--port", str(free_port()),
+                           "--admin-port", "0", "--gossip-port", str(free_udp_tcp_port()), "--dram", "16MiB"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cluster.secret" in proc.stderr and "QUILLD_CLUSTER_SECRET" in proc.stderr, \
+        proc.stderr
+    cluster.start("a", QUILLD_CLUSTER_SECRET="s3cret")
+    cluster.start("b", ["a"], QUILLD_CLUSTER_SECRET="s3cret")
+    a = cluster.client("a")
+    until(lambda: members(a) == {"a": "alive", "b": "alive"}, 15, "two members")
+    info = a.info("cluster")
+    assert info["cluster_gossip_replays_rejected"] == info["cluster_gossip_stale_rejected"] == 0
+    ping = Codec("s3cret").encode(Ping(1, "a", "b"))  # an authentic packet, as captured on the wire
+    forged = Codec("guess").encode(Rumor("b", (Update(State.DEAD, "b", 99, source="b"),)))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for packet in (ping, ping, ping, forged):
+            s.sendto(packet, ("127.0.0.1", cluster.gossip["a"]))
+    until(lambda: a.info("cluster")["cluster_gossip_replays_rejected"] == 2, 5, "two replays counted")
+    info = a.info("cluster")
+    assert info["cluster_gossip_auth_failures"] == 1 and info["cluster_gossip_stale_rejected"] == 0
+    time.sleep(1.0)  # several probe rounds: b was never declared dead
+    assert members(a) == {"a": "alive", "b": "alive"}

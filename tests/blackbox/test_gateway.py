@@ -65,6 +65,7 @@ class Gw:
     admin_port: int
     resp_port: int
     engines: dict[str, Engine]
+    admin_headers: dict[str, str]  # its bearer token, when quilld has passwords (it then requires one)
 
     def client(self, key: str = "unused", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0,
@@ -80,7 +81,8 @@ class Gw:
         return body
 
     def in_flight(self) -> dict[str, int]:
-        return {e["id"]: e["in_flight"] for e in http_json(self.admin_port, "GET", "/v1/engines")[1]["engines"]}
+        engines = http_json(self.admin_port, "GET", "/v1/engines", headers=self.admin_headers)[1]["engines"]
+        return {e["id"]: e["in_flight"] for e in engines}
 
     _auth: dict | None = None
 
@@ -139,7 +141,7 @@ def gateway(quilld_factory, tmp_path):
                 if attempt < 2 and "in use" in q.log():
                     continue
                 raise RuntimeError(f"quilld's gateway did not start:\n{q.log()}") from None
-            return Gw(gw_port, q.admin_port, q.port, started)
+            return Gw(gw_port, q.admin_port, q.port, started, q.admin_headers())
         raise AssertionError("unreachable")
 
     yield make
@@ -576,3 +578,21 @@ def test_errors_are_openai_shaped_400_404_503(gateway):
     s = gw.stats()
     assert s["gateway_bad_requests"] == 5 and s["gateway_unknown_model"] == 1 and s["gateway_unavailable"] == 1
     assert s["gateway_slo_counted"] == 2 and s["gateway_goodput"] == 0.0  # the 503 and the 500: both missed
+
+
+def test_malformed_json_bodies_answer_400_never_500(gateway):
+    """Issue 11, finding 12: a body nested too deeply, or not JSON at all, is an OpenAI-shaped 400
+    on both completion routes, and the engine never sees it."""
+    gw = gateway([("e1", "m", [])])
+    deep_content = json.dumps({"model": "m", "messages": [{"role": "user", "content": None}]}).encode() \
+        .replace(b"null", b"[" * 200 + b"]" * 200)
+    bodies = [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 5_000 + b"1" + b"}" * 5_000, deep_content,
+              b"\xff\xfe\xfd", b"", b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5_000 + b"}"]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        for raw in bodies:
+            status, body = http_json(gw.port, "POST", path, raw=raw)
+            assert status == 400, (path, raw[:40], status, body)
+            assert body["error"]["code"] == "invalid_json" and body["error"]["type"] == "invalid_request_error"
+    assert gw.engines["e1"].stats()["requests"] == 0
+    assert gw.stats()["gateway_bad_requests"] == 2 * len(bodies)
+    assert gw.client().completions.create(model="m", prompt="still serving").choices[0].text

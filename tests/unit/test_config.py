@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from quilld.config import GiB, KiB, MiB, Config, load, parse_size
+from quilld.cli import _overrides, _parser
+from quilld.config import GiB, KiB, MiB, Config, ServerConfig, is_loopback, load, parse_size, protected_mode_refuses
 from quilld.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,12 +129,15 @@ def test_every_layer_at_once(tmp_path):
     ("QUILLD_DRAM_INLINE_MAX", "1KiB", lambda c: c.dram.inline_max, KiB),
     ("QUILLD_BLOCKS_DEFAULT_LEASE_MS", "1000", lambda c: c.blocks.default_lease_ms, 1000),
     ("QUILLD_BLOCKS_MAX_LEASE_MS", "2000000", lambda c: c.blocks.max_lease_ms, 2_000_000),
+    ("QUILLD_SERVER_PROTECTED_MODE", "no", lambda c: c.server.protected_mode, False),
+    ("QUILLD_ADMIN_TOKEN", "t0k", lambda c: c.admin.token, "t0k"),
     ("QUILLD_SECURITY_REQUIREPASS", "pw", lambda c: c.security.requirepass, "pw"),
     ("QUILLD_SECURITY_USERS_FILE", "/etc/users", lambda c: c.security.users_file, "/etc/users"),
 ])
 def test_environment_names_each_key(name, value, get, expected):
-    # keys with underscores (QUILLD_SERVER_PROTO_MAX_BULK_LEN) split on the first one only
-    assert get(load(environ={name: value})) == expected
+    # keys with underscores (QUILLD_SERVER_PROTO_MAX_BULK_LEN) split on the first one only;
+    # the admin API is off, as a password without admin.token is refused with it on
+    assert get(load(environ={"QUILLD_ADMIN_PORT": "0", name: value})) == expected
 
 
 def test_cli_only_environment_names_are_not_config_keys():
@@ -279,8 +283,9 @@ def test_bad_types_in_environment(name, value):
 
 
 def test_string_keys_take_numbers_as_text(tmp_path):
-    path = write(tmp_path, "[security]\nrequirepass = 1234\n")
-    assert load(path, environ={}).security.requirepass == "1234"
+    path = write(tmp_path, "[security]\nrequirepass = 1234\n[admin]\ntoken = 5678\n")
+    cfg = load(path, environ={})
+    assert (cfg.security.requirepass, cfg.admin.token) == ("1234", "5678")
 
 
 def test_integers_are_accepted_for_float_keys(tmp_path):
@@ -351,11 +356,73 @@ def test_redacted_leaves_empty_secrets_empty():
 
 def test_a_cluster_with_passwords_needs_a_secret():
     with pytest.raises(ConfigError, match="cluster.secret is required"):
-        load(environ={"QUILLD_CLUSTER_GOSSIP_PORT": "7381", "QUILLD_SECURITY_REQUIREPASS": "pw"})
+        load(environ={"QUILLD_CLUSTER_GOSSIP_PORT": "7381", "QUILLD_SECURITY_REQUIREPASS": "pw",
+                      "QUILLD_ADMIN_TOKEN": "t"})
     cfg = load(environ={"QUILLD_CLUSTER_GOSSIP_PORT": "7381", "QUILLD_SECURITY_REQUIREPASS": "pw",
-                        "QUILLD_CLUSTER_SECRET": "s"})
+                        "QUILLD_CLUSTER_SECRET": "s", "QUILLD_ADMIN_TOKEN": "t"})
     assert cfg.cluster.secret == "s"
     with pytest.raises(ConfigError, match="host:port"):
         load(environ={"QUILLD_CLUSTER_SEEDS": "nohost"})
     with pytest.raises(ConfigError, match="transfer"):
         load(environ={"QUILLD_CLUSTER_TRANSFER": "carrier-pigeon"})
+
+
+# -- the perimeter: admin token, gossip secret, protected mode (issue 11) ---------------
+
+@pytest.mark.parametrize("password", [{"QUILLD_SECURITY_REQUIREPASS": "pw"},
+                                      {"QUILLD_SECURITY_USERS_FILE": "/etc/quilld/users"}])
+def test_passwords_need_an_admin_token_while_the_admin_api_is_on(password):
+    with pytest.raises(ConfigError) as info:
+        load(environ=password)
+    assert "admin.token" in info.value.message and "QUILLD_ADMIN_TOKEN" in info.value.message
+    assert load(environ={**password, "QUILLD_ADMIN_TOKEN": "t"}).admin.token == "t"
+    assert load(environ={**password, "QUILLD_ADMIN_PORT": "0"}).admin.port == 0  # no admin API, no token
+    assert load(environ={}).admin.token == ""  # no password: protected mode guards the port instead
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::", "192.0.2.7", "fd00::2", "quilld.example"])
+def test_gossip_off_loopback_needs_a_secret(bind):
+    env = {"QUILLD_SERVER_BIND": bind, "QUILLD_CLUSTER_GOSSIP_PORT": "7381"}
+    with pytest.raises(ConfigError) as info:
+        load(environ=env)
+    assert "cluster.secret" in info.value.message and "QUILLD_CLUSTER_SECRET" in info.value.message
+    # with a secret, a node without passwords must still leave protected mode explicitly: peers'
+    # RESP connections from other hosts would be refused
+    with pytest.raises(ConfigError, match="protected_mode"):
+        load(environ={**env, "QUILLD_CLUSTER_SECRET": "s"})
+    assert load(environ={**env, "QUILLD_CLUSTER_SECRET": "s", "QUILLD_SERVER_PROTECTED_MODE": "false"})
+    assert load(environ={**env, "QUILLD_CLUSTER_SECRET": "s", "QUILLD_SECURITY_REQUIREPASS": "pw",
+                         "QUILLD_ADMIN_TOKEN": "t"})
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_gossip_on_loopback_needs_no_secret(bind):
+    cfg = load(environ={"QUILLD_SERVER_BIND": bind, "QUILLD_CLUSTER_GOSSIP_PORT": "7381"})
+    assert cfg.cluster.secret == "" and cfg.server.protected_mode
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("127.255.255.254", True), ("::1", True),
+    ("::ffff:127.0.0.1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("", False), ("192.0.2.2", False), ("10.0.0.1", False),
+    ("::ffff:10.0.0.1", False), ("fe80::1%eth0", False), ("128.0.0.1", False), ("example.com", False),
+])
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_protected_mode_decision():
+    on, off = ServerConfig(), ServerConfig(protected_mode=False)
+    assert on.protected_mode  # the default, as redis's protected-mode yes
+    assert protected_mode_refuses(on, passwords=False, peer="192.0.2.2")
+    assert protected_mode_refuses(on, passwords=False, peer=None)  # a peer that cannot be named
+    assert not protected_mode_refuses(on, passwords=False, peer="127.0.0.1")
+    assert not protected_mode_refuses(on, passwords=False, peer="::1")
+    assert not protected_mode_refuses(on, passwords=True, peer="192.0.2.2")  # AUTH guards it instead
+    assert not protected_mode_refuses(off, passwords=False, peer="192.0.2.2")  # the operator said so
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--protected-mode", "yes"], True),
+                                            (["--protected-mode", "no"], False)])
+def test_protected_mode_flag(flag, expected):
+    assert load(environ={}, overrides=_overrides(_parser().parse_args(flag))).server.protected_mode is expected

@@ -2,7 +2,9 @@
 
 Join through a seed (TCP push/pull), meta exchange, garbage and forged
 packets on both UDP and TCP (dropped and counted), a graceful leave (LEFT,
-never DEAD) and a stopped member (DEAD). Fast timers keep it to seconds.
+never DEAD) and a stopped member (DEAD); replayed and stale packets dropped
+and counted, and no gossip off loopback without a secret. Fast timers keep
+it to seconds.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import pytest
 
 from quilld.cluster.gossip import Gossip, parse_seeds
 from quilld.cluster.swim import EventKind
-from quilld.cluster.wire import Codec, Ping, State
+from quilld.cluster.wire import REPLAY_WINDOW, Codec, Ping, State
 from quilld.config import ClusterConfig
+from quilld.errors import ConfigError
 
 CFG = ClusterConfig(secret="t0ken", probe_interval_ms=200, probe_timeout_ms=80, suspicion_mult=3,
                     push_pull_interval_ms=1000)
@@ -127,3 +130,47 @@ def test_stop_before_start_and_twice_is_harmless():
         await g2.stop()
         await g2.stop()
     asyncio.run(body())
+
+
+def test_no_secret_off_loopback_is_refused_with_nothing_left_open():
+    """Issue 11: unauthenticated gossip anywhere but loopback lets one forged packet mark a node dead."""
+    async def body():
+        g = Gossip("solo", "0.0.0.0", 0, {}, replace(CFG, secret=""))
+        with pytest.raises(ConfigError) as info:
+            await g.start()
+        assert "cluster.secret" in info.value.message
+        assert g._transport is None and g._server is None  # both sockets closed again
+        keyed = Gossip("solo", "0.0.0.0", 0, {}, CFG)  # with a secret, any address
+        await keyed.start()
+        await keyed.stop()
+    asyncio.run(body())
+
+
+def test_replayed_and_stale_packets_are_dropped_and_counted(caplog):
+    """Issue 11: an authentic packet is accepted once; a copy, or one stamped outside the window, is not."""
+    async def body():
+        a = Gossip("a", "127.0.0.1", 0, {}, CFG)
+        await a.start()
+        try:
+            assert a.stats["gossip_replays_rejected"] == a.stats["gossip_stale_rejected"] == 0
+            packet = Codec(CFG.secret).encode(Ping(1, "a", "x"))  # as a member "x" would send it
+            old = Codec(CFG.secret, clock=lambda: time.time() - 2 * REPLAY_WINDOW).encode(Ping(2, "a", "x"))
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind(("127.0.0.1", 0))
+                s.settimeout(2)
+                s.sendto(packet, a.addr)
+                ack = Codec(CFG.secret).decode_datagram(await asyncio.to_thread(s.recv, 2048))
+                assert ack.seq == 1  # the first copy is answered
+                s.sendto(packet, a.addr)
+                s.sendto(old, a.addr)
+                await until(lambda: a.stats["gossip_replays_rejected"] == 1 and a.stats["gossip_stale_rejected"] == 1,
+                            2, "replays counted")
+                s.settimeout(0.3)
+                with pytest.raises(socket.timeout):
+                    await asyncio.to_thread(s.recv, 2048)  # neither got an answer
+            assert a.stats["gossip_malformed"] == a.stats["gossip_auth_failures"] == 0
+        finally:
+            await a.stop(leave=False)
+    with caplog.at_level("WARNING", logger="quilld.gossip"):
+        asyncio.run(body())
+    assert "off this node's clock" in caplog.text

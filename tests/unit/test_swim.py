@@ -26,9 +26,10 @@ from quilld.cluster import wire
 from quilld.cluster.lifeguard import Suspicion, expected_confirmations, suspicion_bounds
 from quilld.cluster.swim import EventKind, Swim
 from quilld.cluster.wire import (AuthFailure, Codec, Entry, MalformedPacket, Nack, Ping, PingReq, PushPull,
-                                 Rumor, State, Update, Ack)
+                                 Replayed, ReplayGuard, Rumor, State, Update, Ack)
 
 T = 0.5  # probe interval (the config default, 500 ms)
+WALL0 = 1_700_000_000.0  # the simulated nodes' wall clock at simulated time 0 (packets' stamps)
 DEFAULTS = dict(probe_interval=T, probe_timeout=0.2, indirect_probes=3, suspicion_mult=4,
                 push_pull_interval=10.0)
 
@@ -52,6 +53,7 @@ class Net:
         self._heap: list = []
         self._tie = itertools.count()
         self._wake_at: dict[tuple, float] = {}
+        self.tap: list[tuple[tuple, tuple, bytes]] | None = None  # (src, dst, bytes) delivered, when set
 
     # -- building --
 
@@ -60,7 +62,7 @@ class Net:
         swim = Swim(node_id, addr, meta if meta is not None else {"resp": f"{addr[0]}:7379"},
                     clock=lambda: self.now, rng=random.Random(self.rng.random()), **{**self.swim_kw, **kw})
         self.nodes[addr] = swim
-        self.codecs[addr] = Codec(self.secret if secret is None else secret)
+        self.codecs[addr] = Codec(self.secret if secret is None else secret, clock=lambda: WALL0 + self.now)
         self.down.discard(addr)
         swim.join(seeds)
         self._pump(addr)
@@ -142,9 +144,14 @@ class Net:
                 except AuthFailure:
                     self.stats["auth_failures"] += 1
                     continue
+                except Replayed as e:
+                    self.stats["stale" if e.stale else "replayed"] += 1
+                    continue
                 except MalformedPacket:
                     self.stats["malformed"] += 1
                     continue
+                if self.tap is not None:
+                    self.tap.append((src, dst, data))
                 self.nodes[dst].receive(msg, src)
                 self._pump(dst)
             elif kind == "wake":
@@ -424,18 +431,84 @@ def test_wrong_secret_and_malformed_packets_are_dropped_and_counted():
 
     before, before_auth = net.stats["malformed"], net.stats["auth_failures"]
     target = swims[0].addr
-    good = Codec("s3cret")
+    good = Codec("s3cret", clock=lambda: WALL0 + net.now)
     for data in (b"", b"\xc1", b"garbage" * 10, good.encode(Ping(1, "n0", "n1"))[:-1],
                  Codec("s3cret").encode(Ping(1, "n0", "n1")) + b"x"):
         net.inject(target, data)
     # Authenticated but malformed: a forged ALIVE with a bool where the incarnation goes.
     body = msgpack.packb([1, 5, "n1", [[0, "ghost", True, "10.0.0.9", 7946, {}]]])
-    net.inject(target, body + good._mac(body))
+    net.inject(target, good._seal(body))
     net.run(T)
     assert net.stats["auth_failures"] == before_auth + 5
     assert net.stats["malformed"] == before + 1
     assert swims[0].member("ghost") is None
     assert net.converged(swims)
+
+
+def test_replayed_packets_are_refused_and_counted():
+    """Issue 11: with a secret, an authentic packet captured on the wire is accepted once;
+    replayed within the window it is a replay, later it is stale; neither reaches SWIM."""
+    net = Net(seed=12, secret="s3cret")
+    swims = net.cluster(4)
+    net.run_until(net.converged, limit=10)
+    net.tap = []
+    net.run(4 * T)
+    captured, net.tap = net.tap, None
+    assert len(captured) > 20 and net.stats["replayed"] == net.stats["stale"] == 0
+    events = len(net.events)
+    for src, dst, data in captured:
+        net.inject(dst, data, src)
+    net.run(T)
+    assert net.stats["replayed"] == len(captured) and net.stats["stale"] == 0
+    # a copy of each packet, replayed after the window, is stale
+    net.run(wire.REPLAY_WINDOW + T)
+    for src, dst, data in captured:
+        net.inject(dst, data, src)
+    net.run(T)
+    assert net.stats["stale"] == len(captured) and net.stats["replayed"] == len(captured)
+    assert net.converged(swims) and len(net.events) == events  # no member changed on their account
+
+
+def test_replay_guard_accepts_each_stamp_once_within_the_window():
+    g = ReplayGuard(window=30.0, per_sender=4)
+    now = 1000.0
+    us = int(now * 1e6)
+    g.check("a", us, now)
+    with pytest.raises(Replayed) as info:
+        g.check("a", us, now)
+    assert not info.value.stale
+    g.check("b", us, now)  # the same stamp from another sender is another packet
+    g.check("a", us - 5_000_000, now)  # reordered, still inside the window: accepted once
+    with pytest.raises(Replayed):
+        g.check("a", us - 5_000_000, now + 1)
+    for skew in (-31.0, 31.0):  # outside the window either way: stale, with the skew measured
+        with pytest.raises(Replayed) as info:
+            g.check("a", us + int(skew * 1e6), now)
+        assert info.value.stale and info.value.skew == pytest.approx(skew)
+    # per_sender bounds memory: past it the oldest stamp is forgotten and everything up to it refused
+    for i in range(1, 5):
+        g.check("a", us + i, now)
+    with pytest.raises(Replayed):
+        g.check("a", us - 5_000_000, now)
+    with pytest.raises(Replayed):
+        g.check("a", us - 1, now)  # never seen, but below the forgotten oldest
+    g.check("a", us + 10, now)
+    # senders gone quiet for a window are forgotten at the next sweep
+    assert len(g) == 2
+    later = now + 31
+    for i in range(ReplayGuard.SWEEP_EVERY):
+        g.check("c", int(later * 1e6) + i, later)
+    assert len(g) == 1
+
+
+def test_stamps_strictly_increase_whatever_the_clock_does():
+    clock = [100.0]
+    tx, rx = Codec("k", clock=lambda: clock[0]), Codec("k", clock=lambda: 100.0)
+    packets = [tx.encode(Nack(i, "a")) for i in range(3)]
+    clock[0] = 99.0  # the wall clock stepped back (NTP)
+    packets.append(tx.encode(Nack(3, "a")))
+    assert [rx.decode_datagram(p) for p in packets] == [Nack(i, "a") for i in range(4)]
+    assert len({p[-wire.MAC_LEN - wire.STAMP_LEN:-wire.MAC_LEN] for p in packets}) == 4
 
 
 # -- wire format --------------------------------------------------------------
