@@ -1,29 +1,44 @@
 """The SSD tier's on-disk formats and replay rules, without file handling.
 
-Block: a 4 KiB-aligned extent in a segment file holding a 64-byte header and
-then the payload. Header (little-endian): magic "QSB1", version u16, flags u16,
-xxh64 of the key, xxh64 of the encoded scope, generation u64, payload length
-u64, CRC32C of the payload u32, 16 reserved zero bytes, CRC32C of the preceding
-60 header bytes u32.
+Block (format 2): a 4 KiB-aligned extent in a segment file holding a 64-byte
+header, the payload, then the block's identity (the msgpack of its scope's four
+strings followed by the raw key: `meta_len` bytes), so a scan of the segments can
+name every block without any index. Header (little-endian): magic "QSB1",
+version u16, flags u16 (COMMITTED), xxh64 of the key, xxh64 of the encoded scope,
+generation u64, payload length u64, CRC32C of the payload u32, meta_len u32, an
+8-byte tag, 4 zero bytes, CRC32C of the preceding 60 header bytes u32.
 
-Checkpoint: a 64-byte header (magic "QSCK", version, first WAL number not
+- COMMITTED is set by rewriting the header once the block's PUT record is durable:
+  a block whose batch never reached the log is never taken by a scan.
+- The tag is a keyed BLAKE2b of the header's fields and the identity, under the
+  tier's secret key (`tier.key`): a tenant's payload that imitates a header is
+  never taken by a scan for someone else's block, and a fenced tier (its key
+  replaced) has nothing a scan would take.
+- The CRC catches accidental damage; records name a block's place, so the
+  normal paths check the fields and the CRC, not the tag.
+
+Checkpoint (format 2): a 64-byte header (magic "QSCK", version, first WAL number not
 covered, highest generation seen, entry count, body length, body CRC32C,
 creation time, header CRC32C) and a msgpack body: the list of scopes, then arrays
 of up to 4096 `[scope index, key, seg, offset, length, crc, generation]` rows.
 
-Replay rules (the same for recovery and checkpoint merges, and the ones the live
-index follows): a PUT installs its block unless the key already holds an equal
-or newer generation; a DEL of generation g removes the key's block if that
-block's generation is <= g. Replaying a record twice changes nothing.
+Replay rules (the same for recovery, scans and checkpoint merges, and the ones the
+live index follows): a PUT installs its block unless the key already holds an
+equal or newer generation; a DEL of generation g removes the key's block if that
+block's generation is <= g. Replaying a record twice changes nothing. A version
+that loses (replaced, deleted, or older than what is installed) is *retired*;
+replay can list retired versions so recovery scrubs their headers.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import struct
 import time
 from collections.abc import Iterable, Iterator
+from hmac import compare_digest as hmac_equal
 from typing import NamedTuple
 
 import msgpack
@@ -36,11 +51,15 @@ from quilld.tiers.wal import BadRecord, DelRecord, PutRecord, Scope, Stop, WalRe
 
 PAGE = 4096
 HEADER_SIZE = 64
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BLOCK_MAGIC = b"QSB1"
 CHECKPOINT_MAGIC = b"QSCK"
+COMMITTED = 1  # header flag: the block's PUT record is durable
+TAG_SIZE = 8
+KEY_SIZE = 32  # bytes of the tier's secret key
 
-_BLOCK = struct.Struct("<4sHHQQQQI16x")  # 60 bytes, then the header CRC
+_BLOCK = struct.Struct("<4sHHQQQQII8s4x")  # 60 bytes, then the header CRC
+_FIELDS = struct.Struct("<QQQQII")  # what the tag covers, before the identity
 _CRC = struct.Struct("<I")
 _CKPT = struct.Struct("<4sHHQQQQId8x")  # 60 bytes, then the header CRC
 assert _BLOCK.size + 4 == HEADER_SIZE and _CKPT.size + 4 == HEADER_SIZE
@@ -70,43 +89,139 @@ def key_digest(key: bytes) -> int:
     return xxhash.xxh64_intdigest(key)
 
 
-def extent_pages(length: int) -> int:
-    """Pages needed for the header and `length` payload bytes."""
-    return -(-(HEADER_SIZE + length) // PAGE)
+@functools.lru_cache(maxsize=4096)
+def scope_meta(scope: Scope) -> bytes:
+    """How a block's trailer starts: its scope's four strings, msgpack-encoded."""
+    return msgpack.packb(list(scope))
+
+
+def block_meta(scope: Scope, key: bytes) -> bytes:
+    """A block's identity as stored after its payload."""
+    return scope_meta(tuple(scope)) + bytes(key)
+
+
+def meta_len(scope: Scope, key: bytes) -> int:
+    return len(scope_meta(tuple(scope))) + len(key)
+
+
+def block_pages(scope: Scope, key: bytes, length: int) -> int:
+    """Pages of a block: header, `length` payload bytes, identity."""
+    return -(-(HEADER_SIZE + length + meta_len(scope, key)) // PAGE)
 
 
 # -- block header -------------------------------------------------------------
 
 
-def pack_block_header(key: bytes, scope: Scope, generation: int, length: int, crc: int) -> bytes:
-    head = _BLOCK.pack(
-        BLOCK_MAGIC, FORMAT_VERSION, 0, key_digest(key), scope_digest(scope), generation, length, crc
-    )
+def block_tag(tier_key: bytes, kd: int, sd: int, generation: int, length: int, crc: int,
+              meta: bytes) -> bytes:
+    """The keyed tag of a block's fields and identity (see the module docstring)."""
+    fields = _FIELDS.pack(kd, sd, generation, length, crc, len(meta))
+    return hashlib.blake2b(fields + meta, digest_size=TAG_SIZE, key=tier_key).digest()
+
+
+def pack_block_header(key: bytes, scope: Scope, generation: int, length: int, crc: int, *,
+                      committed: bool, tier_key: bytes) -> bytes:
+    meta = block_meta(scope, key)
+    kd, sd = key_digest(key), scope_digest(tuple(scope))
+    tag = block_tag(tier_key, kd, sd, generation, length, crc, meta)
+    head = _BLOCK.pack(BLOCK_MAGIC, FORMAT_VERSION, COMMITTED if committed else 0, kd, sd, generation,
+                       length, crc, len(meta), tag)
     return head + _CRC.pack(crc32c(head))
 
 
+def commit_header(header: bytes) -> bytes:
+    """The same header with COMMITTED set (and its CRC redone)."""
+    head = bytearray(header[:_BLOCK.size])
+    struct.pack_into("<H", head, 6, COMMITTED)
+    return bytes(head) + _CRC.pack(crc32c(head))
+
+
+_PREFIX = BLOCK_MAGIC + struct.pack("<H", FORMAT_VERSION)
+
+
+def header_matches(header, key: bytes, scope: Scope, generation: int, length: int, crc: int) -> bool:
+    """Whether `header` (64 bytes) is intact and describes exactly this block, committed or not."""
+    return (header[:6] == _PREFIX
+            and header[8:48] == _FIELDS.pack(key_digest(key), scope_digest(tuple(scope)), generation, length,
+                                             crc, meta_len(scope, key))
+            and crc32c(header[:_BLOCK.size]) == _CRC.unpack_from(header, _BLOCK.size)[0])
+
+
 def check_block_header(
-    header: bytes | bytearray, key: bytes, scope: Scope, generation: int, length: int, crc: int
+    header: bytes | bytearray | memoryview, key: bytes, scope: Scope, generation: int, length: int, crc: int
 ) -> None:
-    """Raise CorruptBlock unless `header` is intact and describes exactly this block."""
-    if header[:HEADER_SIZE] == pack_block_header(key, scope, generation, length, crc):
-        return  # the common case in one comparison; otherwise find what differs
+    """Raise CorruptBlock unless `header` is intact and describes exactly this block
+    (committed or not: the record that names it is the proof that it was)."""
+    if len(header) >= HEADER_SIZE and header_matches(header, key, scope, generation, length, crc):
+        return  # the common case; otherwise say what differs
     if len(header) < HEADER_SIZE:
         raise CorruptBlock(f"short header ({len(header)} bytes)")
     (stored_crc,) = _CRC.unpack_from(header, _BLOCK.size)
     if crc32c(memoryview(header)[:_BLOCK.size]) != stored_crc:
         raise CorruptBlock("block header checksum mismatch")
-    magic, version, _, kd, sd, gen, n, pcrc = _BLOCK.unpack_from(header)
+    magic, version, _, kd, sd, gen, n, pcrc, mlen, _ = _BLOCK.unpack_from(header)
     if magic != BLOCK_MAGIC or version != FORMAT_VERSION:
         raise CorruptBlock(f"not a block header (magic {magic!r}, version {version})")
-    if kd != key_digest(key) or sd != scope_digest(scope):
+    if kd != key_digest(key) or sd != scope_digest(tuple(scope)) or mlen != meta_len(scope, key):
         raise CorruptBlock("block header belongs to another key")
-    if gen != generation or n != length or pcrc != crc:
-        raise CorruptBlock(
-            f"block header is generation {gen}, {n} bytes, crc {pcrc:#x}; "
-            f"expected {generation}, {length}, {crc:#x}"
-        )
-    raise CorruptBlock("block header has nonzero reserved bytes")
+    raise CorruptBlock(
+        f"block header is generation {gen}, {n} bytes, crc {pcrc:#x}; "
+        f"expected {generation}, {length}, {crc:#x}"
+    )
+
+
+def scan_segment(buf, seg: int, tier_key: bytes) -> tuple[list[Found], int]:
+    """The committed blocks in one segment's bytes whose header, identity and tag check
+    out, sorted by page; and how many block-like headers were refused.
+
+    Every page boundary is looked at (a block found does not hide a newer one written
+    inside a stale extent); `drop_overlaps` settles overlaps by generation afterwards.
+    """
+    found: list[Found] = []
+    refused = 0
+    size = len(buf)
+    pos = 0
+    while True:
+        i = buf.find(_PREFIX, pos)
+        if i < 0:
+            return found, refused
+        if i % PAGE:
+            pos = i - i % PAGE + PAGE
+            continue
+        pos = i + PAGE
+        hit = _scanned_block(buf, i, size, tier_key)
+        if hit is None:
+            refused += 1
+            continue
+        key, flags, gen, length, crc, pages = hit
+        if flags & COMMITTED:
+            found.append((i // PAGE, pages, key, Loc(seg, i, length, crc, gen)))
+        else:
+            refused += 1  # written, but its batch never reached the log
+
+
+def _scanned_block(buf, at: int, size: int, tier_key: bytes):
+    header = bytes(buf[at:at + HEADER_SIZE])
+    if len(header) < HEADER_SIZE or crc32c(header[:_BLOCK.size]) != _CRC.unpack_from(header, _BLOCK.size)[0]:
+        return None
+    _, _, flags, kd, sd, gen, length, crc, mlen, tag = _BLOCK.unpack_from(header)
+    end = at + HEADER_SIZE + length + mlen
+    if end > size or mlen > 1 << 20:
+        return None
+    meta = bytes(buf[at + HEADER_SIZE + length:end])
+    if not hmac_equal(block_tag(tier_key, kd, sd, gen, length, crc, meta), tag):
+        return None
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(meta)
+    try:
+        scope = tuple(unpacker.unpack())
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    key = meta[unpacker.tell():]
+    if len(scope) != 4 or not all(type(x) is str for x in scope) or key_digest(key) != kd \
+            or scope_digest(scope) != sd:
+        return None
+    return (scope, key), flags, gen, length, crc, -(-(end - at) // PAGE)
 
 
 # -- replay -------------------------------------------------------------------
@@ -125,18 +240,30 @@ class Loc(NamedTuple):
 State = dict[tuple[Scope, bytes], Loc]
 
 
-def apply_record(state: State, rec: PutRecord | DelRecord, scope: Scope) -> None:
-    """Apply one log record to `state` by the replay rules; `scope` is rec.scope, interned."""
+Retired = list[tuple[tuple[Scope, bytes], Loc]]  # versions that lost, for recovery to scrub
+
+
+def apply_record(state: State, rec: PutRecord | DelRecord, scope: Scope, retired: Retired | None = None) -> None:
+    """Apply one log record to `state` by the replay rules; `scope` is rec.scope, interned.
+    Versions that lose are appended to `retired` when given."""
     k = (scope, rec.key)
     cur = state.get(k)
     if type(rec) is PutRecord:
+        loc = Loc(rec.seg, rec.offset, rec.length, rec.crc, rec.generation)
         if cur is None or cur.generation < rec.generation:
-            state[k] = Loc(rec.seg, rec.offset, rec.length, rec.crc, rec.generation)
+            state[k] = loc
+            if cur is not None and retired is not None:
+                retired.append((k, cur))
+        elif retired is not None and cur.generation > rec.generation:
+            retired.append((k, loc))
     elif cur is not None and cur.generation <= rec.generation:
         del state[k]
+        if retired is not None:
+            retired.append((k, cur))
 
 
-def replay_log(data: bytes, state: State, scopes: dict[Scope, Scope]) -> tuple[int, int, str | None]:
+def replay_log(data: bytes, state: State, scopes: dict[Scope, Scope],
+               retired: Retired | None = None) -> tuple[int, int, str | None]:
     """Apply the records of one log's bytes to `state`, up to the first bad one.
 
     `scopes` interns scopes: each distinct one becomes one IdentityScope used in keys.
@@ -153,9 +280,8 @@ def replay_log(data: bytes, state: State, scopes: dict[Scope, Scope]) -> tuple[i
             scope = scopes.get(rec.scope)
             if scope is None:
                 scope = scopes[rec.scope] = IdentityScope(*rec.scope)
-            apply_record(state, rec, scope)
-            if rec.generation > max_gen:
-                max_gen = rec.generation
+            apply_record(state, rec, scope, retired)
+            max_gen = max(max_gen, rec.generation)
         applied += len(batch)
     if reader.stop is not Stop.END:
         return applied, max_gen, f"{reader.stop_offset}: {reader.stop.value} ({reader.detail})"

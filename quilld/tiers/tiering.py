@@ -12,8 +12,26 @@
   CRC32C), then promoted (or, with `promote_on_read` off, sent and dropped).
   A block that fails verification is dropped and counted, and the read is a
   miss: bytes that fail their checksum are never served.
-- Deletions of SSD copies are batched: DEL records are made durable before
-  the space may be reused.
+- Deletions of SSD copies are acknowledged only once durable. A DEL, UNLINK,
+  FLUSHALL or overwrite that releases an SSD copy (an SSD-only value, the copy a
+  promoted block keeps as `block.lower`, or a block whose demotion write is in
+  flight) leaves the keyspace with a durable step pending (`Keyspace.take_unsynced`
+  -> `synced()` here); the handler answers only when it resolves. Deletions are group
+  committed: every copy dropped while one WAL sync runs goes into the next record,
+  one sync for all the clients waiting on it. Then the freed extents are scrubbed
+  (header page zeroed) and only then reused (ssd.py).
+
+  Why not tombstones with generations instead: a deletion that no crash can undo
+  needs *some* durable write before the reply, whatever it records; a DEL record
+  under group commit is that write, already replayed by generation (a DEL of
+  generation g never removes a newer version), and costs one shared WAL sync per
+  group. Acknowledging first and making stale versions unrecoverable later would
+  still leave the window this closes. A value only in DRAM involves no SSD copy, so
+  its DEL or overwrite waits for nothing (`take_unsynced` is None: no awaitable, no
+  allocation).
+- A failed tier can no longer log deletions: before it acknowledges one it fences
+  itself (removes its key, so a restart trusts nothing on it); if even that fails,
+  the command answers with the error.
 - When the SSD is full its own LRU (the front of `keyspace.lower`) is evicted.
 - Faults: the first I/O error fails the tier (ssd.py); from then on nothing
   more is written to it, DRAM eviction drops blocks as it would without an
@@ -46,7 +64,11 @@ log = logging.getLogger("quilld.ssd")
 
 DEMOTE_INTERVAL = 0.02  # seconds between checks of the DRAM watermark
 SCAN_LIMIT = 20_000  # DRAM entries looked at per demotion batch (bounds one loop turn)
-DELETE_BATCH = 4096
+DELETE_BATCH = 4096  # SSD-only keys evicted per pass when the SSD is full
+_PATHS = {"fresh": "a new tier", "checkpoint": "its checkpoint and log",
+          "previous-checkpoint": "the PREVIOUS checkpoint and the log (the newest checkpoint is damaged)",
+          "log": "replaying the log", "segment-scan": "a SEGMENT SCAN and the log (every checkpoint is damaged)",
+          "fenced": "starting EMPTY (no tier key: fenced after a failure, or an older format)"}
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 
@@ -64,7 +86,13 @@ class Tiering:
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ssd")
         self.stats: Counter[str] = Counter()
         self.report: Any = None  # the RecoveryReport of the last start
-        self._doomed: list[SsdEntry] = []  # SSD copies to delete (DEL logged, then forgotten)
+        self._doomed: list[SsdEntry] = []  # SSD copies for the next group of DEL records
+        self._group: asyncio.Future | None = None  # resolves when `_doomed` is durable
+        self._last_group: asyncio.Future | None = None  # the group the latest drop joined
+        self._flush_lock = asyncio.Lock()  # one group (log, forget, scrub, reclaim) at a time, in order
+        self._writing: set[Block] = set()  # blocks of the demotion batch in flight
+        self._batch: asyncio.Future | None = None  # resolves when that batch has settled
+        self._waits_batch: asyncio.Future | None = None  # `_batch`, once a block of it was released
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
@@ -113,10 +141,15 @@ class Tiering:
         r = self.report
         for (scope, key), entry in self.ssd.entries.items():
             self.store.adopt(scopes.tag(IdentityScope(*scope)) + key, entry)
-        level = logging.WARNING if (r.dropped_corrupt or r.wal_stops or r.checkpoint_error) else logging.INFO
-        log.log(level, "ssd tier: recovered %d blocks in %.2f s (dropped %d corrupt, %d torn WAL stops%s)",
-                r.recovered, time.monotonic() - t0, r.dropped_corrupt, r.dropped_torn_wal_records,
-                f", checkpoint error: {r.checkpoint_error}" if r.checkpoint_error else "")
+        damaged = r.dropped_corrupt or r.wal_stops or r.checkpoint_error or r.key_error \
+            or r.path not in ("fresh", "checkpoint", "log")
+        log.log(logging.WARNING if damaged else logging.INFO,
+                "ssd tier: recovered %d blocks in %.2f s by %s (dropped %d corrupt, %d torn WAL stops%s%s%s)",
+                r.recovered, time.monotonic() - t0, _PATHS.get(r.path, r.path), r.dropped_corrupt,
+                r.dropped_torn_wal_records,
+                f", checkpoint errors: {r.checkpoint_error}" if r.checkpoint_error else "",
+                f", {r.scanned_blocks} blocks found by the scan, {r.scan_refused} refused" if r.path == "segment-scan"
+                else "", f", {r.key_error}" if r.key_error else "")
         for stop in r.wal_stops:
             log.warning("ssd tier: WAL replay stopped at %s", stop)
         self._task = asyncio.create_task(self._demoter(), name="ssd-demoter")
@@ -146,7 +179,7 @@ class Tiering:
                 await asyncio.gather(self._deleting, return_exceptions=True)
             await self._flush_deletes()
             if started and self.active:  # the next start loads a checkpoint instead of replaying the WAL
-                n = await self._run(self.ssd.checkpoint)
+                n = await self._checkpoint()
                 log.info("ssd tier: checkpoint of %s blocks written at shutdown", n)
         except SsdFailure as e:
             self._failed(e)
@@ -168,7 +201,7 @@ class Tiering:
                     if not await self._demote_batch():
                         break
                 if self.active and self.ssd.needs_checkpoint():
-                    n = await self._run(self.ssd.checkpoint)
+                    n = await self._checkpoint()
                     if n is not None:
                         self.stats["checkpoints"] += 1
                         log.info("ssd tier: checkpoint of %d blocks", n)
@@ -183,6 +216,14 @@ class Tiering:
     def _failed(self, e: Exception) -> None:
         self.stats["failures"] += 1
         log.error("ssd tier failed, serving from DRAM only from now on: %s", e)
+
+    async def _checkpoint(self) -> int | None:
+        """Seal the log once every deletion logged so far is scrubbed, then merge: a
+        checkpoint drops records only after the scrubs they made due are synced."""
+        async with self._flush_lock:
+            await self._flush_locked()
+            upto = await self._run(self.ssd.seal)
+        return await self._run(self.ssd.checkpoint, upto)
 
     def _pick(self, everything: bool = False) -> list[tuple[bytes, Block]]:
         """The coldest unpinned blocks, enough to get under the low watermark (or all of them)."""
@@ -205,11 +246,24 @@ class Tiering:
         return picked
 
     async def _demote_batch(self, everything: bool = False) -> bool:
-        """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved."""
+        """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved.
+
+        While the batch is in flight its blocks are `_writing`: one released meanwhile
+        (deleted, overwritten) makes its releaser wait for the batch to settle, since the
+        settling drops the stale copy the write just made durable."""
         picked = self._pick(everything)
         if not picked:
             return False
         clean = self._free_clean(picked)
+        self._batch = asyncio.get_running_loop().create_future()
+        try:
+            return await self._write_and_settle(picked, clean)
+        finally:
+            self._writing.clear()
+            batch, self._batch = self._batch, None
+            batch.set_result(None)
+
+    async def _write_and_settle(self, picked: list[tuple[bytes, Block]], clean: int) -> bool:
         items = await self._stage(picked)
         if not items:
             return bool(clean)
@@ -238,17 +292,18 @@ class Tiering:
         for fk, block in picked:
             if block.lower is not None or block.state is not BlockState.RESIDENT:
                 continue
-            extent = ssd.allocate(block.length)
+            scope, key = tuple(store.scopes.scope_of(fk[:TAG_LEN])), fk[TAG_LEN:]
+            extent = ssd.allocate(scope, key, block.length)
             if extent is None:
                 await self._make_ssd_room(block.length)
                 if store.data.get(fk) is not block or block.state is not BlockState.RESIDENT:
                     continue  # deleted or overwritten while room was made: nothing to write
-                extent = ssd.allocate(block.length)
+                extent = ssd.allocate(scope, key, block.length)
                 if extent is None:
                     break
             store.pin(block)
-            scope = store.scopes.scope_of(fk[:TAG_LEN])
-            items.append((fk, block, PendingWrite(tuple(scope), fk[TAG_LEN:], store.view(block), extent)))
+            self._writing.add(block)
+            items.append((fk, block, PendingWrite(scope, key, store.view(block), extent)))
         return items
 
     async def _write(self, items: list[tuple[bytes, Block, PendingWrite]]) -> bool:
@@ -271,6 +326,7 @@ class Tiering:
         """
         store = self.store
         entries = self.ssd.publish([it for _, _, it in items])
+        self._reap()  # older versions the new ones replaced
         by_key = {(e.scope, e.key): e for e in entries}
         moved = 0
         for fk, block, it in items:
@@ -297,7 +353,7 @@ class Tiering:
                 break
             if type(block) is Block and block.lower is not None and not block.lower.pins:
                 freed += block.lower.length
-                self._doomed.append(block.lower)
+                self.drop(block.lower)
                 block.lower = None
                 self.stats["ssd_copies_dropped"] += 1
         for fk in list(store.lower)[:DELETE_BATCH]:
@@ -313,26 +369,101 @@ class Tiering:
 
     # -- deletions -------------------------------------------------------------------
     def drop(self, entry: SsdEntry) -> None:
-        """An SSD copy is no longer wanted: log its deletion soon, then free its space."""
+        """An SSD copy is no longer wanted: its DEL record joins the next group commit, then
+        its space is scrubbed and freed. `synced()` says when that is durable."""
         self._doomed.append(entry)
+        if self._group is None:
+            self._group = self._last_group = asyncio.get_running_loop().create_future()
+        self._kick()
+
+    def writing(self, block: Block) -> bool:
+        """Whether `block` is being written to SSD right now (it is being released: the copy
+        the write makes is dropped when the batch settles, and `synced()` waits for that)."""
+        if block in self._writing:
+            self._waits_batch = self._batch
+            return True
+        return False
+
+    def synced(self) -> Awaitable[None] | None:
+        """What makes every deletion requested so far durable; None when nothing is left to
+        wait for. Raises (when awaited) if a deletion could not be made durable."""
+        batch, self._waits_batch = self._waits_batch, None
+        group = self._last_group
+        if batch is None and (group is None or (group.done() and not group.cancelled()
+                                                and group.exception() is None)):
+            return None
+        return self._wait_synced(batch, group)
+
+    async def _wait_synced(self, batch: asyncio.Future | None, group: asyncio.Future | None) -> None:
+        if batch is not None:
+            await asyncio.shield(batch)
+            group = self._last_group  # the group the batch's stale copies joined (groups resolve in order)
+        if group is not None:
+            await asyncio.shield(group)
+
+    def _kick(self) -> None:
         if self._deleting is None or self._deleting.done():
             self._deleting = asyncio.ensure_future(self._delete_soon())
+
+    def _reap(self) -> None:
+        """Scrub and reclaim what the SSD tier freed (replaced or unpinned versions), soon."""
+        if self.ssd.has_freed:
+            self._kick()
 
     async def _delete_soon(self) -> None:
         await asyncio.sleep(0)  # gather a burst of deletions into one WAL sync
         await self._flush_deletes()
 
     async def _flush_deletes(self) -> None:
-        while self._doomed:
-            batch, self._doomed = self._doomed[:DELETE_BATCH], self._doomed[DELETE_BATCH:]
-            if self.active:
+        async with self._flush_lock:
+            await self._flush_locked()
+
+    async def _flush_locked(self) -> None:
+        """Log every queued deletion (one group, one WAL sync), answer its waiters, then
+        scrub and reclaim the freed extents; repeat while more arrived meanwhile."""
+        while self._doomed or self.ssd.has_freed:
+            batch, self._doomed = self._doomed[:], []
+            group, self._group = self._group, None
+            if batch:
+                error = await self._log(batch)
+                for entry in batch:
+                    self.ssd.forget(entry)
+                self.stats["ssd_deletes"] += len(batch)
+                self.stats["delete_syncs"] += 1
+                if group is not None and not group.done():
+                    if error is None:
+                        group.set_result(None)
+                    else:
+                        group.set_exception(error)
+                        group.exception()  # retrieved here: a group nobody awaits logs nothing
+            freed = self.ssd.take_freed()
+            if freed and self.active:
                 try:
-                    await self._run(self.ssd.log_deletes, batch)
+                    await self._run(self.ssd.scrub, freed)
                 except SsdFailure as e:
                     self._failed(e)
-            for entry in batch:
-                self.ssd.forget(entry)
-            self.stats["ssd_deletes"] += len(batch)
+                    continue  # a failed tier is never written again: its space stays taken
+                self.ssd.reclaim(freed)
+                self.stats["ssd_scrubbed"] += len(freed)
+
+    async def _log(self, batch: list[SsdEntry]) -> SsdFailure | None:
+        """Make the deletion of `batch` durable: DEL records, or on a failed tier its fence.
+        Returns the error when neither is possible."""
+        if self.active:
+            try:
+                await self._run(self.ssd.log_deletes, batch)
+                return None
+            except SsdFailure as e:
+                self._failed(e)
+        if self.ssd.fenced:
+            return None
+        try:
+            await self._run(self.ssd.fence)
+        except OSError as e:
+            log.error("ssd tier: cannot fence the failed tier, deletions of SSD copies are not durable: %s", e)
+            return SsdFailure(f"ssd tier failed ({self.ssd.failed}); the deletion of its copy is not durable")
+        log.warning("ssd tier: fenced (failed, and deletions can no longer be logged): a restart starts it empty")
+        return None
 
     # -- reads -------------------------------------------------------------------------
     def read(self, entry: SsdEntry):
@@ -345,20 +476,20 @@ class Tiering:
         try:
             block = await self._reserve(entry.length)
         except BaseException:
-            self.ssd.unpin(entry)
+            self._unpin(entry)
             raise
         try:
             await self._run(self.ssd.read_into, entry, store.write_view(block))
         except (CorruptBlock, SsdFailure) as e:
             store.discard(block)
-            self.ssd.unpin(entry)
+            self._unpin(entry)
             self._corrupt(entry, e)
             return None
         except BaseException:
             store.discard(block)
-            self.ssd.unpin(entry)
+            self._unpin(entry)
             raise
-        self.ssd.unpin(entry)
+        self._unpin(entry)
         self.stats["ssd_reads"] += 1
         self.stats["ssd_read_bytes"] += entry.length
         fk = store.scopes.tag(IdentityScope(*entry.scope)) + entry.key
@@ -391,8 +522,13 @@ class Tiering:
             self._corrupt(entry, e)
             raise
         finally:
-            self.ssd.unpin(entry)
+            self._unpin(entry)
         return bytes(buf)
+
+    def _unpin(self, entry: SsdEntry) -> None:
+        self.ssd.unpin(entry)
+        if entry.retired and not entry.pins:
+            self._reap()
 
     def _corrupt(self, entry: SsdEntry, e: Exception) -> None:
         """A block failed verification on read: never serve it, forget it, count it."""
@@ -419,10 +555,12 @@ class Tiering:
             ("ssd_fsync_avg_ms", s["fsync_avg_ms"]), ("ssd_fsync_max_ms", s["fsync_max_ms"]),
         ]
         if r is not None:
-            out += [("recovery_blocks", r.recovered), ("recovery_dropped_corrupt", r.dropped_corrupt),
+            out += [("recovery_path", r.path), ("recovery_blocks", r.recovered),
+                    ("recovery_dropped_corrupt", r.dropped_corrupt),
                     ("recovery_wal_stops", r.dropped_torn_wal_records),
                     ("recovery_wal_records", r.wal_records),
                     ("recovery_checkpoint_error", r.checkpoint_error or ""),
+                    ("recovery_scanned_blocks", r.scanned_blocks), ("recovery_scrubbed", r.scrubbed),
                     ("recovery_ms", int(r.duration_s * 1000))]
         out += [(k, v) for k, v in sorted(self.stats.items())]
         return out

@@ -262,11 +262,10 @@ def test_a_full_disk_fails_the_tier_and_the_node_keeps_serving_from_dram(tmp_pat
     nodes.append(q)
     r = redis.Redis(port=q.port, socket_timeout=20)
     # fill what is left of the disk, so the WAL cannot grow
-    with open(tiny_fs / "filler", "wb") as f:
+    with open(tiny_fs / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
         try:
             while True:
                 f.write(b"\0" * MiB)
-                f.flush()
         except OSError:
             pass
     written = []

@@ -11,19 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from crc32c import crc32c
 
 from quilld.errors import ConfigError
 from quilld.model import IdentityScope
-from quilld.tiers.ssd import (
-    CHECKPOINT,
-    CHECKPOINT_TMP,
-    CorruptBlock,
-    PendingWrite,
-    SsdFailure,
-    SsdTier,
-    seg_name,
-)
-from quilld.tiers.ssd_format import HEADER_SIZE, PAGE, Loc, drop_overlaps
+from quilld.tiers.ssd import CorruptBlock, PendingWrite, SsdFailure, SsdTier, seg_name
+from quilld.tiers.ssd_files import checkpoint_name, parse_checkpoint_name
+from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, Loc, block_meta, block_pages, drop_overlaps, meta_len,
+                                     pack_block_header)
 from quilld.tiers.wal import parse_wal_name
 
 SEG = 64 * PAGE  # 256 KiB segments keep the files small
@@ -49,11 +44,21 @@ def put(tier, items):
     """Write and publish [(scope, key, payload)] as one batch; returns the entries."""
     pending = []
     for scope, key, payload in items:
-        ext = tier.allocate(len(payload))
+        ext = tier.allocate(scope, key, len(payload))
         assert ext is not None, "tier full"
         pending.append(PendingWrite(scope, key, payload, ext))
     tier.write_batch(pending)
-    return tier.publish(pending)
+    entries = tier.publish(pending)
+    reap(tier)
+    return entries
+
+
+def reap(tier):
+    """What the tiering does after a publish, a forget or an unpin: scrub, then reclaim."""
+    freed = tier.take_freed()
+    tier.scrub(freed)
+    tier.reclaim(freed)
+    return freed
 
 
 def delete(tier, keys):
@@ -61,6 +66,16 @@ def delete(tier, keys):
     tier.log_deletes(entries)
     for e in entries:
         tier.forget(e)
+    reap(tier)
+
+
+def checkpoints(path):
+    return sorted(n for n in map(parse_checkpoint_name, os.listdir(path)) if n is not None)
+
+
+def pages_of(items):
+    """Pages the blocks [(scope, key, payload)] take on the tier."""
+    return sum(block_pages(scope, key, len(data)) for scope, key, data in items)
 
 
 def read(tier, entry):
@@ -95,10 +110,11 @@ def wal_files(path):
 
 def test_write_publish_read_is_byte_identical(tmp_path):
     tier, report = open_tier(tmp_path, fsync=True)
-    assert report.recovered == 0 and sorted(os.listdir(tmp_path)) == [
-        "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "wal-000001.log"]
+    assert report.recovered == 0 and report.path == "fresh" and sorted(os.listdir(tmp_path)) == [
+        "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "tier.key", "wal-000001.log"]
     rng = random.Random(1)
-    sizes = [0, 1, PAGE - HEADER_SIZE, PAGE - HEADER_SIZE + 1, 100_000]
+    fits = PAGE - HEADER_SIZE - meta_len(A, b"k2")  # exactly one page with its header and identity
+    sizes = [0, 1, fits, fits + 1, 100_000]
     items = [(A, b"k%d" % i, rng.randbytes(n)) for i, n in enumerate(sizes)]
     items.append((B, b"k0", memoryview(bytearray(b"shared key, other scope"))))
     entries = put(tier, items)
@@ -114,7 +130,8 @@ def test_write_publish_read_is_byte_identical(tmp_path):
         tier.read_into(big, bytearray(big.length - 1))
     st = tier.stats()
     assert st["entries"] == 6 and st["fsyncs"] >= 2 and st["dirty_bytes"] == 0
-    assert st["used"] == sum(-(-(HEADER_SIZE + len(d)) // PAGE) for *_, d in items) * PAGE
+    assert st["used"] == pages_of(items) * PAGE
+    assert [block_pages(s, k, len(d)) for s, k, d in items[:5]] == [1, 1, 1, 2, 25]
     assert st["capacity"] == 4 * SEG and not st["failed"]
     tier.close()
 
@@ -132,13 +149,13 @@ def test_reopen_recovers_everything(tmp_path):
     tier, report = open_tier(tmp_path)
     assert report.recovered == len(model) == 40
     assert report.dropped_corrupt == report.dropped_torn_wal_records == 0
-    assert report.wal_records == 40 and report.checkpoint_error is None
+    assert report.wal_records == 40 and report.checkpoint_error is None and report.path == "log"
     assert index(tier) == before
     assert contents(tier) == model
     # recovery ended with a checkpoint and a fresh log; a third open reads only the checkpoint
     tier.close()
     tier, report = open_tier(tmp_path)
-    assert report.checkpoint_entries == 40 and report.wal_records == 0
+    assert report.checkpoint_entries == 40 and report.wal_records == 0 and report.path == "checkpoint"
     assert contents(tier) == model
     tier.close()
 
@@ -169,7 +186,9 @@ def test_checkpoint_then_log_equals_log_alone(tmp_path):
     assert model_a == model_b
     assert index(a) == index(b)
     live_a = index(a)
-    assert len(wal_files(tmp_path / "a")) == 1 and os.path.exists(tmp_path / "a" / CHECKPOINT)
+    # three checkpoints were written; the newest two are kept, with the logs the older one needs
+    assert len(checkpoints(tmp_path / "a")) == 2
+    assert wal_files(tmp_path / "a")[0] == checkpoints(tmp_path / "a")[0]
     a.close()
     b.close()
     a, ra = open_tier(tmp_path / "a")
@@ -200,13 +219,13 @@ def test_allocations_after_recovery_never_overlap_live_blocks(tmp_path):
     assert tier.stats()["used"] == used
     i = 0
     while True:  # fill every gap and the rest of the tier
-        data = payload(rng, rng.choice([1, PAGE, 2 * PAGE]))
-        if tier.allocate(len(data)) is None and tier.allocate(1) is None:
-            break
-        ext = tier.allocate(len(data)) or tier.allocate(1)
-        tier.release_extent(ext)
-        data = data if ext.pages * PAGE >= HEADER_SIZE + len(data) else data[:1]
         k = (B, b"fill%d" % i)
+        data = payload(rng, rng.choice([1, PAGE, 2 * PAGE]))
+        ext = tier.allocate(*k, len(data)) or tier.allocate(*k, 1)
+        if ext is None:
+            break
+        tier.release_extent(ext)
+        data = data if ext.pages * PAGE >= HEADER_SIZE + len(data) + meta_len(*k) else data[:1]
         put(tier, [(*k, data)])
         model[k] = data
         i += 1
@@ -238,14 +257,15 @@ def test_newer_put_of_a_key_wins_after_restart(tmp_path):
     tier, _ = open_tier(tmp_path)
     put(tier, [(A, b"k", b"old" * 3000)])
     put(tier, [(A, b"k", b"new")])
-    assert tier.stats()["used"] == PAGE  # the old extent was freed when the new PUT was durable
+    assert tier.stats()["used"] == PAGE  # the old extent was freed (scrubbed) once the new PUT was durable
     # two versions in flight, made durable and published newest first
-    first, second = tier.allocate(5), tier.allocate(5)
+    first, second = tier.allocate(B, b"k", 5), tier.allocate(B, b"k", 5)
     w1, w2 = PendingWrite(B, b"k", b"v-one", first), PendingWrite(B, b"k", b"v-two", second)
     tier.write_batch([w2])
     tier.write_batch([w1])
     tier.publish([w2])
-    assert tier.publish([w1]) == []  # older than what is indexed: dropped, space freed
+    assert tier.publish([w1]) == []  # older than what is indexed: not indexed, freed
+    assert [f[:2] for f in reap(tier)] == [(first.seg, first.offset)]
     assert read(tier, tier.lookup(B, b"k")) == b"v-two"
     assert tier.stats()["used"] == 2 * PAGE
     tier.close()
@@ -260,9 +280,11 @@ def test_pinned_entry_keeps_its_space_until_unpinned(tmp_path):
     (old,) = put(tier, [(A, b"k", b"a" * 100)])
     tier.pin(old)
     put(tier, [(A, b"k", b"b" * 100)])
-    assert tier.stats()["used"] == 2 * PAGE
+    assert tier.stats()["used"] == 2 * PAGE and not tier.has_freed
     assert read(tier, old) == b"a" * 100  # still readable: nothing can reuse the space
     tier.unpin(old)
+    assert tier.stats()["used"] == 2 * PAGE and tier.has_freed  # freed, but not reusable before its scrub
+    reap(tier)
     assert tier.stats()["used"] == PAGE
     tier.close()
 
@@ -309,12 +331,14 @@ def test_lost_delete_record_cannot_let_two_blocks_share_pages(tmp_path, monkeypa
     assert (old.seg, old.offset) == (0, 0)
     tier.checkpoint()  # "old" now lives in the checkpoint; wal-000002 is current
     wal2 = tmp_path / "wal-000002.log"
-    delete(tier, [(A, b"old")])  # the DEL goes to wal-000002, the space is free again
-    monkeypatch.setattr(SsdTier, "_read_state", crash)
+    tier.log_deletes([old])  # the DEL goes to wal-000002
+    tier.forget(old)
+    tier.reclaim(tier.take_freed())  # the space is free again, its scrub skipped: "old"'s header survives
+    monkeypatch.setattr(tier.files, "load_state", crash)
     with pytest.raises(Crash):
         tier.checkpoint()  # sealed wal-000002; later records go to wal-000003
     monkeypatch.undo()
-    spacer = tier.allocate(1)  # keeps page 0, so "old"'s header survives
+    spacer = tier.allocate(A, b"s", 1)  # keeps page 0
     (new,) = put(tier, [(A, b"new", b"n" * 100)])
     tier.release_extent(spacer)
     assert (new.seg, new.offset) == (0, PAGE)  # inside "old"'s former extent
@@ -396,7 +420,7 @@ def test_crash_between_payload_write_and_wal_append(tmp_path, monkeypatch):
     tier, _ = open_tier(tmp_path, fsync=True)
     put(tier, [(A, b"before", b"b")])
     monkeypatch.setattr(SsdTier, "_append", crash)
-    ext = tier.allocate(11)
+    ext = tier.allocate(A, b"lost", 11)
     with pytest.raises(Crash):
         tier.write_batch([PendingWrite(A, b"lost", b"unlogged!!!", ext)])
     with open(tmp_path / seg_name(ext.seg), "rb") as f:  # the payload did reach the segment
@@ -418,58 +442,54 @@ def test_crash_during_checkpoint_recovers(tmp_path, monkeypatch, point):
     random_ops(tier, rng, model, 10, checkpoint_every=5)
     random_ops(tier, rng, model, 10)
     live = index(tier)
+    assert checkpoints(tmp_path) == [2, 3] and wal_files(tmp_path) == [2, 3]
     real_replace = os.replace
+    half = tmp_path / (checkpoint_name(4) + ".tmp")
     if point == "seal":  # new log open, nothing written yet
-        monkeypatch.setattr(SsdTier, "_read_state", crash)
-    elif point == "tmp-written":  # checkpoint.tmp complete but not renamed
+        monkeypatch.setattr(tier.files, "load_state", crash)
+    elif point == "tmp-written":  # checkpoint-000004.tmp complete but not renamed
         monkeypatch.setattr(os, "replace", crash)
-    elif point == "renamed":  # new checkpoint in place, old logs not yet deleted
-        monkeypatch.setattr(SsdTier, "_remove_wals_below", crash)
-    else:  # as "renamed", and checkpoint.tmp left half written by an earlier crash
-        monkeypatch.setattr(SsdTier, "_remove_wals_below", crash)
-        (tmp_path / CHECKPOINT_TMP).write_bytes(b"half a checkpoint")
+    elif point == "renamed":  # new checkpoint in place, the old one and old logs not yet deleted
+        monkeypatch.setattr(tier.files, "retain", crash)
+    else:  # as "renamed", and a temp file left half written by an earlier crash
+        monkeypatch.setattr(tier.files, "retain", crash)
+        (tmp_path / (checkpoint_name(9) + ".tmp")).write_bytes(b"half a checkpoint")
     with pytest.raises(Crash):
         tier.checkpoint()
     monkeypatch.setattr(os, "replace", real_replace)
     tier.close()
     monkeypatch.undo()
-    if point == "tmp-written":
-        assert (tmp_path / CHECKPOINT_TMP).exists()
-    if point != "seal":
-        assert len(wal_files(tmp_path)) == 2
+    assert half.exists() == (point == "tmp-written")
+    assert checkpoints(tmp_path) == ([2, 3] if point in ("seal", "tmp-written") else [2, 3, 4])
+    assert wal_files(tmp_path) == [2, 3, 4]
     tier, report = open_tier(tmp_path)
     assert report.checkpoint_error is None and report.dropped_torn_wal_records == 0
+    assert report.path == "checkpoint"
     assert index(tier) == live and contents(tier) == model
-    assert not (tmp_path / CHECKPOINT_TMP).exists() and len(wal_files(tmp_path)) == 1
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert_retention(tmp_path)
     tier.close()
 
 
-def test_corrupt_checkpoint_is_reported(tmp_path):
-    tier, _ = open_tier(tmp_path)
-    put(tier, [(A, b"in-checkpoint", b"1")])
-    tier.checkpoint()
-    put(tier, [(A, b"in-log", b"2")])
-    tier.close()
-    flip_byte(tmp_path / CHECKPOINT, 70)
-    tier, report = open_tier(tmp_path)
-    assert report.checkpoint_error and "checkpoint" in report.checkpoint_error
-    assert contents(tier) == {(A, b"in-log"): b"2"}  # what the surviving log still has
-    tier.close()
-    tier, report = open_tier(tmp_path)  # recovery replaced the bad checkpoint
-    assert report.checkpoint_error is None and contents(tier) == {(A, b"in-log"): b"2"}
-    tier.close()
+def assert_retention(path):
+    """At most two checkpoints; with two, the logs start at the older one's number."""
+    ckpts = checkpoints(path)
+    assert 1 <= len(ckpts) <= 2
+    if len(ckpts) == 2:
+        assert wal_files(path)[0] == ckpts[0]
 
 
 def test_full_tier_allocate_returns_none(tmp_path):
     tier = SsdTier(str(tmp_path), 2 * 4 * PAGE, 4 * PAGE, fsync=False)
     tier.recover()
-    assert tier.allocate(5 * PAGE) is None  # larger than a segment
-    extents = [tier.allocate(PAGE - HEADER_SIZE) for _ in range(8)]
+    fits = PAGE - HEADER_SIZE - meta_len(A, b"k")
+    assert tier.allocate(A, b"k", 5 * PAGE) is None  # larger than a segment
+    extents = [tier.allocate(A, b"k", fits) for _ in range(8)]
     assert all(extents) and {e.seg for e in extents} == {0, 1}
     assert len({(e.seg, e.offset) for e in extents}) == 8
-    assert tier.allocate(1) is None
+    assert tier.allocate(A, b"k", 1) is None
     tier.release_extent(extents[3])
-    assert tier.allocate(PAGE - HEADER_SIZE + 1) is None and tier.allocate(1) is not None
+    assert tier.allocate(A, b"k", fits + 1) is None and tier.allocate(A, b"k", 1) is not None
     tier.close()
 
 
@@ -483,7 +503,7 @@ def test_failing_fsync_fails_the_tier_and_publishes_nothing(tmp_path, monkeypatc
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fdatasync", eio)
-    items = [PendingWrite(A, b"k%d" % i, b"v" * 100, tier.allocate(100)) for i in range(3)]
+    items = [PendingWrite(A, b"k%d" % i, b"v" * 100, tier.allocate(A, b"k%d" % i, 100)) for i in range(3)]
     with pytest.raises(SsdFailure, match="Input/output error"):
         tier.write_batch(items)
     assert len(calls) == 1  # not retried
@@ -498,7 +518,7 @@ def test_failing_fsync_fails_the_tier_and_publishes_nothing(tmp_path, monkeypatc
         tier.log_deletes([good])
     with pytest.raises(SsdFailure):
         tier.checkpoint()
-    assert tier.allocate(10) is None and not tier.needs_checkpoint()
+    assert tier.allocate(A, b"k", 10) is None and not tier.needs_checkpoint()
     assert tier.lookup(A, b"k0") is None
     assert read(tier, good) == b"g" * 50  # published blocks stay readable
     tier.close()
@@ -518,7 +538,7 @@ def test_failing_wal_fsync_fails_the_tier(tmp_path, monkeypatch):
         real(fd)
 
     monkeypatch.setattr(os, "fdatasync", fail_wal)
-    item = PendingWrite(A, b"k", b"v", tier.allocate(1))
+    item = PendingWrite(A, b"k", b"v", tier.allocate(A, b"k", 1))
     with pytest.raises(SsdFailure):
         tier.write_batch([item])
     assert tier.failed and not item.durable
@@ -582,7 +602,10 @@ def test_needs_checkpoint_and_log_rotation(tmp_path):
     assert tier.checkpoint() == n
     assert not tier.needs_checkpoint() and tier.stats()["wal_bytes"] == 0
     assert tier.stats()["last_checkpoint"] > 0
-    assert wal_files(tmp_path) == [2]
+    assert checkpoints(tmp_path) == [2] and wal_files(tmp_path) == [1, 2]  # one checkpoint: every log kept
+    put(tier, [(A, b"more", b"x")])
+    assert tier.checkpoint() == n + 1
+    assert checkpoints(tmp_path) == [2, 3] and wal_files(tmp_path) == [2, 3]
     tier.close()
 
 
@@ -598,7 +621,7 @@ def test_writes_continue_while_a_checkpoint_runs(tmp_path):
             batches = []
             for b in range(2):
                 chosen = {(A, b"r%d-%d-%d" % (round_, b, i)): payload(rng, 500) for i in range(5)}
-                pending = [PendingWrite(s, k, d, tier.allocate(len(d))) for (s, k), d in chosen.items()]
+                pending = [PendingWrite(s, k, d, tier.allocate(s, k, len(d))) for (s, k), d in chosen.items()]
                 batches.append((pool.submit(tier.write_batch, pending), pending, chosen))
             for future, pending, chosen in batches:
                 future.result()
@@ -639,3 +662,239 @@ def test_recovery_of_100k_blocks_is_fast(tmp_path):
         tier.close()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# -- a damaged checkpoint never loses the tier (issue 11, finding 9) -----------------------
+
+def body_byte(path, n):
+    """Flip one byte of checkpoint `n`'s body (its header is 64 bytes)."""
+    flip_byte(path / checkpoint_name(n), HEADER_SIZE + 7)
+
+
+def history(tmp_path, checkpoints_written):
+    """A tier with a history of puts, overwrites and deletes and `checkpoints_written`
+    checkpoints among them; returns (tier, model)."""
+    tier, _ = open_tier(tmp_path)
+    rng = random.Random(11)
+    model = {}
+    for _ in range(checkpoints_written):
+        random_ops(tier, rng, model, 8)
+        assert tier.checkpoint() is not None
+    random_ops(tier, rng, model, 8)  # and some after the last checkpoint
+    return tier, model
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_its_logs(tmp_path):
+    tier, model = history(tmp_path, 3)
+    live = index(tier)
+    tier.close()
+    older, newest = checkpoints(tmp_path)
+    assert wal_files(tmp_path)[0] == older  # the logs the previous checkpoint needs are kept
+    body_byte(tmp_path, newest)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "previous-checkpoint"
+    assert report.checkpoint_errors and checkpoint_name(newest) in report.checkpoint_errors[0]
+    assert index(tier) == live and contents(tier) == model  # nothing lost
+    assert report.dropped_corrupt == 0
+    # recovery wrote a new checkpoint; the damaged one is gone, the one it used is kept
+    assert checkpoints(tmp_path) == [older, checkpoints(tmp_path)[-1]] and checkpoints(tmp_path)[-1] > newest
+    tier.close()
+    tier, report = open_tier(tmp_path)
+    assert report.path == "checkpoint" and not report.checkpoint_errors
+    assert index(tier) == live and contents(tier) == model
+    tier.close()
+
+
+def test_the_only_checkpoint_damaged_replays_the_logs_from_the_first(tmp_path):
+    tier, model = history(tmp_path, 1)
+    live = index(tier)
+    tier.close()
+    assert checkpoints(tmp_path) == [2] and wal_files(tmp_path)[0] == 1  # every log kept
+    body_byte(tmp_path, 2)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "log" and report.checkpoint_errors
+    assert index(tier) == live and contents(tier) == model
+    tier.close()
+
+
+def test_every_checkpoint_damaged_falls_back_to_a_segment_scan(tmp_path):
+    tier, _ = open_tier(tmp_path)
+    rng = random.Random(12)
+    model = {}
+    # early history, whose records no kept log holds after the checkpoints below: a version
+    # deleted, and a key overwritten and then deleted (its older version must not return either)
+    put(tier, [(A, b"gone", b"g" * 5000), (A, b"twice", b"first" * 900), (B, b"kept", b"K" * 3000)])
+    put(tier, [(A, b"twice", b"second" * 700)])
+    delete(tier, [(A, b"gone"), (A, b"twice")])
+    model[(B, b"kept")] = b"K" * 3000
+    for _ in range(3):
+        random_ops(tier, rng, model, 8)
+        assert tier.checkpoint() is not None
+    random_ops(tier, rng, model, 10)
+    live = index(tier)
+    tier.close()
+    older, newest = checkpoints(tmp_path)
+    assert wal_files(tmp_path)[0] == older > 1  # the early records are gone with their logs
+    body_byte(tmp_path, older)
+    body_byte(tmp_path, newest)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "segment-scan" and len(report.checkpoint_errors) == 2
+    assert report.scanned_blocks >= len(model) and report.dropped_corrupt == 0
+    assert index(tier) == live and contents(tier) == model  # every live block, no dead or older one
+    assert tier.lookup(A, b"gone") is None and tier.lookup(A, b"twice") is None
+    tier.close()
+    tier, report = open_tier(tmp_path)  # the scan's result was checkpointed
+    assert report.path == "checkpoint" and contents(tier) == model
+    assert_retention(tmp_path)
+    tier.close()
+
+
+def damage_every_checkpoint(tmp_path):
+    for n in checkpoints(tmp_path):
+        body_byte(tmp_path, n)
+
+
+def test_a_scan_takes_no_uncommitted_or_forged_block(tmp_path, monkeypatch):
+    tier, _ = open_tier(tmp_path)
+    # a tenant's payload that imitates a committed header (and identity) for another
+    # tenant's key at a page boundary; the imitation cannot know the tier key
+    forged_payload = b"forged!" * 100
+    forged = pack_block_header(b"victim", A, 10 ** 9, len(forged_payload), crc32c(forged_payload),
+                               committed=True, tier_key=os.urandom(32))
+    inner = forged + forged_payload + block_meta(A, b"victim")
+    carrier = b"c" * (PAGE - HEADER_SIZE) + inner + b"c" * 100  # `inner` starts on the extent's second page
+    put(tier, [(B, b"carrier", carrier), (B, b"also-dead", carrier), (A, b"real", b"r" * 100)])
+    # a block written but never logged (the process died before its WAL record)
+    monkeypatch.setattr(SsdTier, "_append", crash)
+    with pytest.raises(Crash):
+        tier.write_batch([PendingWrite(A, b"unlogged", b"u" * 100, tier.allocate(A, b"unlogged", 100))])
+    monkeypatch.undo()
+    delete(tier, [(B, b"also-dead")])  # its first page scrubbed, the imitation left in place
+    tier.close()
+    tier, _ = open_tier(tmp_path)  # (writes checkpoint #1, keeps log 1)
+    tier.checkpoint()
+    tier.checkpoint()  # two more: log 1 goes, the scan has only the segments
+    tier.close()
+    assert wal_files(tmp_path)[0] > 1
+    damage_every_checkpoint(tmp_path)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "segment-scan"
+    assert contents(tier) == {(B, b"carrier"): carrier, (A, b"real"): b"r" * 100}
+    assert report.scan_refused >= 3  # two imitations (tag) and the unlogged block (not committed)
+    tier.close()
+
+
+def test_a_crash_before_a_scrub_is_scrubbed_at_recovery(tmp_path):
+    tier, _ = open_tier(tmp_path)
+    (dead,) = put(tier, [(A, b"dead", b"d" * 200)])
+    put(tier, [(A, b"live", b"l" * 200)])
+    tier.checkpoint()
+    tier.log_deletes([dead])  # the DEL is durable, then the process dies before the scrub
+    tier.forget(dead)
+    tier.close()
+    with open(tmp_path / seg_name(dead.seg), "rb") as f:
+        f.seek(dead.offset)
+        assert f.read(4) == b"QSB1"
+    tier, report = open_tier(tmp_path)
+    assert report.scrubbed == 1 and contents(tier) == {(A, b"live"): b"l" * 200}
+    with open(tmp_path / seg_name(dead.seg), "rb") as f:
+        f.seek(dead.offset)
+        assert f.read(PAGE) == bytes(PAGE)
+    tier.checkpoint()
+    tier.close()
+    damage_every_checkpoint(tmp_path)
+    tier, report = open_tier(tmp_path)
+    assert report.path in ("log", "segment-scan") and contents(tier) == {(A, b"live"): b"l" * 200}
+    tier.close()
+
+
+def test_recovery_marks_committed_the_blocks_a_crash_left_unmarked(tmp_path, monkeypatch):
+    tier, _ = open_tier(tmp_path)
+    monkeypatch.setattr("quilld.tiers.ssd.commit_header", lambda header: header)  # died before the marks
+    put(tier, [(A, b"k", b"v" * 300)])
+    monkeypatch.undo()
+    tier.close()
+    tier, _ = open_tier(tmp_path)  # the log proves the block: recovery marks it
+    tier.checkpoint()
+    tier.checkpoint()
+    tier.close()
+    damage_every_checkpoint(tmp_path)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "segment-scan" and contents(tier) == {(A, b"k"): b"v" * 300}
+    tier.close()
+
+
+def test_a_fenced_tier_starts_empty_and_no_scan_finds_its_blocks(tmp_path):
+    tier, _ = open_tier(tmp_path)
+    put(tier, [(A, b"old", b"o" * 500), (B, b"old", b"p" * 500)])
+    tier.checkpoint()
+    tier.failed = "simulated EIO"  # a failed tier cannot log deletions any more: it fences itself
+    with pytest.raises(SsdFailure):
+        tier.log_deletes([tier.lookup(A, b"old")])
+    tier.fence()
+    assert tier.stats()["fenced"]
+    tier.close()
+    tier, report = open_tier(tmp_path)
+    assert report.path == "fenced" and contents(tier) == {} and tier.stats()["used"] == 0
+    assert checkpoints(tmp_path) == [] or report.recovered == 0
+    put(tier, [(A, b"new", b"n" * 500)])
+    tier.checkpoint()
+    tier.checkpoint()
+    tier.checkpoint()
+    tier.close()
+    damage_every_checkpoint(tmp_path)
+    tier, report = open_tier(tmp_path)
+    assert report.path == "segment-scan" and contents(tier) == {(A, b"new"): b"n" * 500}
+    assert report.scan_refused >= 1  # a fenced block ("new" took the other's place): its tag is the old key's
+    tier.close()
+
+
+def test_a_tier_of_the_older_format_starts_empty(tmp_path):
+    tier, _ = open_tier(tmp_path)
+    put(tier, [(A, b"k", b"v")])
+    tier.close()
+    os.unlink(tmp_path / "tier.key")  # format 1 had no key, and one checkpoint file
+    (tmp_path / "checkpoint").write_bytes(b"QSCK format 1")
+    tier, report = open_tier(tmp_path)
+    assert report.path == "fenced" and contents(tier) == {}
+    assert not (tmp_path / "checkpoint").exists()
+    tier.close()
+
+
+# -- deletions are durable when log_deletes returns (issue 11, finding 8) ---------------------
+
+def test_log_deletes_is_durable_on_return_with_one_sync_for_a_group(tmp_path, monkeypatch):
+    tier, _ = open_tier(tmp_path, segments=80, fsync=True)
+    entries = put(tier, [(A, b"d%d" % i, b"x") for i in range(5000)])
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    wal_fd = tier._wal.fd
+    tier.log_deletes(entries)  # more than one record's worth: still one sync
+    assert synced == [wal_fd]
+    monkeypatch.undo()
+    # durable before forget: a crash right here (no forget, no scrub) loses no deletion
+    tier.close()
+    tier, report = open_tier(tmp_path, segments=80)
+    assert contents(tier) == {} and report.wal_records == 10_000
+    assert report.scrubbed == 5000  # recovery did the scrubs the crash prevented
+    tier.close()
+
+
+def test_freed_space_is_reused_only_after_its_scrub(tmp_path):
+    tier, _ = open_tier(tmp_path, segments=1)
+    fits = PAGE - HEADER_SIZE - meta_len(A, b"k00")
+    put(tier, [(A, b"k%02d" % i, b"x" * fits) for i in range(64)])  # the whole segment
+    entry = tier.lookup(A, b"k05")
+    tier.log_deletes([entry])
+    tier.forget(entry)
+    assert tier.allocate(A, b"k", 1) is None  # freed but not scrubbed: not reusable yet
+    freed = tier.take_freed()
+    tier.scrub(freed)
+    with open(tmp_path / seg_name(0), "rb") as f:
+        f.seek(entry.offset)
+        assert f.read(PAGE) == bytes(PAGE)
+    tier.reclaim(freed)
+    ext = tier.allocate(A, b"k", 1)
+    assert (ext.seg, ext.offset) == (entry.seg, entry.offset)
+    tier.close()

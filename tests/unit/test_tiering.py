@@ -4,7 +4,8 @@ SSD, and shutdown followed by recovery.
 
 No daemon, no sockets: each test drives the policy's steps (`_demote_batch`, `read`,
 `_flush_deletes`) on its own event loop, bounded by TIMEOUT. Values of VAL bytes take
-exactly one DRAM page and one SSD page (the SSD header is 64 bytes).
+exactly one DRAM page and one SSD page (with the SSD header, 64 bytes, and the block's
+identity after the payload, for keys of up to 6 bytes).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from quilld.tiers.arena import PAGE
 from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.keyspace import Keyspace, now_ms
 from quilld.tiers.ssd import seg_name
-from quilld.tiers.ssd_format import HEADER_SIZE, extent_pages
+from quilld.tiers.ssd_format import HEADER_SIZE, block_pages, meta_len
 from quilld.tiers.tiering import Tiering
 
 SCOPE = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
-VAL = PAGE - HEADER_SIZE  # one DRAM page, one SSD page
+VAL = PAGE - HEADER_SIZE - meta_len(SCOPE, b"123456")  # one DRAM page, one SSD page
 INLINE_MAX = 256
 TIMEOUT = 10.0  # seconds one test's event loop may run
 
@@ -120,7 +121,8 @@ async def check_ssd(ks: Keyspace, t: Tiering) -> None:
     indexed = {tag_of(IdentityScope(*scope)) + key: e for (scope, key), e in t.ssd.entries.items()}
     assert indexed.keys() == copies.keys()
     assert all(indexed[fk] is e for fk, e in copies.items())
-    assert t.used == sum(extent_pages(e.length) for e in indexed.values()) * PAGE
+    assert t.used == sum(block_pages(e.scope, e.key, e.length) for e in indexed.values()) * PAGE
+    assert not t.ssd.has_freed  # every freed extent scrubbed and reclaimed
 
 
 # -- demotion --------------------------------------------------------------------------

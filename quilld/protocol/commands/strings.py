@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quilld.errors import CommandError
+from quilld.model import Pending, Pinned
 from quilld.protocol.commands.common import parse_int, settle
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
@@ -26,6 +27,27 @@ def _storable(store, value):
     return store.materialize(value)
 
 
+def acked(store, reply):
+    """`reply`, or when the storage calls just made released a copy on a lower tier (an
+    overwrite or delete of a value on SSD), a Pending of it that resolves only once that
+    deletion is durable: an acknowledged DEL or overwrite never comes back after a crash."""
+    wait = store.take_unsynced()
+    if wait is None:
+        return reply
+    return Pending(_after(wait, reply))
+
+
+async def _after(wait, reply):
+    value = await reply.awaitable if reply.__class__ is Pending else reply  # SET ... GET of an SSD value
+    try:
+        await wait
+    except BaseException:
+        if value.__class__ is Pinned:
+            value.release()
+        raise
+    return value
+
+
 def cmd_set(c, args):
     store = c.keyspace
     if len(args) == 3:
@@ -33,6 +55,8 @@ def cmd_set(c, args):
         if value.__class__ is not bytes or len(value) > store.inline_max:
             value = _storable(store, value)
         store.publish(c.tag, args[1], value)
+        if store.unsynced:
+            return acked(store, OK)
         return OK
     nx = xx = get = keepttl = False
     exp_opt = exp_raw = None
@@ -63,7 +87,7 @@ def cmd_set(c, args):
     store.publish(c.tag, key, _storable(store, args[2]), keep_ttl=keepttl)
     if expire_at is not None:
         store.set_expire(c.tag, key, expire_at)
-    return reply
+    return acked(store, reply)
 
 
 _EXPIRE_OPTS = (b"EX", b"PX", b"EXAT", b"PXAT")
@@ -93,7 +117,7 @@ def cmd_mset(c, args):
     store, tag = c.keyspace, c.tag
     for i in range(1, len(args), 2):
         store.publish(tag, args[i], _storable(store, args[i + 1]))
-    return OK
+    return acked(store, OK)
 
 
 def cmd_exists(c, args):
@@ -103,7 +127,7 @@ def cmd_exists(c, args):
 
 def cmd_del(c, args):
     store, tag = c.keyspace, c.tag
-    return sum(1 for k in args[1:] if store.delete(tag, k))
+    return acked(store, sum(1 for k in args[1:] if store.delete(tag, k)))
 
 
 def cmd_strlen(c, args):
@@ -132,7 +156,7 @@ def cmd_flushall(c, args):
     if len(args) > 2 or (len(args) == 2 and bytes(args[1]).upper() not in (b"ASYNC", b"SYNC")):
         raise _SYNTAX
     c.keyspace.flush_scope(c.tag)
-    return OK
+    return acked(c.keyspace, OK)
 
 
 def register(t: CommandTable) -> None:

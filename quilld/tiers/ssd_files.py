@@ -1,0 +1,456 @@
+"""The SSD tier's directory, as its worker threads see it: segment files, the tier key,
+checkpoint files and logs by number, and rebuilding an index from them (recovery).
+
+Recovery takes the first path that works and says which (`RecoveryPath`), losing
+only what is damaged:
+1. the newest checkpoint, then the logs from its number;
+2. the checkpoint before it (kept until a newer one is durable), then its logs;
+3. the logs alone, when they go back to the first (no checkpoint was ever written,
+   or every one is damaged and nothing was deleted yet);
+4. a scan of every segment for committed blocks whose tag checks out under the
+   tier key (ssd_format.scan_segment), newest generation per key, then every log.
+Each step is replayed by the same rules (ssd_format.apply_record), so a version
+that a later record deleted or replaced never comes back by any path; the versions
+the replay retires are listed so their headers can be scrubbed.
+
+No tier key means nothing on the tier is trusted: a fenced tier (ssd.py `fence`)
+or one written by the older format. Its checkpoints and logs are removed and it
+starts empty with a new key, so no scan can ever find its blocks again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import errno
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from crc32c import crc32c
+
+from quilld.errors import ConfigError
+from quilld.model import IdentityScope
+from quilld.tiers.ssd_format import (COMMITTED, HEADER_SIZE, KEY_SIZE, PAGE, BadCheckpoint, CheckpointEncoder, Found,
+                                     Retired, Scope, SsdFailure, State, apply_record, block_pages, commit_header,
+                                     decode_checkpoint_body, decode_checkpoint_header, drop_overlaps, header_matches,
+                                     replay_log, scan_segment)
+from quilld.tiers.wal import PutRecord, parse_wal_name, wal_name
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LEGACY_CHECKPOINT = "checkpoint"  # format 1 kept one file of this name
+KEY_FILE = "tier.key"
+KEEP_CHECKPOINTS = 2
+PROGRESS_EVERY = 10_000  # blocks verified between progress callbacks
+ZERO_PAGE = bytes(PAGE)
+_READ_CHUNK = 1 << 20
+
+
+def seg_name(index: int) -> str:
+    return f"seg-{index:05d}.dat"
+
+
+def checkpoint_name(number: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{number:06d}"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The log number a checkpoint file name covers up to, or None for any other name."""
+    rest = name[len(CHECKPOINT_PREFIX):]
+    if name.startswith(CHECKPOINT_PREFIX) and rest.isdigit():
+        return int(rest)
+    return None
+
+
+class RecoveryPath(str, enum.Enum):
+    """How recovery rebuilt the index (best first)."""
+
+    FRESH = "fresh"  # nothing on the tier yet
+    CHECKPOINT = "checkpoint"  # the newest checkpoint and the logs after it
+    PREVIOUS = "previous-checkpoint"  # the newest checkpoint was damaged: the one before it, and its logs
+    LOG = "log"  # no usable checkpoint, but the logs go back to the first: the logs alone
+    SCAN = "segment-scan"  # every checkpoint damaged: the segments' committed blocks, then every log
+    FENCED = "fenced"  # no tier key (fenced after a failure, or an older format): started empty
+
+
+@dataclass
+class RecoveryReport:
+    path: str = RecoveryPath.FRESH.value  # how the index was rebuilt (RecoveryPath)
+    recovered: int = 0  # blocks in the index after recovery
+    dropped_corrupt: int = 0  # blocks whose header (or payload) failed, or that overlapped a newer one
+    dropped_torn_wal_records: int = 0  # logs whose replay stopped at a torn or corrupt record
+    checkpoint_entries: int = 0  # entries of the checkpoint recovery started from
+    checkpoint_errors: list[str] = field(default_factory=list)  # damaged checkpoints, newest first
+    key_error: str | None = None  # a damaged tier.key (replaced: a later scan cannot take older blocks)
+    scanned_blocks: int = 0  # committed blocks found by a segment scan
+    scan_refused: int = 0  # block-like headers a scan did not take (uncommitted, bad tag or identity)
+    scrubbed: int = 0  # headers of dead versions zeroed
+    wal_files: int = 0
+    wal_records: int = 0  # PUT and DEL operations replayed
+    wal_bytes: int = 0
+    wal_stops: list[str] = field(default_factory=list)  # "file@offset: why" per early stop
+    verified_payloads: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def checkpoint_error(self) -> str | None:
+        return "; ".join(self.checkpoint_errors) or None
+
+
+class TierFiles:
+    """The files of one SSD tier. `sync(fd, data_only)` syncs (and counts) or does nothing;
+    errors are raised as OSError (or SsdFailure when no recovery path is left)."""
+
+    def __init__(self, directory: str, segments: int, segment_size: int, sync: Callable[[int, bool], None],
+                 fsync: bool) -> None:
+        self.directory = directory
+        self.segments = segments
+        self.segment_size = segment_size
+        self.fsync = fsync
+        self.fds: list[int] = []
+        self.key = b""  # the tier's secret key (tier.key)
+        self.checkpoints: list[int] = []  # checkpoints known good, oldest first
+        self._sync = sync
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def sync_dir(self) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._sync(fd, False)
+        finally:
+            os.close(fd)
+
+    def sync_segments(self) -> None:
+        for fd in self.fds:
+            self._sync(fd, True)
+
+    def wal_numbers(self) -> list[int]:
+        return sorted(n for n in map(parse_wal_name, os.listdir(self.directory)) if n is not None)
+
+    def checkpoint_numbers(self) -> list[int]:
+        return sorted(n for n in map(parse_checkpoint_name, os.listdir(self.directory)) if n is not None)
+
+    # -- segments and the key ------------------------------------------------------
+
+    def open_segments(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        names = os.listdir(self.directory)
+        for name in names:
+            if name.endswith(".tmp") and name.startswith(("seg-", CHECKPOINT_PREFIX, KEY_FILE)):
+                os.unlink(self.path(name))  # a checkpoint, key or segment creation cut short
+        extra = sorted(n for n in names if n.startswith("seg-") and n.endswith(".dat")
+                       and n[4:-4].isdigit() and int(n[4:-4]) >= self.segments)
+        if extra:
+            raise ConfigError(f"{self.directory} has segments beyond ssd.size ({extra[0]}, ...);"
+                              " shrinking the SSD tier would lose them")
+        created = False
+        for i in range(self.segments):
+            path = self.path(seg_name(i))
+            if os.path.exists(path):
+                fd = os.open(path, os.O_RDWR)
+                size = os.fstat(fd).st_size
+                if size != self.segment_size:
+                    os.close(fd)
+                    raise ConfigError(f"{path} is {size} bytes but ssd.segment_size is "
+                                      f"{self.segment_size}")
+            else:
+                fd = self._create_segment(path)
+                created = True
+            self.fds.append(fd)
+        if created:
+            self.sync_dir()
+
+    def _create_segment(self, path: str) -> int:
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.segment_size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                os.ftruncate(fd, self.segment_size)  # no preallocation on this filesystem
+            self._sync(fd, False)
+            os.replace(tmp, path)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return fd
+
+    def open_key(self, report: RecoveryReport) -> bool:
+        """Load tier.key; True when the tier starts empty (new, or fenced: then every
+        checkpoint and log is removed first and the key replaced)."""
+        try:
+            with open(self.path(KEY_FILE), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            index_files = [n for n in os.listdir(self.directory)
+                           if n == LEGACY_CHECKPOINT or parse_checkpoint_name(n) is not None
+                           or parse_wal_name(n) is not None]
+            for name in index_files:
+                os.unlink(self.path(name))
+            report.path = (RecoveryPath.FENCED if index_files else RecoveryPath.FRESH).value
+            self._write_key()
+            return True
+        if len(data) == KEY_SIZE + 4 and crc32c(data[:KEY_SIZE]) == int.from_bytes(data[KEY_SIZE:], "little"):
+            self.key = data[:KEY_SIZE]
+            return False
+        report.key_error = f"{KEY_FILE} is damaged: replaced (a later segment scan cannot take older blocks)"
+        self._write_key()
+        return False
+
+    def _write_key(self) -> None:
+        key = os.urandom(KEY_SIZE)
+        tmp = self.path(KEY_FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(key + crc32c(key).to_bytes(4, "little"))
+            f.flush()
+            self._sync(f.fileno(), False)
+        os.replace(tmp, self.path(KEY_FILE))
+        self.sync_dir()
+        self.key = key
+
+    def remove_key(self) -> None:
+        """Fence the tier: without its key, no later start trusts anything on it."""
+        try:
+            os.unlink(self.path(KEY_FILE))
+        except FileNotFoundError:
+            pass
+        self.sync_dir()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def write_checkpoint(self, state: State, wal_start: int, max_gen: int) -> None:
+        """Write `state` as checkpoint-`wal_start`: to a temp file, synced, renamed, the
+        directory synced. A crash at any point leaves the older checkpoints as they were."""
+        enc = CheckpointEncoder(state, wal_start, max_gen)
+        name = checkpoint_name(wal_start)
+        tmp = self.path(name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pos = HEADER_SIZE
+            for chunk in enc.body():
+                pwrite_all(fd, [chunk], pos)
+                pos += len(chunk)
+            pwrite_all(fd, [enc.header()], 0)
+            self._sync(fd, False)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path(name))
+        self.sync_dir()
+        self.checkpoints = [n for n in self.checkpoints if n < wal_start] + [wal_start]
+
+    def retain(self) -> None:
+        """Keep the newest KEEP_CHECKPOINTS good checkpoints and the logs the oldest of
+        them needs (every log while there is only one); delete the rest."""
+        keep = self.checkpoints[-KEEP_CHECKPOINTS:]
+        self.checkpoints = keep
+        for n in self.checkpoint_numbers():
+            if n not in keep:
+                os.unlink(self.path(checkpoint_name(n)))
+        if len(keep) == KEEP_CHECKPOINTS:
+            for n in self.wal_numbers():
+                if n < keep[0]:
+                    os.unlink(self.path(wal_name(n)))
+
+    def _read_checkpoint(self, number: int, scopes: dict) -> tuple[State, int]:
+        state: State = {}
+        with open(self.path(checkpoint_name(number)), "rb") as f:
+            header = decode_checkpoint_header(f.read(HEADER_SIZE))
+            if header.wal_start != number:
+                raise BadCheckpoint(f"covers the logs below {header.wal_start}, its name says {number}")
+            chunks = iter(lambda: f.read(_READ_CHUNK), b"")
+            for scope, key, loc in decode_checkpoint_body(header, chunks):
+                s = scopes.get(scope)
+                if s is None:
+                    s = scopes[scope] = IdentityScope(*scope)
+                state[(s, key)] = loc
+        return state, header.max_generation
+
+    # -- rebuilding an index -------------------------------------------------------------
+
+    def load_state(self, report: RecoveryReport, upto: int | None = None, scan: bool = True,
+                   retired: Retired | None = None) -> tuple[State, int, int | None, list[int]]:
+        """Rebuild the index from disk by the first path that works (see the module
+        docstring), recording the path and every problem in `report`; only logs below
+        `upto` when given, and a segment scan only with `scan`. Versions the replay retires
+        are appended to `retired`. Returns (state, highest generation, the checkpoint used
+        or None, the numbers of the logs replayed); raises SsdFailure when no path is left."""
+        scopes: dict[Scope, IdentityScope] = {}
+        logs = [n for n in self.wal_numbers() if upto is None or n < upto]
+        checkpoints = [n for n in self.checkpoint_numbers() if upto is None or n <= upto]
+        state: State = {}
+        max_gen = 0
+        base = None
+        for i, n in enumerate(reversed(checkpoints)):
+            try:
+                state, max_gen = self._read_checkpoint(n, scopes)
+            except BadCheckpoint as e:
+                report.checkpoint_errors.append(f"{checkpoint_name(n)}: {e}")
+                if n in self.checkpoints:
+                    self.checkpoints.remove(n)  # never kept in place of a good one
+                state = {}
+                continue
+            base = n
+            report.path = (RecoveryPath.CHECKPOINT if i == 0 else RecoveryPath.PREVIOUS).value
+            report.checkpoint_entries = len(state)
+            break
+        else:
+            if not checkpoints and not logs:
+                pass  # nothing written yet
+            elif logs and logs[0] == 1:
+                report.path = RecoveryPath.LOG.value
+            elif scan:
+                report.path = RecoveryPath.SCAN.value
+                max_gen = self._scan(state, scopes, report, retired)
+            else:
+                raise SsdFailure("no readable checkpoint and the logs do not go back to the first: "
+                                 + ("; ".join(report.checkpoint_errors) or "checkpoints missing"))
+        logs = [n for n in logs if base is None or n >= base]
+        for n in logs:
+            with open(self.path(wal_name(n)), "rb") as f:
+                data = f.read()
+            report.wal_files += 1
+            report.wal_bytes += len(data)
+            replayed, gen, stop = replay_log(data, state, scopes, retired)
+            report.wal_records += replayed
+            max_gen = max(max_gen, gen)
+            if stop is not None:
+                report.wal_stops.append(f"{wal_name(n)}@{stop}")
+                report.dropped_torn_wal_records += 1
+        return state, max_gen, base, logs
+
+    def _scan(self, state: State, scopes: dict, report: RecoveryReport, retired: Retired | None) -> int:
+        """Fill `state` with the committed blocks of every segment (newest generation per
+        key); returns the highest generation found."""
+        max_gen = 0
+        for seg, fd in enumerate(self.fds):
+            with mmap.mmap(fd, self.segment_size, prot=mmap.PROT_READ) as m:
+                found, refused = scan_segment(m, seg, self.key)
+            report.scan_refused += refused
+            report.scanned_blocks += len(found)
+            for _, _, (scope, key), loc in found:
+                s = scopes.get(scope)
+                if s is None:
+                    s = scopes[scope] = IdentityScope(*scope)
+                put = PutRecord(loc.generation, scope, key, loc.seg, loc.offset, loc.length, loc.crc)
+                apply_record(state, put, s, retired)
+                max_gen = max(max_gen, loc.generation)
+        return max_gen
+
+    def verify(self, state: State, report: RecoveryReport, progress: Callable[[int, int], None] | None,
+               payloads: bool) -> list[list[Found]]:
+        """Per segment, sorted by offset: the blocks of `state` whose on-disk header (and
+        payload) match their record, minus any that overlap a newer one. Counts the rest,
+        and marks COMMITTED the kept ones a crash left unmarked (their record proves them)."""
+        total = len(state)
+        per_seg: list[list[Found]] = [[] for _ in range(self.segments)]
+        unmarked: dict[tuple[int, int], bytes] = {}
+        # headers are read through a read-only mapping: a slice per block, not a syscall
+        maps = [mmap.mmap(fd, self.segment_size, prot=mmap.PROT_READ) for fd in self.fds]
+        try:
+            dropped = self._verify_mapped(state, maps, per_seg, progress, payloads, unmarked)
+        finally:
+            for m in maps:
+                m.close()
+        if progress is not None and (total == 0 or total % PROGRESS_EVERY):
+            progress(total, total)  # the last report, unless the loop just made it
+        for i, found in enumerate(per_seg):
+            found.sort()
+            kept = drop_overlaps(found)
+            dropped += len(found) - len(kept)
+            per_seg[i] = kept
+            for f in kept if unmarked else ():
+                header = unmarked.get((i, f[3].offset))
+                if header is not None:
+                    pwrite_all(self.fds[i], [commit_header(header)], f[3].offset)
+        report.dropped_corrupt += dropped
+        return per_seg
+
+    def _verify_mapped(self, state: State, maps: list, per_seg: list[list[Found]],
+                       progress: Callable[[int, int], None] | None, payloads: bool,
+                       unmarked: dict[tuple[int, int], bytes]) -> int:
+        total, seg_size, dropped = len(state), self.segment_size, 0
+        for done, (k, loc) in enumerate(state.items(), 1):
+            if progress is not None and done % PROGRESS_EVERY == 0:
+                progress(done, total)
+            seg, offset, length, crc, gen = loc
+            pages = block_pages(k[0], k[1], length)
+            if not 0 <= seg < len(maps) or offset % PAGE or not 0 <= offset <= seg_size - pages * PAGE:
+                dropped += 1
+                continue
+            m = maps[seg]
+            header = m[offset:offset + HEADER_SIZE]
+            if not header_matches(header, k[1], k[0], gen, length, crc):
+                dropped += 1
+                continue
+            if not header[6] & COMMITTED:
+                unmarked[(seg, offset)] = header
+            if payloads:
+                with memoryview(m) as view:
+                    ok = crc32c(view[offset + HEADER_SIZE:offset + HEADER_SIZE + length]) == crc
+                if not ok:
+                    dropped += 1
+                    continue
+            per_seg[seg].append((offset // PAGE, pages, k, loc))
+        return dropped
+
+    def scrub_retired(self, retired: Retired, live: list[list[Found]]) -> int:
+        """Zero the header page of each retired version still on disk (a crash came before
+        its scrub), unless that page is inside a live block; returns how many."""
+        starts = [[f[0] for f in found] for found in live]
+        n = 0
+        for (scope, key), loc in retired:
+            page = loc.offset // PAGE
+            if not 0 <= loc.seg < self.segments or loc.offset % PAGE \
+                    or not 0 <= loc.offset <= self.segment_size - PAGE:
+                continue
+            i = bisect.bisect_right(starts[loc.seg], page) - 1
+            if i >= 0 and page < live[loc.seg][i][0] + live[loc.seg][i][1]:
+                continue  # reused by a live block
+            header = os.pread(self.fds[loc.seg], HEADER_SIZE, loc.offset)
+            if header_matches(header, key, scope, loc.generation, loc.length, loc.crc):
+                pwrite_all(self.fds[loc.seg], [ZERO_PAGE], loc.offset)
+                n += 1
+        return n
+
+
+def _rest(bufs: list, skip: int) -> list[memoryview]:
+    """The buffers after their first `skip` bytes."""
+    out = []
+    for b in bufs:
+        v = memoryview(b).cast("B")
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        out.append(v[skip:])
+        skip = 0
+    return out
+
+
+def pwrite_all(fd: int, bufs: list, offset: int) -> None:
+    total = sum(memoryview(b).nbytes for b in bufs)
+    done = os.pwritev(fd, bufs, offset)
+    while done < total:
+        done += os.pwritev(fd, _rest(bufs, done), offset + done)
+
+
+def pread_all(fd: int, bufs: list, offset: int) -> int:
+    """Bytes read into `bufs`; fewer than their total only at the end of the file."""
+    total = sum(memoryview(b).nbytes for b in bufs)
+    done = n = os.preadv(fd, bufs, offset)
+    while n and done < total:
+        n = os.preadv(fd, _rest(bufs, done), offset + done)
+        done += n
+    return done
