@@ -105,7 +105,8 @@ def _put2phase_commit(c, args):
             raise CommandError("CRC32C must be an unsigned 32-bit integer")
     puts = c.puts
     puts.commit(puts.get(bytes(args[2]), c.user), crc)
-    return acked(c.keyspace, OK)  # over a value on SSD: answered once its deletion is durable
+    store = c.keyspace
+    return acked(store, OK) if store.unsynced else OK  # over a value on SSD: once its deletion is durable
 
 
 def _put2phase_abort(c, args):

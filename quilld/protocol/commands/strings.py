@@ -87,7 +87,7 @@ def cmd_set(c, args):
     store.publish(c.tag, key, _storable(store, args[2]), keep_ttl=keepttl)
     if expire_at is not None:
         store.set_expire(c.tag, key, expire_at)
-    return acked(store, reply)
+    return acked(store, reply) if store.unsynced else reply
 
 
 _EXPIRE_OPTS = (b"EX", b"PX", b"EXAT", b"PXAT")
@@ -117,7 +117,7 @@ def cmd_mset(c, args):
     store, tag = c.keyspace, c.tag
     for i in range(1, len(args), 2):
         store.publish(tag, args[i], _storable(store, args[i + 1]))
-    return acked(store, OK)
+    return acked(store, OK) if store.unsynced else OK
 
 
 def cmd_exists(c, args):
@@ -127,7 +127,8 @@ def cmd_exists(c, args):
 
 def cmd_del(c, args):
     store, tag = c.keyspace, c.tag
-    return acked(store, sum(1 for k in args[1:] if store.delete(tag, k)))
+    n = sum(1 for k in args[1:] if store.delete(tag, k))
+    return acked(store, n) if store.unsynced else n
 
 
 def cmd_strlen(c, args):
@@ -155,8 +156,9 @@ def cmd_dbsize(c, args):
 def cmd_flushall(c, args):
     if len(args) > 2 or (len(args) == 2 and bytes(args[1]).upper() not in (b"ASYNC", b"SYNC")):
         raise _SYNTAX
-    c.keyspace.flush_scope(c.tag)
-    return acked(c.keyspace, OK)
+    store = c.keyspace
+    store.flush_scope(c.tag)
+    return acked(store, OK) if store.unsynced else OK
 
 
 def register(t: CommandTable) -> None:
