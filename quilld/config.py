@@ -88,6 +88,8 @@ class RouterConfig:
     active_request_weight: float = 1.0
     temperature: float = 0.0  # 0: always the cheapest engine; > 0: softmax draw
     lease_timeout_ms: int = 60_000  # an ACQUIREd request not RELEASEd by then stops counting
+    storage_credit: float = 0.25  # credit of a block in an engine's own offload storage (vLLM medium STORAGE)
+    kv_idle_warning_s: float = 60.0  # warn when an engine's KV-event subscription got nothing this long; 0: never
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class Config:
             seen.add(e.id)
         if self.router.temperature < 0 or self.router.lease_timeout_ms <= 0:
             raise ConfigError("router: temperature must be >= 0 and lease_timeout_ms > 0")
+        if not 0 <= self.router.storage_credit <= 1 or self.router.kv_idle_warning_s < 0:
+            raise ConfigError("router: storage_credit must be within 0..1 and kv_idle_warning_s >= 0")
         ssd = self.ssd
         if ssd.dir and (ssd.size < 1 * MiB or ssd.segment_size < 1 * MiB or ssd.segment_size % (4 * KiB)):
             raise ConfigError("ssd: size and segment_size must be at least 1MiB, segment_size a multiple of 4KiB")

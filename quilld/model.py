@@ -26,6 +26,7 @@ class CacheTier(str, enum.Enum):
     CPU = "cpu"  # an engine's host memory
     DRAM = "dram"  # this pool's DRAM arena
     SSD = "ssd"  # this pool's SSD segments
+    STORAGE = "storage"  # an engine's own offload storage below its host memory (vLLM's medium STORAGE)
 
 
 class Pinned:

@@ -53,7 +53,8 @@ class ControlPlane:
         self.hot = HotPrefixes()
         r = cfg.router
         self.weights = CostWeights(prefill_load_scale=r.prefill_load_scale,
-                                   active_request_weight=r.active_request_weight, temperature=r.temperature)
+                                   active_request_weight=r.active_request_weight, temperature=r.temperature,
+                                   storage_credit=r.storage_credit)
         self.affinity: dict[str, str] = {}  # session id -> engine id
         self.stats: Counter[str] = Counter()
         self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under

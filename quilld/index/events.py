@@ -2,17 +2,32 @@
 
 vLLM's ZMQ publisher (`vllm/distributed/kv_events.py`) sends multipart messages
 `(topic, seq, payload)` where `seq` is an 8-byte big-endian counter and `payload` is
-a msgspec-msgpack `KVEventBatch`: `[ts, [events], dp_rank]` (or, in newer releases,
-a map `{ts, events, data_parallel_rank}`). Each event is a tagged struct, encoded as a
-positional array whose first element is the tag (`array_like=True`) or as a map with
-a `type` field. Block hashes are 64-bit ints or raw bytes. The replay socket sends
-`(seq, payload)`.
+a msgspec-msgpack `KVEventBatch`: `[ts, [events], dp_rank]` (`array_like`; older and
+newer releases also send it as a map `{ts, events, data_parallel_rank}`). Each event is
+a tagged struct with `omit_defaults`: a map whose `type` field names it (vLLM 0.33), or a
+positional array whose first element is the tag (older releases). Block hashes are
+64-bit ints or raw bytes. The replay socket sends `(seq, payload)` or `(topic, seq,
+payload)`.
+
+vLLM 0.33's schema, field for field (later optional fields are ignored):
+`BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
+locality, ownership, session_id)`, `BlockRemoved(block_hashes, medium, group_idx,
+locality, ownership)`, `AllBlocksCleared()`. Media are `GPU`, `CPU` and `STORAGE`; its
+offloading connector stores placeholders with `block_size=0, token_ids=[]` and no group.
+
+One bad event never costs the good ones: an event that cannot be decoded (unknown
+type, a hash wider than 64 bits, a string where a list belongs, a scalar where an
+event belongs, an unknown medium) is skipped and counted in `Batch.malformed`, and the
+rest of its batch applies. Only a payload whose envelope is broken (not msgpack, no
+event list) decodes to no events at all; `decode_frames` still returns its sequence
+number then, so a broken batch is never mistaken for a lost one.
 
 The same events arrive as JSON (`POST /v1/kv-events`, `KVEVENTS`) in the seed's
-`KvEventBatch` shape, where hashes are strings (hex here, decoded to bytes).
-
-A batch either decodes fully or raises `MalformedEvent`: the index never sees half a
-batch. Nothing here opens a socket or touches asyncio.
+`KvEventBatch` shape, where hashes are strings (hex here, decoded to bytes). There the
+caller is answered at once, so a JSON batch either decodes fully or raises
+`MalformedEvent` naming the first bad field. Nothing here opens a socket or touches
+asyncio.
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -40,6 +55,11 @@ REPLAY_END_SEQ = b"\xff" * SEQ_LEN
 # A hash int is a signed or unsigned 64-bit value; anything wider is not vLLM's.
 _HASH_MIN = -(1 << 63)
 _HASH_END = 1 << 64
+# vLLM numbers its KV-cache groups from 0 (a hybrid model has a handful); a group index is a
+# bit in a mask downstream, so a wild one is refused here rather than grow that mask.
+MAX_GROUPS = 64
+# A batch keeps the text of its first few skipped events, for the log.
+MAX_PROBLEMS = 3
 _HEX = re.compile(r"(?:0x)?((?:[0-9a-fA-F]{2})+)")
 
 
@@ -50,21 +70,27 @@ class MalformedEvent(CommandError):
         super().__init__(f"malformed KV event: {where}: {problem}" if where else f"malformed KV event: {problem}")
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+# Events are NamedTuples, as the router's candidates are: a batch of 64 is built without
+# 64 Python-level __init__ calls. Compare them by type (`type(ev) is Stored`), never as tuples.
+
+
+class Stored(NamedTuple):
     block_hashes: tuple[BlockHash, ...]
     parent: BlockHash | None
     token_ids: tuple[int, ...]
-    block_size: int
+    block_size: int  # 0 for vLLM's offload placeholders
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    group_idx: int | None = None  # the KV-cache group; None: the block as a whole (every group)
+    kv_cache_spec_kind: str | None = None  # the group's attention kind, e.g. full_attention, sliding_window
+    sliding_window: int | None = None  # the group's window in tokens, for sliding-window groups
 
 
-@dataclass(frozen=True, slots=True)
-class Removed:
+class Removed(NamedTuple):
     block_hashes: tuple[BlockHash, ...]
     medium: str | None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +108,8 @@ class Batch:
     dp_rank: int | None
     seq: int | None
     engine_id: str | None = None  # only the JSON shape names its engine
+    malformed: int = 0  # events skipped because they could not be decoded (1 for a broken envelope)
+    problems: tuple[str, ...] = ()  # what was wrong with the first few of them
 
 
 # ---------------------------------------------------------------- entry points
@@ -100,20 +128,33 @@ def decode_payload(payload: bytes) -> Batch:
     return _batch(obj, _msgpack_hash, seq=None)
 
 
-def decode_frames(frames: list[bytes]) -> Batch:
-    """A ZMQ multipart message: `(topic, seq, payload)` from PUB or `(seq, payload)` from replay."""
+def decode_seq(frames: list[bytes]) -> int:
+    """The sequence number of a ZMQ multipart message (`(topic, seq, payload)` or `(seq, payload)`)."""
     if not isinstance(frames, (list, tuple)) or len(frames) not in (2, 3):
         n = len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__
         raise MalformedEvent(f"expected (topic, seq, payload) or (seq, payload) frames, got {n}")
     for i, frame in enumerate(frames):
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise MalformedEvent(f"frame {i} must be bytes, got {type(frame).__name__}")
-    seq_frame, payload = frames[-2], frames[-1]
+    seq_frame = frames[-2]
     if len(seq_frame) != SEQ_LEN:
         raise MalformedEvent(f"sequence frame must be {SEQ_LEN} bytes, got {len(seq_frame)}")
-    seq = int.from_bytes(seq_frame, "big")
-    batch = decode_payload(payload)
-    return Batch(batch.ts, batch.events, batch.dp_rank, seq)
+    return int.from_bytes(seq_frame, "big")
+
+
+def decode_frames(frames: list[bytes]) -> Batch:
+    """A ZMQ multipart message: `(topic, seq, payload)` from PUB or `(seq, payload)` from replay.
+
+    Raises `MalformedEvent` only when the frames or the sequence number are unreadable; a
+    payload that cannot be decoded gives a batch of no events with `malformed` 1, so the
+    caller still knows that this sequence number arrived.
+    """
+    seq = decode_seq(frames)
+    try:
+        batch = decode_payload(frames[-1])
+    except MalformedEvent as e:
+        return Batch(0.0, (), None, seq, malformed=1, problems=(e.message,))
+    return Batch(batch.ts, batch.events, batch.dp_rank, seq, None, batch.malformed, batch.problems)
 
 
 def is_replay_end(frames: list[bytes]) -> bool:
@@ -139,23 +180,29 @@ def decode_json(doc: Mapping[str, Any] | str | bytes) -> Batch:
     _opt(doc, "bytes_per_block", int, "batch")
     if "events" not in doc:
         raise MalformedEvent("missing field", "batch.events")
-    events = _events(doc["events"], _json_hash)
+    events, _, _ = _events(doc["events"], _json_hash, strict=True)
     return Batch(ts_ms / 1000.0 if ts_ms is not None else 0.0, events, None, None, engine_id)
 
 
 def medium_tier(medium: str | None) -> CacheTier:
-    """vLLM's `medium` to a tier: GPU (or absent) -> hbm, CPU -> cpu, DISK -> ssd."""
+    """An event's `medium` to the engine's tier: GPU (or absent) -> hbm, CPU -> cpu, STORAGE -> storage.
+
+    vLLM 0.33 names GPU, CPU and STORAGE; DISK (older releases, SGLang) is the engine's own
+    storage too, as are SGLang's CPU_PINNED (host memory) and EXTERNAL (a shared pool the
+    engine loads from). Never this pool's tiers: an engine's disk is not quilld's SSD.
+    """
     if medium is None:
         return CacheTier.HBM
     if not isinstance(medium, str):
         raise MalformedEvent(f"medium must be a string, got {_tname(medium)}")
-    tier = _MEDIA.get(medium.upper())
+    tier = _MEDIA.get(medium) or _MEDIA.get(medium.upper())
     if tier is None:
-        raise MalformedEvent(f"unknown medium {medium!r} (expected GPU, CPU or DISK)")
+        raise MalformedEvent(f"unknown medium {medium!r} (expected GPU, CPU or STORAGE)")
     return tier
 
 
-_MEDIA = {"GPU": CacheTier.HBM, "CPU": CacheTier.CPU, "DISK": CacheTier.SSD}
+_MEDIA = {"GPU": CacheTier.HBM, "CPU": CacheTier.CPU, "CPU_PINNED": CacheTier.CPU, "STORAGE": CacheTier.STORAGE,
+          "DISK": CacheTier.STORAGE, "EXTERNAL": CacheTier.STORAGE}
 
 
 class SequenceTracker:
@@ -187,7 +234,7 @@ class SequenceTracker:
 
 # ---------------------------------------------------------------- structure
 
-_STORED, _REMOVED, _CLEARED = "stored", "removed", "cleared"
+_STORED, _REMOVED, _CLEARED = "stored", "removed", "cleared"  # compared by identity below
 _TAGS = {
     "BlockStored": _STORED,
     "BlockRemoved": _REMOVED,
@@ -199,10 +246,12 @@ _TAGS = {
 }
 # Positional order after the tag, as vLLM declares the struct fields; later ones ignored.
 _FIELDS = {
-    _STORED: ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
-    _REMOVED: ("block_hashes", "medium"),
+    _STORED: ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+              "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    _REMOVED: ("block_hashes", "medium", "group_idx"),
     _CLEARED: (),
 }
+_CLEARED_EVENT = Cleared()  # events carry no state: one instance serves every AllBlocksCleared
 
 HashFn = Callable[[Any, str], BlockHash]
 
@@ -216,89 +265,126 @@ def _batch(obj: Any, hash_fn: HashFn, seq: int | None) -> Batch:
         for name in ("ts", "events"):
             if name not in obj:
                 raise MalformedEvent("missing field", f"batch.{name}")
-        ts, events, dp_rank = obj["ts"], obj["events"], obj.get("data_parallel_rank")
+        ts, events = obj["ts"], obj["events"]
+        dp_rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
     else:
         raise MalformedEvent(f"expected an array or map, got {_tname(obj)}", "batch")
     if not _is_number(ts) or not math.isfinite(ts):
         raise MalformedEvent(f"expected a finite number, got {_tname(ts)} {ts!r}", "batch.ts")
     if dp_rank is not None and (not _is_int(dp_rank) or dp_rank < 0):
         raise MalformedEvent(f"expected a non-negative int or nil, got {dp_rank!r}", "batch.dp_rank")
-    return Batch(float(ts), _events(events, hash_fn), dp_rank, seq)
+    decoded, malformed, problems = _events(events, hash_fn, strict=False)
+    return Batch(float(ts), decoded, dp_rank, seq, None, malformed, problems)
 
 
-def _events(events: Any, hash_fn: HashFn) -> tuple[Event, ...]:
+def _events(events: Any, hash_fn: HashFn, strict: bool) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
+    """The decoded events, how many were skipped and why (strict: the first bad one raises)."""
     if not isinstance(events, list):
         raise MalformedEvent(f"expected an array, got {_tname(events)}", "events")
-    return tuple(_event(ev, hash_fn, f"events[{i}]") for i, ev in enumerate(events))
+    out: list[Event] = []
+    malformed, problems = 0, []
+    for i, ev in enumerate(events):
+        try:
+            out.append(_event(ev, hash_fn, i))
+        except MalformedEvent as e:
+            if strict:
+                raise
+            malformed += 1
+            if len(problems) < MAX_PROBLEMS:
+                problems.append(e.message)
+    return tuple(out), malformed, tuple(problems)
 
 
-def _event(ev: Any, hash_fn: HashFn, where: str) -> Event:
-    if isinstance(ev, list):
+def _event(ev: Any, hash_fn: HashFn, i: int) -> Event:
+    if isinstance(ev, dict):
+        tag = ev.get("type")
+        if tag is None:
+            tag = ev.get("kind")
+            if tag is None:
+                raise MalformedEvent("missing field 'type'", f"events[{i}]")
+        kind = _kind(tag, i)
+        fields: Mapping[str, Any] = ev
+    elif isinstance(ev, list):
         if not ev:
-            raise MalformedEvent("empty array, expected a tag first", where)
-        tag = ev[0]
-        kind = _kind(tag, where)
+            raise MalformedEvent("empty array, expected a tag first", f"events[{i}]")
+        kind = _kind(ev[0], i)
         fields = dict(zip(_FIELDS[kind], ev[1:]))
-    elif isinstance(ev, Mapping):
-        key = "type" if "type" in ev else "kind" if "kind" in ev else None
-        if key is None:
-            raise MalformedEvent("missing field 'type'", where)
-        kind = _kind(ev[key], where)
-        fields = ev
     else:
-        raise MalformedEvent(f"expected an array or map, got {_tname(ev)}", where)
+        raise MalformedEvent(f"expected an array or map, got {_tname(ev)}", f"events[{i}]")
 
-    if kind == _CLEARED:
-        return Cleared()
-    hashes = _hashes(fields, "block_hashes", hash_fn, where)
-    medium = _opt(fields, "medium", str, where)
-    if medium is not None:
-        _check_medium(medium, where)
-    if kind == _REMOVED:
-        return Removed(hashes, medium)
+    if kind is _CLEARED:
+        return _CLEARED_EVENT
+    hashes = _hashes(fields, hash_fn, i)
+    get = fields.get
+    medium = get("medium")
+    if medium is not None and (medium.__class__ is not str or medium not in _MEDIA):
+        _check_medium(medium, f"events[{i}]")
+    group = get("group_idx")
+    if group is not None and (group.__class__ is not int or not 0 <= group < MAX_GROUPS):
+        raise MalformedEvent(f"expected an int in 0..{MAX_GROUPS - 1} or nil, got {group!r}", f"events[{i}].group_idx")
+    if kind is _REMOVED:
+        return Removed(hashes, medium, group)
 
-    parent = fields.get("parent_block_hash")
+    parent = get("parent_block_hash")
     if parent is not None:
-        parent = hash_fn(parent, f"{where}.parent_block_hash")
-    token_ids = fields.get("token_ids", [])
-    if not isinstance(token_ids, list):
-        raise MalformedEvent(f"expected an array, got {_tname(token_ids)}", f"{where}.token_ids")
-    for i, t in enumerate(token_ids):
-        if not _is_int(t) or t < 0:
-            raise MalformedEvent(f"expected a non-negative int, got {t!r}", f"{where}.token_ids[{i}]")
-    if "block_size" not in fields:
-        raise MalformedEvent("missing field", f"{where}.block_size")
-    block_size = fields["block_size"]
-    if not _is_int(block_size) or block_size <= 0:
-        raise MalformedEvent(f"expected a positive int, got {block_size!r}", f"{where}.block_size")
-    lora_id = _opt(fields, "lora_id", int, where)
-    lora_name = _opt(fields, "lora_name", str, where)
-    return Stored(hashes, parent, tuple(token_ids), block_size, lora_id, medium, lora_name)
+        parent = hash_fn(parent, f"events[{i}].parent_block_hash")
+    token_ids = get("token_ids", ())
+    if token_ids.__class__ is not list and token_ids != ():
+        raise MalformedEvent(f"expected an array, got {_tname(token_ids)}", f"events[{i}].token_ids")
+    # The token ids are not used here (hashes are); their values are not checked one by one.
+    block_size = get("block_size", _MISSING)
+    if block_size.__class__ is not int or block_size < 0:  # 0: vLLM's offload placeholders
+        if block_size is _MISSING:
+            raise MalformedEvent("missing field", f"events[{i}].block_size")
+        raise MalformedEvent(f"expected a non-negative int, got {block_size!r}", f"events[{i}].block_size")
+    lora_id, lora_name = get("lora_id"), get("lora_name")
+    spec_kind, window = get("kv_cache_spec_kind"), get("kv_cache_spec_sliding_window")
+    if ((lora_id is not None and lora_id.__class__ is not int) or (lora_name is not None and lora_name.__class__ is not str)
+            or (spec_kind is not None and spec_kind.__class__ is not str)
+            or (window is not None and window.__class__ is not int)):
+        where = f"events[{i}]"
+        _opt(fields, "lora_id", int, where)
+        _opt(fields, "lora_name", str, where)
+        _opt(fields, "kv_cache_spec_kind", str, where)
+        _opt(fields, "kv_cache_spec_sliding_window", int, where)
+    return Stored(hashes, parent, tuple(token_ids), block_size, lora_id, medium, lora_name, group, spec_kind, window)
 
 
-def _kind(tag: Any, where: str) -> str:
-    if not isinstance(tag, str):
-        raise MalformedEvent(f"event tag must be a string, got {_tname(tag)}", where)
-    kind = _TAGS.get(tag)
+def _kind(tag: Any, i: int) -> str:
+    kind = _TAGS.get(tag) if tag.__class__ is str else None
     if kind is None:
-        raise MalformedEvent(f"unknown event tag {tag!r}", where)
+        if not isinstance(tag, str):
+            raise MalformedEvent(f"event tag must be a string, got {_tname(tag)}", f"events[{i}]")
+        raise MalformedEvent(f"unknown event tag {tag!r}", f"events[{i}]")
     return kind
 
 
-def _check_medium(medium: str, where: str) -> None:
+def _check_medium(medium: Any, where: str) -> None:
+    if not isinstance(medium, str):
+        raise MalformedEvent(f"expected a string or nil, got {_tname(medium)}", f"{where}.medium")
     try:
         medium_tier(medium)
-    except MalformedEvent:
-        raise MalformedEvent(f"unknown medium {medium!r} (expected GPU, CPU or DISK)", f"{where}.medium") from None
+    except MalformedEvent as e:
+        raise MalformedEvent(e.message.removeprefix("malformed KV event: "), f"{where}.medium") from None
 
 
-def _hashes(fields: Mapping[str, Any], name: str, hash_fn: HashFn, where: str) -> tuple[BlockHash, ...]:
-    if name not in fields:
-        raise MalformedEvent("missing field", f"{where}.{name}")
-    value = fields[name]
-    if not isinstance(value, list):
-        raise MalformedEvent(f"expected an array, got {_tname(value)}", f"{where}.{name}")
-    return tuple(hash_fn(h, f"{where}.{name}[{i}]") for i, h in enumerate(value))
+def _hashes(fields: Mapping[str, Any], hash_fn: HashFn, i: int) -> tuple[BlockHash, ...]:
+    value = fields.get("block_hashes", _MISSING)
+    if value.__class__ is not list:
+        where = f"events[{i}]"
+        if value is _MISSING:
+            raise MalformedEvent("missing field", f"{where}.block_hashes")
+        raise MalformedEvent(f"expected an array, got {_tname(value)}", f"{where}.block_hashes")
+    if hash_fn is _msgpack_hash:  # the hot path: every hash an in-range int, checked inline
+        for h in value:
+            if h.__class__ is not int or not _HASH_MIN <= h < _HASH_END:
+                break
+        else:
+            return tuple(value)
+    return tuple(hash_fn(h, f"events[{i}].block_hashes[{j}]") for j, h in enumerate(value))
+
+
+_MISSING = object()
 
 
 def _int_hash(h: int, where: str) -> int:

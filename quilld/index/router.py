@@ -3,7 +3,9 @@
 For each eligible engine (same model as the request) the overlap is the
 longest run of leading blocks it can reuse, each credited by where it is:
 1.0 in the engine's own HBM, 0.75 in host memory (the engine's CPU tier or
-this pool's DRAM), 0.25 on this pool's SSD. Then
+this pool's DRAM), 0.25 on this pool's SSD or in the engine's own offload
+storage (vLLM's medium STORAGE; `router.storage_credit`), the best source
+winning where a block is in several. Then
 
     cost = prefill_load_scale * max(0, prefill_blocks - credit)
            + decode_blocks + active_request_weight * in_flight
@@ -30,8 +32,9 @@ from typing import Literal, NamedTuple
 from quilld.index.residency import TIER_MASK, TIERS, ResidencyIndex
 from quilld.model import CacheTier
 
-_HBM, _CPU, _DRAM, _SSD = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM, CacheTier.SSD))
-_HBM_BIT, _CPU_BIT = 1 << _HBM, 1 << _CPU
+_HBM, _CPU, _DRAM, _SSD, _STORAGE = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM,
+                                                                 CacheTier.SSD, CacheTier.STORAGE))
+_HBM_BIT, _CPU_BIT, _STORAGE_BIT = 1 << _HBM, 1 << _CPU, 1 << _STORAGE
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class CostWeights:
     hbm_credit: float = 1.0
     host_credit: float = 0.75
     disk_credit: float = 0.25
+    storage_credit: float = 0.25  # a block in the engine's own offload storage (vLLM's medium STORAGE)
 
 
 class Candidate(NamedTuple):
@@ -110,6 +114,7 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
     pool_bits = [(h, b) for h in pool if (b := index.holder_bits(h))]
     credit, steps = 0.0, []
     hit_hbm, hit_cpu = Step("hit", engine, CacheTier.HBM), Step("hit", engine, CacheTier.CPU)
+    hit_storage = Step("hit", engine, CacheTier.STORAGE)
     for mask in masks:
         own = (mask >> shift) & TIER_MASK if shift >= 0 else 0
         if own & _HBM_BIT:
@@ -120,8 +125,14 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
             credit += w.host_credit
             steps.append(hit_cpu)
             continue
+        # below host memory: the engine's own storage or a pool copy, whichever credits more
+        stored = own & _STORAGE_BIT
         if not pool_bits:
-            break
+            if not stored:
+                break
+            credit += w.storage_credit
+            steps.append(hit_storage)
+            continue
         best = None
         for holder, bits in pool_bits:
             if not bits:
@@ -132,9 +143,14 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
                 break
             if nib >> _SSD & 1 and best is None:
                 best = (holder, CacheTier.SSD)
+        fetched = 0.0 if best is None else w.host_credit if best[1] is CacheTier.DRAM else w.disk_credit
+        if stored and (best is None or w.storage_credit >= fetched):
+            credit += w.storage_credit
+            steps.append(hit_storage)
+            continue
         if best is None:
             break
-        credit += w.host_credit if best[1] is CacheTier.DRAM else w.disk_credit
+        credit += fetched
         steps.append(Step("fetch", best[0], best[1]))
     return credit, steps
 

@@ -122,6 +122,9 @@ class KvEventSubscriber:
             log.warning("engine %s: %s", self.engine_id, e)
             return
         assert batch.seq is not None
+        if batch.malformed:
+            self.stats["malformed"] += batch.malformed
+            log.warning("engine %s: seq %d: %s", self.engine_id, batch.seq, "; ".join(batch.problems))
         last = self._tracker.last
         skipped = self._tracker.observe(batch.seq)
         if skipped < 0:

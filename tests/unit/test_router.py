@@ -104,3 +104,31 @@ def test_a_temperature_draws_mostly_but_not_only_the_cheapest():
     cold = Counter(choose(idx, TAG, BLOCKS, ["e1", "e2"], [], {}, weights=CostWeights(temperature=0.0)).engine
                    for _ in range(20))
     assert cold == {"e1": 20}
+
+
+def test_the_engines_own_storage_tier_credits_storage_credit_and_says_hit_storage():
+    idx = ResidencyIndex()
+    for b in BLOCKS[:4]:
+        idx.put(TAG, b, "e1", "hbm")
+    for b in BLOCKS[4:10]:
+        idx.put(TAG, b, "e1", "storage")  # offloaded by vLLM's connector (medium STORAGE)
+    d = choose(idx, TAG, BLOCKS, ["e1"], [], {})
+    assert d.candidates[0].overlap_blocks == 10
+    assert d.candidates[0].credit == 4 * 1.0 + 6 * 0.25
+    assert d.plan[:10] == [Step("hit", "e1", CacheTier.HBM)] * 4 + [Step("hit", "e1", CacheTier.STORAGE)] * 6
+    assert d.plan[10:] == [Step("recompute")] * 6
+    tuned = choose(idx, TAG, BLOCKS, ["e1"], [], {}, weights=CostWeights(storage_credit=0.5))
+    assert tuned.candidates[0].credit == 4 * 1.0 + 6 * 0.5
+    assert tuned.candidates[0].cost == 16 - 7.0
+
+
+def test_a_pool_dram_copy_beats_the_engines_own_storage_and_storage_beats_nothing():
+    idx = ResidencyIndex()
+    for b in BLOCKS[:4]:
+        idx.put(TAG, b, "e1", "storage")
+        idx.put(TAG, b, "node-a", "dram" if b < BLOCKS[2] else "ssd")
+    d = choose(idx, TAG, BLOCKS, ["e1"], ["node-a"], {})
+    # blocks 0-1: pool DRAM (0.75) beats own storage (0.25); blocks 2-3: pool SSD ties own storage, own wins
+    assert d.plan[:4] == [Step("fetch", "node-a", CacheTier.DRAM)] * 2 + [Step("hit", "e1", CacheTier.STORAGE)] * 2
+    assert d.candidates[0].credit == 2 * 0.75 + 2 * 0.25
+    assert choose(idx, TAG, BLOCKS, ["e2"], ["node-a"], {}).candidates[0].credit == 2 * 0.75 + 2 * 0.25
