@@ -117,6 +117,7 @@ class PeerConnection:
     async def _fetch(self, data: bytes, target: Callable[[int], memoryview]) -> tuple:
         loop, sock, reader = self.loop, self.sock, self.fetch_reader
         await loop.sock_sendall(sock, data)
+        view = None
         while True:
             event = reader.next_event()
             if event is NEED_DATA:
@@ -135,7 +136,8 @@ class PeerConnection:
                 if not (event.depth == 1 and event.count == 2 and event.index == 1
                         and type(event.items[0]) is int):
                     raise ValueError(f"unexpected reply: {event!r}")
-                reader.attach(target(event.length))
+                view = target(event.length)
+                reader.attach(view)
             else:
                 break
         if not reader.idle:  # bytes after the reply: the stream cannot be trusted any more
@@ -144,9 +146,9 @@ class PeerConnection:
             return None, None
         if isinstance(event, ReplyError):
             raise QuillError(event.message)
-        if type(event) is not list or len(event) != 2:
+        if view is None or type(event) is not list or event[1] is not view:
             raise ValueError(f"unexpected reply {event!r:.60}")
-        return event[0], event[1]
+        return event[0], view
 
 
 class PeerPool:

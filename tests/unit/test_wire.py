@@ -7,6 +7,10 @@ in the caller's buffer, every limit is hit).
 from __future__ import annotations
 
 import array
+import asyncio
+import re
+import socket
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -183,6 +187,13 @@ def test_attached_payload_lands_in_the_callers_buffer():
     assert target == PAYLOAD + b"####"
 
 
+def test_a_buffer_of_any_item_format_receives_bytes():
+    ints = array.array("i", [0, 0])
+    payload = array.array("i", [7, -1]).tobytes()
+    [reply] = read([b"$%d\r\n%b\r\n" % (len(payload), payload)], 0, lambda r, b: r.attach(ints))
+    assert reply is ints and ints.tolist() == [7, -1]
+
+
 def test_mget_style_array_lands_each_bulk_in_its_own_buffer():
     targets = [bytearray(3), bytearray(5), bytearray(0)]
     it = iter(targets)
@@ -296,6 +307,8 @@ def test_an_announcement_must_be_answered():
         reader.attach(bytearray(2))
     with pytest.raises(TypeError, match="writable"):
         reader.attach(b"xyz")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        reader.attach(memoryview(bytearray(6))[::2])
     target = bytearray(3)
     reader.attach(target)  # still answerable after the refusals
     assert reader.next_event() is target and target == b"abc"
@@ -432,3 +445,165 @@ def test_random_replies_through_random_splits(replies, large_bulk, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6), label="cuts"))
     chunks = [wire[a:b] for a, b in zip([0] + cuts, cuts + [len(wire)])]
     assert plain(read(chunks, large_bulk)) == [expected_value(r) for r in replies]
+
+
+# -- its two users on loopback: quilld's peer client, quillclient's raw sockets -------------
+
+class CannedServer:
+    """A loopback server answering each request with the next canned reply, `step` bytes per
+    send; a None after a reply closes the connection right after it. Bounded: every socket
+    has a timeout."""
+
+    def __init__(self, replies: list[bytes | None], step: int = 1 << 20) -> None:
+        self.replies = list(replies)
+        self.step = step
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(10)
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self.replies:
+                conn, _ = self.sock.accept()
+                conn.settimeout(10)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with conn:
+                    while self.replies and conn.recv(65536):
+                        reply = self.replies.pop(0)
+                        for i in range(0, len(reply), self.step):
+                            conn.sendall(reply[i:i + self.step])
+                        if self.replies and self.replies[0] is None:
+                            self.replies.pop(0)
+                            break
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=10)
+
+
+PEER_PAYLOAD = bytes(range(256)) * 12  # 3072 bytes
+PEER_HIT = b"*2\r\n:77\r\n$%d\r\n%b\r\n" % (len(PEER_PAYLOAD), PEER_PAYLOAD)
+
+
+def peer_fetch(replies: list[bytes | None], step: int = 1 << 20, fetches: int = 1):
+    """`fetches` fetch_into calls on one PeerConnection; per call (result or exception, lengths
+    asked of target, whether the connection is closed after it)."""
+    from quilld.cluster.peer_client import PeerConnection
+
+    server = CannedServer(replies, step)
+
+    async def main():
+        conn = PeerConnection("127.0.0.1", server.port)
+        out = []
+        for _ in range(fetches):
+            asked = []
+
+            def target(n):
+                asked.append(n)
+                return memoryview(bytearray(n))
+
+            try:
+                result = await asyncio.wait_for(conn.fetch_into(("PEERGET", "k"), target, timeout=10), 20)
+            except Exception as e:  # noqa: BLE001 - the test looks at the type
+                result = e
+            out.append((result, asked, conn.closed))
+        conn.close()
+        return out
+
+    try:
+        return asyncio.run(main())
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("step", [1, 5, 1 << 20])
+def test_peer_fetch_into_receives_into_the_target(step):
+    [((crc, view), asked, closed)] = peer_fetch([PEER_HIT], step)
+    assert crc == 77 and bytes(view) == PEER_PAYLOAD and asked == [len(PEER_PAYLOAD)] and not closed
+
+
+def test_peer_fetch_into_nil_and_error_replies():
+    from quilld.cluster.peer_client import PeerError
+    from quilld.errors import QuillError
+
+    (nil, asked1, closed1), (err, asked2, closed2), (hit, _, _) = peer_fetch(
+        [b"$-1\r\n", b"-NOPERM node-to-node command\r\n", PEER_HIT], fetches=3)
+    assert nil == (None, None) and asked1 == [] and not closed1
+    assert type(err) is QuillError and not isinstance(err, PeerError)
+    assert err.message == "NOPERM node-to-node command" and asked2 == [] and closed2
+    assert hit[0] == 77 and bytes(hit[1]) == PEER_PAYLOAD  # a new connection after the error
+
+
+@pytest.mark.parametrize("reply, target_called", [
+    (b"$5\r\nhello\r\n", False),  # a bare bulk
+    (b"*3\r\n:1\r\n$1\r\nx\r\n$1\r\ny\r\n", False),  # three elements
+    (b"*2\r\n$1\r\nx\r\n$1\r\ny\r\n", False),  # no CRC first
+    (b"*2\r\n:1\r\n-ERR inside\r\n", False),
+    (b"+OK\r\n", False),
+    (b"*2\r\n:1\r\n$3\r\nabcXY", True),  # no CRLF after the payload
+    (b"*2\r\n:1\r\n$10\r\nabc", True),  # the peer leaves mid-payload
+    (b"*2\r\n:1\r\n", False),  # ... or before the payload
+])
+def test_peer_fetch_into_malformed_replies_are_peer_errors(reply, target_called):
+    from quilld.cluster.peer_client import PeerError
+
+    [(err, asked, closed)] = peer_fetch([reply, None])
+    assert isinstance(err, PeerError), err
+    assert bool(asked) == target_called and closed
+
+
+def raw_get(replies: list[bytes | None], buffers: list, step: int = 1 << 20, drain_max: int = 1 << 20):
+    """One quillclient raw pool: a get_into per buffer; per call its result or exception."""
+    from quillclient.config import ClientConfig
+    from quillclient.zerocopy import RawPool, get_into
+
+    server = CannedServer(replies, step)
+    pool = RawPool(ClientConfig(port=server.port, socket_timeout=10, drain_max=drain_max))
+    out = []
+    try:
+        for buf in buffers:
+            try:
+                out.append(get_into(pool, "k", memoryview(buf)))
+            except Exception as e:  # noqa: BLE001 - the test looks at the type
+                out.append(e)
+        return out, pool.created
+    finally:
+        pool.close()
+        server.close()
+
+
+@pytest.mark.parametrize("step", [1, 3, 1 << 20])
+def test_get_into_receives_into_the_buffer(step):
+    buf = bytearray(len(PEER_PAYLOAD) + 10)
+    (n,), created = raw_get([b"$%d\r\n%b\r\n" % (len(PEER_PAYLOAD), PEER_PAYLOAD)], [buf], step)
+    assert n == len(PEER_PAYLOAD) and buf[:n] == PEER_PAYLOAD and buf[n:] == bytes(10)
+
+
+def test_get_into_keeps_the_socket_after_a_miss_an_error_and_a_dropped_block():
+    from quillclient.errors import BufferTooSmall, WrongType
+
+    results, created = raw_get([b"$-1\r\n", b"-WRONGTYPE no\r\n", b"$5\r\nhello\r\n", b"$2\r\nhi\r\n"],
+                               [bytearray(4)] * 4)
+    miss, err, small, hit = results
+    assert miss == -1 and type(err) is WrongType and err.message == "no"
+    assert type(small) is BufferTooSmall and (small.needed, small.size) == (5, 4)
+    assert hit == 2 and created == 1
+
+
+@pytest.mark.parametrize("reply, match", [
+    (b"$3\r\nabcXY", "not followed by CRLF"),
+    (b"*1\r\n$1\r\nx\r\n", "expected a bulk reply, got an array"),
+    (b":1\r\n", "expected a bulk reply"),
+    (b"$-7\r\n", "invalid bulk length"),
+    (b"?\r\n", "unexpected reply"),
+])
+def test_get_into_malformed_replies_are_protocol_errors_and_close_the_socket(reply, match):
+    from quillclient.errors import ProtocolError as ClientProtocolError
+
+    (err, hit), created = raw_get([reply, b"$2\r\nhi\r\n"], [bytearray(4), bytearray(4)])
+    assert type(err) is ClientProtocolError and re.search(match, str(err)), err
+    assert hit == 2 and created == 2  # the broken socket was not reused

@@ -91,11 +91,12 @@ class Bulk:
         return f"<Bulk {self.length} bytes{where}>"
 
 
-def _parse_int(raw: bytes) -> int | None:
+def _parse_int(raw: bytes | bytearray) -> int | None:
     """Strict decimal in signed 64-bit range: optional '-', digits, no leading zero, no '+', no '-0'."""
-    digits = raw[1:] if raw[:1] == b"-" else raw
+    negative = raw[:1] == b"-"
+    digits = raw[1:] if negative else raw
     if (not digits.isdigit() or len(digits) > MAX_INT_DIGITS
-            or (digits[:1] == b"0" and len(digits) > 1) or digits is not raw and digits == b"0"):
+            or (digits[:1] == b"0" and (len(digits) > 1 or negative))):
         return None
     n = int(raw)
     return n if -(1 << 63) <= n < (1 << 63) else None
@@ -108,7 +109,8 @@ class ReplyReader:
                  max_array_len: int = MAX_ARRAY_LEN, buffer_size: int = BUFFER_SIZE) -> None:
         if buffer_size < MAX_LINE + 2:
             raise ValueError(f"buffer_size must hold a line of MAX_LINE ({MAX_LINE}) bytes and its CRLF")
-        self.large_bulk = large_bulk
+        self._large_bulk = large_bulk
+        self._announce_from = 1 << 64 if large_bulk is None else large_bulk
         self.max_bulk_len = max_bulk_len
         self.max_array_len = max_array_len
         self._buf = bytearray(buffer_size)
@@ -122,6 +124,11 @@ class ReplyReader:
         self._crlf_due = False  # a payload is (being) received; its CRLF comes next
         self._value: Any = None  # what stands for that bulk in the reply
         self._own = False  # _value is the reader's own bytearray, handed out as bytes
+
+    @property
+    def large_bulk(self) -> int | None:
+        """Bulks of at least this many bytes are announced (None: none is)."""
+        return self._large_bulk
 
     # -- input -------------------------------------------------------------
 
@@ -159,6 +166,10 @@ class ReplyReader:
                 raise ValueError("more bytes than get_buffer() offered")
             self._sink_pos += nbytes
             self._sink_left -= nbytes
+            if not self._sink_left:  # the payload is in: only its CRLF is still due
+                self._sink = None
+                if self._own:
+                    self._value, self._own = bytes(self._value), False
         else:
             self._end += nbytes
 
@@ -201,16 +212,21 @@ class ReplyReader:
     def attach(self, view) -> None:
         """Receive the announced bulk into `view` (writable, at least that long; the payload
         fills its first `length` bytes). `view` itself stands for the bulk in the reply."""
-        n = self._answering().length
-        mv = view if isinstance(view, memoryview) else memoryview(view)
-        if mv.format != "B" or mv.ndim != 1:
+        bulk = self._announced
+        if bulk is None:
+            raise RuntimeError("no bulk is announced")
+        n = bulk.length
+        mv = memoryview(view)
+        if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
+            if not mv.c_contiguous:
+                raise ValueError("attach() needs a C-contiguous buffer")
             mv = mv.cast("B")
         if mv.readonly:
             raise TypeError("attach() needs a writable buffer")
         if len(mv) < n:
             raise ValueError(f"the bulk is {n} bytes but the buffer holds {len(mv)}")
         self._announced = None
-        self._receive(mv[:n] if len(mv) != n else mv, n, view)
+        self._receive(mv if len(mv) == n else mv[:n], n, view)
 
     def drop(self, marker: Any = None) -> None:
         """Read the announced bulk and throw it away; `marker` stands for it in the reply."""
@@ -239,14 +255,20 @@ class ReplyReader:
     def _receive(self, view: memoryview | None, n: int, value: Any) -> None:
         """Start receiving an n-byte payload into `view` (None: dropped), first from the buffer."""
         start = self._start
-        take = min(self._end - start, n)
-        if take and view is not None:
-            view[:take] = self._mv[start:start + take]
-        self._start = start + take
-        self._sink = view
-        self._sink_pos = take
-        self._sink_left = n - take
-        self._value, self._own, self._crlf_due = value, False, True
+        take = self._end - start
+        if take > n:
+            take = n
+        if take:
+            if view is not None:
+                view[:take] = self._mv[start:start + take]
+            self._start = start + take
+        if take < n:
+            self._sink = view
+            self._sink_pos = take
+            self._sink_left = n - take
+        self._value = value
+        self._own = False
+        self._crlf_due = True
 
     # -- events ------------------------------------------------------------
 
@@ -267,10 +289,7 @@ class ReplyReader:
                     raise ProtocolError("bulk reply not followed by CRLF")
                 self._start = start + 2
                 self._crlf_due = False
-                self._sink = None
                 value, self._value = self._value, None
-                if self._own:
-                    value, self._own = bytes(value), False
             else:
                 nl = buf.find(b"\r\n", start, self._end)
                 if nl < 0:
@@ -280,15 +299,18 @@ class ReplyReader:
                 if nl - start > MAX_LINE:
                     raise ProtocolError(f"reply line longer than {MAX_LINE} bytes")
                 kind = buf[start]
-                line = bytes(self._mv[start + 1:nl])
+                line = buf[start + 1:nl]
                 self._start = nl + 2
                 if kind == 36:  # '$'
-                    n = _parse_int(line)
-                    if n is None or n < -1:
-                        raise ProtocolError(f"invalid bulk length {line[:40]!r}")
+                    if line.isdigit() and len(line) < MAX_INT_DIGITS and (line[0] != 48 or len(line) == 1):
+                        n = int(line)  # the common case, in short
+                    else:
+                        n = _parse_int(line)
+                        if n is None or n < -1:
+                            raise ProtocolError(f"invalid bulk length {bytes(line[:40])!r}")
                     if n == -1:
                         value = None
-                    elif self.large_bulk is not None and n >= self.large_bulk:
+                    elif n >= self._announce_from:
                         if stack:
                             items, count = stack[-1]
                             bulk = Bulk(n, len(stack), items, count)
@@ -304,7 +326,7 @@ class ReplyReader:
                 elif kind == 42:  # '*'
                     n = _parse_int(line)
                     if n is None or n < -1 or n > self.max_array_len:
-                        raise ProtocolError(f"invalid array length {line[:40]!r}")
+                        raise ProtocolError(f"invalid array length {bytes(line[:40])!r}")
                     if n > 0:
                         if len(stack) >= MAX_DEPTH:
                             raise ProtocolError(f"arrays nested deeper than {MAX_DEPTH}")
@@ -314,9 +336,9 @@ class ReplyReader:
                 elif kind == 58:  # ':'
                     value = _parse_int(line)
                     if value is None:
-                        raise ProtocolError(f"invalid integer {line[:40]!r}")
+                        raise ProtocolError(f"invalid integer {bytes(line[:40])!r}")
                 elif kind == 43:  # '+'
-                    value = Status(line)
+                    value = Status(line)  # a bytes subclass, from the bytearray
                 elif kind == 45:  # '-'
                     value = ReplyError(line.decode("utf-8", "replace"))
                 elif kind == 95 and not line:  # '_': RESP3 null
@@ -332,6 +354,4 @@ class ReplyReader:
                 stack.pop()
                 value = top[0]
             else:
-                if self._start == self._end:
-                    self._start = self._end = 0
                 return value

@@ -133,14 +133,18 @@ class RawConnection:
         `recv_into` writes the payload straight into it.
         """
         reader = self.reader
-        recv_into = self.sock.recv_into
         try:
-            while (event := reader.next_event()) is NEED_DATA:
-                got = recv_into(reader.get_buffer(HEADER_READ))
-                if not got:
-                    raise ConnectionResetError("the server closed the connection mid-reply" if reader.receiving
-                                               else "the server closed the connection")
-                reader.buffer_updated(got)
+            event = reader.next_event()
+            if event is NEED_DATA:
+                recv_into, get_buffer, updated, next_event = (
+                    self.sock.recv_into, reader.get_buffer, reader.buffer_updated, reader.next_event)
+                while event is NEED_DATA:
+                    got = recv_into(get_buffer(HEADER_READ))
+                    if not got:
+                        raise ConnectionResetError("the server closed the connection mid-reply"
+                                                   if reader.receiving else "the server closed the connection")
+                    updated(got)
+                    event = next_event()
         except WireProtocolError as e:
             raise ProtocolError(str(e)) from None
         return event
