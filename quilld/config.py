@@ -45,7 +45,7 @@ class ServerConfig:
     max_clients: int = 10000
     proto_max_bulk_len: int = 512 * MiB
     client_output_high_water: int = 64 * MiB
-    payload_timeout_ms: int = 15_000  # a large payload that stops arriving this long closes its client
+    payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
 

@@ -171,7 +171,8 @@ def test_unfilled_reservations_are_capped_per_tenant(users):
         alice = q.client(username="alice", password="apw", single_connection_client=True)
         kept = bytes(range(256)) * (128 * 1024)  # 32 MiB
         alice.set("kept", kept)
-        # mallory announces payloads she never sends: 3 x 80 MiB over a 64 MiB per-tenant cap
+        # mallory announces payloads she never sends: 3 x 80 MiB; her first is allowed (alone, as any
+        # value that fits), the others are past her 64 MiB cap; the first times out in 4 s
         stalled = []
         for _ in range(3):
             s = socket.create_connection(("127.0.0.1", q.port), timeout=30)
@@ -180,12 +181,20 @@ def test_unfilled_reservations_are_capped_per_tenant(users):
             s.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhold\r\n$%d\r\n" % (80 * MiB))
             stalled.append(s)
         # alice's value was not evicted for them, and alice can still write a large value
-        assert wait_until(lambda: alice.info("stats").get("unfilled_refused", 0) >= 3, timeout=15)
-        assert alice.get("kept") == kept
+        assert wait_until(lambda: alice.info("stats").get("unfilled_refused", 0) >= 2, timeout=15)
+        assert alice.info("tiers")["dram_unfilled_bytes"] == 80 * MiB
+        assert alice.get("kept") == kept  # 80 MiB reserved did not need to evict it
+        # alice's 64 MiB would take unfilled bytes past half the arena: it waits for mallory's
+        # stalled payload to be cut off, then goes through
         assert alice.set("more", b"m" * (64 * MiB)) is True
-        tiers = alice.info("tiers")
-        assert tiers["dram_unfilled_bytes"] == 0
+        assert alice.info("stats")["payload_timeouts"] >= 1
+        assert alice.get("kept") == kept
+        # mallory's other headers, waiting meanwhile, take her turn one at a time and are cut off too
+        assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] == 0, timeout=30)
+        assert alice.info("stats")["payload_timeouts"] == 3
         for s in stalled:
+            s.settimeout(5)
+            assert s.recv(100) == b""  # closed by the server
             s.close()
         # within the cap a payload is accepted and completes normally
         mallory = q.client(username="mallory", password="mpw", single_connection_client=True)
