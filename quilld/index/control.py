@@ -15,22 +15,32 @@ internal hashes; engines' events carry vLLM's hashes.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
 
 from quilld.config import Config, EngineConfig
-from quilld.index.engines import EngineRegistry
-from quilld.index.events import Batch, Cleared, Removed, Stored, medium_tier
+from quilld.index.engines import EngineRegistry, FeedStats
+from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
+from quilld.index.groups import EVERY_GROUP, GroupedHoldings
 from quilld.index.residency import ResidencyIndex, hash_key
 from quilld.index.router import CostWeights, Decision, choose
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import KvEventSubscriber
-from quilld.model import IdentityScope
+from quilld.model import CacheTier, IdentityScope
 from quilld.scopes import ScopeRegistry
 
 log = logging.getLogger("quilld.index.control")
+
+
+_RESETS = {
+    "gap": "KV events lost (a gap in the sequence that could not be replayed)",
+    "beyond_buffer": "KV events lost beyond the publisher's replay buffer",
+    "restart": "its KV-event publisher restarted",
+}
 
 
 def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
@@ -55,42 +65,128 @@ class ControlPlane:
         self.weights = CostWeights(prefill_load_scale=r.prefill_load_scale,
                                    active_request_weight=r.active_request_weight, temperature=r.temperature,
                                    storage_credit=r.storage_credit)
+        self.idle_warning_s = r.kv_idle_warning_s
         self.affinity: dict[str, str] = {}  # session id -> engine id
         self.stats: Counter[str] = Counter()
+        self.feeds: dict[str, FeedStats] = {e: FeedStats(self.stats) for e in self.engines.engines}
         self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under
-        self._subscribers: dict[str, Any] = {}  # engine id -> its KV-event subscriber
+        self._scope_of: dict[str, dict[str | None, IdentityScope]] = {}  # engine id -> adapter -> scope
+        self._grouped: dict[str, GroupedHoldings] = {}  # engines whose events name more than one group
+        self._whole: dict[str, set[CacheTier]] = {}  # engine id -> tiers its events stored with no group
+        self._subscribers: dict[str, KvEventSubscriber] = {}  # engine id -> its KV-event subscriber
         self.pool: list[str] = []  # pool node ids (this node, then peers) holding blocks ROUTE can fetch
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
-        e = self.engines.get(engine_id)
-        return self.scopes.tag(IdentityScope(e.tenant, e.model, e.tokenizer, adapter or ""))
+        per = self._scope_of.get(engine_id)
+        if per is None:
+            per = self._scope_of[engine_id] = {}
+        scope = per.get(adapter)
+        if scope is None:
+            e = self.engines.get(engine_id)
+            scope = per[adapter] = IdentityScope(e.tenant, e.model, e.tokenizer, adapter or "")
+        return self.scopes.tag(scope)
+
+    def feed(self, engine_id: str) -> FeedStats:
+        """The figures of `engine_id`'s KV-event feed (created with the engine)."""
+        feed = self.feeds.get(engine_id)
+        if feed is None:
+            self.engines.get(engine_id)  # raises for an unknown engine
+            feed = self.feeds[engine_id] = FeedStats(self.stats)
+        return feed
 
     def apply(self, engine_id: str, batch: Batch) -> int:
-        """Apply one decoded batch of `engine_id`'s events; returns the events applied."""
-        index = self.index
-        for ev in batch.events:
-            if type(ev) is Stored:
-                tag, tier = self.engine_tag(engine_id, ev.lora_name), medium_tier(ev.medium)
-                self._tags.setdefault(engine_id, set()).add(tag)
-                for h in ev.block_hashes:
-                    index.put(tag, h, engine_id, tier)
-            elif type(ev) is Removed:  # events name no adapter: try every scope the engine used
-                tier = medium_tier(ev.medium)
-                for tag in self._tags.get(engine_id, ()):
-                    for h in ev.block_hashes:
-                        index.remove(tag, h, engine_id, tier)
-            elif type(ev) is Cleared:
-                index.clear_holder(engine_id)
-        self.stats["kv_batches"] += 1
-        self.stats["kv_events"] += len(batch.events)
-        return len(batch.events)
+        """Apply one decoded batch of `engine_id`'s events (POST /v1/kv-events, KVEVENTS); returns
+        the events applied. The ZMQ subscriber applies its batches through `apply_events`, in slices."""
+        n = self.apply_events(engine_id, batch.events)
+        feed = self.feed(engine_id)
+        feed.add("batches")
+        feed.add("events", n)
+        return n
 
-    def on_gap(self, engine_id: str, missing: int) -> None:
-        """Events were lost: what we know of this engine may be wrong, so forget it."""
+    def apply_events(self, engine_id: str, events: Sequence[Event]) -> int:
+        """Apply events of `engine_id` to the index, in order; returns how many.
+
+        A KV-cache group other than 0 hands the engine over to `GroupedHoldings`, which
+        applies groups.py's reuse rule; until then (and for every engine with one group)
+        events go straight to the index.
+        """
+        index, grouped = self.index, self._grouped.get(engine_id)
+        tags = self._tags.get(engine_id)
+        if tags is None:
+            tags = self._tags[engine_id] = set()
+        named_groups = self.feed(engine_id).groups
+        for ev in events:
+            kind = type(ev)
+            if kind is Stored:
+                tag, tier, group = self.engine_tag(engine_id, ev.lora_name), medium_tier(ev.medium), ev.group_idx
+                if tag not in tags:
+                    tags.add(tag)
+                if group is not None and group not in named_groups:
+                    self._note_group(engine_id, ev)
+                if grouped is None:
+                    if not group:  # None or 0: one group as far as anyone knows
+                        if group is None:
+                            self._whole.setdefault(engine_id, set()).add(tier)
+                        put = index.put
+                        for h in ev.block_hashes:
+                            put(tag, h, engine_id, tier)
+                        continue
+                    grouped = self._group_up(engine_id)
+                if group is not None:
+                    grouped.learn(group)
+                grouped.stored(tag, ev.block_hashes, tier, EVERY_GROUP if group is None else 1 << group)
+            elif kind is Removed:  # events name no adapter: try every scope the engine used
+                tier, group = medium_tier(ev.medium), ev.group_idx
+                if grouped is None and group:
+                    grouped = self._group_up(engine_id)
+                if grouped is None:
+                    remove = index.remove
+                    for tag in tags:
+                        for h in ev.block_hashes:
+                            remove(tag, h, engine_id, tier)
+                    continue
+                if group is not None:
+                    grouped.learn(group)
+                mask = EVERY_GROUP if group is None else 1 << group
+                for tag in tags:
+                    grouped.removed(tag, ev.block_hashes, tier, mask)
+            elif kind is Cleared:
+                index.clear_holder(engine_id)
+                if grouped is not None:
+                    grouped.clear()
+        return len(events)
+
+    def _group_up(self, engine_id: str) -> GroupedHoldings:
+        """The engine named a second KV-cache group: from now on its residencies are kept per group."""
+        grouped = self._grouped[engine_id] = GroupedHoldings(engine_id, self.index)
+        n = grouped.adopt(self.index.holder_entries(engine_id), self._whole.get(engine_id, set()))
+        log.info("engine %s: its KV events name more than one KV-cache group; %d residencies now kept per group",
+                 engine_id, n)
+        return grouped
+
+    def _note_group(self, engine_id: str, ev: Stored) -> None:
+        kind = ev.kv_cache_spec_kind or "unknown"
+        if ev.sliding_window:
+            kind = f"{kind}({ev.sliding_window})"
+        self.feed(engine_id).groups[ev.group_idx] = kind
+
+    def reset_engine(self, engine_id: str, reason: str, missing: int = 0) -> int:
+        """What we know of this engine may be wrong (events lost, or its publisher restarted):
+        forget it; returns the residencies dropped. `reason` (gap, beyond_buffer, restart) is
+        logged; a loss also counts in kv_gaps."""
         dropped = self.index.clear_holder(engine_id)
-        self.stats["kv_gaps"] += 1
-        log.warning("engine %s: %d KV events lost, dropped its %d residencies", engine_id, missing, dropped)
+        self._grouped.pop(engine_id, None)
+        self._whole.pop(engine_id, None)
+        feed = self.feeds.get(engine_id)
+        if feed is not None:
+            feed.add("drops")
+            feed.groups.clear()
+        if reason != "restart":
+            self.stats["kv_gaps"] += 1
+        log.warning("engine %s: %s%s; dropped its %d residencies rather than route on a stale view", engine_id,
+                    _RESETS.get(reason, reason), f" ({missing} batches)" if missing else "", dropped)
+        return dropped
 
     # -- routing ----------------------------------------------------------------
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
@@ -131,8 +227,10 @@ class ControlPlane:
         else:
             new = True
         self.engines.add(engine)
+        feed = self.feeds[engine.id] = FeedStats(self.stats)
         if engine.kv_events:
-            sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply, self.on_gap, engine.replay or None)
+            sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply_events, self.reset_engine,
+                                    engine.replay or None, stats=feed)
             await sub.start()
             self._subscribers[engine.id] = sub
         return new
@@ -144,6 +242,10 @@ class ControlPlane:
         if sub is not None:
             await sub.stop()
         self._tags.pop(engine_id, None)
+        self._scope_of.pop(engine_id, None)
+        self._grouped.pop(engine_id, None)
+        self._whole.pop(engine_id, None)
+        self.feeds.pop(engine_id, None)
         for session in [s for s, e in self.affinity.items() if e == engine_id]:
             del self.affinity[session]
         return self.index.clear_holder(engine_id)
@@ -166,8 +268,22 @@ class ControlPlane:
         """The ZMQ subscribers' counters, summed over engines."""
         total: Counter[str] = Counter()
         for sub in self._subscribers.values():
-            total.update(sub.stats)
+            total.update(sub.stats.counts)
         return total
+
+    def feed_view(self, engine_id: str, now: float | None = None) -> dict[str, Any]:
+        """One engine's feed figures as plain values (admin API, INFO, metrics)."""
+        now = time.monotonic() if now is None else now
+        view = self.feed(engine_id).as_dict(now)
+        sub = self._subscribers.get(engine_id)
+        view["subscribed"] = sub is not None
+        if sub is None:
+            view["state"] = "push"  # fed by POST /v1/kv-events or KVEVENTS, if at all
+        return view
 
     def housekeeping(self) -> None:
         self.engines.expire()
+        if self.idle_warning_s > 0:
+            now = time.monotonic()
+            for sub in self._subscribers.values():
+                sub.check_idle(now, self.idle_warning_s)

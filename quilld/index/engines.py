@@ -1,8 +1,13 @@
-"""Registered inference engines and their live in-flight load.
+"""Registered inference engines, their live in-flight load and their KV-event feeds' figures.
 
 Load is counted by leases: `acquire` (ROUTE ... ACQUIRE) adds one request to an
 engine and returns a lease id; `release` takes it back. A lease not released
 within the timeout expires, so a lost release cannot pin load forever.
+
+Each engine has a `FeedStats`: what its KV events did (batches, events, malformed,
+gaps, replays, restarts, missed batches, the last sequence number), kept by whoever
+feeds it (the ZMQ subscriber, or POST /v1/kv-events and KVEVENTS) and shown per engine
+by INFO router, /v1/engines, /v1/stats and /metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +18,52 @@ from collections import Counter
 
 from quilld.config import EngineConfig
 from quilld.errors import CommandError
+
+
+FEED_COUNTERS = ("batches", "events", "malformed", "gaps", "missed", "replays", "restarts", "drops", "duplicates",
+                 "errors")
+# The node-wide counters (INFO stats) that sum one of them over every engine.
+_TOTALS = {"batches": "kv_batches", "events": "kv_events", "malformed": "kv_malformed"}
+
+
+class FeedStats:
+    """One engine's KV-event feed: counters, the last sequence number, and when it last heard anything.
+
+    `gaps` counts holes seen in the sequence, `replays` the replays that filled one (or
+    caught up after a start or reconnect), `missed` the batches lost for good, `restarts`
+    the publisher restarts detected, `drops` the times the engine's residencies were
+    dropped because of either. Adding to batches, events or malformed also adds to the
+    node-wide `totals` (kv_batches, kv_events, kv_malformed).
+    """
+
+    __slots__ = ("counts", "totals", "last_seq", "last_heard", "started", "state", "idle_warned", "groups")
+
+    def __init__(self, totals: Counter[str] | None = None, clock=time.monotonic) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(FEED_COUNTERS, 0)
+        self.totals = totals
+        self.last_seq: int | None = None
+        self.last_heard: float | None = None  # monotonic time of the last message, of any kind
+        self.started = clock()
+        self.state = "new"  # new, waiting, catching_up, live (the ZMQ feed's phase)
+        self.idle_warned = False
+        self.groups: dict[int, str] = {}  # KV-cache group -> its kind, as the engine's events name them
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+        total = _TOTALS.get(name)
+        if total is not None and self.totals is not None:
+            self.totals[total] += n
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[name]
+
+    def idle_s(self, now: float) -> float:
+        """Seconds since the feed last heard anything (since it started, if never)."""
+        return now - (self.last_heard if self.last_heard is not None else self.started)
+
+    def as_dict(self, now: float) -> dict:
+        return dict(self.counts, last_seq=self.last_seq, state=self.state, idle_s=round(self.idle_s(now), 3),
+                    groups={str(g): kind for g, kind in sorted(self.groups.items())})
 
 
 class EngineRegistry:

@@ -152,6 +152,21 @@ class ResidencyIndex:
                 self._counts[slot] = 0
         return dropped
 
+    def holder_entries(self, holder: str) -> list[tuple[bytes, bytes, int]]:
+        """Every (scope tag, hash key, tier number) `holder` has: a full scan, for rare hand-overs."""
+        no = self._holder_no.get(holder)
+        if no is None:
+            return []
+        shift = TIER_SLOTS * no
+        out = []
+        for key, mask in self._entries.items():
+            own = (mask >> shift) & TIER_MASK
+            while own:
+                low = own & -own
+                out.append((key[:TAG_LEN], key[TAG_LEN:], low.bit_length() - 1))
+                own ^= low
+        return out
+
     # -- queries --------------------------------------------------------------
     def masks(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[int]:
         """The entry mask of each block, in order (0 where nobody holds it)."""

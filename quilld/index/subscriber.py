@@ -1,87 +1,157 @@
 """An asyncio subscriber to one vLLM engine's ZMQ KV-event publisher.
 
 vLLM's `ZmqEventPublisher` (`vllm/distributed/kv_events.py`) publishes on a PUB socket
-`(topic, seq, payload)` and, when `replay_endpoint` is configured, serves a ROUTER
-socket: a request `[b"", start_seq (8 bytes big-endian)]` from a DEALER (the ROUTER
-sees `[client_id, b"", start_seq]`) is answered with one `[b"", seq, payload]` per
-buffered batch with `seq >= start_seq`, then `[b"", END_SEQ, b""]`. vLLM only keeps a
-bounded buffer of past batches (`buffer_steps`, 10 000 by default).
+`(topic, seq, payload)`, its sequence numbers counting from 0 in each process, and, when
+`replay_endpoint` is configured, serves a ROUTER socket: a request `[b"", start_seq
+(8 bytes big-endian)]` from a DEALER is answered with one message per buffered batch with
+`seq >= start_seq` (`[b"", seq, payload]`, 0.33 puts the topic before `seq`), then the end
+marker (`seq` -1, empty payload). vLLM keeps `buffer_steps` (10 000) past batches.
 
-This module is the IO shell around `quilld.index.events`: it decodes with
-`decode_frames`, orders with `SequenceTracker`, and hands whole batches to `apply`.
-On a gap it replays when it can; otherwise it calls `on_gap` so the caller clears the
-engine's residency (the index must never keep a state it can no longer vouch for).
+This module is the IO shell around `quilld.index.events`. What it guarantees:
+
+- **Catch-up after any start or (re)connect.** Each time the SUB socket connects (the
+  first time, and after the publisher went away and came back), it asks the replay socket
+  for everything from the last batch it applied (from 0 the first time), checks that the
+  publisher still has that batch with the same bytes, and applies the rest. Batches that
+  already left vLLM's buffer are counted as missed; if residencies were known, they are
+  dropped (`on_reset`), because a removal among the lost batches cannot be undone.
+- **Gaps**: a batch beyond the next expected sequence number is a gap: filled from the
+  replay socket the same way, or else the engine's residencies are dropped and it says so.
+- **Publisher restarts are never missed**: a restarted publisher counts from 0 again.
+  A batch whose sequence number goes backwards with a newer timestamp (or different bytes
+  than the batch we applied under that number), a replay that shows the publisher's
+  newest batch older than ours, or a replay whose batch under our last number differs,
+  all mean a new process: the engine's residencies are dropped and it is caught up from 0.
+- **Bad input never costs good input**: a bad event is skipped by the decoder and the rest
+  of its batch applies; a batch whose payload is broken still counts as that sequence
+  number (so it is never mistaken for a gap).
+- **Ingest never stalls the node**: the SUB socket is read with non-blocking receives, in
+  slices of at most `SLICE_S` seconds, and a batch bigger than `SLICE_WORK` block hashes is
+  applied in parts, yielding to the event loop in between, so ROUTE and the rest of the
+  node wait at most one slice. (pyzmq's asyncio sockets cost a future and a loop turn per
+  message; a message already queued is taken here without either.)
+
+Counters, the last sequence number and the feed's state go to a `FeedStats`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from quilld.index.events import Batch, MalformedEvent, SequenceTracker, decode_frames, is_replay_end
+from quilld.index.engines import FeedStats
+from quilld.index.events import Batch, Cleared, Event, MalformedEvent, decode_frames, is_replay_end
 
 log = logging.getLogger(__name__)
 
-# A replay is abandoned (and the gap reported) after this long, end marker or not.
+# A replay is abandoned (and treated as failed) after this long, end marker or not.
 REPLAY_TIMEOUT_S = 2.0
 # vLLM's publisher keeps `buffer_steps` = 10 000 batches; a longer gap cannot be replayed.
 MAX_REPLAY_BATCHES = 10_000
 # stop() waits this long for the receive task to finish after cancelling it.
 STOP_TIMEOUT_S = 1.0
+# Ingest yields to the event loop after this long, so a ROUTE waits at most about this much.
+SLICE_S = 0.001
+# A batch with more block hashes than this is applied in parts, one per slice.
+SLICE_WORK = 1024
+# vLLM's PUB high-water mark is 100 000 messages; the SUB side queues as many while a replay runs.
+RCVHWM = 100_000
+# Digests of this many recently applied batches tell a duplicate from a restarted publisher.
+RECENT = 256
+# A repeated warning (malformed input) is logged at most once per this many seconds.
+LOG_EVERY_S = 10.0
 
-STAT_NAMES = ("batches", "events", "malformed", "gaps", "missed", "replays", "duplicates", "restarts", "errors")
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_monitor_ids = itertools.count()
+
+# (engine id, events) -> events applied
+ApplyFn = Callable[[str, Sequence[Event]], int]
+# (engine id, reason, batches missing) -> residencies dropped
+ResetFn = Callable[[str, str, int], int]
 
 
 class ReplayFailed(Exception):
-    """The replay socket did not deliver exactly the missing batches."""
+    """The replay socket did not answer, or not with a contiguous run of batches."""
+
+
+class Replayed(NamedTuple):
+    seq: int
+    digest: int
+    batch: Batch
+
+
+def digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class KvEventSubscriber:
-    """Follows one engine's KV-event stream and applies its batches in order.
+    """Follows one engine's KV-event stream and applies its events in sequence order.
 
-    `apply(engine_id, batch)` is called once per batch, in sequence order.
-    `on_gap(engine_id, missing)` is called when batches were lost and could not be
-    replayed (`missing` > 0), or when the engine restarted its counter (`missing` 0);
-    either way the caller should forget what it knew about that engine.
+    `apply(engine_id, events)` is called in order, possibly several times per batch (a big
+    batch is applied in parts). `on_reset(engine_id, reason, missing)` is called when
+    what was applied can no longer be vouched for: events were lost (`missing` batches,
+    0 when unknown) or the publisher restarted; the caller forgets that engine's residencies.
     """
 
     def __init__(
         self,
         engine_id: str,
         endpoint: str,
-        apply: Callable[[str, Batch], None],
-        on_gap: Callable[[str, int], None],
+        apply: ApplyFn,
+        on_reset: ResetFn,
         replay_endpoint: str | None = None,
         topic: bytes = b"",
-        ctx: zmq.asyncio.Context | None = None,
+        ctx: zmq.Context | None = None,
+        stats: FeedStats | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self._apply = apply
-        self._on_gap = on_gap
+        self._on_reset = on_reset
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context.instance()
-        self._tracker = SequenceTracker()
-        self._sub: zmq.asyncio.Socket | None = None
+        self.stats = stats if stats is not None else FeedStats()
+        self._next = 0  # the sequence number expected next
+        self._known = False  # whether anything was applied since the last reset
+        self._last_ts = float("-inf")  # the timestamp of the newest batch applied
+        self._recent: dict[int, int] = {}  # seq -> payload digest of recently applied batches
+        self.connected = False
+        self._reconnects = 0  # CONNECTED events not yet answered by a catch-up
+        self._sub: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self._logged: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         if self._task is not None:
             raise RuntimeError(f"subscriber for engine {self.engine_id!r} already started")
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        address = f"inproc://quilld-kv-monitor-{next(_monitor_ids)}"
+        sub.monitor(address, _MONITOR_EVENTS)
+        monitor = self._socket(zmq.PAIR)
+        monitor.connect(address)
         sub.connect(self.endpoint)
-        self._sub = sub
+        self._sub, self._monitor = sub, monitor
+        loop = asyncio.get_running_loop()
+        for sock in (sub, monitor):
+            loop.add_reader(sock.getsockopt(zmq.FD), self._wake.set)
+        self.stats.state = "connecting"
         self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.engine_id}")
 
     async def stop(self) -> None:
@@ -90,112 +160,364 @@ class KvEventSubscriber:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
                 await asyncio.wait_for(task, STOP_TIMEOUT_S)
-        sub, self._sub = self._sub, None
+        sub, monitor, self._sub, self._monitor = self._sub, self._monitor, None, None
+        loop = asyncio.get_running_loop()
+        for sock in (sub, monitor):
+            if sock is not None and not sock.closed:
+                loop.remove_reader(sock.getsockopt(zmq.FD))
         if sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
             sub.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        # Plain (synchronous) sockets, read without blocking; the event loop watches their FDs.
+        sock = self._ctx.socket(kind, socket_class=zmq.Socket)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def check_idle(self, now: float, threshold: float) -> bool:
+        """Warn once per silence when nothing arrived for `threshold` seconds; True if it warned."""
+        stats = self.stats
+        if stats.idle_warned or stats.idle_s(now) < threshold:
+            return False
+        stats.idle_warned = True
+        heard = "nothing yet" if stats.last_heard is None else f"nothing for {stats.idle_s(now):.0f} s"
+        link = "connected" if self.connected else "not connected"
+        log.warning("engine %s: KV-event subscription to %s (%s) has received %s. vLLM binds its PUB socket only "
+                    "when its endpoint contains '*' (tcp://*:5557) and connects otherwise: with a host in vLLM's "
+                    "endpoint nothing reaches quilld", self.engine_id, self.endpoint, link, heard)
+        return True
+
     # ------------------------------------------------------------ receive loop
 
     async def _run(self) -> None:
-        assert self._sub is not None
-        sub = self._sub
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
         while True:
-            # Idle waits here are bounded by stop(), which cancels this task.
-            frames = await sub.recv_multipart()
-            try:
-                await self._handle(frames)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug downstream must not silently end the stream
-                self.stats["errors"] += 1
-                log.exception("KV-event subscriber %s: error handling a message", self.engine_id)
+            self._wake.clear()
+            self._read_monitor(monitor)
+            if self._reconnects:
+                self._reconnects = 0
+                await self._guarded(self._catch_up())
+                continue
+            if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # Idle waits here are bounded by stop(), which cancels this task.
+                await self._wake.wait()
+                continue
+            await self._drain(sub)
 
-    async def _handle(self, frames: list[bytes]) -> None:
+    async def _drain(self, sub: zmq.Socket) -> None:
+        """Take what the SUB socket holds for at most one slice, then let the loop run."""
+        clock = time.perf_counter
+        deadline = clock() + SLICE_S
+        took = 0
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            took += 1
+            try:
+                work = self._take(frames)
+            except Exception:  # a bug downstream must not silently end the stream
+                self.stats.add("errors")
+                log.exception("KV-event subscriber %s: error handling a message", self.engine_id)
+                continue
+            if work is not None:
+                await self._guarded(work)
+                deadline = clock() + SLICE_S
+            if clock() > deadline:
+                break
+        if took:
+            self.stats.last_heard = time.monotonic()
+            self.stats.idle_warned = False
+        await asyncio.sleep(0)
+
+    async def _guarded(self, work) -> None:
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug downstream must not silently end the stream
+            self.stats.add("errors")
+            log.exception("KV-event subscriber %s: error handling a message", self.engine_id)
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+                self._reconnects += 1
+                self.stats.state = "live"
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self.stats.state = "disconnected"
+
+    # ------------------------------------------------------------ one message
+
+    def _take(self, frames: list[bytes]):
+        """Handle one PUB message; returns a coroutine when it needs more than the fast path."""
         try:
             batch = decode_frames(frames)
-        except MalformedEvent as e:
-            self.stats["malformed"] += 1
-            log.warning("engine %s: %s", self.engine_id, e)
-            return
+        except MalformedEvent as e:  # no readable sequence number: counted, nothing else
+            self.stats.add("malformed")
+            self._warn("malformed", "engine %s: %s", self.engine_id, e.message)
+            return None
+        seq = batch.seq
+        if seq == self._next:
+            return self._deliver(batch, digest(frames[-1]))
+        if seq > self._next:
+            return self._fill_gap(batch, digest(frames[-1]))
+        return self._behind(batch, digest(frames[-1]))
+
+    def _deliver(self, batch: Batch, payload_digest: int):
+        """Apply a batch that is next in sequence (a coroutine when it is big)."""
         assert batch.seq is not None
+        stats = self.stats
         if batch.malformed:
-            self.stats["malformed"] += batch.malformed
-            log.warning("engine %s: seq %d: %s", self.engine_id, batch.seq, "; ".join(batch.problems))
-        last = self._tracker.last
-        skipped = self._tracker.observe(batch.seq)
-        if skipped < 0:
-            if batch.seq == 0 and last is not None and last > 0:
-                # vLLM restarts its counter at 0 with a new process: what we knew is stale.
-                self.stats["restarts"] += 1
-                self._tracker.reset()
-                self._tracker.observe(0)
-                self._call_on_gap(0)
-                self._deliver(batch)
+            stats.add("malformed", batch.malformed)
+            self._warn("malformed", "engine %s: seq %d: skipped %d bad event(s): %s", self.engine_id, batch.seq,
+                       batch.malformed, "; ".join(batch.problems))
+        self._next = batch.seq + 1
+        self._known = True
+        if batch.ts > self._last_ts:
+            self._last_ts = batch.ts
+        recent = self._recent
+        recent[batch.seq] = payload_digest
+        if len(recent) > RECENT:
+            del recent[next(iter(recent))]
+        stats.add("batches")
+        stats.last_seq = batch.seq
+        events = batch.events
+        if sum(1 if type(e) is Cleared else len(e.block_hashes) for e in events) > SLICE_WORK:
+            return self._apply_in_parts(events)
+        stats.add("events", self._apply(self.engine_id, events))
+        return None
+
+    async def _apply_in_parts(self, events: Sequence[Event]) -> None:
+        part: list[Event] = []
+        size = 0
+        for ev in events:
+            hashes = () if type(ev) is Cleared else ev.block_hashes
+            while len(hashes) > SLICE_WORK:  # one event bigger than a slice: its hashes in pieces
+                if part:
+                    await self._apply_part(part)
+                    part, size = [], 0
+                await self._apply_part([ev._replace(block_hashes=hashes[:SLICE_WORK])])
+                hashes = hashes[SLICE_WORK:]
+                ev = ev._replace(block_hashes=hashes)
+            part.append(ev)
+            size += len(hashes) + 1
+            if size >= SLICE_WORK:
+                await self._apply_part(part)
+                part, size = [], 0
+        if part:
+            await self._apply_part(part)
+
+    async def _apply_part(self, events: list[Event]) -> None:
+        self.stats.add("events", self._apply(self.engine_id, events))
+        await asyncio.sleep(0)
+
+    async def _apply_all(self, batches: list[Replayed]) -> None:
+        """Apply replayed batches in order, one slice at a time."""
+        clock = time.perf_counter
+        deadline = clock() + SLICE_S
+        for r in batches:
+            if r.seq != self._next:
+                continue  # already applied, or older than a reset
+            work = self._deliver(r.batch, r.digest)
+            if work is not None:
+                await work
+            if clock() > deadline:
+                await asyncio.sleep(0)
+                deadline = clock() + SLICE_S
+
+    # ------------------------------------------------------------ out of order
+
+    async def _fill_gap(self, batch: Batch, payload_digest: int) -> None:
+        """`batch` is beyond the next expected one: replay what is missing, or drop and say so."""
+        assert batch.seq is not None
+        stats = self.stats
+        stats.add("gaps")
+        first = self._next
+        missing = batch.seq - first
+        if self.replay_endpoint is not None and missing <= MAX_REPLAY_BATCHES:
+            try:
+                got = await self._replay(first - 1 if self._known else first)
+            except ReplayFailed as e:
+                log.warning("engine %s: replay of seq %d..%d failed: %s", self.engine_id, first, batch.seq - 1, e)
             else:
-                self.stats["duplicates"] += 1
+                if await self._follow(got, "gap"):
+                    if batch.seq < self._next:
+                        return  # the replay brought it too
+                    if batch.seq == self._next:  # the replay ended just before it
+                        await self._run_work(self._deliver(batch, payload_digest))
+                        return
+        missing = batch.seq - self._next
+        stats.add("missed", missing)
+        self._reset("gap", missing)
+        self._next = batch.seq
+        await self._run_work(self._deliver(batch, payload_digest))
+
+    async def _behind(self, batch: Batch, payload_digest: int) -> None:
+        """`batch` is older than the next expected one: a duplicate, or a restarted publisher."""
+        assert batch.seq is not None
+        seen = self._recent.get(batch.seq)
+        if seen is None:
+            # Older than the digests kept: a batch from before the newest one applied is a late
+            # duplicate; one stamped after it comes from a new process counting from 0 again.
+            restarted = batch.ts > self._last_ts and not (batch.malformed and not batch.events)
+        else:
+            restarted = seen != payload_digest
+        if not restarted:
+            self.stats.add("duplicates")
             return
-        if skipped > 0:
-            assert last is not None
-            self.stats["gaps"] += 1
-            self.stats["missed"] += skipped
-            replayed = await self._try_replay(last + 1, batch.seq)
-            if replayed is None:
-                self._call_on_gap(skipped)
+        await self._restart(f"sequence went back from {self._next - 1} to {batch.seq}", batch, payload_digest)
+
+    async def _restart(self, why: str, batch: Batch | None = None, payload_digest: int = 0) -> None:
+        """The publisher is a new process: forget everything, then catch up from its first batch."""
+        self.stats.add("restarts")
+        log.warning("engine %s: KV-event publisher restarted (%s)", self.engine_id, why)
+        self._reset("restart", 0)
+        self._next, self._recent, self._last_ts = 0, {}, float("-inf")
+        if self.replay_endpoint is not None:
+            try:
+                got = await self._replay(0)
+            except ReplayFailed as e:
+                log.warning("engine %s: replay after the restart failed: %s", self.engine_id, e)
             else:
-                for old in replayed:
-                    self._deliver(old)
-        self._deliver(batch)
+                await self._follow(got, "restart")
+        if batch is not None and batch.seq is not None and batch.seq >= self._next:
+            if batch.seq > self._next:
+                self.stats.add("missed", batch.seq - self._next)
+                self._next = batch.seq
+            await self._run_work(self._deliver(batch, payload_digest))
 
-    def _deliver(self, batch: Batch) -> None:
-        self.stats["batches"] += 1
-        self.stats["events"] += len(batch.events)
-        self._apply(self.engine_id, batch)
+    async def _catch_up(self) -> None:
+        """After a (re)connect: ask the replay socket for what happened since the last batch applied."""
+        if self.replay_endpoint is None:
+            return
+        self.stats.state = "catching_up"
+        try:
+            start = self._next - 1 if self._known else self._next
+            try:
+                got = await self._replay(start)
+            except ReplayFailed as e:
+                log.warning("engine %s: catch-up from seq %d after connecting failed: %s", self.engine_id, start, e)
+                return
+            if self._known and not got:
+                await self._restart(f"its newest batch is older than seq {start}")
+            else:
+                await self._follow(got, "catch-up")
+        finally:
+            self.stats.state = "live" if self.connected else "disconnected"
 
-    def _call_on_gap(self, missing: int) -> None:
-        self._on_gap(self.engine_id, missing)
+    async def _follow(self, got: list[Replayed], why: str) -> bool:
+        """Apply a replay that began at our last batch (when one is known) or at the next one.
+
+        Returns False when it cannot be used (nothing at or after the next batch).
+        """
+        first = self._next
+        if self._known and got and got[0].seq == first - 1:
+            if got[0].digest != self._recent.get(got[0].seq, got[0].digest):
+                await self._restart(f"its batch {got[0].seq} differs from the one applied")
+                return True
+            got = got[1:]
+        if not got:
+            return why != "gap"
+        if got[0].seq > first:  # the first batches we need already left the publisher's buffer
+            lost = got[0].seq - first
+            self.stats.add("missed", lost)
+            self._reset("beyond_buffer", lost)
+            self._next = got[0].seq
+        elif got[0].seq < first:
+            got = [r for r in got if r.seq >= first]
+        self.stats.add("replays")
+        await self._apply_all(got)
+        return True
+
+    def _reset(self, reason: str, missing: int) -> None:
+        """Forget what was applied (`reason`: gap, beyond_buffer or restart)."""
+        if self._known:
+            self._on_reset(self.engine_id, reason, missing)
+        elif missing:
+            log.warning("engine %s: %d KV-event batch(es) published before quilld followed it are beyond reach; "
+                        "blocks they stored are unknown until stored again", self.engine_id, missing)
+        self._known = False
+
+    @staticmethod
+    async def _run_work(work) -> None:
+        if work is not None:
+            await work
 
     # ------------------------------------------------------------ replay
 
-    async def _try_replay(self, first: int, stop: int) -> list[Batch] | None:
-        """The batches `first .. stop-1` from the replay socket, or None if it cannot."""
-        if self.replay_endpoint is None or stop - first > MAX_REPLAY_BATCHES:
-            return None
+    async def _replay(self, start: int) -> list[Replayed]:
+        """Every batch the replay socket holds from `start` on, in order (raises ReplayFailed)."""
+        if self.replay_endpoint is None:
+            raise ReplayFailed("no replay endpoint")
         try:
-            batches = await asyncio.wait_for(self._replay(first, stop), REPLAY_TIMEOUT_S)
-        except (ReplayFailed, MalformedEvent, asyncio.TimeoutError, zmq.ZMQError) as e:
-            why = str(e) or type(e).__name__
-            log.warning("engine %s: replay of seq %d..%d failed: %s", self.engine_id, first, stop - 1, why)
-            return None
-        self.stats["replays"] += 1
-        return batches
+            return await asyncio.wait_for(self._request(start), REPLAY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ReplayFailed(f"no end marker within {REPLAY_TIMEOUT_S} s") from None
+        except (MalformedEvent, zmq.ZMQError) as e:
+            raise ReplayFailed(str(e) or type(e).__name__) from None
 
-    async def _replay(self, first: int, stop: int) -> list[Batch]:
+    async def _request(self, start: int) -> list[Replayed]:
         # A fresh DEALER per replay: late replies to an abandoned request die with it.
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = self._socket(zmq.DEALER)
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        fd = dealer.getsockopt(zmq.FD)
+        loop.add_reader(fd, ready.set)
         try:
             dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart([b"", first.to_bytes(8, "big")])
-            got: list[Batch] = []
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            got: list[Replayed] = []
+            deadline = time.perf_counter() + SLICE_S
             while True:
-                frames = await dealer.recv_multipart()
+                try:
+                    frames = dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    ready.clear()
+                    if not dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await ready.wait()
+                    continue
                 if frames and len(frames[0]) == 0:
                     frames = frames[1:]  # the ROUTER's empty delimiter
                 if is_replay_end(frames[-2:]):
-                    break
+                    return got
                 batch = decode_frames(frames)
                 assert batch.seq is not None
-                if batch.seq >= stop:
-                    continue  # already held (or still queued on the SUB socket)
-                if batch.seq != first + len(got):
-                    raise ReplayFailed(f"expected seq {first + len(got)}, got {batch.seq}")
-                got.append(batch)
-            if len(got) != stop - first:
-                raise ReplayFailed(f"got {len(got)} of {stop - first} missing batches")
-            return got
+                want = got[-1].seq + 1 if got else None
+                if want is not None and batch.seq != want:
+                    raise ReplayFailed(f"expected seq {want}, got {batch.seq}")
+                if not got and batch.seq < start:
+                    raise ReplayFailed(f"asked from seq {start}, got {batch.seq}")
+                got.append(Replayed(batch.seq, digest(frames[-1]), batch))
+                if len(got) > MAX_REPLAY_BATCHES + 1:
+                    raise ReplayFailed(f"more than {MAX_REPLAY_BATCHES} batches")
+                if time.perf_counter() > deadline:
+                    await asyncio.sleep(0)
+                    deadline = time.perf_counter() + SLICE_S
         finally:
+            loop.remove_reader(fd)
             dealer.close(linger=0)
+
+    # ------------------------------------------------------------ logging
+
+    def _warn(self, key: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[key] = now
+            log.warning(msg, *args)

@@ -1,14 +1,17 @@
-"""The control plane's identity guard on a collision workload."""
+"""The control plane: the identity guard on a collision workload, and engines' KV events as vLLM
+0.33 sends them (offload placeholders, the STORAGE tier, KV-cache groups, resets)."""
 
 from __future__ import annotations
 
 import random
 
-from quilld.config import Config, EngineConfig
+from quilld.config import Config, EngineConfig, RouterConfig
 from quilld.index.control import ControlPlane, chain_hashes
-from quilld.index.events import Batch, Stored
-from quilld.scopes import ScopeRegistry
+from quilld.index.events import Batch, Stored, decode_payload
 from quilld.model import IdentityScope
+from quilld.scopes import ScopeRegistry
+
+import vllm_schema as vllm
 
 
 def test_collision_workload_reuses_nothing_across_identities_and_counts_refusals():
@@ -55,3 +58,100 @@ def test_token_chains_share_leading_blocks():
     b = chain_hashes(list(range(48)) + [999] * 16, 16)
     assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
     assert chain_hashes(list(range(15)), 16) == []
+
+
+# ---------------------------------------------------------------- KV events (issue 12)
+
+ENGINE = EngineConfig(id="vllm-0", url="http://127.0.0.1:1", model="m")
+SCOPE = IdentityScope("default", "m", "", "")
+
+
+def plane(*engines: EngineConfig) -> ControlPlane:
+    return ControlPlane(Config(engines=engines or (ENGINE,)), ScopeRegistry())
+
+
+def feed(control: ControlPlane, *events, engine: str = "vllm-0") -> Batch:
+    """Events through vLLM 0.33's encoding and quilld's decoder, then applied as the subscriber does."""
+    batch = decode_payload(vllm.encode(list(events)))
+    control.apply_events(engine, batch.events)
+    return batch
+
+
+def plan(control: ControlPlane, blocks: list) -> list[str]:
+    d = control.route(SCOPE, control.scopes.tag(SCOPE), blocks)
+    return [s.action if s.action == "recompute" else f"{s.action}:{s.tier.value}" for s in d.plan]
+
+
+def test_offload_events_share_a_batch_with_gpu_events_and_all_of_it_applies():
+    """The issue's case: the offloading connector's placeholders (block_size=0, STORAGE) beside GPU
+    events used to lose the whole batch and, after a failed replay, every residency (4 -> 1)."""
+    control = plane()
+    batch = feed(control, vllm.gpu([1, 2, 3, 4]), vllm.offloaded([5, 6], vllm.MEDIUM_STORAGE),
+                 vllm.offloaded([1, 2], vllm.MEDIUM_CPU), vllm.removed([9]))
+    assert batch.malformed == 0
+    assert plan(control, [1, 2, 3, 4, 5, 6, 7]) == ["hit:hbm"] * 4 + ["hit:storage"] * 2 + ["recompute"]
+    d = control.route(SCOPE, control.scopes.tag(SCOPE), [1, 2, 3, 4, 5, 6, 7])
+    assert d.candidates[0].credit == 4 * 1.0 + 2 * 0.25
+    assert {t.value for _, t in control.index.locate(control.scopes.tag(SCOPE), [1])[0]} == {"hbm", "cpu"}
+    feed(control, vllm.removed([1, 2, 3, 4]))  # GPU evicts; the CPU copies of 1 and 2 still count
+    assert plan(control, [1, 2, 3]) == ["hit:cpu", "hit:cpu", "recompute"]
+
+
+def test_storage_credit_comes_from_the_config():
+    control = ControlPlane(Config(engines=(ENGINE,), router=RouterConfig(storage_credit=0.5)), ScopeRegistry())
+    feed(control, vllm.offloaded([1, 2], vllm.MEDIUM_STORAGE))
+    assert control.route(SCOPE, control.scopes.tag(SCOPE), [1, 2]).candidates[0].credit == 1.0
+
+
+def test_a_block_counts_only_while_every_kv_cache_group_holds_it():
+    control = plane()
+    full = dict(group=0, kind="full_attention")
+    swa = dict(group=1, kind="sliding_window", window=4096)
+    feed(control, vllm.gpu([1, 2, 3, 4], **full), vllm.gpu([1, 2, 3, 4], **swa))
+    assert plan(control, [1, 2, 3, 4]) == ["hit:hbm"] * 4
+    feed(control, vllm.removed([1], group=1))  # the window group freed block 1; the full group holds it
+    assert plan(control, [1, 2, 3, 4]) == ["recompute"] * 4
+    assert plan(control, [2, 3, 4]) == ["hit:hbm"] * 3
+    assert control.index.locate(control.scopes.tag(SCOPE), [1]) == [[]]
+    feed(control, vllm.gpu([1], **swa))  # stored again in that group: reusable again
+    assert plan(control, [1, 2, 3, 4]) == ["hit:hbm"] * 4
+    feed(control, vllm.removed([3], group=0))
+    assert plan(control, [1, 2, 3, 4]) == ["hit:hbm"] * 2 + ["recompute"] * 2
+    assert control.feed("vllm-0").groups == {0: "full_attention", 1: "sliding_window(4096)"}
+
+
+def test_a_second_group_carries_the_first_groups_blocks_over():
+    control = plane()
+    feed(control, vllm.gpu([1, 2, 3], group=0), vllm.offloaded([7]))  # one group so far: straight to the index
+    assert plan(control, [1, 2, 3]) == ["hit:hbm"] * 3
+    feed(control, vllm.gpu([1, 2], group=1))  # group 1 appears: block 3 is group 0's only
+    assert plan(control, [1, 2, 3]) == ["hit:hbm"] * 2 + ["recompute"]
+    assert plan(control, [7]) == ["hit:cpu"]  # stored with no group: the whole block, every group
+    feed(control, vllm.removed([7], vllm.MEDIUM_CPU, group=None))
+    assert plan(control, [7]) == ["recompute"]
+
+
+def test_groups_are_per_tier_and_a_clear_empties_every_group():
+    control = plane()
+    feed(control, vllm.gpu([1, 2], group=0), vllm.gpu([1, 2], group=1))
+    feed(control, vllm.removed([2], group=1), vllm.BlockStored([2], None, [], 0, None, "CPU", None, group_idx=1))
+    assert plan(control, [1, 2]) == ["hit:hbm", "recompute"]  # held in two tiers by two groups: neither counts
+    feed(control, vllm.AllBlocksCleared())
+    assert plan(control, [1]) == ["recompute"] and len(control.index) == 0
+    feed(control, vllm.gpu([5], group=0), vllm.gpu([5], group=1))
+    assert plan(control, [5]) == ["hit:hbm"]
+
+
+def test_reset_drops_the_engine_and_counts_why():
+    control = plane()
+    control.apply("vllm-0", decode_payload(vllm.encode([vllm.gpu([1, 2], group=0), vllm.gpu([1], group=1)])))
+    f = control.feed("vllm-0")
+    assert (f["batches"], f["events"]) == (1, 2) and control.stats["kv_batches"] == 1
+    assert control.reset_engine("vllm-0", "gap", 3) == 1
+    assert plan(control, [1]) == ["recompute"] and f["drops"] == 1 and control.stats["kv_gaps"] == 1
+    assert f.groups == {}
+    feed(control, vllm.gpu([4], group=0))
+    control.reset_engine("vllm-0", "restart")
+    assert control.stats["kv_gaps"] == 1 and f["drops"] == 2  # a restart is not a loss
+    view = control.feed_view("vllm-0")
+    assert view["state"] == "push" and not view["subscribed"] and view["batches"] == 1

@@ -1,35 +1,44 @@
-"""KvEventSubscriber against real ZMQ sockets on loopback (PUB, and a ROUTER for replay)."""
+"""KvEventSubscriber against real ZMQ sockets on loopback: a publisher that does what vLLM
+0.33's ZmqEventPublisher does (PUB `(topic, seq, payload)`, a bounded buffer, a replay
+ROUTER), payloads from vLLM's own schema (tests/vllm_schema.py).
+
+Scenarios: in order, duplicates, topics; malformed input; gaps inside and beyond the
+replay buffer; a late start and a restart of quilld (catch-up from the replay socket);
+a restart of the publisher with and without its first batches, seen through the sequence,
+the timestamp or the reconnect probe; big batches applied in slices; the idle warning.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
+import vllm_schema as vllm
 from quilld.index import subscriber as subscriber_mod
-from quilld.index.events import Batch, Stored
+from quilld.index.engines import FeedStats
+from quilld.index.events import Stored
 from quilld.index.subscriber import KvEventSubscriber
 
 ENGINE = "engine-a"
-END_SEQ = b"\xff" * 8  # vLLM: (-1).to_bytes(8, "big", signed=True)
-TEST_TIMEOUT_S = 8.0
+TEST_TIMEOUT_S = 10.0
 
 
-def payload(seq: int) -> bytes:
-    # The block hash carries the seq so a test can tell batches apart by content too.
-    return msgpack.packb([float(seq), [["BlockStored", [1000 + seq, 2], None, [1, 2, 3], 16, None, "GPU"]], 0])
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def frames(seq: int, topic: bytes = b"") -> list[bytes]:
-    return [topic, seq.to_bytes(8, "big"), payload(seq)]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 4.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -37,48 +46,123 @@ async def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
         await asyncio.sleep(0.01)
 
 
-class Harness:
-    """A PUB socket standing in for vLLM, and a subscriber recording what it is given."""
+class Publisher:
+    """vLLM's ZmqEventPublisher on the wire: PUB, a replay ROUTER, a bounded buffer of past batches.
 
-    def __init__(self, ctx: zmq.asyncio.Context, replay_endpoint: str | None = None, topic: bytes = b"") -> None:
+    `topic_in_replay` sends replies as vLLM 0.33 does (`[id, b"", topic, seq, payload]`, end
+    marker `[id, b"", b"", END, b""]`); otherwise as older releases (`[id, b"", seq, payload]`).
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, replay: bool = True, buffer_steps: int = 10_000,
+                 topic: bytes = b"kv", topic_in_replay: bool = True, answer: bool = True) -> None:
         self.ctx = ctx
-        self.pub = ctx.socket(zmq.PUB)
+        self.pub_port, self.replay_port = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.pub_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}" if replay else None
+        self.buffer_steps, self.topic, self.topic_in_replay, self.answer = buffer_steps, topic, topic_in_replay, answer
+        self.requests: list[int] = []
+        self.generation = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.applied: list[Batch] = []
-        self.gaps: list[tuple[str, int]] = []
-        self.sub = KvEventSubscriber(
-            ENGINE,
-            f"tcp://127.0.0.1:{port}",
-            lambda engine, batch: self.applied.append(batch) if engine == ENGINE else None,
-            lambda engine, missing: self.gaps.append((engine, missing)),
-            replay_endpoint=replay_endpoint,
-            topic=topic,
-            ctx=ctx,
-        )
+        self.pub.bind(self.endpoint)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        self.seq = 0
+        self.router = None
+        self.task = None
+        if self.replay_endpoint is not None:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(self.replay_endpoint)
+            self.task = asyncio.create_task(self._serve())
+
+    async def publish(self, *events, drop: bool = False, raw: bytes | None = None) -> int:
+        """One batch (`drop`: lost on the PUB socket, kept in the buffer); returns its seq."""
+        payload = raw if raw is not None else vllm.encode(list(events), ts=time.time())
+        seq, self.seq = self.seq, self.seq + 1
+        if not drop:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+        self.buffer.append((seq, payload))
+        return seq
+
+    async def _serve(self) -> None:
+        while True:
+            request = await self.router.recv_multipart()
+            if len(request) != 3:
+                continue
+            client, _, start_bytes = request
+            start = int.from_bytes(start_bytes, "big")
+            self.requests.append(start)
+            if not self.answer:
+                continue
+            head = [client, b"", self.topic] if self.topic_in_replay else [client, b""]
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self.router.send_multipart(head + [seq.to_bytes(8, "big"), payload])
+            end = [client, b"", b""] if self.topic_in_replay else [client, b""]
+            await self.router.send_multipart(end + [vllm.END_SEQ, b""])
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await self.task
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
+
+    async def restart(self) -> None:
+        """A new vLLM process on the same ports: sequence from 0, an empty buffer."""
+        await self.close()
+        await asyncio.sleep(0.05)
+        self.generation += 1
+        self._open()
+
+
+class Harness:
+    """A subscriber following `pub`, recording what it applies and every reset."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, pub: Publisher) -> None:
+        self.pub = pub
+        self.applied: list[Stored] = []
+        self.resets: list[tuple[str, int]] = []
+        self.calls = 0
+        self.stats = FeedStats()
+        self.sub = KvEventSubscriber(ENGINE, pub.endpoint, self._apply, self._reset, pub.replay_endpoint,
+                                     ctx=ctx, stats=self.stats)
+
+    def _apply(self, engine: str, events) -> int:
+        assert engine == ENGINE
+        self.calls += 1
+        self.applied.extend(events)
+        return len(events)
+
+    def _reset(self, engine: str, reason: str, missing: int) -> int:
+        self.resets.append((reason, missing))
+        self.applied.clear()  # as the control plane does: what was known is gone
+        return 0
 
     @property
-    def seqs(self) -> list[int | None]:
-        return [b.seq for b in self.applied]
+    def hashes(self) -> list[int]:
+        return [h for e in self.applied if type(e) is Stored for h in e.block_hashes]
 
-    async def send(self, seq: int, topic: bytes = b"") -> None:
-        await self.pub.send_multipart(frames(seq, topic))
+    async def start(self) -> None:
+        await self.sub.start()
+        await until(lambda: self.sub.connected)
 
-    async def join(self, seq: int = 0, topic: bytes = b"") -> None:
-        """Beat the slow joiner: publish `seq` until the subscriber has applied it."""
-        deadline = time.monotonic() + 3.0
+    async def join(self, first: int = 1000) -> int:
+        """Without a replay socket: publish until the subscription carries batches (slow joiner)."""
+        deadline = time.monotonic() + 4.0
         while not self.applied:
-            if time.monotonic() > deadline:
-                raise AssertionError("subscriber never received the first batch")
-            await self.send(seq, topic)
+            assert time.monotonic() < deadline, "subscriber never received a batch"
+            await self.pub.publish(vllm.gpu([first]))
             await asyncio.sleep(0.02)
-        # Let the repeated copies of `seq` drain (they are dropped as duplicates).
         await asyncio.sleep(0.05)
-        self.sub.stats["duplicates"] = 0
+        return self.pub.seq
 
     async def close(self) -> None:
         await self.sub.stop()
-        self.pub.close(linger=0)
 
 
 def run(body: Callable[[zmq.asyncio.Context], Awaitable[None]]) -> None:
@@ -92,102 +176,162 @@ def run(body: Callable[[zmq.asyncio.Context], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-# ---------------------------------------------------------------- in order
+# ---------------------------------------------------------------- in order, catch-up
 
 
-def test_applies_batches_in_order() -> None:
+def test_applies_batches_in_order_and_counts_them() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        await h.sub.start()
-        await h.join(0)
-        for seq in range(1, 6):
-            await h.send(seq)
-        await until(lambda: len(h.applied) == 6)
-        assert h.seqs == [0, 1, 2, 3, 4, 5]
-        first = h.applied[1].events[0]
-        assert isinstance(first, Stored) and first.block_hashes == (1001, 2) and first.medium == "GPU"
-        assert h.gaps == []
-        assert h.sub.stats["batches"] == 6 and h.sub.stats["events"] == 6
-        assert h.sub.stats["gaps"] == 0 and h.sub.stats["malformed"] == 0
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        for i in range(1, 6):
+            await pub.publish(vllm.gpu([i, 100 + i]))
+        await until(lambda: len(h.hashes) == 10)
+        assert h.hashes == [x for i in range(1, 6) for x in (i, 100 + i)]
+        s = h.stats
+        assert (s["batches"], s["events"], s["gaps"], s["malformed"], s.last_seq) == (5, 5, 0, 0, 4)
+        assert h.resets == [] and s.state == "live"
         await h.close()
+        await pub.close()
 
     run(body)
 
 
-def test_duplicates_are_counted_and_not_applied() -> None:
+def test_a_late_start_catches_up_from_the_replay_socket() -> None:
+    """quilld started (or restarted) after the engine: what vLLM's buffer holds is applied at once."""
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        await h.sub.start()
-        await h.join(0)
-        for seq in (1, 1, 2, 1, 3):  # a repeat, then an older one (seq 0 would mean a restart)
-            await h.send(seq)
-        await until(lambda: len(h.applied) == 4)
-        assert h.seqs == [0, 1, 2, 3]
-        assert h.sub.stats["duplicates"] == 2 and h.gaps == []
+        pub = Publisher(ctx)
+        for i in range(10):
+            await pub.publish(vllm.gpu([i]))
+        h = Harness(ctx, pub)
+        await h.start()
+        await until(lambda: len(h.hashes) == 10)  # no live batch needed
+        assert h.hashes == list(range(10)) and pub.requests[0] == 0
+        assert h.stats["replays"] == 1 and h.stats["missed"] == 0 and h.resets == []
+        await pub.publish(vllm.gpu([10]))
+        await until(lambda: len(h.hashes) == 11)
+        assert h.stats.last_seq == 10 and h.stats["gaps"] == 0
         await h.close()
+        # quilld restarts: a fresh subscriber (its state lost with the process) catches up the same way
+        again = Harness(ctx, pub)
+        await again.start()
+        await until(lambda: len(again.hashes) == 11)
+        assert again.hashes == list(range(11)) and again.stats.last_seq == 10
+        await again.close()
+        await pub.close()
+
+    run(body)
+
+
+def test_a_late_start_beyond_the_buffer_applies_what_is_left_and_says_so(caplog) -> None:
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx, buffer_steps=4)
+        for i in range(10):
+            await pub.publish(vllm.gpu([i]))  # 0..5 have left the buffer
+        h = Harness(ctx, pub)
+        await h.start()
+        await until(lambda: len(h.hashes) == 4)
+        assert h.hashes == [6, 7, 8, 9] and h.stats["missed"] == 6
+        assert h.resets == []  # nothing was known, so nothing to drop
+        await h.close()
+        await pub.close()
+
+    with caplog.at_level(logging.WARNING, logger="quilld.index.subscriber"):
+        run(body)
+    assert "beyond reach" in caplog.text
+
+
+@pytest.mark.parametrize("recent", [256, 1], ids=["by-digest", "by-timestamp"])
+def test_duplicates_are_counted_and_not_applied(recent: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subscriber_mod, "RECENT", recent)
+
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await pub.publish(vllm.gpu([2]))
+        await until(lambda: len(h.hashes) == 2)
+        payload = pub.buffer[0][1]
+        await pub.pub.send_multipart([pub.topic, (0).to_bytes(8, "big"), payload])  # seq 0 again, same bytes
+        await pub.publish(vllm.gpu([3]))
+        await until(lambda: len(h.hashes) == 3)
+        assert h.hashes == [1, 2, 3] and h.stats["duplicates"] == 1 and h.stats["restarts"] == 0
+        assert h.resets == []
+        await h.close()
+        await pub.close()
 
     run(body)
 
 
 def test_topic_filter() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx, topic=b"kv@engine-a")
-        await h.sub.start()
-        await h.join(0, topic=b"kv@engine-a")
-        await h.send(1, topic=b"other")
-        await h.send(2, topic=b"kv@engine-a")
-        await until(lambda: len(h.applied) == 2)
-        assert h.seqs == [0, 2]  # seq 1 was on a topic we did not subscribe to
+        pub = Publisher(ctx, replay=False, topic=b"kv@engine-a")
+        h = Harness(ctx, pub)
+        h.sub.topic = b"kv@engine-a"
+        await h.start()
+        seq = await h.join()
+        await pub.pub.send_multipart([b"other", seq.to_bytes(8, "big"), vllm.encode([vllm.gpu([7])])])
+        await pub.publish(vllm.gpu([8]))  # seq `seq`, on our topic
+        await until(lambda: 8 in h.hashes)
+        assert 7 not in h.hashes
         await h.close()
+        await pub.close()
 
     run(body)
 
 
-# ---------------------------------------------------------------- malformed
+# ---------------------------------------------------------------- bad input
 
 
-def test_malformed_messages_are_counted_and_skipped() -> None:
+def test_a_bad_event_costs_only_itself_and_a_broken_batch_is_not_a_gap() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        await h.sub.start()
-        await h.join(0)
-        bad = [
-            [b"", (1).to_bytes(8, "big"), b"\xc1"],  # not msgpack
-            [b"", (1).to_bytes(8, "big"), msgpack.packb([0.0, [["NoSuchEvent"]], 0])],
-            [b"", b"\x01", payload(1)],  # short sequence frame
-            [b"only-one-frame"],
-        ]
-        for msg in bad:
-            await h.pub.send_multipart(msg)
-        await h.send(1)
-        await until(lambda: len(h.applied) == 2)
-        assert h.seqs == [0, 1]
-        assert h.sub.stats["malformed"] == 4
-        assert h.sub.running
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
+        # GPU and offload events in one batch, one of them of an unknown type
+        mixed = vllm.encode([vllm.gpu([2, 3]), vllm.offloaded([2], vllm.MEDIUM_STORAGE)], ts=time.time())
+        import msgpack
+
+        obj = msgpack.unpackb(mixed)
+        obj[1].insert(1, {"type": "BlockEvicted", "block_hashes": [9]})
+        obj[1].append(["BlockStored", [4], None, "not a list", 16, None, "GPU"])
+        await pub.publish(raw=msgpack.packb(obj))
+        await pub.publish(raw=b"\xc1 not msgpack")  # seq 2: its envelope is broken
+        await pub.pub.send_multipart([b"kv", b"\x01", b""])  # no readable sequence number at all
+        await pub.publish(vllm.gpu([5]))  # seq 3
+        await until(lambda: 5 in h.hashes)
+        assert h.hashes == [1, 2, 3, 2, 5]
+        s = h.stats
+        assert s["malformed"] == 4 and s["gaps"] == 0 and s["batches"] == 4 and s.last_seq == 3
+        assert h.resets == [] and pub.requests == [0]  # never mistaken for a gap, never replayed
         await h.close()
+        await pub.close()
 
     run(body)
 
 
 def test_apply_error_does_not_end_the_stream() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        inner = h.sub._apply
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        inner = h._apply
 
-        def flaky(engine: str, batch: Batch) -> None:
-            if batch.seq == 1:
+        def flaky(engine: str, events) -> int:
+            if events[0].block_hashes == (2,):
                 raise RuntimeError("index bug")
-            inner(engine, batch)
+            return inner(engine, events)
 
         h.sub._apply = flaky
-        await h.sub.start()
-        await h.join(0)
-        await h.send(1)
-        await h.send(2)
-        await until(lambda: len(h.applied) == 2)
-        assert h.seqs == [0, 2]
-        assert h.sub.stats["errors"] == 1 and h.sub.running
+        await h.start()
+        for i in (1, 2, 3):
+            await pub.publish(vllm.gpu([i]))
+        await until(lambda: 3 in h.hashes)
+        assert h.hashes == [1, 3] and h.stats["errors"] == 1 and h.sub.running
         await h.close()
+        await pub.close()
 
     run(body)
 
@@ -195,154 +339,267 @@ def test_apply_error_does_not_end_the_stream() -> None:
 # ---------------------------------------------------------------- gaps
 
 
-def test_gap_without_replay_calls_on_gap() -> None:
+def test_gap_without_replay_drops_and_says_so() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        await h.sub.start()
-        await h.join(0)
-        await h.send(1)
-        await h.send(5)  # 2, 3, 4 lost
-        await h.send(6)
-        await until(lambda: len(h.applied) == 4)
-        assert h.seqs == [0, 1, 5, 6]
-        assert h.gaps == [(ENGINE, 3)]
-        assert h.sub.stats["gaps"] == 1 and h.sub.stats["missed"] == 3 and h.sub.stats["replays"] == 0
+        pub = Publisher(ctx, replay=False)
+        h = Harness(ctx, pub)
+        await h.start()
+        await h.join()
+        for i in range(3):
+            await pub.publish(vllm.gpu([50 + i]), drop=True)
+        await pub.publish(vllm.gpu([60]))
+        await until(lambda: 60 in h.hashes)
+        assert h.resets == [("gap", 3)] and h.hashes == [60]
+        assert h.stats["gaps"] == 1 and h.stats["missed"] == 3 and h.stats["replays"] == 0
         await h.close()
+        await pub.close()
 
     run(body)
 
 
-def test_engine_restart_resets_sequence() -> None:
+@pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm-0.33-replies", "older-replies"])
+def test_gap_inside_the_buffer_is_replayed_in_order(topic_in_replay: bool) -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
-        await h.sub.start()
-        await h.join(0)
-        await h.send(1)
-        await h.send(2)
-        await h.send(0)  # a new vLLM process counts from 0 again
-        await h.send(1)
-        await until(lambda: len(h.applied) == 5)
-        assert h.seqs == [0, 1, 2, 0, 1]
-        assert h.gaps == [(ENGINE, 0)]
-        assert h.sub.stats["restarts"] == 1 and h.sub.stats["duplicates"] == 0
+        pub = Publisher(ctx, topic_in_replay=topic_in_replay)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
+        for i in (2, 3, 4):
+            await pub.publish(vllm.gpu([i]), drop=True)  # lost on the PUB socket, still in the buffer
+        await pub.publish(vllm.gpu([5]))
+        await pub.publish(vllm.gpu([6]))
+        await until(lambda: len(h.hashes) == 6)
+        assert h.hashes == [1, 2, 3, 4, 5, 6] and h.resets == []
+        assert pub.requests[-1] == 0  # asked from the last batch applied, to check it is the same one
+        s = h.stats
+        assert s["gaps"] == 1 and s["missed"] == 0 and s["replays"] >= 1 and s.last_seq == 5
         await h.close()
+        await pub.close()
 
     run(body)
 
 
-class ReplayServer:
-    """vLLM's replay ROUTER: `[id, b"", start]` in, `[id, b"", seq, payload]`... then END out."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, buffered: list[int], answer: bool = True) -> None:
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.buffered = buffered
-        self.answer = answer
-        self.requests: list[list[bytes]] = []
-        self.task = asyncio.create_task(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            request = await self.router.recv_multipart()
-            self.requests.append(request)
-            if not self.answer or len(request) != 3:
-                continue
-            client_id, _, start_bytes = request
-            start = int.from_bytes(start_bytes, "big")
-            for seq in self.buffered:
-                if seq >= start:
-                    await self.router.send_multipart([client_id, b"", seq.to_bytes(8, "big"), payload(seq)])
-            await self.router.send_multipart([client_id, b"", END_SEQ, b""])
-
-    async def close(self) -> None:
-        self.task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await self.task
-        self.router.close(linger=0)
-
-
-def test_gap_with_replay_applies_missing_batches_in_order() -> None:
+def test_gap_beyond_the_buffer_drops_then_applies_what_is_left() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        # The publisher's buffer holds everything, including batches newer than the gap.
-        server = ReplayServer(ctx, buffered=list(range(0, 8)))
-        h = Harness(ctx, replay_endpoint=server.endpoint)
-        await h.sub.start()
-        await h.join(0)
-        await h.send(1)
-        await h.send(5)  # 2, 3, 4 lost on the PUB path
-        await h.send(6)
-        await until(lambda: len(h.applied) == 7)
-        assert h.seqs == [0, 1, 2, 3, 4, 5, 6]
-        assert [b.events[0].block_hashes[0] for b in h.applied] == [1000 + s for s in range(7)]
-        assert h.gaps == []
-        assert len(server.requests) == 1
-        _, delim, start = server.requests[0]
-        assert delim == b"" and start == (2).to_bytes(8, "big")
-        s = h.sub.stats
-        assert s["gaps"] == 1 and s["missed"] == 3 and s["replays"] == 1 and s["batches"] == 7
+        pub = Publisher(ctx, buffer_steps=3)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
+        for i in range(2, 8):
+            await pub.publish(vllm.gpu([i]), drop=True)  # seq 1..6; the buffer keeps 5, 6 (and 7)
+        await pub.publish(vllm.gpu([8]))
+        await until(lambda: 8 in h.hashes)
+        assert h.resets == [("beyond_buffer", 4)]  # seq 1..4 are gone: blocks 1.. may be stale
+        assert h.hashes == [6, 7, 8]
+        assert h.stats["missed"] == 4 and h.stats["gaps"] == 1
         await h.close()
-        await server.close()
+        await pub.close()
 
     run(body)
 
 
-def test_replay_timeout_falls_back_to_on_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replay_timeout_falls_back_to_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(subscriber_mod, "REPLAY_TIMEOUT_S", 0.3)
 
     async def body(ctx: zmq.asyncio.Context) -> None:
-        server = ReplayServer(ctx, buffered=[], answer=False)
-        h = Harness(ctx, replay_endpoint=server.endpoint)
-        await h.sub.start()
-        await h.join(0)
-        await h.send(3)
-        await h.send(4)
-        await until(lambda: len(h.applied) == 3)
-        assert h.seqs == [0, 3, 4]
-        assert h.gaps == [(ENGINE, 2)]
-        assert len(server.requests) == 1 and h.sub.stats["replays"] == 0
+        pub = Publisher(ctx, answer=False)
+        h = Harness(ctx, pub)
+        await h.start()
+        await until(lambda: len(pub.requests) == 1)  # the catch-up at connect, unanswered
+        seq = await h.join()
+        await pub.publish(vllm.gpu([70]), drop=True)
+        await pub.publish(vllm.gpu([71]))
+        await until(lambda: 71 in h.hashes)
+        assert h.resets == [("gap", 1)] and pub.requests[-1] == seq - 1
         await h.close()
-        await server.close()
+        await pub.close()
 
     run(body)
 
 
-def test_incomplete_replay_falls_back_to_on_gap() -> None:
+# ---------------------------------------------------------------- publisher restarts
+
+
+def test_publisher_restart_with_its_first_batches() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        # Seq 1 has already left the publisher's bounded buffer.
-        server = ReplayServer(ctx, buffered=[2, 3])
-        h = Harness(ctx, replay_endpoint=server.endpoint)
-        await h.sub.start()
-        await h.join(0)
-        await h.send(3)
-        await until(lambda: len(h.applied) == 2)
-        assert h.seqs == [0, 3]
-        assert h.gaps == [(ENGINE, 2)]
+        pub = Publisher(ctx, replay=False)
+        h = Harness(ctx, pub)
+        await h.start()
+        await h.join()
+        for i in range(5):
+            await pub.publish(vllm.gpu([i]))
+        await until(lambda: 4 in h.hashes)
+        pub.seq = 0  # a new process, same sockets (the restart's reconnect is not even seen)
+        await pub.publish(vllm.gpu([40]))
+        await until(lambda: 40 in h.hashes)
+        assert h.resets == [("restart", 0)] and h.hashes == [40]
+        assert h.stats["restarts"] == 1 and h.stats["duplicates"] == 0 and h.stats.last_seq == 0
         await h.close()
-        await server.close()
+        await pub.close()
 
     run(body)
 
 
-# ---------------------------------------------------------------- lifecycle
+@pytest.mark.parametrize("recent", [256, 4], ids=["by-digest", "by-timestamp"])
+def test_publisher_restart_without_its_first_batches(recent: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restart and first batches lost within 50 ms: seq 2 after seq 10 is not a duplicate: its bytes
+    differ from our seq 2 (or, once our seq 2 is forgotten, it is stamped after our newest batch)."""
+    monkeypatch.setattr(subscriber_mod, "RECENT", recent)
+
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        for i in range(11):
+            await pub.publish(vllm.gpu([i]))
+        await until(lambda: h.stats.last_seq == 10)
+        pub.seq, pub.buffer = 0, deque(maxlen=pub.buffer_steps)  # new process, sockets kept
+        await pub.publish(vllm.gpu([100]), drop=True)
+        await pub.publish(vllm.gpu([101]), drop=True)
+        await pub.publish(vllm.gpu([102]))
+        await until(lambda: 102 in h.hashes)
+        assert h.resets == [("restart", 0)]
+        assert h.hashes == [100, 101, 102]  # its first batches came from its replay socket
+        assert h.stats["restarts"] == 1 and pub.requests[-1] == 0
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
+def test_publisher_restart_seen_by_the_reconnect_probe() -> None:
+    """The new process's only batch is lost before the subscriber reconnects: the probe finds it."""
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        for i in range(6):
+            await pub.publish(vllm.gpu([i]))
+        await until(lambda: h.stats.last_seq == 5)
+        await pub.restart()
+        await pub.publish(vllm.gpu([200]))  # published before the subscriber is back: lost on PUB
+        await until(lambda: 200 in h.hashes)
+        assert h.resets == [("restart", 0)] and h.hashes == [200]
+        assert h.stats["restarts"] == 1 and h.stats.last_seq == 0
+        await pub.publish(vllm.gpu([201]))
+        await until(lambda: 201 in h.hashes)
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
+def test_publisher_restart_that_got_past_our_sequence_is_seen_by_the_digest() -> None:
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        for i in range(3):
+            await pub.publish(vllm.gpu([i]))
+        await until(lambda: h.stats.last_seq == 2)
+        await pub.restart()
+        for i in range(6):
+            await pub.publish(vllm.gpu([300 + i]), drop=True)  # its seq 2 is not ours
+        await until(lambda: 305 in h.hashes)
+        assert h.resets == [("restart", 0)] and h.hashes == [300 + i for i in range(6)]
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
+def test_a_reconnect_of_the_same_publisher_keeps_what_is_known() -> None:
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
+        # the same process drops and rebinds its sockets, keeping its counter and buffer
+        seq, buffer = pub.seq, pub.buffer
+        await pub.restart()
+        pub.seq, pub.buffer = seq, buffer
+        await pub.publish(vllm.gpu([2]), drop=True)
+        await until(lambda: 2 in h.hashes)
+        assert h.resets == [] and h.hashes == [1, 2] and h.stats["restarts"] == 0
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
+# ---------------------------------------------------------------- slices, idle, stop
+
+
+def test_a_big_batch_is_applied_in_slices_and_the_loop_keeps_running() -> None:
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        n = subscriber_mod.SLICE_WORK * 8 + 5
+        gaps: list[float] = []
+        stop = False
+
+        async def ticker() -> None:  # stands in for ROUTE: how long does it wait for the loop?
+            while not stop:
+                t = time.perf_counter()
+                await asyncio.sleep(0)
+                gaps.append(time.perf_counter() - t)
+
+        tick = asyncio.create_task(ticker())
+        await pub.publish(vllm.gpu(list(range(n))), vllm.gpu([n]), vllm.removed([0]))
+        await until(lambda: n in h.hashes)
+        stop = True
+        await tick
+        assert len(h.hashes) == n + 1 and h.stats["events"] >= 3
+        assert h.calls >= 9  # one event of n hashes went in parts
+        assert len(gaps) >= 9
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
+def test_idle_warning_once_per_silence(caplog) -> None:
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        port = free_port()  # nobody publishes here: vLLM would have connected elsewhere
+        stats = FeedStats()
+        sub = KvEventSubscriber(ENGINE, f"tcp://127.0.0.1:{port}", lambda e, ev: len(ev), lambda *a: 0, ctx=ctx,
+                                stats=stats)
+        await sub.start()
+        now = time.monotonic()
+        assert not sub.check_idle(now, 60.0)
+        assert sub.check_idle(now + 61, 60.0)
+        assert not sub.check_idle(now + 120, 60.0)  # once per silence
+        assert stats.state == "connecting" and not sub.connected
+        await sub.stop()
+
+    with caplog.at_level(logging.WARNING, logger="quilld.index.subscriber"):
+        run(body)
+    warnings = [r for r in caplog.records if "has received nothing" in r.getMessage()]
+    assert len(warnings) == 1 and "tcp://*:5557" in warnings[0].getMessage()
+    assert "not connected" in warnings[0].getMessage()
 
 
 def test_stop_closes_cleanly() -> None:
     async def body(ctx: zmq.asyncio.Context) -> None:
-        h = Harness(ctx)
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
         await h.sub.stop()  # before start: a no-op
-        await h.sub.start()
-        await h.join(0)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
         sock = h.sub._sub
         t0 = time.monotonic()
         await h.sub.stop()
         assert time.monotonic() - t0 < 1.0
         assert not h.sub.running and sock is not None and sock.closed
         await h.sub.stop()  # twice: a no-op
-        await h.send(1)
+        await pub.publish(vllm.gpu([2]))
         await asyncio.sleep(0.05)
-        assert h.seqs == [0]
-        h.pub.close(linger=0)
+        assert h.hashes == [1]
+        await pub.close()
 
     run(body)
