@@ -15,12 +15,17 @@
    file on the same disk and GETs of the DRAM-resident blocks.
 4. Recovery of `--recovery-blocks` small arena blocks (4 KiB + 1 byte): start time
    after SIGKILL (WAL replay) and after a clean stop (checkpoint), against 2 s.
+5. Deletes and overwrites of SSD-resident blocks (`--delete-blocks` 64 KiB blocks through
+   the same arena): latency of DEL and of an overwriting SET from one client (each reply
+   waits for the deletion's WAL record to be synced), DEL throughput from 8 clients at
+   once (one WAL sync per group of them), and DEL of DRAM-only blocks as the reference.
 
 Rounds 1-3 alternate within each round (dd, Python loop, quilld) and medians are
 printed; recovery restarts are repeated `--rounds` times. The page cache is dropped
 before every "cold" figure when /proc/sys/vm/drop_caches is writable (root).
 
     python bench/ssd_bench.py [--rounds 3] [--blocks 512] [--recovery-blocks 100000] [--dir DIR]
+                              [--delete-blocks 2000] [--skip-deletes]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -410,11 +416,11 @@ def recovery(base: Path, n: int, rounds: int, can_drop: bool) -> dict:
     out["filled_keys"], out["fill_checkpoints"] = p["ssd_keys"], p.get("checkpoints", 0)
     kill(q)
     saved.mkdir()
-    for f in glob.glob(str(ssd_dir / "wal-*")) + glob.glob(str(ssd_dir / "checkpoint")):
+    for f in glob.glob(str(ssd_dir / "wal-*")) + glob.glob(str(ssd_dir / "checkpoint*")):
         shutil.copy2(f, saved)
     out["saved_files"] = sorted(os.listdir(saved))
     for i in range(rounds):  # SIGKILL: replay the WAL (the saved one, restored each time)
-        for f in glob.glob(str(ssd_dir / "wal-*")) + glob.glob(str(ssd_dir / "checkpoint")):
+        for f in glob.glob(str(ssd_dir / "wal-*")) + glob.glob(str(ssd_dir / "checkpoint*")):
             os.unlink(f)
         for f in os.listdir(saved):
             shutil.copy2(saved / f, ssd_dir / f)
@@ -448,6 +454,116 @@ def recovery(base: Path, n: int, rounds: int, can_drop: bool) -> dict:
     return out
 
 
+# -- 5. deletes and overwrites of SSD-resident blocks ------------------------------------------
+
+DELETE_VALUE = 64 * 1024
+DELETE_CLIENTS = 8
+
+
+def fill_for_deletes(r: redis.Redis, n: int) -> list[str]:
+    """SET n 64 KiB blocks (about twice the arena), then wait until DRAM has settled."""
+    keys = [f"del:{i:06d}" for i in range(n)]
+    body = os.urandom(DELETE_VALUE)
+    pipe = r.pipeline(transaction=False)
+    for k in keys:
+        pipe.set(k, body)
+        if len(pipe) >= 64:
+            pipe.execute()
+    pipe.execute()
+    deadline = time.monotonic() + 120
+    while True:
+        t = tiers(r)
+        if t["dram_used"] <= t["dram_high_watermark"] * t["dram_capacity"] and t["dram_reserved_blocks"] == 0:
+            return keys
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"demotion did not settle in 120 s: {t}")
+        time.sleep(0.01)
+
+
+def tiers_of_key(r: redis.Redis, key: str) -> set[bytes]:
+    return {p[b"tier"] for p in r.execute_command("LOCATE", key)[0]}
+
+
+def timed_ops(r: redis.Redis, keys: list[str], op) -> list[float]:
+    """Seconds per call of op(r, key), one after another on one connection."""
+    out = []
+    for k in keys:
+        t0 = time.perf_counter()
+        op(r, k)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def parallel_dels(port: int, keys: list[str], clients: int) -> float:
+    """DEL/s of `clients` connections deleting their share of `keys` at once."""
+    shares = [keys[i::clients] for i in range(clients)]
+    conns = [redis.Redis(port=port, socket_timeout=60) for _ in shares]
+    for c in conns:
+        c.ping()
+    errors: list[BaseException] = []
+
+    def run(c, share):
+        try:
+            for k in share:
+                if c.delete(k) != 1:
+                    raise RuntimeError(f"DEL {k}: not deleted")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c, share)) for c, share in zip(conns, shares)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return len(keys) / dt
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def deletes_round(base: Path, n: int, rnd: int) -> dict:
+    ssd_dir = base / f"ssd-del-{rnd}"
+    q = start_quilld(base, "--dram", DRAM, "--ssd-dir", str(ssd_dir), "--ssd-size", SSD_SIZE, env=SSD_ENV,
+                     admin=False)
+    out: dict = {}
+    try:
+        r = q.client(socket_timeout=60)
+        keys = fill_for_deletes(r, n)
+        ssd_only, dram = classify(r, [k.encode() for k in keys])
+        ssd_only = [k.decode() for k in ssd_only]
+        dram = [k for k in keys if tiers_of_key(r, k) == {b"dram"}]  # no SSD copy at all
+        random.Random(rnd).shuffle(ssd_only)
+        third = len(ssd_only) // 3
+        seq, par, over = ssd_only[:third], ssd_only[third:2 * third], ssd_only[2 * third:]
+        small = b"o" * (SMALL_VALUE)
+        lat_del = timed_ops(r, seq, lambda c, k: c.delete(k))
+        lat_set = timed_ops(r, over, lambda c, k: c.set(k, small))
+        out["del_ops"] = parallel_dels(q.port, par, DELETE_CLIENTS)
+        lat_dram = timed_ops(r, dram, lambda c, k: c.delete(k))
+        p = persistence(r)
+        out["ssd_only"], out["dram"] = len(ssd_only), len(dram)
+        out["del_p50_ms"], out["del_p99_ms"] = pct(lat_del, 0.5) * 1e3, pct(lat_del, 0.99) * 1e3
+        out["set_p50_ms"], out["set_p99_ms"] = pct(lat_set, 0.5) * 1e3, pct(lat_set, 0.99) * 1e3
+        out["dram_p50_ms"], out["dram_p99_ms"] = pct(lat_dram, 0.5) * 1e3, pct(lat_dram, 0.99) * 1e3
+        out["del_seq_ops"] = len(lat_del) / sum(lat_del) if lat_del else 0.0
+        out["fsyncs"], out["fsync_avg_ms"] = p["ssd_fsyncs"], p["ssd_fsync_avg_ms"]
+        out["ssd_deletes"] = p.get("ssd_deletes", 0)
+        out["delete_syncs"] = p.get("delete_syncs", 0)
+        progress(f"deletes round {rnd}: {len(ssd_only)} SSD-only blocks; DEL p50 {out['del_p50_ms']:.2f} ms "
+                 f"p99 {out['del_p99_ms']:.2f} ms; overwrite p50 {out['set_p50_ms']:.2f} ms; "
+                 f"{DELETE_CLIENTS} clients {out['del_ops']:,.0f} DEL/s; DRAM DEL p50 {out['dram_p50_ms']:.3f} ms")
+    finally:
+        stop_process(q.proc)
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    return out
+
+
 # -- main ---------------------------------------------------------------------------------
 
 def med(rows: list[dict], key: str) -> float:
@@ -462,6 +578,9 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=512, help="1 MiB blocks SET in the demotion test (and MiB of raw writes)")
     ap.add_argument("--recovery-blocks", type=int, default=100_000, help="4 KiB+1 blocks for the recovery test")
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--delete-blocks", type=int, default=2000,
+                    help="64 KiB blocks written (about twice the arena) for the delete/overwrite test")
+    ap.add_argument("--skip-deletes", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the directory (and quilld's logs) afterwards")
     a = ap.parse_args()
     if a.dir:
@@ -493,6 +612,7 @@ def main() -> int:
             rows.append(demotion_round(base, a.blocks, body, rnd, can_drop))
             rows[-1]["paired"] = rows[-1]["demote_MBps"] / dd[-1]
         rec = None if a.skip_recovery else recovery(base, a.recovery_blocks, a.rounds, can_drop)
+        dels = [] if a.skip_deletes else [deletes_round(base, a.delete_blocks, rnd) for rnd in range(1, a.rounds + 1)]
 
         d = statistics.median(dd)
         cold = "cold" if can_drop else "cache not dropped"
@@ -547,6 +667,20 @@ def main() -> int:
                 print(f"| {label} | {blocks:,} | {records:,} | {ms:.0f} | {wall:.2f} s | {verdict} |")
             print(f"\nfiles saved after SIGKILL: {', '.join(rec['saved_files'])}; "
                   f"after a clean stop: {', '.join(rec['after_clean_stop'])}")
+        if dels:
+            print(f"\ndeletes and overwrites of SSD-only blocks ({a.delete_blocks} x 64 KiB written through "
+                  f"--dram {DRAM}; about {med(dels, 'ssd_only'):.0f} SSD-only, split in three)\n")
+            print("| figure | median |")
+            print("|---|---:|")
+            print(f"| DEL of an SSD-only key, one client: p50 / p99 | {med(dels, 'del_p50_ms'):.2f} / "
+                  f"{med(dels, 'del_p99_ms'):.2f} ms ({med(dels, 'del_seq_ops'):,.0f} DEL/s) |")
+            print(f"| SET over an SSD-only key (4 KiB+1 value), one client: p50 / p99 | "
+                  f"{med(dels, 'set_p50_ms'):.2f} / {med(dels, 'set_p99_ms'):.2f} ms |")
+            print(f"| DEL of SSD-only keys, {DELETE_CLIENTS} clients at once | {med(dels, 'del_ops'):,.0f} DEL/s |")
+            print(f"| DEL of a DRAM-only key, one client (reference): p50 / p99 | {med(dels, 'dram_p50_ms'):.3f} / "
+                  f"{med(dels, 'dram_p99_ms'):.3f} ms |")
+            print(f"\nfsyncs in the whole run {med(dels, 'fsyncs'):.0f} (avg {med(dels, 'fsync_avg_ms'):.2f} ms); "
+                  f"SSD deletions {med(dels, 'ssd_deletes'):.0f} in {med(dels, 'delete_syncs'):.0f} WAL syncs")
         print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     finally:
         if a.keep:

@@ -222,3 +222,52 @@ def test_writer_appends_where_the_file_ends(tmp_path):
     assert os.path.getsize(path) == len(data)
     assert parse_wal_name(wal_name(3)) == 3
     assert parse_wal_name("wal-x.log") is None and parse_wal_name("checkpoint") is None
+
+
+# -- replay rules the SSD tier's durability rests on (issue 11, finding 8) ---------------------
+
+SCOPE = ("alice", "llama-3-8b", "tok-v1", "")
+
+
+def replay(records, retired=None):
+    from quilld.tiers.ssd_format import replay_log
+
+    state, scopes = {}, {}
+    applied, max_gen, stop = replay_log(frame([encode_batch(r) for r in records], 0), state, scopes, retired)
+    assert stop is None
+    return {k[1]: loc.generation for k, loc in state.items()}, applied, max_gen
+
+
+def test_replay_lists_every_version_that_loses_so_recovery_can_scrub_it():
+    records = [
+        [PutRecord(1, SCOPE, b"k", 0, 0, 10, 1)],
+        [PutRecord(3, SCOPE, b"k", 0, 4096, 10, 3)],  # replaces generation 1
+        [PutRecord(2, SCOPE, b"k", 0, 8192, 10, 2)],  # older than what is installed: loses at once
+        [DelRecord(3, SCOPE, b"k")],  # deletes generation 3
+        [PutRecord(4, SCOPE, b"j", 0, 12288, 10, 4), DelRecord(3, SCOPE, b"j")],  # a DEL of an older version
+    ]
+    retired = []
+    state, applied, max_gen = replay(records, retired)
+    assert state == {b"j": 4} and applied == 6 and max_gen == 4
+    assert [(k[1], loc.generation, loc.offset) for k, loc in retired] == [
+        (b"k", 1, 0), (b"k", 2, 8192), (b"k", 3, 4096)]
+
+
+@pytest.mark.parametrize("order", ["put-first", "del-first"])
+def test_a_delete_never_removes_a_newer_version_in_either_order(order):
+    put, stale_del = [PutRecord(9, SCOPE, b"k", 0, 0, 10, 9)], [DelRecord(5, SCOPE, b"k")]
+    records = [put, stale_del] if order == "put-first" else [stale_del, put]
+    assert replay(records)[0] == {b"k": 9}
+    assert replay(records + [[DelRecord(9, SCOPE, b"k")]])[0] == {}  # the version itself deleted: gone
+
+
+def test_a_group_of_deletions_spans_records_and_replays_whole():
+    from quilld.tiers.ssd import DELETE_RECORD_OPS
+
+    n = DELETE_RECORD_OPS + 10
+    puts = [[PutRecord(i + 1, SCOPE, b"k%d" % i, 0, i * 4096, 1, 0) for i in range(n)]]
+    dels = [DelRecord(i + 1, SCOPE, b"k%d" % i) for i in range(n)]
+    chunks = [dels[i:i + DELETE_RECORD_OPS] for i in range(0, n, DELETE_RECORD_OPS)]
+    assert len(chunks) == 2
+    state, applied, _ = replay(puts + chunks)
+    assert state == {} and applied == 2 * n
