@@ -54,6 +54,7 @@ async def stats(request: web.Request) -> web.Response:
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
         "tenants": tenant_stats(node),
+        "engines": {e: node.control.feed_view(e) for e in node.control.engines.engines},
     })
 
 
@@ -129,6 +130,38 @@ def _metric_lines(node: NodeContext) -> list[str]:
         for name, value in part.info():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 metric(name, "gauge", f"{label}: {name.replace('_', ' ')} (see INFO).", value)
+    lines.extend(_engine_metric_lines(node))
+    return lines
+
+
+ENGINE_FEED_METRICS = (
+    ("batches", "KV-event batches applied."), ("events", "KV events applied."),
+    ("malformed", "KV events or batches skipped because they could not be decoded."),
+    ("gaps", "Holes seen in the KV-event sequence."), ("replays", "Replays that delivered missed batches."),
+    ("restarts", "KV-event publisher restarts detected."), ("missed", "KV-event batches lost for good."),
+    ("drops", "Times the engine's residencies were dropped (events lost or publisher restarted)."),
+)
+
+
+def _engine_metric_lines(node: NodeContext) -> list[str]:
+    """Per engine (label `engine`): its KV-event feed's counters, last sequence number and idle time."""
+    control = node.control
+    views = {e: control.feed_view(e) for e in control.engines.engines}
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, values: dict[str, float]) -> None:
+        lines.append(f"# HELP quilld_{name} {help_text}")
+        lines.append(f"# TYPE quilld_{name} {kind}")
+        for engine_id, value in values.items():
+            label = engine_id.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            lines.append(f'quilld_{name}{{engine="{label}"}} {value}')
+
+    for key, help_text in ENGINE_FEED_METRICS:
+        family(f"kv_engine_{key}_total", "counter", help_text, {e: v[key] for e, v in views.items()})
+    family("kv_engine_last_sequence", "gauge", "Sequence number of the last KV-event batch applied (-1: none).",
+           {e: -1 if v["last_seq"] is None else v["last_seq"] for e, v in views.items()})
+    family("kv_engine_idle_seconds", "gauge", "Seconds since the engine's KV-event feed last received anything.",
+           {e: v["idle_s"] for e, v in views.items()})
     return lines
 
 
@@ -156,7 +189,8 @@ async def _body(request: web.Request) -> Any:
 
 async def list_engines(request: web.Request) -> web.Response:
     control = request.app[NODE].control
-    return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id]}
+    return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id],
+                                                                   "feed": control.feed_view(e.id)}
                                           for e in control.engines.engines.values()]})
 
 

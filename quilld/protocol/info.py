@@ -152,7 +152,28 @@ def _router_info(ctx: NodeContext) -> list[tuple[str, Any]]:
             ("kv_subscriptions", ctl.subscriptions),
             ("kv_zmq_malformed", subs["malformed"]), ("kv_zmq_replays", subs["replays"]),
             ("kv_zmq_duplicates", subs["duplicates"]),
-            ("hot_prefixes", top)]
+            ("kv_events", ctl.stats["kv_events"]), ("kv_malformed", ctl.stats["kv_malformed"]),
+            ("kv_zmq_gaps", subs["gaps"]), ("kv_zmq_missed", subs["missed"]), ("kv_zmq_restarts", subs["restarts"]),
+            ("hot_prefixes", top)] + _engine_feeds(ctx)
+
+
+ENGINE_FEED_FIELDS = ("batches", "events", "malformed", "gaps", "replays", "restarts", "missed", "drops")
+
+
+def _engine_feeds(ctx: NodeContext) -> list[tuple[str, Any]]:
+    """One INFO line per engine, `kv_engine_<id>:batches=..,...,last_seq=..,state=..,idle_s=..`."""
+    ctl, now, out = ctx.control, time.monotonic(), []
+    for engine_id in ctl.engines.engines:
+        f = ctl.feed_view(engine_id, now)
+        fields = [f"{k}={f[k]}" for k in ENGINE_FEED_FIELDS]
+        last = f["last_seq"]
+        fields += [f"last_seq={-1 if last is None else last}", f"state={f['state']}", f"idle_s={f['idle_s']}"]
+        out.append((f"kv_engine_{_info_name(engine_id)}", ",".join(fields)))
+    return out
+
+
+def _info_name(name: str) -> str:
+    return "".join("_" if c in ":,= \r\n" else c for c in name)
 
 
 def _keyspace(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
