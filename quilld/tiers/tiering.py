@@ -548,7 +548,7 @@ class Tiering:
         out: list[tuple[str, Any]] = [
             ("ssd_enabled", 1), ("ssd_dir", self.cfg.dir), ("ssd_capacity", s["capacity"]),
             ("ssd_used", s["used"]), ("ssd_keys", len(self.store.lower)),
-            ("ssd_failed", int(bool(s["failed"]))), ("ssd_error", s["error"]),
+            ("ssd_failed", int(bool(s["failed"]))), ("ssd_error", _info_text(str(s["error"]))),
             ("ssd_dirty_bytes", s["dirty_bytes"]), ("ssd_wal_bytes", s["wal_bytes"]),
             ("ssd_last_checkpoint", int(s["last_checkpoint"])),
             ("ssd_fsyncs", s["fsyncs"]), ("ssd_fsync_last_ms", s["fsync_last_ms"]),
@@ -559,9 +559,14 @@ class Tiering:
                     ("recovery_dropped_corrupt", r.dropped_corrupt),
                     ("recovery_wal_stops", r.dropped_torn_wal_records),
                     ("recovery_wal_records", r.wal_records),
-                    ("recovery_checkpoint_error", r.checkpoint_error or ""),
+                    ("recovery_checkpoint_errors", len(r.checkpoint_errors)),
+                    ("recovery_checkpoint_error", _info_text(r.checkpoint_error or "")),
                     ("recovery_scanned_blocks", r.scanned_blocks), ("recovery_scrubbed", r.scrubbed),
                     ("recovery_ms", int(r.duration_s * 1000))]
         out += [(k, v) for k, v in sorted(self.stats.items())]
         return out
 
+
+def _info_text(text: str) -> str:
+    """A message as an INFO value: one line, no commas (clients split INFO values on them)."""
+    return " ".join(text.replace(",", ";").split())

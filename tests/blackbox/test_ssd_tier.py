@@ -215,7 +215,9 @@ def test_a_working_set_larger_than_dram_keeps_hitting(tmp_path, nodes):
 
 
 def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
-    q = ssd_node(tmp_path, tmp_path / "ssd", dram="48MiB", ssd_size="256MiB")
+    # one 28 MiB value in flight is more than the default per-tenant share of unfilled payloads
+    q = ssd_node(tmp_path, tmp_path / "ssd", dram="48MiB", ssd_size="256MiB",
+                 QUILLD_SECURITY_MAX_UNFILLED_BYTES_PER_TENANT=str(32 * MiB))
     nodes.append(q)
     r = redis.Redis(port=q.port, socket_timeout=20)
     big = value("pinned", 28 * MiB)  # more than loopback's socket buffers can absorb
@@ -342,3 +344,41 @@ def test_a_client_gone_before_its_ssd_reads_finish_leaves_nothing_pinned(tmp_pat
     s.close()
     until(lambda: r.info("persistence").get("promotions", 0) >= len(cold), 10, "the reads to finish")
     until(lambda: r.info("tiers")["dram_held_bytes"] == 0, 5, "the promoted blocks to be unpinned")
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_damaged_checkpoint_byte_loses_nothing_and_recovery_says_which_path_it_took(tmp_path, nodes):
+    ssd_dir = tmp_path / "ssd"
+    keys = [f"d{i}" for i in range(60)]
+    for half in (keys[:30], keys[30:]):  # two clean stops: two checkpoints, and the logs the older needs
+        q = ssd_node(tmp_path, ssd_dir)
+        nodes.append(q)
+        r = redis.Redis(port=q.port, socket_timeout=20)
+        for k in half:
+            r.set(k, value(k, 128 * KiB))
+        assert stop_process(q.proc) == 0  # a clean stop writes every DRAM block to SSD
+    checkpoints = sorted(ssd_dir.glob("checkpoint-*"))
+    assert len(checkpoints) == 2
+    _flip(checkpoints[-1], 64 + 100)  # one byte of the newest checkpoint's body
+    for damaged, path, said in ((1, "previous-checkpoint", "PREVIOUS checkpoint"),
+                                (2, "segment-scan", "SEGMENT SCAN")):
+        q = ssd_node(tmp_path, ssd_dir)
+        nodes.append(q)
+        r = redis.Redis(port=q.port, socket_timeout=20)
+        info = r.info("persistence")
+        assert info["recovery_path"] == path
+        assert info["recovery_checkpoint_errors"] == damaged and "checkpoint-" in info["recovery_checkpoint_error"]
+        assert r.dbsize() == len(keys)
+        for k in keys:
+            assert r.get(k) == value(k, 128 * KiB), k
+        assert said in q.log()
+        assert stop_process(q.proc) == 0
+        for checkpoint in sorted(ssd_dir.glob("checkpoint-*")):  # next: every checkpoint damaged
+            _flip(checkpoint, 64 + 100)
