@@ -22,6 +22,9 @@ the allocator at once, but queued until `scrub` has zeroed its first page, so no
 header of a dead version is left for a scan to find; `reclaim` then gives the space
 back. Replay never points at reused bytes, and a segment scan never finds a version
 that was deleted, replaced, or never logged (COMMITTED is set only after its log record).
+The tiering seals a log only once every deletion logged so far is scrubbed; a version a
+reader still pins is scrubbed at its last unpin (only if that outlasted two checkpoints
+and then both were damaged could a scan find it).
 
 Checkpoints are merges: `seal` starts a new log, and `checkpoint` syncs the segments
 (scrubs and COMMITTED marks become durable), replays the newest checkpoint and the
