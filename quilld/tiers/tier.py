@@ -42,3 +42,11 @@ class LowerTier(Protocol):
 
     def wake(self) -> None:
         """DRAM is short of space for a write: make room (demote) now."""
+
+    def writing(self, block: Any) -> bool:
+        """Whether `block` is being written to this tier right now (its copy there will be
+        stale: the tier drops it when the write settles, and `synced()` waits for that)."""
+
+    def synced(self) -> Awaitable[None] | None:
+        """What makes every deletion requested so far durable (None: nothing to wait for).
+        The keyspace hands it to callers that must not acknowledge before (take_unsynced)."""

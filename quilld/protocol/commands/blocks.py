@@ -12,8 +12,7 @@ from __future__ import annotations
 from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
-from quilld.protocol.commands.common import parse_int, text
-from quilld.protocol.commands.strings import acked
+from quilld.protocol.commands.common import acked, parse_int, text
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from quilld.errors import CommandError
-from quilld.model import Pending
+from quilld.model import Pending, Pinned
 from quilld.protocol.resp import _parse_len as _strict_int
 
 _NOT_INT = "value is not an integer or out of range"
@@ -34,3 +34,24 @@ def settle(replies: list):
 
 def text(raw: bytes) -> str:
     return bytes(raw).decode("utf-8", "surrogateescape")
+
+
+def acked(store, reply):
+    """`reply`, or when the storage calls just made released a copy on a lower tier (an
+    overwrite or delete of a value on SSD), a Pending of it that resolves only once that
+    deletion is durable: an acknowledged DEL or overwrite never comes back after a crash."""
+    wait = store.take_unsynced()
+    if wait is None:
+        return reply
+    return Pending(_after(wait, reply))
+
+
+async def _after(wait, reply):
+    value = await reply.awaitable if reply.__class__ is Pending else reply  # SET ... GET of an SSD value
+    try:
+        await wait
+    except BaseException:
+        if value.__class__ is Pinned:
+            value.release()
+        raise
+    return value

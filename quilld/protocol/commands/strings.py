@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from quilld.errors import CommandError
-from quilld.model import Pending, Pinned
-from quilld.protocol.commands.common import parse_int, settle
+from quilld.protocol.commands.common import acked, parse_int, settle
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
@@ -25,27 +24,6 @@ def _storable(store, value):
     if t is Block:
         return value
     return store.materialize(value)
-
-
-def acked(store, reply):
-    """`reply`, or when the storage calls just made released a copy on a lower tier (an
-    overwrite or delete of a value on SSD), a Pending of it that resolves only once that
-    deletion is durable: an acknowledged DEL or overwrite never comes back after a crash."""
-    wait = store.take_unsynced()
-    if wait is None:
-        return reply
-    return Pending(_after(wait, reply))
-
-
-async def _after(wait, reply):
-    value = await reply.awaitable if reply.__class__ is Pending else reply  # SET ... GET of an SSD value
-    try:
-        await wait
-    except BaseException:
-        if value.__class__ is Pinned:
-            value.release()
-        raise
-    return value
 
 
 def cmd_set(c, args):
