@@ -36,6 +36,7 @@ from quilld.scopes import ScopeRegistry
 log = logging.getLogger("quilld.index.control")
 
 
+_TIER_OF = {m: medium_tier(m) for m in (None, "GPU", "CPU", "STORAGE")}  # the common media, looked up inline
 _RESETS = {
     "gap": "KV events lost (a gap in the sequence that could not be replayed)",
     "beyond_buffer": "KV events lost beyond the publisher's replay buffer",
@@ -116,35 +117,35 @@ class ControlPlane:
         if tags is None:
             tags = self._tags[engine_id] = set()
         named_groups = self.feed(engine_id).groups
+        tag_of: dict[str | None, bytes] = {}  # adapter -> tag, for this call (no sweep runs inside it)
         for ev in events:
             kind = type(ev)
             if kind is Stored:
-                tag, tier, group = self.engine_tag(engine_id, ev.lora_name), medium_tier(ev.medium), ev.group_idx
-                if tag not in tags:
+                adapter, group = ev.lora_name, ev.group_idx
+                tag = tag_of.get(adapter)
+                if tag is None:
+                    tag = tag_of[adapter] = self.engine_tag(engine_id, adapter)
                     tags.add(tag)
+                tier = _TIER_OF.get(ev.medium) or medium_tier(ev.medium)
                 if group is not None and group not in named_groups:
                     self._note_group(engine_id, ev)
                 if grouped is None:
                     if not group:  # None or 0: one group as far as anyone knows
                         if group is None:
                             self._whole.setdefault(engine_id, set()).add(tier)
-                        put = index.put
-                        for h in ev.block_hashes:
-                            put(tag, h, engine_id, tier)
+                        index.put_many(tag, ev.block_hashes, engine_id, tier)
                         continue
                     grouped = self._group_up(engine_id)
                 if group is not None:
                     grouped.learn(group)
                 grouped.stored(tag, ev.block_hashes, tier, EVERY_GROUP if group is None else 1 << group)
             elif kind is Removed:  # events name no adapter: try every scope the engine used
-                tier, group = medium_tier(ev.medium), ev.group_idx
+                tier, group = _TIER_OF.get(ev.medium) or medium_tier(ev.medium), ev.group_idx
                 if grouped is None and group:
                     grouped = self._group_up(engine_id)
                 if grouped is None:
-                    remove = index.remove
                     for tag in tags:
-                        for h in ev.block_hashes:
-                            remove(tag, h, engine_id, tier)
+                        index.remove_many(tag, ev.block_hashes, engine_id, tier)
                     continue
                 if group is not None:
                     grouped.learn(group)

@@ -101,8 +101,7 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(NamedTuple):
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None
@@ -115,9 +114,9 @@ class Batch:
 # ---------------------------------------------------------------- entry points
 
 
-def decode_payload(payload: bytes) -> Batch:
-    """One msgpack `KVEventBatch` payload (the last frame of a ZMQ message)."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
+def decode_payload(payload: bytes, seq: int | None = None) -> Batch:
+    """One msgpack `KVEventBatch` payload (the last frame of a ZMQ message), numbered `seq`."""
+    if payload.__class__ is not bytes and not isinstance(payload, (bytearray, memoryview)):
         raise MalformedEvent(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise MalformedEvent(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
@@ -125,11 +124,16 @@ def decode_payload(payload: bytes) -> Batch:
         obj = msgpack.unpackb(payload, raw=False)
     except Exception as e:  # msgpack raises ValueError/UnpackException/TypeError subclasses
         raise MalformedEvent(f"payload is not msgpack ({type(e).__name__}: {e})") from None
-    return _batch(obj, _msgpack_hash, seq=None)
+    return _batch(obj, _msgpack_hash, seq)
 
 
 def decode_seq(frames: list[bytes]) -> int:
     """The sequence number of a ZMQ multipart message (`(topic, seq, payload)` or `(seq, payload)`)."""
+    if frames.__class__ is list and len(frames) == 3:  # the common case, checked in a few steps
+        seq_frame = frames[1]
+        if seq_frame.__class__ is bytes and len(seq_frame) == SEQ_LEN and frames[0].__class__ is bytes \
+                and frames[2].__class__ is bytes:
+            return int.from_bytes(seq_frame, "big")
     if not isinstance(frames, (list, tuple)) or len(frames) not in (2, 3):
         n = len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__
         raise MalformedEvent(f"expected (topic, seq, payload) or (seq, payload) frames, got {n}")
@@ -151,10 +155,9 @@ def decode_frames(frames: list[bytes]) -> Batch:
     """
     seq = decode_seq(frames)
     try:
-        batch = decode_payload(frames[-1])
+        return decode_payload(frames[-1], seq)
     except MalformedEvent as e:
-        return Batch(0.0, (), None, seq, malformed=1, problems=(e.message,))
-    return Batch(batch.ts, batch.events, batch.dp_rank, seq, None, batch.malformed, batch.problems)
+        return Batch(0.0, (), None, seq, None, 1, (e.message,))
 
 
 def is_replay_end(frames: list[bytes]) -> bool:
@@ -257,6 +260,12 @@ HashFn = Callable[[Any, str], BlockHash]
 
 
 def _batch(obj: Any, hash_fn: HashFn, seq: int | None) -> Batch:
+    if obj.__class__ is list and len(obj) == 3:  # vLLM's array-like batch, in a few steps
+        ts, events, dp_rank = obj
+        if ts.__class__ is float and math.isfinite(ts) and events.__class__ is list and (
+                dp_rank is None or dp_rank.__class__ is int and dp_rank >= 0):
+            decoded, malformed, problems = _events(events, hash_fn, strict=False)
+            return Batch(ts, decoded, dp_rank, seq, None, malformed, problems)
     if isinstance(obj, list):
         if len(obj) < 2:
             raise MalformedEvent(f"expected [ts, events, dp_rank?], got an array of {len(obj)}", "batch")
@@ -282,10 +291,10 @@ def _events(events: Any, hash_fn: HashFn, strict: bool) -> tuple[tuple[Event, ..
     if not isinstance(events, list):
         raise MalformedEvent(f"expected an array, got {_tname(events)}", "events")
     out: list[Event] = []
-    malformed, problems = 0, []
+    append, malformed, problems = out.append, 0, []
     for i, ev in enumerate(events):
         try:
-            out.append(_event(ev, hash_fn, i))
+            append(_event(ev, hash_fn, i))
         except MalformedEvent as e:
             if strict:
                 raise

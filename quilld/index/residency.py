@@ -92,6 +92,45 @@ class ResidencyIndex:
             self._entry_added(tag)
         return True
 
+    def put_many(self, tag: bytes, blocks: Iterable[BlockHash], holder: str, tier: CacheTier | str) -> int:
+        """`put` for several blocks of one holder and tier (one event's); returns how many were new."""
+        slot = self._slot(holder, tier)
+        bit, entries, pack, added = 1 << slot, self._entries, _PACK, 0
+        get = entries.get
+        for block in blocks:
+            key = tag + (pack(block & _U64) if block.__class__ is int else hash_key(block))
+            mask = get(key, 0)
+            if mask & bit:
+                continue
+            entries[key] = mask | bit
+            added += 1
+            if not mask:
+                self._entry_added(tag)
+        self._counts[slot] += added
+        return added
+
+    def remove_many(self, tag: bytes, blocks: Iterable[BlockHash], holder: str, tier: CacheTier | str) -> int:
+        """`remove` for several blocks of one holder and tier; returns how many were recorded."""
+        if holder not in self._holder_no:
+            return 0
+        slot = self._slot(holder, tier)
+        bit, entries, pack, removed = 1 << slot, self._entries, _PACK, 0
+        get = entries.get
+        for block in blocks:
+            key = tag + (pack(block & _U64) if block.__class__ is int else hash_key(block))
+            mask = get(key, 0)
+            if not mask & bit:
+                continue
+            removed += 1
+            mask ^= bit
+            if mask:
+                entries[key] = mask
+            else:
+                del entries[key]
+                self._entry_gone(tag)
+        self._counts[slot] -= removed
+        return removed
+
     def _entry_added(self, tag: bytes) -> None:
         n = self.tag_entries.get(tag, 0)
         self.tag_entries[tag] = n + 1

@@ -60,8 +60,9 @@ REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_BATCHES = 10_000
 # stop() waits this long for the receive task to finish after cancelling it.
 STOP_TIMEOUT_S = 1.0
-# Ingest yields to the event loop after this long, so a ROUTE waits at most about this much.
-SLICE_S = 0.001
+# Ingest yields to the event loop after this long, so a ROUTE waits at most about this much
+# (1 ms gave ROUTE p50 1.3-1.4 ms during ingest in bench/events_bench.py, 0.5 ms 0.75-0.95 ms).
+SLICE_S = 0.0005
 # A batch with more block hashes than this is applied in parts, one per slice.
 SLICE_WORK = 1024
 # vLLM's PUB high-water mark is 100 000 messages; the SUB side queues as many while a replay runs.

@@ -133,3 +133,30 @@ def test_memory_per_entry():
     print(f"residency index: {per_entry:.0f} bytes per block (two holders each), {n} blocks")
     assert len(idx) == n
     assert per_entry < 160
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(-(2**63), 2**64 - 1) | st.binary(min_size=1, max_size=9),
+                                                   max_size=6), st.sampled_from(["hbm", "cpu", "storage"])),
+                max_size=20))
+def test_put_many_and_remove_many_match_one_at_a_time(ops):
+    one, many = ResidencyIndex(), ResidencyIndex()
+    for is_put, blocks, tier in ops:
+        if is_put:
+            want = sum(one.put(A, b, "engine-a", tier) for b in blocks)
+            assert many.put_many(A, blocks, "engine-a", tier) == want
+        else:
+            want = sum(one.remove(A, b, "engine-a", tier) for b in blocks)
+            assert many.remove_many(A, blocks, "engine-a", tier) == want
+    assert one._entries == many._entries and one.tag_entries == many.tag_entries
+    assert all(one.count("engine-a", t) == many.count("engine-a", t) for t in ("hbm", "cpu", "storage"))
+    assert sorted(many.holder_entries("engine-a")) == sorted(one.holder_entries("engine-a"))
+    assert many.remove_many(A, [1], "nobody", "hbm") == 0
+
+
+def test_the_storage_tier_is_one_more_bit_per_holder():
+    idx = ResidencyIndex()
+    idx.put(A, 1, "engine-a", CacheTier.STORAGE)
+    idx.put(A, 1, "node-1", CacheTier.DRAM)
+    assert sorted(idx.locate(A, [1])[0]) == [("engine-a", CacheTier.STORAGE), ("node-1", CacheTier.DRAM)]
+    assert idx.prefix_lengths(A, [1, 2]) == {"engine-a": 1, "node-1": 1}
