@@ -77,6 +77,20 @@ def _suspect_pattern(large_bulk: int, max_bulk_len: int):
     return suspect
 
 
+_NO_LINE = -1  # _line_end(): no end of line yet
+_CR_LAST = -2  # _line_end(): the CR is the last byte received: its line ends once one more arrives
+
+
+def _line_end(buf: bytearray, pos: int, end: int) -> int:
+    """Where the header line at `pos` ends, found as redis finds it (strchr(p, '\\r')): its first
+    CR, which must be followed by one more byte (skipped unread, as if it were the LF); no line
+    while a NUL byte comes first, since strchr() stops there. Negative: no line yet."""
+    cr = buf.find(b"\r", pos, end)
+    if cr < 0 or buf.find(0, pos, cr) >= 0:
+        return _NO_LINE
+    return cr if cr + 1 < end else _CR_LAST
+
+
 def _bulks_so_far(partial: bytes) -> bool:
     """Whether a partial multibulk command holds only bulk strings so far (with valid lengths).
 
@@ -390,9 +404,9 @@ class RespParser:
             if buf[pos] != 42:  # not '*': an inline command
                 self._pos = pos
                 return self._inline()
-            nl = buf.find(b"\r\n", pos)
+            nl = _line_end(buf, pos, end)
             if nl < 0:
-                if end - pos > MAX_INLINE:
+                if nl == _NO_LINE and end - pos > MAX_INLINE:
                     raise ProtocolError("too big mbulk count string")
                 self._pos = pos
                 self._maybe_compact()
@@ -427,13 +441,13 @@ class RespParser:
                 continue
             if pos >= end:
                 break
-            if buf[pos] != 36:  # '$'
-                raise ProtocolError(f"expected '$', got '{chr(buf[pos])}'")
-            nl = buf.find(b"\r\n", pos)
+            nl = _line_end(buf, pos, end)  # redis finds the line before it looks at its first byte
             if nl < 0:
-                if end - pos > MAX_INLINE:
+                if nl == _NO_LINE and end - pos > MAX_INLINE:
                     raise ProtocolError("too big bulk count string")
                 break
+            if buf[pos] != 36:  # '$'; redis quotes the byte as it is ('%c')
+                raise ProtocolError(f"expected '$', got '{bytes((buf[pos],)).decode('utf-8', 'surrogateescape')}'")
             n = _parse_len(buf[pos + 1:nl])
             if n is None or n < 0 or n > max_bulk:
                 raise ProtocolError("unauthenticated bulk length" if not self.authenticated
@@ -466,6 +480,8 @@ class RespParser:
         buf = self._buf
         pos = self._pos
         nl = buf.find(b"\n", pos)
+        if nl >= 0 and buf.find(0, pos, nl) >= 0:
+            nl = -1  # redis looks for the LF with strchr(), which stops at a NUL byte: no line yet
         if nl < 0:
             if len(buf) - pos > MAX_INLINE:
                 raise ProtocolError("too big inline request")
@@ -498,7 +514,11 @@ _HEX = b"0123456789abcdefABCDEF"
 
 
 def split_args(line: bytes) -> list[bytes] | None:
-    """Split an inline command as redis's sdssplitargs does; None on unbalanced quotes."""
+    """Split an inline command as redis's sdssplitargs does; None on unbalanced quotes.
+
+    Blanks between arguments are isspace() (space, \\t, \\n, \\v, \\f, \\r), but an unquoted
+    argument ends only at space, \\t, \\n, \\r: `a\\vb` is one argument.
+    """
     args: list[bytes] = []
     i, n = 0, len(line)
     while True:
@@ -539,7 +559,7 @@ def split_args(line: bytes) -> list[bytes] | None:
                     break
                 cur.append(c)
             else:
-                if c in b" \n\r\t\v\f":
+                if c in b" \n\r\t\x00":  # sdssplitargs ends a token only at these (not \v, \f)
                     break
                 if c in (34, 39):
                     quote = c

@@ -562,6 +562,9 @@ def test_encode_command_accepts_str_and_int(args):
     (b'a"b c"', [b"ab c"]),  # a quote opens mid-token, as in redis
     (b"\\x41", [b"\\x41"]),  # escapes only inside double quotes
     (b'"a"\t"b"', [b"a", b"b"]),
+    (b"auth\x0b0", [b"auth\x0b0"]),  # \v and \f are blanks between arguments, not inside one
+    (b"\x0b\x0cGET\x0c k\x0bv", [b"GET\x0c", b"k\x0bv"]),
+    (b'"a"\x0b"b"', [b"a", b"b"]),  # ...and may follow a closing quote
 ])
 def test_split_args(line, expected):
     assert split_args(line) == expected
@@ -757,3 +760,43 @@ def test_error_text_quotes_client_bytes_raw(raw, quoted):
     assert encode_error(CommandError(f"unknown '{echo(raw)}'")) == (
         b"-ERR unknown '" + quoted.replace(b"\r", b" ").replace(b"\n", b" ") + b"'\r\n")
     assert echo(b"x" * 300 + raw, 128) == "x" * 128
+
+
+# -- lines found as redis finds them: strchr() for the CR (or LF), which stops at a NUL --------
+
+@MODES
+@pytest.mark.parametrize("data, expected", [
+    (b"*1\r\n$4\rxPING\r\n", [[b"PING"]]),  # the byte after the CR is skipped unread
+    (b"*1\rx$4\r\nPING\r\n", [[b"PING"]]),
+    (b"*1\r\n$1\r\x000\r\n", [[b"0"]]),
+    (b"*1\x00\r\n$4\r\nPING\r\n", []),  # a NUL before the CR: no line yet, ever
+    (b"*1\r\n$4\x00\r\nPING\r\n", []),
+    (b"*1\r\n\x00abc\r\n", []),
+    (b"PI\x00NG\r\nPING\r\n", []),
+    (b"ECHO a\x00b\r\n", []),
+    (b"*1\r", []),  # the CR is the last byte: wait for the one after it
+    (b"*1\r\n$4\r", []),
+], ids=["bulk-cr-x", "count-cr-x", "bulk-cr-nul", "nul-in-count", "nul-in-bulk-len", "nul-first",
+        "nul-inline", "nul-inline-arg", "count-cr-last", "bulk-cr-last"])
+def test_header_and_inline_lines_end_where_redis_ends_them(data, expected, use_hiredis):
+    for chunks in _chunkings(data):
+        p = RespParser(use_hiredis=use_hiredis)
+        out: list = []
+        for chunk in chunks:
+            p.feed(chunk)
+            drain(p, out)
+        assert out == expected, chunks
+
+
+@MODES
+@pytest.mark.parametrize("data, error", [
+    (b"*1\x00" + b"1" * MAX_INLINE, "too big mbulk count string"),
+    (b"*1\r\n$1\x00" + b"1" * MAX_INLINE, "too big bulk count string"),
+    (b"PING\x00" + b"\r\n" * (MAX_INLINE // 2 + 1), "too big inline request"),
+    (b"*1\r\n\xab\r\n", "expected '$', got '\udcab'"),  # the byte itself, raw on the wire
+], ids=["count", "bulk-len", "inline", "raw-byte"])
+def test_a_line_that_never_ends_for_a_nul_is_refused_past_64k(data, error, use_hiredis):
+    err = protocol_error([data], use_hiredis)
+    assert err.wire() == "ERR Protocol error: " + error
+    if error.endswith("'\udcab'"):
+        assert encode_error(err) == b"-ERR Protocol error: expected '$', got '\xab'\r\n"
