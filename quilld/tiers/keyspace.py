@@ -23,9 +23,10 @@ demotion but still pinned, or promoted back by a read) keeps that entry in
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import crc32c
 
@@ -42,6 +43,16 @@ LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already in the lower 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+class KeyFacts(NamedTuple):
+    """What OBJECT and MEMORY USAGE tell about one key's value."""
+
+    tier: CacheTier  # where the value lives (DRAM, or only the tier below)
+    length: int  # the value's bytes
+    inline: bytes | None  # the value itself when it is kept in the entry (at most dram.inline_max bytes)
+    idle_s: float | None  # seconds since its last read: arena blocks only (inline values keep no clock)
+    dram_bytes: int  # DRAM the value holds: its bytes inline, whole pages in the arena, 0 below DRAM
 
 
 class Keyspace:
@@ -66,6 +77,10 @@ class Keyspace:
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
         self.per_scope: Counter[bytes] = Counter()
+        # each scope's keys in an array with swap-remove (see `scan`): KEYS, SCAN, RANDOMKEY and
+        # flushes visit one scope's keys only; `_slot` is a key's index in its scope's array
+        self._scope_keys: dict[bytes, list[bytes]] = {}
+        self._slot: dict[bytes, int] = {}
         self.used = 0  # arena bytes held (whole pages) plus inline value bytes
         self.inline_bytes = 0
         self.block_count = 0  # published blocks in the keyspace
@@ -497,6 +512,217 @@ class Keyspace:
                 n += 1
         return n
 
+    # -- the generic keyspace: TTL changes, enumeration, renames and copies ---------
+    def expire_time(self, tag: bytes, key: bytes) -> int:
+        """-2 when missing, -1 when it never expires, else when it expires (unix ms)."""
+        if not self.contains(tag, key):
+            return -2
+        return self.expires.get(tag + key, -1)
+
+    def below_only(self, tag: bytes, key: bytes) -> bool:
+        """Whether `key`'s only copy is in the tier below DRAM (see `bring_back`)."""
+        return tag + key in self.lower
+
+    async def bring_back(self, tag: bytes, key: bytes, space_freed: Any = None, wait_s: float = 5.0) -> None:
+        """Read a value kept only below DRAM back into the arena, keeping the lower copy as
+        `block.lower` (as a promoting read does). The lower tier keeps no TTLs and its copies
+        are stored under their key, so EXPIRE, RENAME and COPY work on the DRAM copy.
+
+        While the arena is full of blocks the lower tier is about to take, waits up to
+        `wait_s` for room (`space_freed(timeout)` returns when some is freed), then raises
+        OutOfMemory."""
+        fk = tag + key
+        entry = self.lower.get(fk)
+        if entry is None:
+            return
+        data = await self.lower_tier.read_bytes(entry)  # verified against entry.crc
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.lower.get(fk) is not entry:
+                return  # deleted, overwritten or promoted meanwhile: the caller looks again
+            try:
+                block = self.reserve(len(data))
+                break
+            except OutOfMemory:
+                if space_freed is None or time.monotonic() > deadline or not self.space_may_free():
+                    raise
+                self.lower_tier.wake()
+                await space_freed(0.01)
+        self.write_view(block)[:] = data
+        self.promoted(fk, block, entry)
+
+    def set_ttl(self, tag: bytes, key: bytes, at_ms: int) -> bool:
+        """Make the DRAM value of `key` expire at `at_ms`; False when it has none.
+
+        A block's copy in the lower tier is dropped (the lower tier keeps no TTLs): whoever
+        acknowledges this waits for `take_unsynced()`, so no crash brings it back without
+        its TTL."""
+        fk = tag + key
+        value = self.data.get(fk)
+        if value is None or not self.contains(tag, key):
+            return False
+        if value.__class__ is Block and value.lower is not None:
+            self.lower_tier.drop(value.lower)
+            value.lower = None
+            self.unsynced = True
+        self.set_expire(tag, key, at_ms)
+        return True
+
+    def persist(self, tag: bytes, key: bytes) -> bool:
+        """Remove `key`'s TTL; False when it is missing or has none."""
+        if not self.contains(tag, key):
+            return False
+        return self.expires.pop(tag + key, None) is not None
+
+    def _expired_now(self, fk: bytes, now: int) -> bool:
+        at = self.expires.get(fk)
+        return at is not None and at <= now
+
+    def keys_matching(self, tag: bytes, match: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """Scope `tag`'s live keys (without the tag) that `match` accepts (all when None)."""
+        keys = self._scope_keys.get(tag)
+        if not keys:
+            return []
+        expires, now, cut = self.expires, now_ms(), TAG_LEN
+        out = []
+        for fk in keys:
+            key = fk[cut:]
+            if match is not None and not match(key):
+                continue
+            if expires and self._expired_now(fk, now):
+                continue
+            out.append(key)
+        return out
+
+    def scan(self, tag: bytes, cursor: int, count: int,
+             keep: Callable[[bytes], bool] | None = None) -> tuple[int, list[bytes]]:
+        """One step of a scan of scope `tag`: (next cursor, keys), 0 once the scan is over.
+
+        Each scope keeps its keys in an array; a key removed leaves its slot to the
+        scope's last key (swap-remove) and a new key is appended, so a key's index only
+        ever goes down. A cursor `c` means "the slots below `c` are left" (0 starts at the
+        top: every slot is left) and a step visits the `count` slots just below it. A key
+        present for the whole scan starts below the first cursor and only moves lower, so
+        it is returned; one added meanwhile may or may not be, one moved by a removal may
+        be returned twice. LRU reordering, tier moves and TTLs never move a key.
+        Keys that `keep` accepts and that have expired are reclaimed, as redis's SCAN does.
+        """
+        keys = self._scope_keys.get(tag)
+        if not keys:
+            return 0, []
+        n = len(keys)
+        top = n if cursor == 0 or cursor > n else cursor
+        low = max(0, top - count)
+        window = keys[low:top]
+        window.reverse()
+        out = []
+        expires, now, cut = self.expires, now_ms(), TAG_LEN
+        for fk in window:
+            key = fk[cut:]
+            if keep is not None and not keep(key):
+                continue
+            if expires and self._expired_now(fk, now):
+                self._unlink(fk)  # its slot goes to a key at or above `low`: visited or new
+                self.stats["expired"] += 1
+                continue
+            out.append(key)
+        return low, out
+
+    def random_key(self, tag: bytes) -> bytes | None:
+        """A live key of scope `tag` picked at random, or None; expired keys met are reclaimed."""
+        keys = self._scope_keys.get(tag)
+        now = now_ms()
+        while keys:
+            fk = keys[random.randrange(len(keys))]
+            if self.expires and self._expired_now(fk, now):
+                self._unlink(fk)
+                self.stats["expired"] += 1
+                keys = self._scope_keys.get(tag)
+                continue
+            return fk[TAG_LEN:]
+        return None
+
+    def rename(self, tag: bytes, src: bytes, dst: bytes, nx: bool = False) -> int:
+        """Move `src`'s value (and TTL) to `dst` in the same scope, replacing `dst` unless `nx`.
+
+        -1 when `src` is missing, 0 when `nx` and `dst` exists (or `nx` and the names are
+        the same), 1 when done. `src` must be in DRAM (see `bring_back`). A block's copy in
+        the lower tier is stored under the old name: it is dropped (`take_unsynced()`).
+        """
+        fk, nk = tag + src, tag + dst
+        if not self.contains(tag, src):
+            return -1
+        if fk == nk:
+            return 0 if nx else 1
+        if self.contains(tag, dst):
+            if nx:
+                return 0
+            if self._unlink(nk):
+                self.unsynced = True
+        value = self.data.pop(fk)
+        at = self.expires.pop(fk, None)
+        was_tracked = fk in self.tracked
+        bhash = self.tracked.get(fk)
+        if was_tracked:
+            self._forget(fk)
+        if value.__class__ is Block and self.lower_tier is not None:
+            if value.lower is not None:
+                self.lower_tier.drop(value.lower)
+                value.lower = None
+                self.unsynced = True
+            elif value.pins and self.lower_tier.writing(value):
+                self.unsynced = True  # the demotion in flight writes it under the old name
+        self.data[nk] = value
+        self._added(nk)
+        self._removed(fk)
+        if at is not None:
+            self.set_expire(tag, dst, at)
+        if self.listener is not None and (was_tracked or value.__class__ is Block):
+            self.tracked[nk] = bhash
+            self.listener.placed(nk, CacheTier.DRAM, len(value), bhash)
+        return 1
+
+    def copy(self, tag: bytes, src: bytes, dst: bytes, replace: bool = False) -> bool:
+        """Copy `src`'s value (and TTL) to `dst` in the same scope; False when `src` is
+        missing, or `dst` exists and not `replace`. `src` must be in DRAM (see `bring_back`);
+        a block is copied into a new block (OutOfMemory when none fits)."""
+        value = self.lookup(tag, src)
+        if value is None:
+            return False
+        if not replace and self.contains(tag, dst):
+            return False
+        at = self.expires.get(tag + src)
+        if value.__class__ is Block:
+            self.pin(value)  # making room must not evict the source
+            try:
+                dup = self.reserve(value.length)
+                self.write_view(dup)[:] = self.view(value)
+            finally:
+                self.unpin(value)
+            value = dup
+        self.publish(tag, dst, value)
+        if at is not None:
+            self.set_expire(tag, dst, at)
+        return True
+
+    def facts(self, tag: bytes, key: bytes, expire: bool = True) -> KeyFacts | None:
+        """What is known of `key`'s value, without counting a read or refreshing its LRU
+        place; None when missing. `expire=False` also describes an expired key not yet
+        reclaimed (as MEMORY USAGE does)."""
+        fk = tag + key
+        if expire and not self.contains(tag, key):
+            return None
+        value = self.data.get(fk)
+        if value is None:
+            entry = self.lower.get(fk)
+            if entry is None:
+                return None
+            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0)
+        if value.__class__ is bytes:
+            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value))
+        return KeyFacts(CacheTier.DRAM, value.length, None, max(0.0, time.time() - value.last_access),
+                        page_extent(value.length))
+
     # -- internals ---------------------------------------------------------
     def _added(self, fk: bytes) -> None:
         """A key joined the keyspace: its scope is held while it has keys, and owners are kept."""
@@ -506,6 +732,10 @@ class Keyspace:
         per_scope[tag] = n + 1
         if not n:
             self.scopes.hold(tag)
+            self._scope_keys[tag] = []
+        keys = self._scope_keys[tag]
+        self._slot[fk] = len(keys)
+        keys.append(fk)
         if self._owners is not None:
             key = fk[TAG_LEN:]
             owner = self._owners.get(key)
@@ -518,11 +748,18 @@ class Keyspace:
 
     def _removed(self, fk: bytes) -> None:
         tag = fk[:TAG_LEN]
+        keys = self._scope_keys[tag]
+        i = self._slot.pop(fk)
+        last = keys.pop()
+        if i < len(keys):  # the scope's last key takes the freed slot (see `scan`)
+            keys[i] = last
+            self._slot[last] = i
         n = self.per_scope[tag] - 1
         if n:
             self.per_scope[tag] = n
         else:
             del self.per_scope[tag]
+            del self._scope_keys[tag]
             self.scopes.drop(tag)
         if self._owners is not None:
             key = fk[TAG_LEN:]

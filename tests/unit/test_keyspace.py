@@ -837,3 +837,277 @@ def test_a_put_that_cannot_fit_evicts_nothing():
     store.unpin(pinned)
     assert store.held_bytes == 0
     check_accounting(store)
+
+
+# -- the generic keyspace: scope key arrays, SCAN, RANDOMKEY, RENAME, COPY, TTL changes ---
+
+def check_scope_keys(store: Keyspace) -> None:
+    """Each scope's key array holds exactly its keys (DRAM and below), `_slot` their places."""
+    held: dict[bytes, set[bytes]] = {}
+    for fk in list(store.data) + list(store.lower):
+        held.setdefault(fk[:TAG_LEN], set()).add(fk)
+    assert {t: set(keys) for t, keys in store._scope_keys.items()} == held
+    assert all(len(keys) == len(set(keys)) == store.per_scope[t] for t, keys in store._scope_keys.items())
+    assert all(store._scope_keys[fk[:TAG_LEN]][i] == fk for fk, i in store._slot.items())
+    assert len(store._slot) == len(store.data) + len(store.lower)
+
+
+def full_scan(store: Keyspace, tag: bytes, count: int, between=None, keep=None) -> list[bytes]:
+    """Every key one scan returns, calling `between()` after each step; bounded."""
+    seen, cursor = [], 0
+    for _ in range(100_000):
+        cursor, keys = store.scan(tag, cursor, count, keep)
+        seen += keys
+        if cursor == 0:
+            return seen
+        if between is not None:
+            between()
+    raise AssertionError("scan did not end")
+
+
+def test_scope_key_arrays_follow_every_way_in_and_out():
+    """New keys, overwrites, deletes, expiry (lazy and swept), eviction, flushes: the arrays
+    always hold exactly each scope's keys."""
+    store = make_store(pages=24, high=0.75, low=0.5)
+    tags = [store.scopes.tag(IdentityScope(t)) for t in ("a", "b", "c")]
+    rng = random.Random(7)
+    for step in range(3000):
+        t, key = rng.choice(tags), b"k%d" % rng.randrange(60)
+        op = rng.random()
+        if op < 0.45:
+            put(store, t, key, pattern(rng.choice((3, 200, PAGE + 1)), step))
+        elif op < 0.6:
+            store.delete(t, key)
+        elif op < 0.7:
+            if store.contains(t, key):
+                store.set_expire(t, key, now_ms() - 1)
+                store.sweep_expired() if rng.random() < 0.5 else store.lookup(t, key)
+        elif op < 0.8:
+            store.rename(t, key, b"k%d" % rng.randrange(60), nx=rng.random() < 0.3)
+        elif op < 0.9:
+            dst = b"k%d" % rng.randrange(60)
+            if dst != key:
+                store.copy(t, key, dst, replace=rng.random() < 0.5)
+        elif op < 0.92:
+            store.flush_scope(t)
+        else:
+            store.random_key(t)
+        check_scope_keys(store)
+        check_accounting(store)
+
+
+def test_scan_returns_every_key_present_for_the_whole_scan():
+    """Keys added, deleted, renamed, read (LRU moves), expired and evicted during a scan:
+    every key present from its start to its end is returned; nothing from another scope."""
+    rng = random.Random(3)
+    for trial in range(20):
+        store = make_store(pages=64, high=0.9, low=0.5)
+        tag, other = store.scopes.tag(IdentityScope("a")), store.scopes.tag(IdentityScope("b"))
+        stable = {b"s%d" % i for i in range(300)}
+        churn = [b"c%d" % i for i in range(200)]
+        first = sorted(stable) + churn[:100]
+        rng.shuffle(first)  # stable keys everywhere in the array, the last slots included
+        for key in first:
+            put(store, tag, key, b"v")
+            put(store, other, key + b"-other", b"v")
+
+        def between():
+            for _ in range(rng.randrange(1, 12)):
+                op, key = rng.random(), rng.choice(churn)
+                if op < 0.35:
+                    put(store, tag, key, b"v")
+                elif op < 0.6:
+                    store.delete(tag, key)
+                elif op < 0.7:
+                    store.rename(tag, key, rng.choice(churn))
+                elif op < 0.8:
+                    if store.contains(tag, key):
+                        store.set_expire(tag, key, now_ms() - 1)
+                else:
+                    store.lookup(tag, rng.choice(sorted(stable)))  # an LRU move
+
+        seen = full_scan(store, tag, rng.choice((1, 3, 10, 50)), between)
+        assert stable <= set(seen)
+        assert all(not k.endswith(b"-other") for k in seen)
+        assert set(seen) <= stable | set(churn)
+        check_scope_keys(store)
+
+
+def test_scan_cursor_is_the_slots_left_and_ends_at_zero(store, tag):
+    for i in range(25):
+        put(store, tag, b"k%02d" % i, b"v")
+    cursor, keys = store.scan(tag, 0, 10)
+    assert (cursor, len(keys)) == (15, 10)
+    cursor, keys = store.scan(tag, cursor, 10)
+    assert (cursor, len(keys)) == (5, 10)
+    assert store.scan(tag, cursor, 10)[0] == 0
+    assert store.scan(tag, 10**20, 10)[0] == 15  # past the top: starts at the top
+    assert store.scan(store.scopes.tag(IdentityScope("nobody")), 0, 10) == (0, [])
+    assert sorted(full_scan(store, tag, 7)) == [b"k%02d" % i for i in range(25)]
+
+
+def test_scan_reclaims_expired_keys_it_keeps_and_counts_them(store, tag):
+    for i in range(10):
+        put(store, tag, b"k%d" % i, b"v")
+    store.set_expire(tag, b"k1", now_ms() - 1)
+    store.set_expire(tag, b"k2", now_ms() - 1)
+    seen = full_scan(store, tag, 3, keep=lambda k: k != b"k2")  # k2 is filtered out first: kept
+    assert set(seen) == {b"k%d" % i for i in range(10)} - {b"k1", b"k2"}
+    assert store.stats["expired"] == 1 and store.keys_in(tag) == 9
+    assert store.keys_matching(tag) == [k for k in store.keys_matching(tag) if k != b"k2"]
+    assert sorted(store.keys_matching(tag, lambda k: k < b"k5")) == [b"k0", b"k3", b"k4"]
+    check_scope_keys(store)
+
+
+def test_random_key_stays_in_its_scope_and_reclaims_expired_keys(store):
+    a, b = store.scopes.tag(IdentityScope("a")), store.scopes.tag(IdentityScope("b"))
+    assert store.random_key(a) is None
+    put(store, a, b"only-a", b"v")
+    for i in range(20):
+        put(store, b, b"b%d" % i, b"v")
+    assert {store.random_key(a) for _ in range(50)} == {b"only-a"}
+    assert {store.random_key(b) for _ in range(400)} == {b"b%d" % i for i in range(20)}
+    for i in range(20):
+        store.set_expire(b, b"b%d" % i, now_ms() - 1)
+    assert store.random_key(b) is None
+    assert store.stats["expired"] == 20 and store.keys_in(b) == 0 and store.keys_in(a) == 1
+    check_scope_keys(store)
+
+
+def test_rename_moves_value_and_ttl_within_the_scope(store, tag):
+    other = store.scopes.tag(IdentityScope("other"))
+    big = pattern(3 * PAGE, 1)
+    put(store, tag, b"src", big)
+    put(store, other, b"dst", b"theirs")
+    store.set_expire(tag, b"src", now_ms() + 60_000)
+    used = store.used
+    assert store.rename(tag, b"src", b"dst") == 1
+    assert read(store, tag, b"dst") == big and store.lookup(tag, b"src") is None
+    assert 59_000 < store.ttl_ms(tag, b"dst") <= 60_000
+    assert read(store, other, b"dst") == b"theirs"  # the other scope's key is untouched
+    assert store.used == used  # the block moved, nothing was copied
+    put(store, tag, b"x", b"1")
+    store.set_expire(tag, b"x", now_ms() + 60_000)
+    put(store, tag, b"y", b"2")
+    assert store.rename(tag, b"y", b"x") == 1  # replaces x, and x's TTL goes with it
+    assert store.ttl_ms(tag, b"x") == -1 and read(store, tag, b"x") == b"2"
+    assert store.rename(tag, b"missing", b"x") == -1
+    assert store.rename(tag, b"x", b"dst", nx=True) == 0
+    assert store.rename(tag, b"x", b"x", nx=True) == 0 and store.rename(tag, b"x", b"x") == 1
+    assert store.rename(tag, b"dst", b"other-dst", nx=True) == 1
+    assert store.rename(other, b"x", b"y") == -1  # another scope's name is not ours
+    check_scope_keys(store)
+    check_accounting(store)
+    for _ in range(3):  # stale TTL heap entries under the old names never touch the new ones
+        store.sweep_expired()
+    assert read(store, tag, b"other-dst") == big
+
+
+def test_copy_is_independent_and_keeps_the_ttl(store, tag):
+    big = pattern(2 * PAGE + 5, 2)
+    put(store, tag, b"src", big)
+    store.set_expire(tag, b"src", now_ms() + 60_000)
+    assert store.copy(tag, b"src", b"dup")
+    assert read(store, tag, b"dup") == big and store.ttl_ms(tag, b"dup") > 59_000
+    put(store, tag, b"src", pattern(2 * PAGE + 5, 3))  # overwrite the source
+    assert read(store, tag, b"dup") == big
+    assert not store.copy(tag, b"src", b"dup")  # exists, no REPLACE
+    assert store.copy(tag, b"src", b"dup", replace=True)
+    assert read(store, tag, b"dup") == pattern(2 * PAGE + 5, 3) and store.ttl_ms(tag, b"dup") == -1
+    put(store, tag, b"small", b"abc")
+    assert store.copy(tag, b"small", b"small2") and read(store, tag, b"small2") == b"abc"
+    assert not store.copy(tag, b"missing", b"x")
+    assert not store.copy(store.scopes.tag(IdentityScope("other")), b"src", b"x")
+    check_scope_keys(store)
+    check_accounting(store)
+
+
+def test_copy_that_cannot_fit_is_out_of_memory_and_changes_nothing():
+    store = make_store(pages=8, high=1.0, low=1.0)
+    tag = store.scopes.tag(DEFAULT)
+    put(store, tag, b"src", pattern(5 * PAGE, 1))
+    with pytest.raises(OutOfMemory):
+        store.copy(tag, b"src", b"dup")  # the source is pinned while room is made: never evicted
+    assert read(store, tag, b"src") == pattern(5 * PAGE, 1) and store.lookup(tag, b"dup") is None
+    assert store.held_bytes == 0 and store.active_pins == 0
+    check_accounting(store)
+
+
+def test_ttl_changes(store, tag):
+    assert store.expire_time(tag, b"k") == -2 and not store.set_ttl(tag, b"k", now_ms() + 1000)
+    put(store, tag, b"k", b"v")
+    assert store.expire_time(tag, b"k") == -1 and not store.persist(tag, b"k")
+    at = now_ms() + 10_000
+    assert store.set_ttl(tag, b"k", at) and store.expire_time(tag, b"k") == at
+    assert store.persist(tag, b"k") and store.expire_time(tag, b"k") == -1
+    store.sweep_expired()
+    assert store.contains(tag, b"k")
+    assert store.set_ttl(tag, b"k", now_ms() + 20)
+    time.sleep(0.03)
+    assert store.sweep_expired() == 1 and store.expire_time(tag, b"k") == -2
+
+
+def test_facts_describe_without_counting_a_read(store, tag):
+    put(store, tag, b"small", b"12345")
+    put(store, tag, b"big", pattern(PAGE + 1, 1))
+    hits = store.lookups_of()
+    small, big = store.facts(tag, b"small"), store.facts(tag, b"big")
+    assert (small.inline, small.length, small.dram_bytes, small.idle_s) == (b"12345", 5, 5, None)
+    assert (big.inline, big.length, big.dram_bytes) == (None, PAGE + 1, 2 * PAGE) and big.idle_s < 5
+    assert store.lookups_of() == hits
+    store.set_expire(tag, b"small", now_ms() - 1)
+    assert store.facts(tag, b"small", expire=False).length == 5  # not yet reclaimed
+    assert store.facts(tag, b"small") is None and store.facts(tag, b"missing") is None
+
+
+# SSD-only values: EXPIRE, RENAME and COPY read them back into DRAM first (bring_back)
+
+def _ssd_only(tmp_path, body):
+    from test_tiering import VAL, check_ssd, data, demote_all, run, tiered
+
+    async def go():
+        async with tiered(tmp_path) as (ks, t, tag):
+            ks.publish(tag, b"k1", ks.materialize(data(VAL, 1)))
+            ks.publish(tag, b"k2", ks.materialize(data(VAL, 2)))
+            await demote_all(t)
+            assert ks.below_only(tag, b"k1") and ks.below_only(tag, b"k2")
+            await body(ks, tag, data(VAL, 1))
+            wait = ks.take_unsynced()
+            if wait is not None:
+                await wait
+            check_scope_keys(ks)
+            await check_ssd(ks, t)
+
+    run(go())
+
+
+def test_ttl_on_an_ssd_only_value_brings_it_to_dram_and_drops_the_ssd_copy(tmp_path):
+    async def body(ks, tag, value):
+        await ks.bring_back(tag, b"k1")
+        assert not ks.below_only(tag, b"k1") and ks.data[tag + b"k1"].lower is not None
+        assert ks.set_ttl(tag, b"k1", now_ms() + 60_000)
+        assert ks.data[tag + b"k1"].lower is None and ks.unsynced  # the SSD copy is being deleted
+        assert bytes(ks.view(ks.data[tag + b"k1"])) == value and ks.ttl_ms(tag, b"k1") > 59_000
+
+    _ssd_only(tmp_path, body)
+
+
+def test_rename_of_an_ssd_only_value_leaves_no_copy_under_the_old_name(tmp_path):
+    async def body(ks, tag, value):
+        await ks.bring_back(tag, b"k1")
+        assert ks.rename(tag, b"k1", b"k9") == 1 and ks.unsynced
+        assert ks.data[tag + b"k9"].lower is None and bytes(ks.view(ks.data[tag + b"k9"])) == value
+        assert ks.expire_time(tag, b"k1") == -2
+
+    _ssd_only(tmp_path, body)
+
+
+def test_copy_of_an_ssd_only_value_keeps_its_ssd_copy(tmp_path):
+    async def body(ks, tag, value):
+        await ks.bring_back(tag, b"k1")
+        assert ks.copy(tag, b"k1", b"k3")
+        assert bytes(ks.view(ks.data[tag + b"k3"])) == value == bytes(ks.view(ks.data[tag + b"k1"]))
+        assert ks.data[tag + b"k1"].lower is not None and not ks.unsynced
+        await ks.bring_back(tag, b"k1")  # already in DRAM: nothing to do
+
+    _ssd_only(tmp_path, body)
