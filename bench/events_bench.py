@@ -59,7 +59,7 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 100_000)  # vLLM's default hwm
+    pub.setsockopt(zmq.SNDHWM, 0)  # no limit: this measures quilld's ingest, not PUB drops (vLLM's hwm is 100 000)
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
     router = ctx.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{replay_port}")
@@ -142,6 +142,12 @@ def start_quilld(pub_port: int, replay_port: int):
     return proc, r, redis.Redis(port=port, protocol=2)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def applied(info_client) -> int:
     line = info_client.info("router")["kv_engine_vllm-0"]
     return line["events"]
@@ -203,7 +209,7 @@ def main() -> int:
             before = applied(info_client)
             here.send(("blast", total, per_batch))
             assert here.recv() == "ready"
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds(proc.pid)
             here.send("go")
             lat, t1 = route_loop(r, info_client, lambda n: n >= before + total, 120.0)
             send_s = here.recv()
@@ -211,10 +217,12 @@ def main() -> int:
                 print(f"{per_batch:>3} events/batch: did not finish in 120 s ({applied(info_client) - before} applied)")
                 continue
             rate = total / (t1 - t0)
+            cpu = cpu_seconds(proc.pid) - cpu0
             results[per_batch] = rate
             print(f"{per_batch:>3} events/batch: {rate:>9,.0f} events/s applied ({total:,} events, publisher sent them "
-                  f"in {send_s:.2f} s); ROUTE during ingest p50 {statistics.median(lat):.3f} ms, "
-                  f"p99 {percentile(lat, 99):.3f} ms, max {max(lat):.1f} ms ({len(lat)} requests)")
+                  f"in {send_s:.2f} s; quilld used {cpu:.2f} CPU-s of {t1 - t0:.2f} s, ROUTE and INFO included); "
+                  f"ROUTE during ingest p50 {statistics.median(lat):.3f} ms, p99 {percentile(lat, 99):.3f} ms, "
+                  f"max {max(lat):.1f} ms ({len(lat)} requests)")
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)

@@ -284,7 +284,6 @@ class ControlPlane:
 
     def housekeeping(self) -> None:
         self.engines.expire()
-        if self.idle_warning_s > 0:
-            now = time.monotonic()
-            for sub in self._subscribers.values():
-                sub.check_idle(now, self.idle_warning_s)
+        now = time.monotonic()
+        for sub in self._subscribers.values():
+            sub.housekeeping(now, self.idle_warning_s)

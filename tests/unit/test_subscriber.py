@@ -23,7 +23,7 @@ import zmq.asyncio
 import vllm_schema as vllm
 from quilld.index import subscriber as subscriber_mod
 from quilld.index.engines import FeedStats
-from quilld.index.events import Stored
+from quilld.index.events import Removed, Stored
 from quilld.index.subscriber import KvEventSubscriber
 
 ENGINE = "engine-a"
@@ -135,7 +135,13 @@ class Harness:
     def _apply(self, engine: str, events) -> int:
         assert engine == ENGINE
         self.calls += 1
-        self.applied.extend(events)
+        for ev in events:
+            if type(ev) is Removed:  # as the index does
+                gone = set(ev.block_hashes)
+                self.applied = [e._replace(block_hashes=tuple(h for h in e.block_hashes if h not in gone))
+                                for e in self.applied]
+            else:
+                self.applied.append(ev)
         return len(events)
 
     def _reset(self, engine: str, reason: str, missing: int) -> int:
@@ -400,6 +406,33 @@ def test_gap_beyond_the_buffer_drops_then_applies_what_is_left() -> None:
     run(body)
 
 
+def test_a_lost_last_batch_is_fetched_once_the_feed_goes_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subscriber_mod, "TAIL_PROBE_S", 0.2)
+
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx)
+        h = Harness(ctx, pub)
+        await h.start()
+        await pub.publish(vllm.gpu([1]))
+        await until(lambda: h.hashes == [1])
+        await pub.publish(vllm.removed([1]), vllm.gpu([2]), drop=True)  # the last batch, lost: no later one shows it
+        requests = len(pub.requests)
+        deadline = time.monotonic() + 4
+        while h.hashes != [2]:  # what the control plane's housekeeping does every 50 ms
+            assert time.monotonic() < deadline, "the lost last batch was never fetched"
+            h.sub.housekeeping(time.monotonic(), 0.0)
+            await asyncio.sleep(0.05)
+        assert len(pub.requests) == requests + 1 and h.resets == [] and h.stats.last_seq == 1
+        for _ in range(10):  # once per quiet spell, not once per housekeeping
+            h.sub.housekeeping(time.monotonic(), 0.0)
+            await asyncio.sleep(0.05)
+        assert len(pub.requests) == requests + 1
+        await h.close()
+        await pub.close()
+
+    run(body)
+
+
 def test_replay_timeout_falls_back_to_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(subscriber_mod, "REPLAY_TIMEOUT_S", 0.3)
 
@@ -553,7 +586,7 @@ def test_a_big_batch_is_applied_in_slices_and_the_loop_keeps_running() -> None:
         await until(lambda: n in h.hashes)
         stop = True
         await tick
-        assert len(h.hashes) == n + 1 and h.stats["events"] >= 3
+        assert len(h.hashes) == n and 0 not in h.hashes and h.stats["events"] >= 3
         assert h.calls >= 9  # one event of n hashes went in parts
         assert len(gaps) >= 9
         await h.close()
