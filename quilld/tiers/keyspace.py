@@ -77,8 +77,10 @@ class Keyspace:
         self.expires: dict[bytes, int] = {}
         self._expiry_heap: list[tuple[int, bytes]] = []
         self.per_scope: Counter[bytes] = Counter()
-        # each scope's keys in an array with swap-remove (see `scan`): KEYS, SCAN, RANDOMKEY and
-        # flushes visit one scope's keys only; `_slot` is a key's index in its scope's array
+        # the keys of each scope that was ever enumerated (KEYS, SCAN, RANDOMKEY), in an array
+        # with swap-remove (see `scan`), built at its first enumeration and kept up to date from
+        # then on while the scope has keys; `_slot` is a key's index in its scope's array. A node
+        # nobody enumerates pays nothing for it: no memory, one truth test per new or gone key.
         self._scope_keys: dict[bytes, list[bytes]] = {}
         self._slot: dict[bytes, int] = {}
         self.used = 0  # arena bytes held (whole pages) plus inline value bytes
@@ -578,9 +580,23 @@ class Keyspace:
         at = self.expires.get(fk)
         return at is not None and at <= now
 
+    def _keys_of(self, tag: bytes) -> list[bytes]:
+        """Scope `tag`'s key array, built by one pass over the keyspace at its first use."""
+        keys = self._scope_keys.get(tag)
+        if keys is None:
+            if not self.per_scope.get(tag):
+                return []
+            keys = [fk for fk in self.data if fk[:TAG_LEN] == tag]
+            keys += [fk for fk in self.lower if fk[:TAG_LEN] == tag]
+            slot = self._slot
+            for i, fk in enumerate(keys):
+                slot[fk] = i
+            self._scope_keys[tag] = keys
+        return keys
+
     def keys_matching(self, tag: bytes, match: Callable[[bytes], bool] | None = None) -> list[bytes]:
         """Scope `tag`'s live keys (without the tag) that `match` accepts (all when None)."""
-        keys = self._scope_keys.get(tag)
+        keys = self._keys_of(tag)
         if not keys:
             return []
         expires, now, cut = self.expires, now_ms(), TAG_LEN
@@ -604,10 +620,12 @@ class Keyspace:
         top: every slot is left) and a step visits the `count` slots just below it. A key
         present for the whole scan starts below the first cursor and only moves lower, so
         it is returned; one added meanwhile may or may not be, one moved by a removal may
-        be returned twice. LRU reordering, tier moves and TTLs never move a key.
+        be returned twice. LRU reordering, tier moves and TTLs never move a key. A scope's
+        array is built at its first enumeration with every key it has then, so a key present
+        for the whole scan is in it.
         Keys that `keep` accepts and that have expired are reclaimed, as redis's SCAN does.
         """
-        keys = self._scope_keys.get(tag)
+        keys = self._keys_of(tag)
         if not keys:
             return 0, []
         n = len(keys)
@@ -630,7 +648,7 @@ class Keyspace:
 
     def random_key(self, tag: bytes) -> bytes | None:
         """A live key of scope `tag` picked at random, or None; expired keys met are reclaimed."""
-        keys = self._scope_keys.get(tag)
+        keys = self._keys_of(tag)
         now = now_ms()
         while keys:
             fk = keys[random.randrange(len(keys))]
@@ -732,10 +750,11 @@ class Keyspace:
         per_scope[tag] = n + 1
         if not n:
             self.scopes.hold(tag)
-            self._scope_keys[tag] = []
-        keys = self._scope_keys[tag]
-        self._slot[fk] = len(keys)
-        keys.append(fk)
+        if self._scope_keys:
+            keys = self._scope_keys.get(tag)
+            if keys is not None:
+                self._slot[fk] = len(keys)
+                keys.append(fk)
         if self._owners is not None:
             key = fk[TAG_LEN:]
             owner = self._owners.get(key)
@@ -748,18 +767,21 @@ class Keyspace:
 
     def _removed(self, fk: bytes) -> None:
         tag = fk[:TAG_LEN]
-        keys = self._scope_keys[tag]
-        i = self._slot.pop(fk)
-        last = keys.pop()
-        if i < len(keys):  # the scope's last key takes the freed slot (see `scan`)
-            keys[i] = last
-            self._slot[last] = i
+        if self._scope_keys:
+            keys = self._scope_keys.get(tag)
+            if keys is not None:
+                i = self._slot.pop(fk)
+                last = keys.pop()
+                if i < len(keys):  # the scope's last key takes the freed slot (see `scan`)
+                    keys[i] = last
+                    self._slot[last] = i
+                elif not keys:
+                    del self._scope_keys[tag]
         n = self.per_scope[tag] - 1
         if n:
             self.per_scope[tag] = n
         else:
             del self.per_scope[tag]
-            del self._scope_keys[tag]
             self.scopes.drop(tag)
         if self._owners is not None:
             key = fk[TAG_LEN:]

@@ -842,14 +842,15 @@ def test_a_put_that_cannot_fit_evicts_nothing():
 # -- the generic keyspace: scope key arrays, SCAN, RANDOMKEY, RENAME, COPY, TTL changes ---
 
 def check_scope_keys(store: Keyspace) -> None:
-    """Each scope's key array holds exactly its keys (DRAM and below), `_slot` their places."""
+    """Each enumerated scope's key array holds exactly its keys (DRAM and below), `_slot`
+    their places; other scopes have none."""
     held: dict[bytes, set[bytes]] = {}
     for fk in list(store.data) + list(store.lower):
         held.setdefault(fk[:TAG_LEN], set()).add(fk)
-    assert {t: set(keys) for t, keys in store._scope_keys.items()} == held
+    assert {t: set(keys) for t, keys in store._scope_keys.items()} == {t: held[t] for t in store._scope_keys}
     assert all(len(keys) == len(set(keys)) == store.per_scope[t] for t, keys in store._scope_keys.items())
     assert all(store._scope_keys[fk[:TAG_LEN]][i] == fk for fk, i in store._slot.items())
-    assert len(store._slot) == len(store.data) + len(store.lower)
+    assert len(store._slot) == sum(len(keys) for keys in store._scope_keys.values())
 
 
 def full_scan(store: Keyspace, tag: bytes, count: int, between=None, keep=None) -> list[bytes]:
@@ -872,6 +873,10 @@ def test_scope_key_arrays_follow_every_way_in_and_out():
     tags = [store.scopes.tag(IdentityScope(t)) for t in ("a", "b", "c")]
     rng = random.Random(7)
     for step in range(3000):
+        if step == 500:
+            store.scan(tags[0], 0, 1)  # scope a is enumerated from now on; b and c later, c never
+        if step == 1500:
+            store.keys_matching(tags[1])
         t, key = rng.choice(tags), b"k%d" % rng.randrange(60)
         op = rng.random()
         if op < 0.45:
@@ -890,10 +895,27 @@ def test_scope_key_arrays_follow_every_way_in_and_out():
                 store.copy(t, key, dst, replace=rng.random() < 0.5)
         elif op < 0.92:
             store.flush_scope(t)
-        else:
+        elif t != tags[2]:
             store.random_key(t)
         check_scope_keys(store)
         check_accounting(store)
+    assert tags[2] not in store._scope_keys  # never enumerated: no array
+
+
+def test_a_scope_nobody_enumerates_costs_no_memory_and_its_array_is_built_on_first_use(store, tag):
+    for i in range(100):
+        put(store, tag, b"k%d" % i, b"v")
+    store.delete(tag, b"k0")
+    assert store._scope_keys == {} and store._slot == {}
+    assert len(store.keys_matching(tag)) == 99
+    check_scope_keys(store)
+    assert len(store._scope_keys[tag]) == 99
+    for i in range(100):
+        store.delete(tag, b"k%d" % i)
+    assert store._scope_keys == {} and store._slot == {}  # an emptied scope's array goes
+    put(store, tag, b"new", b"v")
+    assert store.random_key(tag) == b"new"
+    check_scope_keys(store)
 
 
 def test_scan_returns_every_key_present_for_the_whole_scan():
