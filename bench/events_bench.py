@@ -9,8 +9,10 @@ is a publisher process doing on the wire what vLLM 0.33's ZmqEventPublisher does
 `(topic, seq, payload)`, a replay ROUTER), with payloads encoded by msgspec from vLLM's
 structs: three BlockStored (one block, 16 tokens, group 0) for each BlockRemoved. For
 1, 16 and 64 events per batch the publisher sends its events as fast as ZMQ takes them
-while this process sends ROUTE (32 blocks, redis-py, one connection) back to back and
-INFO router every 20th request, as a router and a monitoring client would. Reported:
+while this process sends a ROUTE (32 blocks, redis-py, one connection) every 2 ms
+(`--route-interval-ms`, 0 for back to back) and INFO router every 20th request, as a
+router and a monitoring client would. quilld's CPU time per run is printed: on a shared
+2-core machine it shows how much of a core quilld actually got. Reported:
 events applied per second (first send to the last event counted in INFO), ROUTE p50/p99
 during ingest, and ROUTE at rest on the same index. Targets (issue 12): >= 100k events/s
 at 64 per batch, >= 20k/s at 1 per batch, ROUTE p99 <= 5 ms during ingest.
@@ -153,14 +155,20 @@ def applied(info_client) -> int:
     return line["events"]
 
 
-def route_loop(r, info_client, until, limit_s: float) -> tuple[list[float], float | None]:
-    """ROUTE back to back (INFO every 20th) until `until(events)` holds; returns latencies (ms)
-    and when it held (perf_counter)."""
+def route_loop(r, info_client, until, limit_s: float, interval_s: float = 0.0) -> tuple[list[float], float | None]:
+    """ROUTE every `interval_s` (0: back to back), INFO every 20th, until `until(events)` holds;
+    returns latencies (ms) and when it held (perf_counter)."""
     req = json.dumps({"blocks": WARM + [9_000_000 + i for i in range(REQUEST_BLOCKS - len(WARM))]})
     lat: list[float] = []
     deadline = time.perf_counter() + limit_s
     i = 0
+    tick = time.perf_counter()
     while time.perf_counter() < deadline:
+        if interval_s:
+            tick += interval_s
+            pause = tick - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
         t = time.perf_counter()
         r.execute_command("ROUTE", req)
         lat.append((time.perf_counter() - t) * 1000)
@@ -175,9 +183,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default="1,16,64", help="events per batch, comma-separated")
     ap.add_argument("--events", type=int, default=0, help="events per batch size (default 200k, 40k with --quick)")
+    ap.add_argument("--route-interval-ms", type=float, default=2.0,
+                    help="one ROUTE every this many ms during ingest and at rest (0: back to back)")
     ap.add_argument("--py-spy", metavar="FILE", help="record quilld with py-spy during ingest (collapsed stacks)")
     args = ap.parse_args()
     total = args.events or (40_000 if args.quick else 200_000)
+    interval = args.route_interval_ms / 1000
     sizes = [int(s) for s in args.sizes.split(",")]
 
     from conftest import free_port
@@ -196,7 +207,7 @@ def main() -> int:
         here.recv()
         while applied(info_client) < 1:
             time.sleep(0.01)
-        rest, _ = route_loop(r, info_client, lambda n: False, 2.0)
+        rest, _ = route_loop(r, info_client, lambda n: False, 2.0, interval)
         print(f"ROUTE at rest ({REQUEST_BLOCKS} blocks, {len(WARM)} resident): p50 {statistics.median(rest):.3f} ms, "
               f"p99 {percentile(rest, 99):.3f} ms ({len(rest)} requests)")
         results = {}
@@ -211,7 +222,7 @@ def main() -> int:
             assert here.recv() == "ready"
             t0, cpu0 = time.perf_counter(), cpu_seconds(proc.pid)
             here.send("go")
-            lat, t1 = route_loop(r, info_client, lambda n: n >= before + total, 120.0)
+            lat, t1 = route_loop(r, info_client, lambda n: n >= before + total, 120.0, interval)
             send_s = here.recv()
             if t1 is None:
                 print(f"{per_batch:>3} events/batch: did not finish in 120 s ({applied(info_client) - before} applied)")
@@ -226,7 +237,7 @@ def main() -> int:
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
-        rest, _ = route_loop(r, info_client, lambda n: False, 2.0)
+        rest, _ = route_loop(r, info_client, lambda n: False, 2.0, interval)
         print(f"ROUTE at rest after ingest: p50 {statistics.median(rest):.3f} ms, p99 {percentile(rest, 99):.3f} ms")
         line = info_client.info("router")["kv_engine_vllm-0"]
         print(f"feed: {line}")
