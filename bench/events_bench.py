@@ -55,9 +55,8 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
     """vLLM's publisher: encodes what it is told to send, then sends it all when told to go."""
     from collections import deque
 
-    import zmq
-
     import vllm_schema as vllm
+    import zmq
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -128,7 +127,6 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
 
 def start_quilld(pub_port: int, replay_port: int):
     import redis
-
     from conftest import free_port, wait_port
 
     port = free_port()
@@ -222,7 +220,7 @@ def main() -> int:
             assert here.recv() == "ready"
             t0, cpu0 = time.perf_counter(), cpu_seconds(proc.pid)
             here.send("go")
-            lat, t1 = route_loop(r, info_client, lambda n: n >= before + total, 120.0, interval)
+            lat, t1 = route_loop(r, info_client, lambda n, want=before + total: n >= want, 120.0, interval)
             send_s = here.recv()
             if t1 is None:
                 print(f"{per_batch:>3} events/batch: did not finish in 120 s ({applied(info_client) - before} applied)")

@@ -19,7 +19,6 @@ from collections import Counter
 from quilld.config import EngineConfig
 from quilld.errors import CommandError
 
-
 FEED_COUNTERS = ("batches", "events", "malformed", "gaps", "missed", "replays", "restarts", "drops", "duplicates",
                  "errors")
 # The node-wide counters (INFO stats) that sum one of them over every engine.

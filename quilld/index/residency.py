@@ -14,7 +14,7 @@ Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
 from __future__ import annotations
 
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 from quilld.model import CacheTier
 from quilld.scopes import TAG_LEN, ScopeRegistry

@@ -50,7 +50,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from quilld.index.engines import FeedStats
-from quilld.index.events import Batch, Cleared, Event, MalformedEvent, decode_frames, is_replay_end
+from quilld.index.events import (
+    Batch,
+    Cleared,
+    Event,
+    MalformedEvent,
+    decode_frames,
+    is_replay_end,
+)
 
 log = logging.getLogger(__name__)
 
@@ -503,7 +510,7 @@ class KvEventSubscriber:
             raise ReplayFailed("no replay endpoint")
         try:
             return await asyncio.wait_for(self._request(start), REPLAY_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReplayFailed(f"no end marker within {REPLAY_TIMEOUT_S} s") from None
         except (MalformedEvent, zmq.ZMQError) as e:
             raise ReplayFailed(str(e) or type(e).__name__) from None

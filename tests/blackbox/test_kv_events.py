@@ -16,9 +16,8 @@ import urllib.request
 from collections import deque
 
 import pytest
-import zmq
-
 import vllm_schema as vllm
+import zmq
 from conftest import free_port, wait_until
 
 MODEL = "Qwen/Qwen3-8B"
@@ -220,7 +219,7 @@ def test_a_gap_beyond_the_buffer_drops_and_says_so(quilld_factory, tmp_path):
 
 def test_a_silent_subscription_is_warned_about(quilld_factory, tmp_path):
     # vLLM given tcp://127.0.0.1:PORT connects instead of binding: nobody listens where quilld connects
-    q, r = start(quilld_factory, config(tmp_path, None, idle_warning=0.5, endpoint=f"tcp://127.0.0.1:{free_port()}"))
+    q, _ = start(quilld_factory, config(tmp_path, None, idle_warning=0.5, endpoint=f"tcp://127.0.0.1:{free_port()}"))
     assert wait_until(lambda: "has received nothing" in q.log(), timeout=10)
     assert "tcp://*:5557" in q.log()
     assert q.log().count("has received nothing") == 1  # once per silence

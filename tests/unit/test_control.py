@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 
+import vllm_schema as vllm
+
 from quilld.config import Config, EngineConfig, RouterConfig
 from quilld.index.control import ControlPlane, chain_hashes
 from quilld.index.events import Batch, Stored, decode_payload
 from quilld.model import IdentityScope
 from quilld.scopes import ScopeRegistry
-
-import vllm_schema as vllm
 
 
 def test_collision_workload_reuses_nothing_across_identities_and_counts_refusals():
@@ -105,8 +105,8 @@ def test_storage_credit_comes_from_the_config():
 
 def test_a_block_counts_only_while_every_kv_cache_group_holds_it():
     control = plane()
-    full = dict(group=0, kind="full_attention")
-    swa = dict(group=1, kind="sliding_window", window=4096)
+    full = {"group": 0, "kind": "full_attention"}
+    swa = {"group": 1, "kind": "sliding_window", "window": 4096}
     feed(control, vllm.gpu([1, 2, 3, 4], **full), vllm.gpu([1, 2, 3, 4], **swa))
     assert plan(control, [1, 2, 3, 4]) == ["hit:hbm"] * 4
     feed(control, vllm.removed([1], group=1))  # the window group freed block 1; the full group holds it

@@ -11,6 +11,7 @@ import json
 
 import msgpack
 import pytest
+import vllm_schema as vllm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,8 +31,6 @@ from quilld.index.events import (
     medium_tier,
 )
 from quilld.model import CacheTier
-
-import vllm_schema as vllm
 
 BIG = 2**64 - 1
 NEG = -(2**63)

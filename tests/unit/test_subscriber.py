@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 import pytest
+import vllm_schema as vllm
 import zmq
 import zmq.asyncio
 
-import vllm_schema as vllm
 from quilld.index import subscriber as subscriber_mod
 from quilld.index.engines import FeedStats
 from quilld.index.events import Removed, Stored
