@@ -39,6 +39,9 @@ def install_loop() -> str:
     return "uvloop"
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quilld", description="QuillCache node: a Redis-protocol KV-block cache.")
     p.add_argument("--config", help="TOML config file (default: $QUILLD_CONFIG, else built-in defaults)")
@@ -56,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-port", type=int, help="OpenAI-compatible gateway port (default 0: off)")
     p.add_argument("--protected-mode", choices=["yes", "no"],
                    help="with no password set, accept only loopback clients on every listener (default yes)")
-    p.add_argument("--log-level", default=os.environ.get("QUILLD_LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                   help="log level (default: $QUILLD_LOG_LEVEL, else info)")
     p.add_argument("--version", action="version", version=f"quilld {__version__}")
     return p
 
@@ -113,7 +116,8 @@ async def _serve(cfg, make_node: Callable[[], Node]) -> None:
                 starting.cancel()
             stop.set()
         elif sig == signal.SIGINT:
-            log.warning("SIGINT received again while stopping: exiting now, without a clean stop")
+            log.warning("SIGINT received again while stopping: exiting now, without a clean stop: %s",
+                        node.unflushed())
             logging.shutdown()
             os._exit(1)
         else:
@@ -135,7 +139,13 @@ async def _serve(cfg, make_node: Callable[[], Node]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.log_level is None:
+        env_level = os.environ.get("QUILLD_LOG_LEVEL", "info")
+        if env_level.lower() not in LOG_LEVELS:
+            parser.error(f"QUILLD_LOG_LEVEL: invalid log level {env_level!r} (choose from {', '.join(LOG_LEVELS)})")
+        args.log_level = env_level.lower()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     config_file = args.config or os.environ.get("QUILLD_CONFIG", "")
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("quilld %s starting, pid %d", __version__, os.getpid())
     try:
         # imported here, not at the top: a stop signal during this import (about a second) is handled
-        from quilld.node import Node
+        from quilld.node import ListenError, Node
         try:
             cfg = load(config_file or None, overrides=_overrides(args))
         except ConfigError as e:
@@ -157,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"quilld: {e.message}", file=sys.stderr)
             return 2
+        except ListenError as e:
+            print(f"quilld: cannot start: {e.strerror}", file=sys.stderr)
+            return 1
         except OSError as e:
             print(f"quilld: cannot start: {e}", file=sys.stderr)
             return 1

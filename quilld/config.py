@@ -162,10 +162,14 @@ class Config:
 
     def validate(self) -> "Config":
         s, d = self.server, self.dram
+        taken: dict[int, str] = {}
         for name, port in (("server.port", s.port), ("admin.port", self.admin.port),
                            ("cluster.gossip_port", self.cluster.gossip_port), ("gateway.port", self.gateway.port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be within 0..65535, got {port}")
+            if port and port in taken:  # 0 is "off" (or, for server.port, any free port)
+                raise ConfigError(f"{taken[port]} and {name} are both {port}: each listener needs its own port")
+            taken[port] = name
         if d.size < 4 * KiB:
             raise ConfigError(f"dram.size must be at least 4KiB, got {d.size}")
         if not 0.0 < d.low_watermark <= d.high_watermark <= 1.0:

@@ -15,6 +15,8 @@ recovery waits for it to end, then stops the tier as usual.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import socket
 import time
@@ -39,6 +41,29 @@ from quilld.tiers.puts import TwoPhasePuts
 from quilld.tiers.tiering import Tiering
 
 log = logging.getLogger("quilld")
+
+
+class ListenError(OSError):
+    """A listener could not open its port; the message names the listener, its flag and key."""
+
+
+# each listener: what it is, its flag, its config key
+RESP, ADMIN, GOSSIP, GATEWAY = (("RESP", "--port", "server.port"), ("admin API", "--admin-port", "admin.port"),
+                                ("gossip", "--gossip-port", "cluster.gossip_port"),
+                                ("gateway", "--gateway-port", "gateway.port"))
+
+
+@contextlib.asynccontextmanager
+async def _listening(listener: tuple[str, str, str], bind: str, port: int):
+    """Turn an OSError from opening `listener` into a ListenError that says which one it was."""
+    try:
+        yield
+    except OSError as e:
+        what, flag, key = listener
+        reason = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise ListenError(e.errno, f"the {what} listener cannot open {bind}:{port}: {reason} "
+                                   f"(set another with {flag} or {key}; [Errno {e.errno}])") from e
+
 
 HOUSEKEEPING_INTERVAL = 0.05  # seconds between expiry sweeps, lease checks and pin checks
 DRAIN_TIMEOUT = 5.0  # seconds shutdown waits for replies still being written
@@ -101,13 +126,15 @@ class Node:
             self._recovery = asyncio.ensure_future(ctx.tiering.start(ctx.scopes))
             await asyncio.shield(self._recovery)
         self.phase = "opening listeners"
-        self._server = await loop.create_server(
-            lambda: RespConnection(ctx, large_target, release_args), s.bind, s.port,
-            reuse_address=True, backlog=1024)
+        async with _listening(RESP, s.bind, s.port):
+            self._server = await loop.create_server(
+                lambda: RespConnection(ctx, large_target, release_args), s.bind, s.port,
+                reuse_address=True, backlog=1024)
         ctx.port = self._server.sockets[0].getsockname()[1]
         if self.cfg.admin.port:
             self._admin = AdminServer(ctx)
-            ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
+            async with _listening(ADMIN, s.bind, self.cfg.admin.port):
+                ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         self.phase = "subscribing to engines"
         self._control_started = True
         await ctx.control.start()
@@ -115,12 +142,14 @@ class Node:
             self.phase = "joining the cluster"
             cluster = Cluster(self.cfg, ctx.node_id, ctx.keyspace, ctx.scopes, ctx.control, self.feed, self._usage)
             ctx.cluster = cluster
-            await cluster.start()
+            async with _listening(GOSSIP, s.bind, self.cfg.cluster.gossip_port):
+                await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"
             self._gateway = Gateway(ctx)
             ctx.gateway = self._gateway
-            ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
+            async with _listening(GATEWAY, s.bind, self.cfg.gateway.port):
+                ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self.phase = "serving"
         log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s%s",
@@ -164,6 +193,24 @@ class Node:
         ctx.keyspace.close()
         self._server = None
         log.info("quilld stopped")
+
+    def unflushed(self) -> str:
+        """What exiting now, without a clean stop, loses: for the log of a second Ctrl-C."""
+        tiering = self.ctx.tiering
+        if tiering is None:
+            return "no SSD tier: DRAM is never flushed, nothing more is lost"
+        if not tiering.active:
+            return "the SSD tier has failed: nothing was to be flushed"
+        if self._recovery is not None and not self._recovery.done():
+            return "the SSD tier was still recovering: its blocks stay on SSD, nothing is lost"
+        blocks, nbytes, writing, writing_bytes = tiering.unflushed()
+        if not blocks:
+            return "every DRAM block was already on SSD, nothing is lost"
+        mib = 1 << 20
+        inflight = (f"; {writing} of them ({writing_bytes / mib:.1f} MiB) were being written and may "
+                    "survive") if writing else ""
+        return (f"{blocks} block{'s' if blocks != 1 else ''} ({nbytes / mib:.1f} MiB) were not flushed to the "
+                f"SSD tier: they were only in DRAM and the next start will not have them{inflight}")
 
     async def _housekeeping(self) -> None:
         ctx = self.ctx

@@ -71,6 +71,7 @@ _PATHS = {"fresh": "a new tier", "checkpoint": "its checkpoint and log",
           "fenced": "starting EMPTY (no tier key: fenced after a failure, or an older format)"}
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
+FLUSH_REPORT_S = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
 
 
 class Tiering:
@@ -170,11 +171,7 @@ class Tiering:
         started = self._task is not None  # else recovery failed: nothing to flush
         try:
             if started and self.active:
-                t0, before = time.monotonic(), self.stats["demoted_bytes"]
-                while self.active and await self._demote_batch(everything=True):
-                    pass
-                log.info("ssd tier: flushed %d bytes of DRAM blocks in %.2f s",
-                         self.stats["demoted_bytes"] - before, time.monotonic() - t0)
+                await self._flush_all()
             if self._deleting is not None:
                 await asyncio.gather(self._deleting, return_exceptions=True)
             await self._flush_deletes()
@@ -185,6 +182,58 @@ class Tiering:
             self._failed(e)
         self.executor.shutdown(wait=True)  # reads still in flight finish before the files close
         self.ssd.close()
+
+    def unflushed(self) -> tuple[int, int, int, int]:
+        """What a stop now would lose: (blocks, bytes) in DRAM only that a clean stop writes to
+        SSD, and of those the (blocks, bytes) of the group commit in flight, which may or may
+        not have reached the disk. Values with a TTL stay in DRAM only and are not counted."""
+        blocks = nbytes = 0
+        expires = self.store.expires
+        for fk, value in self.store.data.items():
+            if type(value) is Block and value.lower is None and not (expires and fk in expires):
+                blocks += 1
+                nbytes += value.length
+        writing = [b for b in self._writing if b.lower is None]
+        return blocks, nbytes, len(writing), sum(b.length for b in writing)
+
+    async def _flush_all(self) -> None:
+        """Write every DRAM block to SSD at a clean stop, logging progress every FLUSH_REPORT_S."""
+        blocks, nbytes, _, _ = self.unflushed()
+        if not blocks:
+            log.info("ssd tier: no DRAM block to flush")
+        else:
+            log.info("ssd tier: flushing %d DRAM blocks (%s) to SSD; a second Ctrl-C (SIGINT) stops at once "
+                     "without them", blocks, _mib(nbytes))
+        t0, n0, b0 = time.monotonic(), self.stats["demotions"], self.stats["demoted_bytes"]
+
+        def done() -> tuple[int, int, float]:
+            return self.stats["demotions"] - n0, self.stats["demoted_bytes"] - b0, time.monotonic() - t0
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(FLUSH_REPORT_S)
+                n, b, dt = done()
+                rate = b / dt
+                log.info("ssd tier: flushed %s of %s (%.0f%%), %d of %d blocks, %.0f MB/s, %s",
+                         _mib(b), _mib(nbytes), 100 * b / max(nbytes, 1), n, blocks, rate / 1e6,
+                         f"about {(nbytes - b) / rate:.0f} s left" if b else "no block written yet")
+
+        reporter = asyncio.create_task(report(), name="ssd-flush-progress") if blocks else None
+        try:
+            while self.active and await self._demote_batch(everything=True):
+                pass
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+                await asyncio.gather(reporter, return_exceptions=True)
+        n, b, dt = done()
+        log.info("ssd tier: flushed %d blocks (%s) of DRAM in %.2f s, %.0f MB/s",
+                 n, _mib(b), dt, b / max(dt, 1e-9) / 1e6)
+        left, left_bytes, _, _ = self.unflushed()
+        if left:
+            why = "the SSD tier failed" if not self.active else "the SSD tier is full, or they were in use"
+            log.warning("ssd tier: %d DRAM blocks (%s) could not be flushed (%s): the next start will not "
+                        "have them", left, _mib(left_bytes), why)
 
     # -- demotion ------------------------------------------------------------------
     async def _demoter(self) -> None:
@@ -570,3 +619,7 @@ class Tiering:
 def _info_text(text: str) -> str:
     """A message as an INFO value: one line, no commas (clients split INFO values on them)."""
     return " ".join(text.replace(",", ";").split())
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
