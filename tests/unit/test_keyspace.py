@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from quilld.config import DramConfig
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory
 from quilld.scopes import TAG_LEN, ScopeRegistry, refusal_reason
-from quilld.model import IdentityScope
+from quilld.model import IdentityScope, Pending, Pinned
 from quilld.tiers.block import BlockState
 from quilld.tiers.keyspace import Block, Keyspace, now_ms
 from quilld.tiers.arena import PAGE
@@ -1132,4 +1132,120 @@ def test_copy_of_an_ssd_only_value_keeps_its_ssd_copy(tmp_path):
         assert ks.data[tag + b"k1"].lower is not None and not ks.unsynced
         await ks.bring_back(tag, b"k1")  # already in DRAM: nothing to do
 
+    _ssd_only(tmp_path, body)
+
+
+# -- parts of a value: read_slice, write_range, size (GETRANGE, SETRANGE, APPEND, bits) ----------
+
+def _slice(lo, hi):
+    return lambda n: (min(lo, n), min(hi, n))
+
+
+def _writer(offset, data):
+    def write(view):
+        view[offset:offset + len(data)] = data
+        return len(view)
+    return write
+
+
+def test_read_slice_of_a_block_is_a_pinned_view_of_just_the_slice(store, tag):
+    big = pattern(10 * PAGE, 1)
+    put(store, tag, b"k", big)
+    part = store.read_slice(tag, b"k", _slice(5000, 9000))
+    assert type(part) is Pinned and len(part.view) == 4000
+    assert part.view.obj is store.arena._mmap  # a view of the arena itself: nothing was copied
+    assert bytes(part.view) == big[5000:9000] and store.active_pins == 1
+    part.release()
+    assert store.active_pins == 0
+    assert store.read_slice(tag, b"k", _slice(20 * PAGE, 30 * PAGE)) == b"" and store.active_pins == 0
+    put(store, tag, b"s", b"small")
+    assert store.read_slice(tag, b"s", _slice(1, 3)) == b"ma"
+    assert store.read_slice(tag, b"missing", _slice(0, 1)) is None
+    assert store.size(tag, b"k") == len(big) and store.size(tag, b"s") == 5 and store.size(tag, b"missing") is None
+
+
+def test_write_range_writes_an_unpinned_block_in_place(store, tag):
+    big = bytearray(pattern(3 * PAGE + 100, 2))
+    put(store, tag, b"k", bytes(big))
+    block, used = store.data[tag + b"k"], store.arena.used
+    block.crc = 1234
+    store.set_expire(tag, b"k", now_ms() + 60_000)
+    assert store.write_range(tag, b"k", 500, 4, _writer(500, b"WXYZ")) == len(big)
+    big[500:504] = b"WXYZ"
+    assert store.data[tag + b"k"] is block and store.arena.used == used and store.reserved_blocks == 0
+    assert block.crc is None and bytes(store.view(block)) == bytes(big) and store.ttl_ms(tag, b"k") > 59_000
+    # growing into the last page's slack: still the same block, zero-padded
+    assert store.write_range(tag, b"k", 3 * PAGE + 200, 1, _writer(3 * PAGE + 200, b"!")) == 3 * PAGE + 201
+    assert store.data[tag + b"k"] is block and store.arena.used == used
+    assert read(store, tag, b"k") == bytes(big) + bytes(100) + b"!"
+    check_accounting(store)
+
+
+def test_write_range_past_a_blocks_pages_moves_it_to_a_larger_block(store, tag):
+    put(store, tag, b"k", b"a" * (PAGE + 1))
+    old = store.data[tag + b"k"]
+    assert store.write_range(tag, b"k", None, PAGE, _writer(PAGE + 1, b"b" * PAGE)) == 2 * PAGE + 1
+    assert store.data[tag + b"k"] is not old and old.state is BlockState.GONE
+    assert read(store, tag, b"k") == b"a" * (PAGE + 1) + b"b" * PAGE and store.arena.used == 3 * PAGE
+    check_accounting(store)
+
+
+def test_write_range_on_a_pinned_block_copies_and_leaves_the_reader_its_bytes(store, tag):
+    big = pattern(4 * PAGE, 3)
+    put(store, tag, b"k", big)
+    old = store.data[tag + b"k"]
+    reader = store.get(tag, b"k")  # a GET being sent
+    assert store.write_range(tag, b"k", 0, 3, _writer(0, b"NEW")) == len(big)
+    assert store.data[tag + b"k"] is not old and old.state is BlockState.EVICTING
+    assert bytes(reader.view) == big  # never written under its reader
+    assert read(store, tag, b"k") == b"NEW" + big[3:]
+    reader.release()
+    assert old.state is BlockState.GONE and store.arena.used == 4 * PAGE and store.unlinked_pinned == 0
+    check_accounting(store)
+
+
+def test_write_range_moves_inline_values_into_the_arena_and_creates_missing_keys(store, tag):
+    put(store, tag, b"k", b"x" * (store.inline_max - 2))
+    store.set_expire(tag, b"k", now_ms() + 60_000)
+    assert store.write_range(tag, b"k", None, 2, _writer(store.inline_max - 2, b"yz")) == store.inline_max
+    assert type(store.data[tag + b"k"]) is bytes  # exactly inline_max: still inline
+    assert store.write_range(tag, b"k", None, 1, _writer(store.inline_max, b"!")) == store.inline_max + 1
+    assert type(store.data[tag + b"k"]) is Block and store.inline_bytes == 0
+    assert read(store, tag, b"k") == b"x" * (store.inline_max - 2) + b"yz!" and store.ttl_ms(tag, b"k") > 59_000
+    assert store.write_range(tag, b"new", 5, 1, _writer(5, b"v")) == 6 and read(store, tag, b"new") == bytes(5) + b"v"
+    assert store.write_range(tag, b"none", 0, 0, bytes) == b"" and not store.contains(tag, b"none")
+    assert store.write_range(tag, b"k", 0, 0, len) == store.inline_max + 1  # a read: nothing changes
+    store.set_expire(tag, b"new", now_ms() - 1)
+    assert store.write_range(tag, b"new", 0, 1, _writer(0, b"z")) == 1 and read(store, tag, b"new") == b"z"
+    check_accounting(store)
+
+
+def test_write_range_that_cannot_fit_is_out_of_memory_and_changes_nothing():
+    store = make_store(pages=4, inline_max=16)
+    tag = store.scopes.tag(DEFAULT)
+    put(store, tag, b"k", b"abc")
+    with pytest.raises(OutOfMemory):
+        store.write_range(tag, b"k", 10 * PAGE, 1, _writer(10 * PAGE, b"x"))
+    assert read(store, tag, b"k") == b"abc" and store.reserved_blocks == 0
+    check_accounting(store)
+
+
+def test_write_range_of_an_ssd_only_value_reads_it_back_and_drops_the_stale_ssd_copy(tmp_path):
+    async def body(ks, tag, value):
+        got = ks.write_range(tag, b"k1", 10, 4, _writer(10, b"ABCD"))
+        assert type(got) is Pending
+        assert await got.awaitable == len(value)
+        block = ks.data[tag + b"k1"]
+        assert bytes(ks.view(block)) == value[:10] + b"ABCD" + value[14:]
+        assert block.lower is None and ks.unsynced  # the SSD copy is stale: being deleted
+        part = ks.read_slice(tag, b"k2", _slice(100, 200))
+        assert type(part) is Pending
+        part = await part.awaitable
+        assert bytes(part.view) == data(VAL, 2)[100:200]
+        part.release()
+        brought = ks.write_range(tag, b"k2", 0, 0, len)  # n == 0: back in DRAM, its SSD copy kept
+        assert (await brought.awaitable if type(brought) is Pending else brought) == VAL
+        assert not ks.below_only(tag, b"k2") and ks.data[tag + b"k2"].lower is not None
+
+    from test_tiering import VAL, data
     _ssd_only(tmp_path, body)
