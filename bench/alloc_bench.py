@@ -4,7 +4,7 @@ Sizes are uniform in 1..8192 units over a 1<<20-unit space; the loop allocates w
 under half full and otherwise frees a random live allocation. Reports the median of
 5 runs; the figures include the loop's own overhead (list bookkeeping of handles).
 
-    python bench/alloc_bench.py [--ops N] [--seed S]
+    python bench/alloc_bench.py [--ops N] [--seed S] [--plot PATH]
 """
 
 import argparse
@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from plot import Panel, add_flag, save  # noqa: E402
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator  # noqa: E402
 
 CAPACITY = 1 << 20
@@ -52,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=1_000_000, help="alloc+free calls per run")
     parser.add_argument("--seed", type=int, default=1)
+    add_flag(parser)
     args = parser.parse_args()
 
     results = [run(args.ops, args.seed + r) for r in range(RUNS)]
@@ -63,6 +65,17 @@ def main() -> None:
     print(f"  median of {RUNS}: {args.ops / median:,.0f} ops/s, "
           f"{median / args.ops * 1e9:,.0f} ns/op (runs: {', '.join(f'{t:.3f}s' for t in times)})")
     print(f"  fragmentation at end of runs: {', '.join(f'{f:.3f}' for _, _, f in results)}")
+    if args.plot:
+        plot(args.plot, results, args.ops)
+
+
+def plot(path: str, results: list[tuple[float, int, float]], ops: int) -> None:
+    runs = [f"run {i + 1}" for i in range(len(results))]
+    save(path, [Panel("operations per second", runs, {"ops/s": [ops / t for t, _, _ in results]}, "alloc+free calls/s"),
+                Panel("fragmentation at the end of the run", runs, {"fragmentation": [f for _, _, f in results]},
+                      "1 - largest free / all free")],
+         f"OffsetAllocator: {ops:,} mixed alloc/free calls over {CAPACITY:,} units, sizes 1..{MAX_SIZE}",
+         "one core of a shared, noisy machine; the loop's own bookkeeping included")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
    lists it, at 3 and 10 nodes.
 3. Failure detection: time from SIGKILL of one node until every other node reports it dead.
 
-    python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10]
+    python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import free_port, start_quilld, stop_process  # noqa: E402
+from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 MiB = 1024 * 1024
 FAST = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
@@ -82,8 +83,10 @@ def socket_copy(nbytes: int, count: int) -> float:
     return dt
 
 
-def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> None:
+def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> list[tuple[int, float, float, float, float]]:
+    """Per size: (MiB, socket copy, GETBLK LOCAL on A, fetch hop, GETBLK via B), GB/s medians."""
     a, b = start_cluster(tmp, 2)
+    rows = []
     ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port)
     try:
         print("peer fetch (GB/s, median of rounds; ratio = peer fetch / socket copy)")
@@ -121,12 +124,15 @@ def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> None:
                 hop.append(moved / usec / 1e3)
             s, l, f, h = (statistics.median(x) for x in (sock, local, fetch, hop))
             print(f"{mib:>4}Mi {s:>12.2f} {l:>18.2f} {h:>10.2f} {h / s:>6.2f} {f:>13.2f} {f / s:>6.2f}")
+            rows.append((mib, s, l, h, f))
     finally:
         for q in (a, b):
             stop_process(q.proc)
+    return rows
 
 
-def convergence_and_detection(tmp: Path, n: int, rounds: int) -> None:
+def convergence_and_detection(tmp: Path, n: int, rounds: int) -> tuple[int, float, float, float]:
+    """(nodes, replication p50 ms, max ms, detection s)."""
     nodes = start_cluster(tmp, n)
     clients = [redis.Redis(port=q.port) for q in nodes]
     try:
@@ -163,6 +169,25 @@ def convergence_and_detection(tmp: Path, n: int, rounds: int) -> None:
     finally:
         for q in nodes:
             stop_process(q.proc)
+    return n, statistics.median(delays) * 1000, max(delays) * 1000, detect
+
+
+def plot(path: str, fetch: list[tuple[int, float, float, float, float]],
+         clusters: list[tuple[int, float, float, float]], rounds: int) -> None:
+    sizes = [f"{mib} MiB" for mib, *_ in fetch]
+    panels = [Panel("peer fetch vs a socket copy (fetch hop / socket copy)", sizes,
+                    {"Python socket copy": [r[1] for r in fetch], "GETBLK LOCAL on A": [r[2] for r in fetch],
+                     "fetch hop A -> B": [r[3] for r in fetch], "GETBLK via B": [r[4] for r in fetch]},
+                    "GB/s (median)", [ratio(r[3], r[1]) for r in fetch])]
+    if clusters:
+        names = [f"{n} nodes" for n, *_ in clusters]
+        panels += [Panel("a SET listed by LOCATE on every node", names,
+                         {"p50": [c[1] for c in clusters], "max": [c[2] for c in clusters]}, "ms",
+                         bar_colors=[COLORS[1], COLORS[3]]),
+                   Panel("a SIGKILLed node dead on every node (probe 200 ms)", names,
+                         {"detection": [c[3] for c in clusters]}, "seconds")]
+    save(path, panels, "quilld cluster on loopback (bench/cluster_bench.py)",
+         f"{os.cpu_count()} cores shared by every node and other work (noisy); medians of {rounds} round(s)")
 
 
 def main() -> None:
@@ -170,12 +195,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", default="1,4")
     p.add_argument("--nodes", default="3,10")
+    add_flag(p)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        peer_fetch(tmp, [int(x) for x in a.sizes.split(",")], a.rounds)
-        for n in (int(x) for x in a.nodes.split(",")):
-            convergence_and_detection(tmp, n, a.rounds)
+        fetch = peer_fetch(tmp, [int(x) for x in a.sizes.split(",")], a.rounds)
+        clusters = [convergence_and_detection(tmp, n, a.rounds) for n in (int(x) for x in a.nodes.split(","))]
+    if a.plot:
+        plot(a.plot, fetch, clusters, a.rounds)
 
 
 if __name__ == "__main__":

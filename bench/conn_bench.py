@@ -5,7 +5,7 @@ sent one PING, and prints the RSS growth per connection and the ratio; then
 checks both still answer. The figure issue 11 asks for ("the 5,000-connection
 idle test (RSS per connection)").
 
-    python bench/conn_bench.py [--connections 5000]
+    python bench/conn_bench.py [--connections 5000] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from plot import Panel, add_flag, ratio, save
 from vs_redis import ROOT, free_port, rss_bytes, wait_port
 
 
@@ -53,6 +54,7 @@ def per_connection(pid: int, port: int, n: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--connections", type=int, default=5000)
+    add_flag(ap)
     args = ap.parse_args()
     if shutil.which("redis-server") is None:
         sys.exit("redis-server not found: apt-get install redis-server")
@@ -71,6 +73,11 @@ def main() -> int:
         q = per_connection(quilld_proc.pid, qport, args.connections)
         print(f"{args.connections} idle connections, RSS growth per connection: "
               f"redis-server {r:,.0f} B, quilld {q:,.0f} B ({q / max(r, 1):.2f}x)")
+        if args.plot:
+            save(args.plot, [Panel(f"{args.connections:,} idle connections", ["RSS growth per connection"],
+                                   {"redis-server": [r], "quilld": [q]}, "bytes", [ratio(q, r)])],
+                 "Idle connections: memory, quilld vs redis-server (bench/conn_bench.py)",
+                 "each connection sent one PING; RSS sampled 1 s after the last one opened")
     finally:
         for p in (redis_proc, quilld_proc):
             p.terminate()

@@ -3,6 +3,7 @@
     python bench/events_bench.py              # 200k events per batch size
     python bench/events_bench.py --quick      # 40k
     python bench/events_bench.py --sizes 1    # one batch size only
+    python bench/events_bench.py --quick --plot events.png   # also the figure (the `bench` extra)
 
 A real quilld (uvloop, as deployed) follows one engine's KV events over ZMQ. The engine
 is a publisher process doing on the wire what vLLM 0.33's ZmqEventPublisher does (PUB
@@ -37,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from plot import COLORS, Panel, add_flag, save  # noqa: E402
 
 MODEL = "m"
 REQUEST_BLOCKS = 32
@@ -176,6 +178,16 @@ def route_loop(r, info_client, until, limit_s: float, interval_s: float = 0.0) -
     return lat, None
 
 
+def plot(path: str, rates: dict[int, float], latencies: list[tuple[str, float, float]], total: int) -> None:
+    panels = [Panel("KV events applied (vLLM-style ZMQ publisher)", [f"{n}/batch" for n in rates],
+                    {"events/s": list(rates.values())}, "events/s"),
+              Panel("ROUTE latency over RESP, at rest and during ingest", [x[0] for x in latencies],
+                    {"p50": [x[1] for x in latencies], "p99": [x[2] for x in latencies]}, "ms",
+                    bar_colors=[COLORS[1], COLORS[3]])]
+    save(path, panels, f"quilld following an engine's KV events ({total:,} events per batch size)",
+         f"{os.cpu_count()} cores shared by quilld, the publisher, the client and other work (noisy)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -184,6 +196,7 @@ def main() -> int:
     ap.add_argument("--route-interval-ms", type=float, default=2.0,
                     help="one ROUTE every this many ms during ingest and at rest (0: back to back)")
     ap.add_argument("--py-spy", metavar="FILE", help="record quilld with py-spy during ingest (collapsed stacks)")
+    add_flag(ap)
     args = ap.parse_args()
     total = args.events or (40_000 if args.quick else 200_000)
     interval = args.route_interval_ms / 1000
@@ -209,6 +222,7 @@ def main() -> int:
         print(f"ROUTE at rest ({REQUEST_BLOCKS} blocks, {len(WARM)} resident): p50 {statistics.median(rest):.3f} ms, "
               f"p99 {percentile(rest, 99):.3f} ms ({len(rest)} requests)")
         results = {}
+        latencies = [("at rest", statistics.median(rest), percentile(rest, 99))]
         spy = None
         if args.py_spy:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "250", "--format", "raw",
@@ -228,6 +242,7 @@ def main() -> int:
             rate = total / (t1 - t0)
             cpu = cpu_seconds(proc.pid) - cpu0
             results[per_batch] = rate
+            latencies.append((f"ingest,\n{per_batch}/batch", statistics.median(lat), percentile(lat, 99)))
             print(f"{per_batch:>3} events/batch: {rate:>9,.0f} events/s applied ({total:,} events, publisher sent them "
                   f"in {send_s:.2f} s; quilld used {cpu:.2f} CPU-s of {t1 - t0:.2f} s, ROUTE and INFO included); "
                   f"ROUTE during ingest p50 {statistics.median(lat):.3f} ms, p99 {percentile(lat, 99):.3f} ms, "
@@ -240,6 +255,8 @@ def main() -> int:
         line = info_client.info("router")["kv_engine_vllm-0"]
         print(f"feed: {line}")
         print("targets: >= 100,000 events/s at 64 per batch, >= 20,000 at 1 per batch, ROUTE p99 <= 5 ms during ingest")
+        if args.plot:
+            plot(args.plot, results, latencies, total)
     finally:
         here.send(("quit",))
         engine.join(10)

@@ -23,6 +23,7 @@ gateway host in front of GPU engines.
     python bench/gateway_bench.py                     # ~40 s
     python bench/gateway_bench.py --floor             # and a bare aiohttp relay beside them
     python bench/gateway_bench.py --requests 300 --seconds 2 --rounds 1
+    python bench/gateway_bench.py --plot gateway.png  # also the figure (the `bench` extra)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import free_port, stop_process as stop, wait_port  # noqa: E402
+from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 SYSTEM = "You are a careful assistant for QuillCache's benchmark. " * 40
 
@@ -136,6 +138,22 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> None:
         print(f"  {name:10} {statistics.median(rates[name]):8.0f} req/s")
     d, g = statistics.median(rates["direct"]), statistics.median(rates["gateway"])
     print(f"  ratio gateway/direct: {g / d:.2f}")
+    if args.plot:
+        plot(args.plot, times, rates, args)
+
+
+def plot(path: str, times: dict[str, list[float]], rates: dict[str, list[float]], args: argparse.Namespace) -> None:
+    names = list(times)
+    d = statistics.median(rates["direct"])
+    panels = [Panel("time to first token, sequential streaming requests", names,
+                    {"p50": [pct(times[n], 50) for n in names], "p99": [pct(times[n], 99) for n in names]}, "ms",
+                    bar_colors=[COLORS[1], COLORS[3]]),
+              Panel(f"throughput, {args.concurrency} concurrent streams (vs direct)", names,
+                    {"req/s": [statistics.median(rates[n]) for n in names]}, "requests/s (median)",
+                    [ratio(statistics.median(rates[n]), d) for n in names])]
+    save(path, panels, "quilld's OpenAI-compatible gateway in front of one engine vs straight to it",
+         f"tests/fake_engine.py with no delay; {os.cpu_count()} cores shared by the client, quilld, the engine and "
+         f"other work (noisy); {args.requests} requests per path, {args.rounds} x {args.seconds:g} s throughput runs")
 
 
 def relay_child(port: int, upstream: str) -> None:
@@ -179,6 +197,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--floor", action="store_true", help="also measure a bare aiohttp relay")
     p.add_argument("--relay-child", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    add_flag(p)
     args = p.parse_args()
     _install_uvloop()
     if args.relay_child:

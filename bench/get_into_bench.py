@@ -8,6 +8,7 @@ writes (redis-py `set`, `QuillClient.put`, `put_blocks`).
 
     python bench/get_into_bench.py --rounds 3
     python bench/get_into_bench.py --rounds 3 --mooncake    # also Mooncake Store, if it runs here
+    python bench/get_into_bench.py --rounds 1 --mib 64 --mooncake --plot docs/img/get_into.png   # and a figure
 
 `--mooncake` (optional, never a dependency): needs `pip install mooncake-transfer-engine-non-cuda`
 and Debian's `libibverbs1`. It runs `mooncake_master` and a store client (P2PHANDSHAKE metadata,
@@ -44,6 +45,7 @@ except ImportError:  # not installed: use the source tree (redis, hiredis and cr
 
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import free_port, stop_process as stop, wait_port  # noqa: E402
+from plot import Panel, add_flag, ratio, save  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [64 * KiB, MiB, 4 * MiB, 32 * MiB]
@@ -366,6 +368,30 @@ def print_mooncake(mc: dict, batch: int) -> None:
             print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
 
 
+def plot(path: str, gets: dict, puts: dict, mc: dict | None, batch: int, rounds: int) -> None:
+    """quilld's client against redis-py (reads, writes) and, when measured, against Mooncake Store."""
+    cats = [human(s) for s in SIZES]
+    g = {m: [gets[(s, m)] for s in SIZES] for m in ("redis-py get", "get_into", f"redis-py pipeline x{batch}",
+                                                    f"get_many_into x{batch}")}
+    w = {m: [puts[(s, m)] for s in SIZES] for m in ("redis-py set", "put", f"put_blocks x{batch}")}
+    panels = [Panel("reads: quillclient vs redis-py (get_into/redis-py get)", cats, g, "GB/s (median)",
+                    [ratio(b, a) for a, b in zip(g["redis-py get"], g["get_into"])]),
+              Panel("writes: quillclient vs redis-py (put/redis-py set)", cats, w, "GB/s (median)",
+                    [ratio(b, a) for a, b in zip(w["redis-py set"], w["put"])])]
+    if mc is not None:
+        for ops, title in ((("get", "batch get"), "reads"), (("put", "batch put"), "writes")):
+            keys = [(s, op) for op in ops for s in MOONCAKE_SIZES]
+            m = [mc[("mooncake", s, op)] for s, op in keys]
+            q = [mc[("quilld", s, op)] for s, op in keys]
+            panels.append(Panel(f"{title} vs Mooncake Store over TCP (quilld/Mooncake)",
+                                [f"{human(s)}\n{op.replace('batch ', f'x{batch} ')}" for s, op in keys],
+                                {"Mooncake Store": m, "quilld": q}, "GB/s (median)",
+                                [ratio(b, a) for a, b in zip(m, q)]))
+    save(path, panels, "Reading and writing KV blocks from Python (bench/get_into_bench.py), one thread",
+         f"{os.cpu_count()} cores shared with other work (noisy); medians of {rounds} round(s); x{batch}: batched "
+         "calls of that many blocks. Mooncake: TCP transport, P2PHANDSHAKE, MC_STORE_MEMCPY=0, private net namespace.")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="rounds, order rotated each round (median taken)")
@@ -373,6 +399,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="keys per get_many_into / pipeline / put_blocks call")
     ap.add_argument("--mooncake", action="store_true", help="also measure Mooncake Store, if it runs here")
     ap.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
+    add_flag(ap)
     args = ap.parse_args()
     budget = args.mib * MiB
     if args.mooncake_child:
@@ -398,6 +425,9 @@ def main() -> int:
             print(f"\nMooncake section skipped: {mc}")
         else:
             print_mooncake(mc, args.batch)
+    if args.plot:
+        plot(args.plot, gets, puts, mc if args.mooncake and not isinstance(mc, str) else None, args.batch,
+             args.rounds)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

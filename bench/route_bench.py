@@ -2,6 +2,7 @@
 
     python bench/route_bench.py             # 1M resident blocks, 16 engines, 32-block requests
     python bench/route_bench.py --quick     # 100k blocks
+    python bench/route_bench.py --quick --plot route.png   # also the figure (the `bench` extra)
 
 In-process: ControlPlane.route() directly. Over RESP: a real quilld, the same
 residencies loaded with KVEVENTS, ROUTE sent by redis-py on one connection.
@@ -32,6 +33,7 @@ from quilld.index.control import ControlPlane  # noqa: E402
 from quilld.index.events import Batch, Stored  # noqa: E402
 from quilld.scopes import ScopeRegistry  # noqa: E402
 from quilld.model import IdentityScope  # noqa: E402
+from plot import COLORS, Panel, add_flag, save  # noqa: E402
 
 ENGINES = 16
 REQUEST_BLOCKS = 32
@@ -142,6 +144,7 @@ def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    add_flag(ap)
     args = ap.parse_args()
     blocks = 100_000 if args.quick else 1_000_000
     n = 2_000 if args.quick else 10_000
@@ -157,6 +160,7 @@ def main() -> int:
 
     rng = random.Random(2)
     lat = time_routes(control, chains, ["default"], n, rng)
+    figures = [("in-process", statistics.median(lat), percentile(lat, 99))]
     print(f"ROUTE in-process, {REQUEST_BLOCKS} blocks x {ENGINES} engines: p50 {statistics.median(lat):.1f} us, "
           f"p99 {percentile(lat, 99):.1f} us (target p50 <= 50 us)")
 
@@ -182,6 +186,8 @@ def main() -> int:
     off += run(False)
     on += run(True)
     a, b = statistics.median(off) / 1000, statistics.median(on) / 1000
+    figures += [("in-process,\nguard off", a, percentile(off, 99) / 1000),
+                ("in-process,\nguard on", b, percentile(on, 99) / 1000)]
     print(f"guard overhead, 95% same identity: off {a:.1f} us, on {b:.1f} us per ROUTE ({(b / a - 1) * 100:+.1f}%, "
           f"target <= 2%)")
 
@@ -196,7 +202,24 @@ def main() -> int:
     lat = over_resp(chains[: len(chains) // 10 or 1], per_engine, min(n, 3000))
     print(f"ROUTE over RESP (redis-py, one connection): p50 {statistics.median(lat):.1f} us, "
           f"p99 {percentile(lat, 99):.1f} us")
+    if args.plot:
+        figures.append(("over RESP\n(redis-py)", statistics.median(lat), percentile(lat, 99)))
+        plot(args.plot, figures, (hits, unsafe, guarded, refused), resident)
     return 0
+
+
+def plot(path: str, figures: list[tuple[str, float, float]], collisions: tuple[int, int, int, int],
+         resident: int) -> None:
+    hits, unsafe, guarded, refused = collisions
+    panels = [Panel(f"ROUTE, {REQUEST_BLOCKS} blocks x {ENGINES} engines", [f[0] for f in figures],
+                    {"p50": [f[1] for f in figures], "p99": [f[2] for f in figures]}, "microseconds",
+                    bar_colors=[COLORS[1], COLORS[3]]),
+              Panel("collision workload: hits served across identities",
+                    ["naive content-hash\ncache", "quilld (scoped)"],
+                    {"hits": [hits, guarded], "across identities": [unsafe, 0], "refused": [0, refused]},
+                    "lookups", bar_colors=[COLORS[1], COLORS[3], COLORS[2]])]
+    save(path, panels, f"The router with {resident:,} resident blocks (bench/route_bench.py)",
+         f"{os.cpu_count()} cores shared with other work (noisy); in-process figures time control.route alone")
 
 
 if __name__ == "__main__":

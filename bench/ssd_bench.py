@@ -25,7 +25,7 @@ printed; recovery restarts are repeated `--rounds` times. The page cache is drop
 before every "cold" figure when /proc/sys/vm/drop_caches is writable (root).
 
     python bench/ssd_bench.py [--rounds 3] [--blocks 512] [--recovery-blocks 100000] [--dir DIR]
-                              [--delete-blocks 2000] [--skip-deletes]
+                              [--delete-blocks 2000] [--skip-deletes] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from plot import COLORS, QUILLD, RAW, Panel, add_flag, ratio, save
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -570,6 +572,40 @@ def med(rows: list[dict], key: str) -> float:
     return statistics.median(row[key] for row in rows)
 
 
+def plot(path: str, dd: list[float], raw: list[float], raw_small: list[float], raw_read: list[float],
+         rows: list[dict], rec: dict | None, can_drop: bool, fs: str, rounds: int) -> None:
+    """Writes against dd, reads against raw preads and DRAM GETs, and recovery times, as bars."""
+    d, cold = statistics.median(dd), "cold" if can_drop else "cache kept"
+    writes = [("dd\noflag=direct", d, RAW), ("Python, 64\nMiB groups", statistics.median(raw), RAW),
+              ("Python,\nsmall groups", statistics.median(raw_small), RAW),
+              ("quilld\ndemotion", med(rows, "demote_MBps"), QUILLD),
+              ("quilld ingest\nend to end", med(rows, "ingest_MBps"), QUILLD),
+              ("SETs, no\nSSD tier", med(rows, "set_nossd_MBps"), QUILLD)]
+    rr, dg = statistics.median(raw_read), med(rows, "get_dram")
+    reads = [(f"raw preads\n{cold}", rr, RAW), ("DRAM GET", dg, QUILLD),
+             (f"SSD GET\n{cold}", med(rows, "get_off_cold"), QUILLD),
+             ("SSD GET\nwarm", med(rows, "get_off_warm"), QUILLD),
+             (f"SSD GET +\npromote, {cold}", med(rows, "get_on_cold"), QUILLD)]
+    panels = [Panel("writes: 1 MiB blocks to the SSD tier vs the raw disk", [w[0] for w in writes],
+                    {"MB/s": [w[1] for w in writes]}, "MB/s (median)", [ratio(w[1], d) for w in writes],
+                    bar_colors=[w[2] for w in writes]),
+              Panel("reads: 1 MiB GETs from SSD (ratios: vs raw preads)", [r[0] for r in reads],
+                    {"GB/s": [r[1] for r in reads]}, "GB/s (median)",
+                    [""] + [ratio(r[1], rr) for r in reads[1:]], bar_colors=[r[2] for r in reads])]
+    if rec is not None:
+        starts = [("empty tier", statistics.median(rec["empty_ms"]) / 1000, statistics.median(rec["empty_wall"])),
+                  ("after kill -9\n(WAL replay)", statistics.median(rec["wal_ms"]) / 1000,
+                   statistics.median(rec["wal_wall"])),
+                  ("after clean stop\n(checkpoint)", statistics.median(rec["ckpt_ms"]) / 1000,
+                   statistics.median(rec["ckpt_wall"]))]
+        panels.append(Panel(f"restart with {rec['wal_blocks']:,} blocks on SSD", [x[0] for x in starts],
+                            {"recovery": [x[1] for x in starts], "start to open port": [x[2] for x in starts]},
+                            "seconds (median)", bar_colors=[COLORS[2], COLORS[4]]))
+    save(path, panels, "quilld's SSD tier against the raw disk under it (bench/ssd_bench.py)",
+         f"{fs}; {os.cpu_count()} cores shared with other work: a noisy disk and CPU; medians of {rounds} round(s). "
+         "In the first two, orange: the raw disk, blue: quilld.")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", help="where to write (default: a new temporary directory under "
@@ -582,6 +618,7 @@ def main() -> int:
                     help="64 KiB blocks written (about twice the arena) for the delete/overwrite test")
     ap.add_argument("--skip-deletes", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the directory (and quilld's logs) afterwards")
+    add_flag(ap)
     a = ap.parse_args()
     if a.dir:
         base = Path(tempfile.mkdtemp(prefix="quilld-ssd-bench-", dir=a.dir))
@@ -682,6 +719,9 @@ def main() -> int:
             print(f"\nfsyncs in the whole run {med(dels, 'fsyncs'):.0f} (avg {med(dels, 'fsync_avg_ms'):.2f} ms); "
                   f"SSD deletions {med(dels, 'ssd_deletes'):.0f} in {med(dels, 'delete_syncs'):.0f} WAL syncs")
         print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+        if a.plot:
+            plot(a.plot, dd, raw, raw_small, raw_read, rows, rec, can_drop, describe_fs(base).split(" on ", 1)[-1],
+                 a.rounds)
     finally:
         if a.keep:
             print(f"kept {base}")

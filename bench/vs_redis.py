@@ -7,6 +7,7 @@ resident memory per small key (100k keys) in both servers.
 
     python bench/vs_redis.py                 # full table (a few minutes)
     python bench/vs_redis.py --quick         # fewer requests, one round
+    python bench/vs_redis.py --plot docs/img/vs_redis.png   # also the figure (the `bench` extra)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from plot import Panel, add_flag, ratio, save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,11 +77,25 @@ def fill_small_keys(port: int, count: int) -> None:
     pipe.execute()
 
 
+def plot(path: str, rows: list[tuple[str, float, float]], rounds: int, redis_key: float, quilld_key: float) -> None:
+    """rows: (workload, redis req/s, quilld req/s); small values and large values in two panels."""
+    small = [r for r in rows if "MiB" not in r[0]]
+    large = [r for r in rows if "MiB" in r[0]]
+    panels = [Panel(title, [r[0] for r in part], {"redis-server": [r[1] for r in part],
+                                                   "quilld": [r[2] for r in part]},
+                    "requests/s (median)", [ratio(r[2], r[1]) for r in part])
+              for title, part in (("small values (3 B)", small), ("large values", large)) if part]
+    save(path, panels, "quilld vs redis-server 7 (redis-benchmark, loopback): quilld/redis over each pair",
+         f"{os.cpu_count()} cores shared with other work (noisy), medians of {rounds} alternating round(s); "
+         f"RSS per resident 64-byte key: redis {redis_key:.0f} B, quilld {quilld_key:.0f} B")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per workload (median taken)")
     ap.add_argument("--quick", action="store_true", help="one round, fewer requests")
     ap.add_argument("--dram", default="4GiB", help="quilld arena size")
+    add_flag(ap)
     args = ap.parse_args()
     for tool in ("redis-server", "redis-benchmark"):
         if shutil.which(tool) is None:
@@ -112,6 +129,7 @@ def main() -> int:
               f", {rounds} alternating round(s), medians; {os.cpu_count()} cores, loopback\n")
         print("| workload | redis req/s | quilld req/s | quilld/redis |")
         print("|---|---:|---:|---:|")
+        rows = []
         for label, test, n, clients, pipeline, size in workloads:
             n = max(int(n * scale), 100)
             theirs, ours = [], []
@@ -120,6 +138,7 @@ def main() -> int:
                 ours.append(bench(qport, test, n, clients, pipeline, size))
             t, o = statistics.median(theirs), statistics.median(ours)
             print(f"| {label} | {t:,.0f} | {o:,.0f} | {o / t:.2f}x |", flush=True)
+            rows.append((label, t, o))
 
         # Memory per resident small key: fresh servers would be cleaner; FLUSHALL then measure growth.
         count = int(100_000 * (0.2 if args.quick else 1.0))
@@ -135,6 +154,8 @@ def main() -> int:
         per = {p.pid: (rss_bytes(p.pid) - before[p.pid]) / count for p in (redis_proc, quilld_proc)}
         print(f"\nRSS growth per resident key ({count:,} keys of 64 B): redis {per[redis_proc.pid]:.0f} B, "
               f"quilld {per[quilld_proc.pid]:.0f} B ({per[quilld_proc.pid] / max(per[redis_proc.pid], 1):.2f}x)")
+        if args.plot:
+            plot(args.plot, rows, rounds, per[redis_proc.pid], per[quilld_proc.pid])
     finally:
         for p in (redis_proc, quilld_proc):
             p.send_signal(signal.SIGTERM)
