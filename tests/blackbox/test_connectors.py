@@ -3,10 +3,12 @@
 Every test takes its configuration from the recipe block in the doc (host and port
 swapped for the test's quilld), so the documented config is the tested one.
 
-- LMCache `redis://` and `resp://`: the calls of `RedisConnector` (redis.asyncio) and of
-  the native RESP2 client, per LMCache 0.5.6 (`lmcache/v1/storage_backend/connector/
-  redis_connector.py`, `native_clients/`) and `csrc/storage_backends/redis/`. LMCache
-  itself needs torch, so its calls are replayed here, with its key and metadata formats.
+- LMCache `redis://`, `valkey://` and `resp://`: the calls of `RedisConnector` (redis.asyncio),
+  of `ValkeyConnector` (one GLIDE sync client per worker thread, RESP3) and of the native
+  RESP2 client, per LMCache 0.5.6 (`lmcache/v1/storage_backend/connector/redis_connector.py`,
+  `valkey_connector.py`, `lmcache/v1/storage_backend/valkey/worker_pool.py`, `native_clients/`)
+  and `csrc/storage_backends/redis/`. LMCache itself needs torch, so its calls are replayed
+  here, with its key and metadata formats; GLIDE itself runs where it is installed.
 - SGLang HiCache: `quillclient.sglang.QuillHiCacheStorage`, built as SGLang's dynamic
   backend factory builds it and called as its cache controller calls it (SGLang 0.5.23),
   numpy arrays standing in for the host pool's tensors.
@@ -295,6 +297,204 @@ def test_lmcache_resp_recipe(quilld_factory):
     finally:
         for w in workers:
             w.close()
+
+
+# LMCache 0.5.6's valkey:// connector (lmcache/v1/storage_backend/valkey/worker_pool.py): one GLIDE
+# sync client per worker thread, single-key fixed-size chunks; what GLIDE 2.x sends on connect,
+# as recorded between valkey-glide-sync 2.5 and quilld
+GLIDE_HANDSHAKE = [["CLIENT", "SETINFO", "LIB-NAME", "GlidePySync"], ["CLIENT", "SETINFO", "LIB-VER", "0.0.0"],
+                   ["INFO", "REPLICATION"]]
+
+
+class Resp3Connection:
+    """A RESP3 connection as GLIDE's: HELLO 3 AUTH, then commands, replies read as RESP3."""
+
+    def __init__(self, port: int, user: str, password: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT)
+        self.file = self.sock.makefile("rb")
+        hello = self.call("HELLO", "3", "AUTH", user, password)
+        if isinstance(hello, dict):
+            assert hello[b"proto"] == 3 and hello[b"role"] == b"master", hello
+        self.hello = hello
+
+    def call(self, *args: str | bytes | memoryview):
+        parts = [b"*%d\r\n" % len(args)]
+        for a in args:
+            a = a.encode() if isinstance(a, str) else a
+            parts += [b"$%d\r\n" % len(a), a, b"\r\n"]
+        self.sock.sendmsg([memoryview(p) for p in parts])
+        return self.read()
+
+    def read(self):
+        line = self.file.readline()
+        assert line.endswith(b"\r\n"), f"connection closed: {line!r}"
+        kind, rest = line[:1], line[1:-2]
+        if kind in b"+":
+            return rest
+        if kind == b"-":
+            return RuntimeError(rest.decode())
+        if kind == b":":
+            return int(rest)
+        if kind == b"_":
+            return None
+        if kind in (b"$", b"="):
+            data = self.file.read(int(rest) + 2)[:-2]
+            return data[4:] if kind == b"=" else data  # a verbatim string starts with its format, "txt:"
+        if kind in (b"*", b"~"):
+            return [self.read() for _ in range(int(rest))]
+        if kind == b"%":
+            return {self.read(): self.read() for _ in range(int(rest))}
+        raise AssertionError(f"unexpected RESP3 reply {line!r}")
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def valkey_credentials(extra: dict) -> tuple[str, str]:
+    """(user, password) that GLIDE sends, from LMCache 0.5.6's extra_config: it builds
+    ServerCredentials(valkey_username, valkey_password) while GLIDE's signature is
+    ServerCredentials(password, username), and an empty user name is `default`."""
+    password, user = extra.get("valkey_username", ""), extra.get("valkey_password", "")
+    return user or "default", password
+
+
+def test_lmcache_valkey_recipe(quilld_factory):
+    cfg = flat_yaml(recipe("lmcache-valkey"))
+    extra = cfg["extra_config"]
+    url = urlsplit(cfg["remote_url"])
+    assert url.scheme == "valkey" and url.port == 7379 and cfg["save_unfull_chunk"] is False
+    assert "save_chunk_meta" not in extra and "valkey_mode" not in extra and "valkey_database" not in extra
+    user, password = valkey_credentials(extra)
+    q = quilld_factory("--dram", "256MiB", "--requirepass", password)
+
+    # written the natural way round (valkey_username "default", valkey_password the password),
+    # LMCache's swap makes GLIDE send AUTH <password> default: refused
+    natural = Resp3Connection(q.port, password, "default")
+    assert isinstance(natural.hello, RuntimeError) and str(natural.hello).startswith("WRONGPASS"), natural.hello
+    natural.close()
+
+    workers = [Resp3Connection(q.port, user, password) for _ in range(extra["valkey_num_workers"])]
+    for w in workers:
+        assert not isinstance(w.hello, RuntimeError), w.hello
+        assert [w.call(*c) for c in GLIDE_HANDSHAKE][:2] == [b"OK", b"OK"]
+        assert b"role:master" in w.call("INFO", "REPLICATION")
+    keys = [engine_key(0, h, world_size=1) for h in chunk_hashes(12, "valkey")]
+    data = [kv_chunk(2000 + i) for i in range(len(keys))]
+
+    def fan_out(op, items: list) -> list:
+        """The worker pool: item i on thread i % workers, each thread its own connection."""
+        results: list = [None] * len(items)
+
+        def run(w: int) -> None:
+            for i in range(w, len(items), len(workers)):
+                results[i] = op(workers[w], *items[i])
+
+        with ThreadPoolExecutor(len(workers)) as ex:
+            for f in [ex.submit(run, w) for w in range(len(workers))]:
+                f.result(timeout=IO_TIMEOUT)
+        return results
+
+    def get_into(conn: Resp3Connection, key: str, buf: memoryview) -> bool:  # _do_get_into
+        value = conn.call("GET", key)
+        if value is None or len(value) != len(buf):  # another size is a miss too
+            return False
+        buf[:] = value
+        return True
+
+    def prefix(found: list) -> int:  # _count_consecutive_exists
+        return next((i for i, hit in enumerate(found) if not hit), len(found))
+
+    try:
+        assert fan_out(lambda c, k, d: c.call("SET", k, d), list(zip(keys[:10], data[:10]))) == [b"OK"] * 10
+        assert prefix(fan_out(lambda c, k: c.call("EXISTS", k), [(k,) for k in keys])) == 10
+        bufs = [memoryview(bytearray(CHUNK)) for _ in keys]
+        assert fan_out(get_into, list(zip(keys, bufs))) == [True] * 10 + [False] * 2
+        assert all(bytes(bufs[i]) == data[i] for i in range(10))
+        assert workers[0].call("SET", keys[4], b"short") == b"OK"  # not a whole chunk: read as a miss
+        assert get_into(workers[1], keys[4], bufs[4]) is False
+        assert fan_out(lambda c, k: c.call("DEL", k), [(k,) for k in keys[3:5]]) == [1, 1]
+        assert prefix(fan_out(lambda c, k: c.call("EXISTS", k), [(k,) for k in keys])) == 3
+        assert workers[0].call("GET", keys[11]) is None  # RESP3 null, as redis-server answers GLIDE
+    finally:
+        for w in workers:
+            w.close()
+    assert q.client(password=password).dbsize() == 8
+
+
+def test_lmcache_valkey_recipe_with_glide(quilld_factory):
+    """The same recipe through GLIDE's own sync client, built as LMCache 0.5.6's worker pool builds it."""
+    glide = pytest.importorskip("glide_sync", reason="valkey-glide-sync is not installed (not in the test extra)")
+    cfg = flat_yaml(recipe("lmcache-valkey"))
+    extra = cfg["extra_config"]
+    user, password = valkey_credentials(extra)
+    q = quilld_factory("--dram", "256MiB", "--requirepass", password)
+    local = threading.local()
+
+    def client(username: str = extra["valkey_username"], passwd: str = extra["valkey_password"]):
+        c = getattr(local, "client", None)
+        if c is None:
+            config = glide.GlideClientConfiguration(
+                addresses=[glide.NodeAddress("127.0.0.1", q.port)], request_timeout=5000, use_tls=False,
+                advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=10000),
+                credentials=glide.ServerCredentials(username, passwd))  # LMCache's argument order
+            c = local.client = glide.GlideClient.create(config)
+        return c
+
+    with pytest.raises(Exception, match="WRONGPASS"):  # the natural order of the two settings
+        glide.GlideClient.create(glide.GlideClientConfiguration(
+            addresses=[glide.NodeAddress("127.0.0.1", q.port)], request_timeout=5000,
+            advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=10000),
+            credentials=glide.ServerCredentials(user, password)))
+    keys = [engine_key(1, h, world_size=2) for h in chunk_hashes(10, "glide")]
+    data = [kv_chunk(3000 + i) for i in range(len(keys))]
+
+    def get_into(key: str) -> bytes | None:
+        scratch = getattr(local, "scratch", None) or bytearray(CHUNK)
+        local.scratch = scratch
+        n = client().get(key.encode(), buffer=memoryview(scratch))
+        return None if n is None or int(n) != CHUNK else bytes(scratch)
+
+    with ThreadPoolExecutor(extra["valkey_num_workers"]) as ex:
+        list(ex.map(lambda kd: client().set(kd[0].encode(), kd[1]), zip(keys[:8], data[:8]), timeout=IO_TIMEOUT))
+        found = list(ex.map(lambda k: bool(client().exists([k.encode()])), keys, timeout=IO_TIMEOUT))
+        assert found == [True] * 8 + [False] * 2
+        got = list(ex.map(get_into, keys, timeout=IO_TIMEOUT))
+        assert got[:8] == data[:8] and got[8:] == [None, None]
+        assert sum(ex.map(lambda k: int(client().delete([k.encode()])), keys[:2], timeout=IO_TIMEOUT)) == 2
+        for _ in range(extra["valkey_num_workers"]):
+            ex.submit(lambda: client().close()).result(timeout=IO_TIMEOUT)
+    assert q.client(password=password).dbsize() == 6
+
+
+def test_lmcache_resp_miss_hangs_on_redis_server_as_on_quilld(quilld_factory, redis_server):
+    """LMCache 0.5.6's resp:// client reads a GET reply header as a fixed len(b"$<chunk>\\r\\n") bytes.
+    A miss is 5 bytes on both servers: the read waits for bytes that never come, and the
+    connection cannot be used again (its stream is out of step)."""
+    header = b"$%d\r\n" % CHUNK
+    seen = {}
+    q = quilld_factory("--dram", "256MiB")
+    for name, port in (("quilld", q.port), ("redis-server", redis_server)):
+        with socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT) as s:
+            chunk = kv_chunk(7)
+            s.sendall(b"*3\r\n$3\r\nSET\r\n$3\r\nhit\r\n" + header + chunk + b"\r\n")
+            assert s.recv(5) == b"+OK\r\n"
+            s.sendall(b"*2\r\n$3\r\nGET\r\n$4\r\nmiss\r\n")
+            got = b""
+            s.settimeout(1.0)
+            with pytest.raises(socket.timeout):  # the fixed-length header read never completes
+                while len(got) < len(header):
+                    more = s.recv(len(header) - len(got))
+                    assert more, f"{name} closed the connection"
+                    got += more
+            assert got == b"$-1\r\n", (name, got)
+            # the next command's reply completes that read: a header no parser can take
+            s.settimeout(IO_TIMEOUT)
+            s.sendall(b"*2\r\n$3\r\nGET\r\n$3\r\nhit\r\n")
+            while len(got) < len(header):
+                got += s.recv(len(header) - len(got))
+            seen[name] = got
+    assert seen["quilld"] == seen["redis-server"] == b"$-1\r\n" + header[:len(header) - 5], seen
 
 
 # ---------------------------------------------------------------------------
