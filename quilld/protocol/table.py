@@ -1,8 +1,22 @@
 """The declarative command table and the one dispatcher.
 
-A command is (name, arity, flags, handler). Existence, arity and auth are
-checked here, once, in redis's order, with redis's error text; handlers stay
-small, return reply values and never touch the transport.
+A command is a row: (name, arity, flags, handler), and what COMMAND INFO and
+COMMAND DOCS tell about it (`Doc`: redis's command flags, ACL categories, key
+specs, tips, documented arguments). Existence, arity and auth are checked
+here, once, in redis's order, with redis's error text; handlers stay small,
+return reply values and never touch the transport.
+
+The dispatcher also keeps what INFO commandstats, errorstats and latencystats
+report, at the price of one list-item increment per call on the fast path
+(an authenticated plain command with the right arity). Reading the clock costs
+more than a GET's handler here, so the fast path times one call in
+`SAMPLE_EVERY` of the commands redis calls fast (O(1)) and of SET and MSET;
+every other call is timed. commandstats' `usec` is the timed calls' total
+scaled to all calls, latencystats' percentiles are the timed calls'; a fast
+command is seen by the slowlog only if it was timed, unless the slowlog's
+threshold is under `TIME_ALL_BELOW_US`, when every call is timed. While a
+client MONITORs, the fast path is off: every call goes through the checked
+path, which feeds the monitors.
 
 A handler that raises anything but a QuillError is a bug, never the client's
 fault: the dispatcher answers `-ERR internal error ...`, keeps the connection,
@@ -16,8 +30,10 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Callable, Mapping
 
 from quilld.errors import CommandError, NoAuth, QuillError, echo
 
@@ -25,12 +41,88 @@ Handler = Callable[[Any, list], Any]
 log = logging.getLogger("quilld.protocol")
 FAILURE_SITES = 256  # distinct places a handler failed at that are remembered (each logged once)
 FAILURE_RELOG = 60.0  # seconds between the one-line reminders of a failure seen again
+SAMPLE_EVERY = 16  # the fast path times one call in this many (a power of two)
+TIME_ALL_BELOW_US = 1000  # a slowlog threshold under this (microseconds) has every call timed
 
 NOAUTH = "noauth"  # may run before AUTH (AUTH, HELLO, QUIT)
 WRITE = "write"
 READONLY = "readonly"
 FAST = "fast"
 ADMIN = "admin"
+
+# the orders redis lists them in (server.c addReplyFlagsForCommand, acl.c ACLCommandCategories, ...)
+COMMAND_FLAGS = ("write", "readonly", "denyoom", "module", "admin", "pubsub", "noscript", "blocking", "loading",
+                 "stale", "skip_monitor", "skip_slowlog", "asking", "fast", "no_auth", "no_mandatory_keys",
+                 "no_async_loading", "no_multi", "movablekeys", "allow_busy")
+ACL_CATEGORIES = ("keyspace", "read", "write", "set", "sortedset", "list", "hash", "string", "bitmap",
+                  "hyperloglog", "geo", "stream", "pubsub", "admin", "fast", "slow", "blocking", "dangerous",
+                  "connection", "transaction", "scripting")
+KEY_FLAGS = ("RO", "RW", "OW", "RM", "access", "update", "insert", "delete", "not_key", "incomplete",
+             "variable_flags")
+ARG_FLAGS = ("optional", "multiple", "multiple_token")
+_TABLE_FLAG_NAMES = {NOAUTH: "no_auth"}  # a row's dispatcher flag -> redis's name, for rows without a Doc
+
+
+def ordered(words: str | tuple[str, ...] | frozenset[str], order: tuple[str, ...]) -> tuple[str, ...]:
+    given = set(words.split()) if isinstance(words, str) else set(words)
+    return tuple(w for w in order if w in given)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One documented argument (COMMAND DOCS `arguments`); `args` for a oneof or a block."""
+
+    name: str
+    type: str  # string integer double key pattern unix-time pure-token oneof block
+    token: str = ""
+    key_spec: int = -1  # index of the key spec that finds it (a key argument)
+    flags: str = ""  # optional multiple multiple_token
+    since: str = ""
+    deprecated_since: str = ""
+    summary: str = ""
+    args: tuple["Arg", ...] = ()
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """Where a command's keys are (redis's key specs): a begin search, then a find-keys rule.
+
+    begin: `index` (the argument's position) or `keyword` (keyword, startfrom); neither is
+    "unknown". find: `range` (lastkey, keystep, limit) or `keynum` (keynumidx, firstkey,
+    keystep); neither is "unknown".
+    """
+
+    flags: str  # RO RW OW RM access update insert delete not_key incomplete variable_flags
+    index: int = 0
+    keyword: tuple[str, int] | None = None
+    range: tuple[int, int, int] | None = None
+    keynum: tuple[int, int, int] | None = None
+    notes: str = ""
+
+
+KeysOf = Callable[[list], list[tuple[int, str]]]  # argv -> [(position, key flags)]
+
+
+@dataclass(frozen=True)
+class Doc:
+    """What COMMAND INFO and COMMAND DOCS tell about a command beyond its arity and handler."""
+
+    summary: str
+    since: str
+    group: str
+    complexity: str = ""
+    flags: str = ""  # redis's command flags, as COMMAND INFO names them
+    acl: str = ""  # ACL categories it is declared in (those its flags imply are added)
+    tips: str = ""
+    keys: tuple[KeySpec, ...] = ()
+    args: tuple[Arg, ...] = ()
+    history: tuple[tuple[str, str], ...] = ()
+    doc_flags: str = ""  # deprecated syscmd
+    deprecated_since: str = ""
+    replaced_by: str = ""
+    getkeys: KeysOf | None = None  # keys and their flags when the specs cannot tell (SET ... GET)
+    redact: Callable[[list], list[int]] | None = None  # arguments MONITOR and the slowlog never show
+    sampled: bool | None = None  # timed one call in SAMPLE_EVERY; None: when redis calls it fast
 
 
 @dataclass(frozen=True)
@@ -46,25 +138,224 @@ class Command:
     last_key: int = 0
     step: int = 0
     subcommands: dict[bytes, "Command"] = field(default_factory=dict)
+    doc: Doc | None = None
+
+    @cached_property
+    def _legacy(self) -> tuple[int, int, int, bool]:
+        if self.doc is None:
+            return self.first_key, self.last_key, self.step, False
+        return legacy_range(self.doc.keys)
+
+    @property
+    def key_range(self) -> tuple[int, int, int]:
+        """(first key, last key, step) as COMMAND INFO gives them."""
+        return self._legacy[:3]
+
+    @cached_property
+    def info_flags(self) -> tuple[str, ...]:
+        if self.doc is None:
+            return ordered(frozenset(_TABLE_FLAG_NAMES.get(f, f) for f in self.flags), COMMAND_FLAGS)
+        movable = ("movablekeys",) if self._legacy[3] else ()
+        return ordered(tuple(self.doc.flags.split()) + movable, COMMAND_FLAGS)
+
+    @cached_property
+    def acl_categories(self) -> tuple[str, ...]:
+        """The declared categories and those the flags imply (server.c setImplicitACLCategories)."""
+        cats = set(self.doc.acl.split()) if self.doc else set()
+        flags = set(self.info_flags)
+        if "write" in flags:
+            cats.add("write")
+        if "readonly" in flags and "scripting" not in cats:
+            cats.add("read")
+        if "admin" in flags:
+            cats |= {"admin", "dangerous"}
+        for implied in ("pubsub", "fast", "blocking"):
+            if implied in flags:
+                cats.add(implied)
+        if "fast" not in cats:
+            cats.add("slow")
+        return ordered(frozenset(cats), ACL_CATEGORIES)
+
+    @property
+    def has_keys(self) -> bool:
+        """redis's doesCommandHaveKeys: a key spec that is not `not_key`, or a getkeys function."""
+        doc = self.doc
+        if doc is None:
+            return self.first_key > 0
+        return doc.getkeys is not None or any("not_key" not in k.flags.split() for k in doc.keys)
+
+
+def legacy_range(specs: tuple[KeySpec, ...]) -> tuple[int, int, int, bool]:
+    """(first, last, step, movable) from the key specs, as redis's populateCommandLegacyRangeSpec."""
+    if not specs:
+        return 0, 0, 0, False
+    plain = [s.keyword is None and s.range is not None for s in specs]
+    if len(specs) == 1 and plain[0]:
+        s = specs[0]
+        last = s.range[0]
+        return s.index, (last + s.index if last >= 0 else last), s.range[1], "incomplete" in s.flags.split()
+    first, last, prev_last, movable = None, 0, 0, False
+    for s, ok in zip(specs, plain):
+        if not ok or s.range[1] != 1 or (prev_last and prev_last != s.index - 1):
+            movable = True
+            continue
+        if "incomplete" in s.flags.split():
+            movable = True
+        first = s.index if first is None else min(first, s.index)
+        abs_last = s.range[0] + s.index if s.range[0] >= 0 else s.range[0]
+        last = max(last % (1 << 32), abs_last % (1 << 32))  # redis compares them unsigned
+        last = last - (1 << 32) if last >= 1 << 31 else last
+        prev_last = last
+    if first is None:
+        return 0, 0, 0, True
+    return first, last, 1, movable
+
+
+def keys_from_specs(cmd: Command, argv: list) -> list[tuple[int, str]] | None:
+    """The positions of `argv`'s keys with their flags (redis's getKeysFromCommandWithSpecs),
+    or None when the arguments do not fit the specs."""
+    doc = cmd.doc
+    if doc is None:
+        if not cmd.first_key:
+            return []
+        last = cmd.last_key if cmd.last_key >= 0 else len(argv) + cmd.last_key
+        if last >= len(argv):
+            return None
+        return [(i, "") for i in range(cmd.first_key, last + 1, cmd.step or 1)]
+    specs = doc.keys
+    variable = any("variable_flags" in s.flags.split() for s in specs)
+    if doc.getkeys is not None and (variable or not specs):
+        return doc.getkeys(argv)
+    found = _keys_by_specs(specs, argv)
+    if found is None and doc.getkeys is not None:
+        return doc.getkeys(argv)
+    return found
+
+
+def _keys_by_specs(specs: tuple[KeySpec, ...], argv: list) -> list[tuple[int, str]] | None:
+    argc, out = len(argv), []
+    for spec in specs:
+        if "not_key" in spec.flags.split():
+            continue
+        if spec.keyword is not None:
+            keyword, start = spec.keyword
+            begin = start if start > 0 else argc + start
+            end = argc - 1 if start > 0 else 1
+            first, i = 0, begin
+            while i != end and 1 <= i < argc:
+                if bytes(argv[i]).lower() == keyword.lower().encode():
+                    first = i + 1
+                    break
+                i += 1 if begin <= end else -1
+            if not first:
+                continue
+        elif spec.range is None and spec.keynum is None:
+            return None
+        else:
+            first = spec.index
+        if spec.range is not None:
+            lastkey, step, limit = spec.range
+            if lastkey >= 0:
+                last = first + lastkey
+            elif not limit:
+                last = argc + lastkey
+            else:
+                last = first + ((argc - first) // limit + lastkey)
+        elif spec.keynum is not None:
+            numidx, firstkey, step = spec.keynum
+            if first + numidx >= argc:
+                return None
+            raw = bytes(argv[first + numidx])
+            if not (raw == b"0" or (raw[:1] in b"123456789" and raw.isdigit() and len(raw) < 19)):
+                return None  # not a count string2ll would take, or negative
+            first += firstkey
+            last = first + int(raw) - 1
+        else:
+            return None
+        if last >= argc or last < first or first >= argc:
+            return None
+        out.extend((i, spec.flags) for i in range(first, last + 1, step))
+        if "incomplete" in spec.flags.split():
+            return None
+    return out
+
+
+def _bucket(ns: int) -> int:
+    """A latency histogram bucket: 16 per power of two (about 6% wide)."""
+    b = ns.bit_length()
+    return b << 4 if b <= 5 else (b << 4) | ((ns >> (b - 5)) & 15)
+
+
+def bucket_top(bucket: int) -> int:
+    """The largest duration (ns) a bucket holds."""
+    b, sub = bucket >> 4, bucket & 15
+    return (1 << b) - 1 if b <= 5 else ((16 | sub) + 1 << (b - 5)) - 1
 
 
 class CommandTable:
-    def __init__(self) -> None:
+    def __init__(self, docs: Mapping[str, Doc] | None = None) -> None:
         self.commands: dict[bytes, Command] = {}
-        # name as sent (lower or upper case) -> (handler, arity, name), for plain commands only
-        self._fast: dict[bytes, tuple[Handler, int, str]] = {}
+        self.docs: Mapping[str, Doc] = docs or {}
+        # name as sent (lower or upper case) -> (handler, arity, name, stats, sample mask), for plain commands
+        self._fast: dict[bytes, tuple[Handler, int, str, list, int]] = {}
+        self._fast_off: dict = {}  # the fast path while something needs every call checked (MONITOR)
         self._failures: dict[tuple, list] = {}  # failure site -> [times seen, seen since logged, logged at]
+        # per command: [calls, timed ns, timed calls, rejected calls, failed calls, {latency bucket: count}]
+        self.stats: dict[str, list] = {}
+        self.errors: Counter[str] = Counter()  # error replies by their first word (INFO errorstats)
+        self.error_replies = 0
+        self.slow_ns = 10_000_000  # calls at least this long are reported to `on_slow`
+        self.on_slow: Callable[[Any, Command, list, int], None] | None = None  # slowlog, latency monitor
+        self.monitor: Callable[[Any, Command, list], None] | None = None  # MONITOR's feed, while any
+        self.time_all = False
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
             subcommands: dict[bytes, Command] | None = None) -> Command:
-        cmd = Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
-                      keys[0], keys[1], keys[2], subcommands or {})
+        subs = {k: self._described(s) for k, s in (subcommands or {}).items()}
+        cmd = self._described(Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
+                                      keys[0], keys[1], keys[2], subs))
         self.commands[name.encode()] = cmd
+        for c in (cmd, *subs.values()):
+            self.stats.setdefault(c.name, [0, 0, 0, 0, 0, None])
+        for spelling in (name.encode(), name.upper().encode()):
+            self._fast.pop(spelling, None)
         if not cmd.subcommands and NOAUTH not in cmd.flags:
+            mask = self._mask(cmd)
             for spelling in (name.encode(), name.upper().encode()):
-                self._fast[spelling] = (handler, arity, name)
+                self._fast[spelling] = (handler, arity, name, self.stats[name], mask)
         return cmd
+
+    def _described(self, cmd: Command) -> Command:
+        doc = self.docs.get(cmd.name) or cmd.doc
+        if doc is None:
+            return cmd
+        return replace(cmd, doc=doc, summary=doc.summary, group=doc.group, since=doc.since)
+
+    def _mask(self, cmd: Command) -> int:
+        if self.time_all:
+            return 0
+        doc = cmd.doc
+        sampled = doc.sampled if doc is not None and doc.sampled is not None else "fast" in cmd.info_flags
+        return SAMPLE_EVERY - 1 if sampled else 0
+
+    def set_timing(self, slow_ns: int) -> None:
+        """Calls at least `slow_ns` long go to `on_slow`; under TIME_ALL_BELOW_US every call is timed."""
+        self.slow_ns = slow_ns
+        time_all = slow_ns < TIME_ALL_BELOW_US * 1000
+        if time_all != self.time_all:
+            self.time_all = time_all
+            fast = self._fast or self._fast_off
+            for spelling, (handler, arity, name, st, _) in fast.items():
+                fast[spelling] = (handler, arity, name, st, self._mask(self.commands[name.encode()]))
+
+    def set_monitor(self, feed: Callable[[Any, Command, list], None] | None) -> None:
+        """Feed every call to `feed` (MONITOR), or stop (None): the fast path is off meanwhile."""
+        self.monitor = feed
+        if feed is not None and self._fast:
+            self._fast_off, self._fast = self._fast, {}
+        elif feed is None and self._fast_off:
+            self._fast, self._fast_off = self._fast_off, {}
 
     def lookup(self, name: bytes) -> Command | None:
         cmd = self.commands.get(name)
@@ -72,21 +363,80 @@ class CommandTable:
             cmd = self.commands.get(name.lower())
         return cmd
 
+    def resolve(self, argv: list) -> Command | None:
+        """The command or subcommand `argv` names (redis's lookupCommand), or None."""
+        cmd = self.lookup(bytes(argv[0])) if argv else None
+        if cmd is None or not cmd.subcommands or len(argv) < 2:
+            return cmd
+        return cmd.subcommands.get(bytes(argv[1]).lower())
+
     def dispatch(self, client: Any, args: list) -> Any:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
             if fast is not None and client.authenticated:
-                handler, arity, client.last_cmd = fast
+                handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
-                    return handler(client, args)
+                    calls = st[0]
+                    st[0] = calls + 1
+                    if calls & mask:  # the first call, then one in SAMPLE_EVERY, is timed
+                        return handler(client, args)
+                    return self._timed(client, st, handler, args)
             return self._dispatch_checked(client, args)
         except QuillError as e:
+            self.failed(client.last_cmd, e)
             return e
         except Exception as e:  # a bug: answer it, keep the connection, log it once
             client.ctx.stats["internal_errors"] += 1
-            return self.internal_error(client.last_cmd, e)
+            err = self.internal_error(client.last_cmd, e)
+            self.failed(client.last_cmd, err)
+            return err
+
+    def _timed(self, client: Any, st: list, handler: Handler, args: list) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return handler(client, args)
+        finally:
+            ns = time.perf_counter_ns() - start
+            st[1] += ns
+            st[2] += 1
+            hist = st[5]
+            if hist is None:
+                hist = st[5] = Counter()
+            hist[_bucket(ns)] += 1
+            if ns >= self.slow_ns and self.on_slow is not None:
+                self.on_slow(client, self.resolve(args), args, ns)
+
+    def failed(self, name: str, err: QuillError) -> None:
+        """A command answered with an error (counted in its failed calls and in errorstats)."""
+        st = self.stats.get(name)
+        if st is not None:
+            st[4] += 1
+        self.count_error(err)
+
+    def count_error(self, err: QuillError) -> None:
+        self.error_replies += 1
+        self.errors[err.wire()[:32].split(" ", 1)[0] or "ERR"] += 1
+
+    def _rejected(self, cmd: Command | None, err: QuillError) -> QuillError:
+        if cmd is not None:
+            self.stats[cmd.name][3] += 1
+        self.count_error(err)
+        return err
+
+    def reset_stats(self) -> None:
+        """CONFIG RESETSTAT: command, error and latency statistics start afresh."""
+        for st in self.stats.values():
+            st[:] = [0, 0, 0, 0, 0, None]
+        self.errors.clear()
+        self.error_replies = 0
+
+    def latency_of(self, name: str) -> list[tuple[int, int]]:
+        """A command's timed calls by bucket: (the bucket's longest duration in ns, calls), shortest
+        first (the admin API's metrics read them at scrape time)."""
+        hist = self.stats[name][5]
+        return sorted((bucket_top(b), n) for b, n in hist.items()) if hist else []
 
     def internal_error(self, name: str, exc: BaseException) -> CommandError:
         """The reply to a command whose handler (or deferred reply) raised `exc`; logs it.
@@ -117,28 +467,35 @@ class CommandTable:
         return CommandError(f"internal error running '{name}' (logged by the server)")
 
     def _dispatch_checked(self, client: Any, args: list) -> Any:
-        """Existence, arity and auth checks in redis's order, then the handler."""
+        """Existence, arity and auth checks in redis's order, then the handler (timed)."""
         cmd = self.commands.get(args[0])
         if cmd is None:
             cmd = self.commands.get(bytes(args[0]).lower())
             if cmd is None:
-                return unknown_command(args)
+                return self._rejected(None, unknown_command(args))
         n = len(args)
         arity = cmd.arity
         if (arity > 0 and n != arity) or n < -arity:
-            return CommandError(f"wrong number of arguments for '{cmd.name}' command")
+            return self._rejected(cmd, CommandError(f"wrong number of arguments for '{cmd.name}' command"))
         if cmd.subcommands and n > 1:
             sub = cmd.subcommands.get(bytes(args[1]).lower())
             if sub is None:
-                return CommandError(f"unknown subcommand '{echo(args[1], 128)}'. Try {cmd.name.upper()} HELP.")
+                return self._rejected(None, CommandError(
+                    f"unknown subcommand '{echo(args[1], 128)}'. Try {cmd.name.upper()} HELP."))
             arity = sub.arity
             if (arity > 0 and n != arity) or n < -arity:
-                return CommandError(f"wrong number of arguments for '{sub.name}' command")
+                return self._rejected(sub, CommandError(f"wrong number of arguments for '{sub.name}' command"))
             cmd = sub
         if not client.authenticated and NOAUTH not in cmd.flags:
-            return NoAuth("Authentication required.")
+            return self._rejected(cmd, NoAuth("Authentication required."))
         client.last_cmd = cmd.name
-        return cmd.handler(client, args)
+        st = self.stats[cmd.name]
+        st[0] += 1
+        try:
+            return self._timed(client, st, cmd.handler, args)
+        finally:
+            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags):
+                self.monitor(client, cmd, args)
 
 
 def unknown_command(args: list) -> CommandError:

@@ -1,11 +1,13 @@
 """Command families, one module each; `build_table()` assembles the command table."""
 
-from quilld.protocol.commands import admin, bits, blocks, cluster, connection, keys, route, strings
+from quilld.protocol.commands import admin, bits, blocks, cluster, command_docs, connection, keys, route, strings
+from quilld.protocol.commands.catalogue import DOCS
 from quilld.protocol.table import CommandTable
 
 
 def build_table() -> CommandTable:
-    table = CommandTable()
-    for family in (connection, strings, bits, keys, blocks, route, admin, cluster):
+    """Every family's rows, each with what COMMAND tells about it (catalogue/)."""
+    table = CommandTable(DOCS)
+    for family in (connection, strings, bits, keys, blocks, route, admin, command_docs, cluster):
         family.register(table)
     return table

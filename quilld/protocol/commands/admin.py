@@ -1,4 +1,4 @@
-"""Server commands: INFO, CONFIG, COMMAND."""
+"""Server commands: INFO, CONFIG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from quilld.protocol.commands.common import text
 from quilld.protocol.context import NodeContext
 from quilld.protocol.info import info_sections, reset_stats
 from quilld.protocol.resp import OK, Verbatim
-from quilld.protocol.table import Command, CommandTable
+from quilld.protocol.table import CommandTable
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "persistence", "router",
                     "cluster", "gateway", "keyspace")
@@ -68,47 +68,6 @@ def cmd_config_resetstat(c, args):
     return OK
 
 
-def _command_info(cmd: Command) -> list:
-    subs = [_command_info(s) for s in cmd.subcommands.values()]
-    return [cmd.name.encode(), cmd.arity, {f.encode() for f in sorted(cmd.flags)}, cmd.first_key,
-            cmd.last_key, cmd.step, set(), [], [], subs]
-
-
-def _command_doc(cmd: Command) -> dict:
-    doc = {b"summary": cmd.summary.encode(), b"since": cmd.since.encode(), b"group": cmd.group.encode()}
-    if cmd.subcommands:
-        doc[b"subcommands"] = {s.name.encode(): _command_doc(s) for s in cmd.subcommands.values()}
-    return doc
-
-
-def _top(c) -> dict[bytes, Command]:
-    return c.ctx.table.commands
-
-
-def cmd_command(c, args):
-    return [_command_info(cmd) for cmd in _top(c).values()]
-
-
-def cmd_command_count(c, args):
-    return len(_top(c))
-
-
-def cmd_command_list(c, args):
-    return [name for name in _top(c)]
-
-
-def cmd_command_info(c, args):
-    table = _top(c)
-    names = args[2:] or list(table)
-    return [_command_info(table[bytes(n).lower()]) if bytes(n).lower() in table else None for n in names]
-
-
-def cmd_command_docs(c, args):
-    table = _top(c)
-    names = [bytes(n).lower() for n in args[2:]] or list(table)
-    return {n: _command_doc(table[n]) for n in names if n in table}
-
-
 def register(t: CommandTable) -> None:
     t.add("info", -1, "", cmd_info, "Returns information and statistics about the server.", "server")
     cfg = CommandTable()
@@ -118,11 +77,3 @@ def register(t: CommandTable) -> None:
     cfg.add("config|resetstat", 2, "", cmd_config_resetstat, "Resets the server's statistics.", "server")
     t.add("config", -2, "", lambda c, a: None, "A container for server configuration commands.", "server",
           subcommands={n.split(b"|")[1]: cmd for n, cmd in cfg.commands.items()})
-    cmds = CommandTable()
-    cmds.add("command|count", 2, "", cmd_command_count, "Returns a count of commands.", "server", "2.8.13")
-    cmds.add("command|docs", -2, "", cmd_command_docs, "Returns documentary information about commands.",
-             "server", "7.0.0")
-    cmds.add("command|info", -2, "", cmd_command_info, "Returns information about commands.", "server", "2.8.13")
-    cmds.add("command|list", -2, "", cmd_command_list, "Returns a list of command names.", "server", "7.0.0")
-    t.add("command", -1, "", cmd_command, "Returns detailed information about all commands.", "server",
-                "2.8.13", subcommands={n.split(b"|")[1]: cmd for n, cmd in cmds.commands.items()})

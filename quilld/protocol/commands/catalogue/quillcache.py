@@ -1,0 +1,138 @@
+"""quilld's own commands' rows: identity scopes, block puts and reads, routing, cluster peers.
+
+In redis's terms, so that COMMAND INFO, COMMAND DOCS and COMMAND GETKEYS describe them as
+they describe redis's commands: flags, ACL categories, key specs and documented arguments.
+Their group is `quillcache`.
+"""
+
+from __future__ import annotations
+
+from quilld.protocol.table import Arg as A
+from quilld.protocol.table import Doc as D
+from quilld.protocol.table import KeySpec as K
+
+G = "quillcache"
+SINCE = "0.1.0"
+
+
+def _peer_secret(argv: list) -> list[int]:
+    """PEERAUTH's cluster secret never shows in MONITOR or the slowlog."""
+    return [1] if len(argv) > 1 else []
+
+
+QUILLCACHE = {
+    "scope": D(
+        "Set the connection's identity scope: the model, tokenizer and adapter its keys belong to", SINCE, G,
+        complexity="O(1)",
+        flags="fast",
+        acl="connection",
+        args=(A("model", "string"), A("tokenizer", "string"), A("adapter", "string", flags="optional")),
+    ),
+    "put2phase": D(
+        "Put a block in two phases: reserve, fill in any order, commit atomically (or abort)", SINCE, G,
+        complexity="O(1) for BEGIN, COMMIT and ABORT; O(N) for DATA, N being the payload's length",
+        flags="write denyoom",
+        acl="string",
+        keys=(K("OW update", keyword=("BEGIN", 1), range=(0, 1, 0),
+                notes="only BEGIN names a key; DATA, COMMIT and ABORT name the put's handle"),),
+        args=(
+            A("phase", "oneof", args=(
+                A("begin", "block", token="BEGIN", args=(
+                    A("key", "key", key_spec=0),
+                    A("nbytes", "integer"),
+                    A("ms", "integer", token="LEASE", flags="optional"),
+                    A("blockhash", "string", token="HASH", flags="optional"),
+                )),
+                A("data", "block", token="DATA", args=(
+                    A("handle", "string"), A("offset", "integer"), A("bytes", "string"),
+                )),
+                A("commit", "block", token="COMMIT", args=(
+                    A("handle", "string"), A("crc", "integer", token="CRC32C", flags="optional"),
+                )),
+                A("handle", "string", token="ABORT"),
+            )),
+        ),
+    ),
+    "getblk": D(
+        "Get a block's bytes: this node's copy, else a peer's", SINCE, G,
+        complexity="O(N), N being the block's length",
+        flags="readonly fast",
+        acl="string",
+        keys=(K("RO access", index=1, range=(0, 1, 0)),),
+        args=(A("key", "key", key_spec=0), A("local", "pure-token", token="LOCAL", flags="optional")),
+    ),
+    "locate": D(
+        "List every residency of each key: this node's tiers, peers, engines", SINCE, G,
+        complexity="O(N), N being the number of keys",
+        flags="readonly fast",
+        acl="keyspace",
+        keys=(K("RO", index=1, range=(-1, 1, 0)),),
+        args=(A("key", "key", key_spec=0, flags="multiple"),),
+    ),
+    "route": D(
+        "Choose the engine that recomputes the least for a request's blocks", SINCE, G,
+        complexity="O(N*E), N being the request's blocks and E the engines",
+        args=(A("request", "oneof", args=(
+            A("json", "string"),
+            A("field", "block", flags="multiple", args=(A("name", "string"), A("value", "string"))),
+        )),),
+    ),
+    "release": D(
+        "End an in-flight request taken with ROUTE ... ACQUIRE", SINCE, G,
+        complexity="O(1)",
+        args=(A("lease", "string"),),
+    ),
+    "kvevents": D(
+        "Apply a batch of an engine's KV-cache events", SINCE, G,
+        complexity="O(N), N being the batch's events",
+        args=(A("engine-id", "string"), A("batch", "string")),
+    ),
+    "peerauth": D(
+        "Authenticate a cluster peer's connection with the cluster secret", SINCE, G,
+        complexity="O(1)",
+        flags="fast no_auth",
+        acl="connection",
+        args=(A("secret", "string"),),
+        redact=_peer_secret,
+    ),
+    "replog": D(
+        "Follow this node's residency log (cluster peers)", SINCE, G,
+        complexity="O(N), N being the entries returned",
+        flags="admin",
+        args=(A("from", "oneof", args=(
+            A("snapshot", "pure-token", token="SNAPSHOT"),
+            A("since", "block", token="SINCE", args=(
+                A("epoch", "string"), A("seq", "integer"),
+                A("n", "integer", token="COUNT", flags="optional"),
+                A("ms", "integer", token="WAIT", flags="optional"),
+            )),
+        )),),
+    ),
+    "peerget": D(
+        "Read this node's copy of a key in another node's request, with its CRC32C (cluster peers)", SINCE, G,
+        complexity="O(N), N being the value's length",
+        flags="readonly",
+        keys=(K("RO access", index=5, range=(0, 1, 0)),),
+        args=(
+            A("tenant", "string"), A("model", "string"), A("tokenizer", "string"), A("adapter", "string"),
+            A("key", "key", key_spec=0), A("min-bytes", "integer", token="RDMA", flags="optional"),
+        ),
+    ),
+    "peerrdma": D(
+        "Set up an RDMA queue pair with a cluster peer", SINCE, G,
+        complexity="O(1)",
+        flags="admin",
+        args=(A("json", "string", token="CONNECT"),),
+    ),
+    "peerrelease": D(
+        "Release blocks a peer leased for RDMA READ", SINCE, G,
+        complexity="O(N), N being the leases",
+        flags="readonly",
+        args=(A("lease", "integer", flags="multiple"),),
+    ),
+    "nodes": D(
+        "List the cluster's members, one line each", SINCE, G,
+        complexity="O(N), N being the members",
+        flags="loading stale",
+    ),
+}
