@@ -48,6 +48,10 @@ class ServerConfig:
     payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
+    timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
+    slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
+    slowlog_max_len: int = 128  # entries SLOWLOG keeps
+    latency_monitor_threshold: int = 0  # milliseconds: events this slow go to LATENCY; 0: the monitor is off
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,9 @@ class Config:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
             raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        if s.timeout < 0 or s.slowlog_max_len < 0 or s.latency_monitor_threshold < 0:
+            raise ConfigError("server.timeout, server.slowlog_max_len and server.latency_monitor_threshold "
+                              "must be at least 0")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if self.security.max_scopes_per_tenant < 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from quilld.config import PROTECTED_MODE_REFUSAL, protected_mode_refuses
@@ -27,6 +27,7 @@ class Clients:
         self._draining: set[RespConnection] = set()
         self._progress: dict[int, tuple[int, float]] = {}  # session id -> (payload bytes seen, since when)
         self._stall_check = 0.0
+        self._samples: deque[tuple[float, int, int, int]] = deque(maxlen=3)  # INFO's instantaneous figures
 
     def opened(self, conn: RespConnection) -> bool:
         """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
@@ -79,6 +80,7 @@ class Clients:
         if now - self._stall_check < min(1.0, timeout / 2):
             return 0
         self._stall_check = now
+        self._samples.append((now, self.commands_processed, self.net_in, self.net_out))
         progress, closed = self._progress, 0
         for sid, conn in list(self.connections.items()):
             filled = conn.parser.sink_progress()
@@ -96,6 +98,15 @@ class Clients:
         for sid in [s for s in progress if s not in self.connections]:
             del progress[sid]
         return closed
+
+    def instantaneous(self) -> tuple[int, float, float]:
+        """Commands per second and KiB per second in and out, over the last seconds' samples
+        (taken by close_stalled's once-a-second pass), as INFO's instantaneous_* figures."""
+        if len(self._samples) < 2:
+            return 0, 0.0, 0.0
+        (t0, c0, i0, o0), (t1, c1, i1, o1) = self._samples[0], self._samples[-1]
+        dt = (t1 - t0) or 1.0
+        return round((c1 - c0) / dt), (i1 - i0) / dt / 1024, (o1 - o0) / dt / 1024
 
     def any_pinned(self) -> bool:
         return any(c.has_pins for c in self.connections.values())

@@ -9,6 +9,7 @@ A handler test builds a NodeContext from real parts, with no server.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,33 @@ async def _no_wait(timeout: float) -> None:
     return None
 
 
+@dataclass
+class Runtime:
+    """The settings CONFIG SET may change while the node runs (the config tree is frozen).
+
+    Each starts from its config key (server.*); CONFIG SET changes it here, CONFIG GET reads
+    it here, CONFIG REWRITE writes it back to the config file. What else CONFIG SET changes
+    lives with the part that uses it: maxclients in `Clients.max_clients`, maxmemory in the
+    keyspace's watermarks, the log level in the `quilld` logger.
+    """
+
+    timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
+    slowlog_log_slower_than: int = 10_000  # microseconds; negative: nothing is logged; 0: every command
+    slowlog_max_len: int = 128
+    latency_monitor_threshold: int = 0  # milliseconds; 0: the latency monitor is off
+    proto_max_bulk_len: int = 512 * 1024 * 1024
+    client_query_buffer_limit: int = 1024 * 1024 * 1024
+    # redis parameters quilld has no use for, set by CONFIG SET where that is harmless (answered back)
+    inert: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Runtime":
+        s = cfg.server
+        return cls(timeout=s.timeout, slowlog_log_slower_than=s.slowlog_log_slower_than,
+                   slowlog_max_len=s.slowlog_max_len, latency_monitor_threshold=s.latency_monitor_threshold,
+                   proto_max_bulk_len=s.proto_max_bulk_len, client_query_buffer_limit=s.client_query_buffer_limit)
+
+
 @dataclass(eq=False)
 class NodeContext:
     cfg: Config
@@ -57,3 +85,18 @@ class NodeContext:
     space_freed: Callable[[float], Awaitable[None]] = _no_wait
     stats: Counter[str] = field(default_factory=Counter)  # node-wide cold counters (auth_failures, ...)
     started: float = field(default_factory=time.time)
+    runtime: Runtime = field(default_factory=Runtime)  # replaced from cfg in __post_init__
+    run_id: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO run_id: this start of the node
+    replid: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO master_replid
+
+    def __post_init__(self) -> None:
+        self.runtime = Runtime.from_config(self.cfg)
+        self.table.set_timing(slow_ns(self.runtime))
+
+
+def slow_ns(rt: Runtime) -> int:
+    """The shortest call (ns) the slowlog or the latency monitor wants to hear about."""
+    limits = [rt.slowlog_log_slower_than * 1000] if rt.slowlog_log_slower_than >= 0 else []
+    if rt.latency_monitor_threshold > 0:
+        limits.append(rt.latency_monitor_threshold * 1_000_000)
+    return min(limits) if limits else 1 << 62

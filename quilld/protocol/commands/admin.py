@@ -7,24 +7,13 @@ import fnmatch
 from quilld.errors import CommandError
 from quilld.protocol.commands.common import text
 from quilld.protocol.context import NodeContext
-from quilld.protocol.info import info_sections, reset_stats
+from quilld.protocol.info import info_sections, render_info, reset_stats, wanted_sections
 from quilld.protocol.resp import OK, Verbatim
 from quilld.protocol.table import CommandTable
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "replication", "tiers", "persistence", "router",
-                    "cluster", "gateway", "keyspace")
-
-
 def cmd_info(c, args):
-    wanted = [text(a).lower() for a in args[1:]] or ["default"]
-    if any(w in ("all", "everything", "default") for w in wanted):
-        names = list(DEFAULT_SECTIONS)
-    else:
-        names = [n for n in DEFAULT_SECTIONS if n in wanted]
-    sections = info_sections(c.ctx, c, names)
-    body = "\r\n".join(f"# {title}\r\n" + "".join(f"{k}:{v}\r\n" for k, v in fields)
-                       for title, fields in sections)
-    return Verbatim(body.encode())
+    names = wanted_sections([text(a) for a in args[1:]])
+    return Verbatim(render_info(info_sections(c.ctx, c, names)).encode())
 
 
 def _config_params(ctx: NodeContext) -> dict[str, str]:
