@@ -522,7 +522,10 @@ class StorageConfig:
     extra_config: dict | None = None
     dcp_size: int = 1
     dcp_rank: int = 0
+    tp_lcm_size: int | None = None
     should_split_heads: bool = False
+    dp_rank: int = 0
+    logical_page_size: int | None = None
 
 
 class HostPool:
@@ -530,9 +533,9 @@ class HostPool:
 
     layout = "page_first"
 
-    def __init__(self, pages: int, seed: int | None = None) -> None:
-        self.page_size, self.size = PAGE, pages * PAGE
-        shape = (2, self.size, SG_LAYERS, SG_HEADS, SG_DIM)
+    def __init__(self, pages: int, seed: int | None = None, layers: int = SG_LAYERS) -> None:
+        self.page_size, self.size, self.layers = PAGE, pages * PAGE, layers
+        shape = (2, self.size, layers, SG_HEADS, SG_DIM)
         self.kv_buffer = np.zeros(shape, np.float16)
         if seed is not None:
             self.kv_buffer[:] = np.random.default_rng(seed).standard_normal(shape)
@@ -544,15 +547,15 @@ class HostPool:
         return self.page(index).reshape(-1) if flat else self.page(index)
 
     def get_dummy_flat_data_page(self) -> np.ndarray:
-        return np.zeros(2 * PAGE * SG_LAYERS * SG_HEADS * SG_DIM, np.float16)
+        return np.zeros(2 * PAGE * self.layers * SG_HEADS * SG_DIM, np.float16)
 
     def set_from_flat_data_page(self, index: int, data_page: np.ndarray) -> None:
-        self.kv_buffer[:, index:index + PAGE] = data_page.reshape(2, PAGE, SG_LAYERS, SG_HEADS, SG_DIM)
+        self.kv_buffer[:, index:index + PAGE] = data_page.reshape(2, PAGE, self.layers, SG_HEADS, SG_DIM)
 
     def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
         """K and V address per page: the page_first branch of MHATokenToKVPoolHost's."""
         item = self.kv_buffer.itemsize
-        base, per_token = self.kv_buffer.ctypes.data, SG_LAYERS * SG_HEADS * SG_DIM * item
+        base, per_token = self.kv_buffer.ctypes.data, self.layers * SG_HEADS * SG_DIM * item
         v_offset = self.size * per_token
         ptrs = []
         for start in list(indices)[::PAGE]:
@@ -560,8 +563,17 @@ class HostPool:
         return ptrs, [PAGE * per_token] * len(ptrs)
 
 
-def page_hashes(tokens: list[int], prior: str | None = None) -> list[str]:
-    """SGLang's page keys (get_hash_str): SHA-256 of the prior digest and the page's uint32 tokens, chained."""
+def page_hashes(tokens: list[int], prior: str | None = None, extra_key: str | None = None,
+                cache_salt: str | None = None) -> list[str]:
+    """SGLang's page keys (mem_cache/utils.py get_storage_hash_str): SHA-256 of the prior digest and the
+    page's uint32 tokens, chained; a new chain starts from the request's namespace seed when it has
+    an extra key (LoRA and the like) or a cache salt (storage_namespace_seed), else from nothing."""
+    if prior is None and (extra_key, cache_salt) != (None, None):
+        seed = hashlib.sha256(b"sglang-cache-namespace-v1")
+        for part in (extra_key, cache_salt):
+            raw = None if part is None else part.encode()
+            seed.update(b"\x00" if raw is None else b"\x01" + len(raw).to_bytes(8, "little") + raw)
+        prior = seed.hexdigest()
     out, digest = [], bytes.fromhex(prior) if prior else b""
     for start in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
         digest = hashlib.sha256(digest + np.asarray(tokens[start:start + PAGE], "<u4").tobytes()).digest()
@@ -728,12 +740,145 @@ def test_sglang_clear_settings_and_auth(hicache):
     backend.clear()
     assert backend.batch_exists(hashes) == 0
     assert other_model.batch_exists(hashes) == 4  # clear() empties its own scope only
-    with pytest.raises(ValueError, match="unknown QuillHiCacheStorage settings"):
+    with pytest.raises(ValueError, match=r"unknown QuillHiCacheStorage settings \['hots'\] \(did you mean 'host'"):
         hicache({"hots": "typo"})
     with pytest.raises(ValueError, match="'port' must be int"):
         hicache({"port": "7379"})
     with pytest.raises(WrongPass):
         hicache({"password": "wrong"})
+
+
+def test_sglang_accepts_sglangs_own_extra_keys(hicache, caplog):
+    """--file-storage-path makes SGLang add file_storage_path to every backend's extra config;
+    interface_v1 is the controller's; keys of other parts are ignored with a warning."""
+    backend = hicache({"file_storage_path": "/tmp/hicache", "interface_v1": 0, "enable_metadata_cache": True})
+    hashes = page_hashes(list(range(3 * PAGE)))
+    backup(backend, HostPool(3, seed=8), hashes)
+    assert backend.batch_exists(hashes) == 3
+    assert "ignores extra config keys ['enable_metadata_cache']" in caplog.text
+    assert "file_storage_path" not in caplog.text
+
+
+def test_sglang_page_hashes_take_the_request_namespace(hicache):
+    tokens = list(range(4 * PAGE))
+    plain, salted = page_hashes(tokens), page_hashes(tokens, cache_salt="tenant-a")
+    assert plain[0] != salted[0] and page_hashes(tokens, extra_key="lora-1")[0] not in (plain[0], salted[0])
+    backend = hicache()
+    backup(backend, HostPool(4, seed=12), salted)
+    assert backend.batch_exists(salted) == 4 and backend.batch_exists(plain) == 0
+
+
+@dataclass
+class PoolTransfer:
+    """SGLang 0.5.23's PoolTransfer (mem_cache/hicache_storage.py), the fields a backend reads."""
+
+    name: str
+    host_indices: Any = None
+    device_indices: Any = None
+    keys: list[str] | None = None
+    hit_policy: str = "all_pages"
+    nodes_to_load: Any = None
+    indices_from_pool: str | None = None
+    block_pages: int = 0
+    group_pages: int = 0
+
+
+def spec_backup(backend, kv_pool: HostPool, draft_pool: HostPool, hashes: list[str], host_indices) -> None:
+    """HybridCacheController._page_backup_with_stable_layout with a draft pool whose indices come from
+    the KV pool: batch_set_v2 for the draft pool first (one call for the operation), then
+    CacheController._page_backup: the KV pages, STORAGE_BATCH_SIZE at a time, through batch_set."""
+    draft = PoolTransfer(name="draft", indices_from_pool="kv")
+    draft.host_indices, draft.keys = host_indices, hashes  # _resolve_sidecar_kv_derived_pool_transfers
+    results = backend.batch_set_v2([draft], extra_info=None)
+    assert results == {"draft": [True] * len(hashes)}
+    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
+        batch = hashes[i:i + STORAGE_BATCH_SIZE]
+        data = [kv_pool.get_data_page(int(host_indices[(i + j) * PAGE])) for j in range(len(batch))]
+        assert backend.batch_set(batch, data) is True
+
+
+def spec_prefetch(backend, kv_pool: HostPool, hashes: list[str], host_indices) -> int:
+    """_storage_hit_query with pool transfers (batch_exists_v2), then per batch the KV pages
+    (_generic_page_get) and the KV-derived draft pages (batch_get_v2), hits clamped to the minimum."""
+    draft = PoolTransfer(name="draft", indices_from_pool="kv")
+    hit = backend.batch_exists_v2(hashes, [draft], None)
+    hashes = hashes[:hit.kv_hit_pages]
+    done = 0
+    for i in range(0, len(hashes), STORAGE_BATCH_SIZE):
+        batch = hashes[i:i + STORAGE_BATCH_SIZE]
+        idx = host_indices[i * PAGE:(i + len(batch)) * PAGE]
+        pages = backend.batch_get(batch, [kv_pool.get_dummy_flat_data_page() for _ in batch])
+        kv_hits = next((j for j, page in enumerate(pages) if page is None), len(batch))
+        for j in range(kv_hits):
+            kv_pool.set_from_flat_data_page(int(idx[j * PAGE]), pages[j])
+        side = backend.batch_get_v2([PoolTransfer(name="draft", host_indices=idx, keys=batch)], extra_info=None)
+        draft_hits = side["draft"].index(False) if False in side["draft"] else len(batch)
+        done += min(kv_hits, draft_hits)
+        if min(kv_hits, draft_hits) < len(batch):
+            break
+    return done
+
+
+def test_sglang_speculative_decoding_with_a_draft_pool_stores_and_reloads(hicache):
+    """Issue 14: with a separate draft KV pool SGLang calls batch_set_v2 before the KV pages, and a
+    backend that raised NotImplementedError there stored nothing at all."""
+    pages = 130
+    hashes = page_hashes(list(range(70_000, 70_000 + pages * PAGE)))
+    kv_src, draft_src = HostPool(pages + 4, seed=20), HostPool(pages + 4, seed=21, layers=1)  # a 1-layer draft
+    writer, reader = hicache(), hicache()
+    for backend, kv, draft in ((writer, kv_src, draft_src), (reader, HostPool(pages), HostPool(pages, layers=1))):
+        backend.register_mem_pool_host(kv)  # CacheController.attach_storage_backend
+        backend.register_mem_host_pool_v2(draft, "draft")  # HybridCacheController: the host pool group's entries
+        backend.on_host_pools_registered()
+    spec_backup(writer, kv_src, draft_src, hashes, np.arange(4 * PAGE, (pages + 4) * PAGE))
+    assert writer.batch_exists(hashes) == pages
+    kv_dst, draft_dst = reader.mem_pool_host, reader.registered_pools["draft"]
+    assert spec_prefetch(reader, kv_dst, hashes, np.arange(0, pages * PAGE)) == pages
+    assert np.array_equal(kv_dst.kv_buffer, kv_src.kv_buffer[:, 4 * PAGE:])
+    assert np.array_equal(draft_dst.kv_buffer, draft_src.kv_buffer[:, 4 * PAGE:])
+    assert writer.pool_key("draft", hashes[0]) == hashes[0] + ".draft_0_1"
+    # draft pages missing from page 100 on: the usable prefix stops there, KV pages or not
+    with QuillClient(config=writer.client.config) as c:
+        assert c.delete(*[writer.pool_key("draft", h) for h in hashes[100:]]) == pages - 100
+    result = reader.batch_exists_v2(hashes, [PoolTransfer(name="draft")], None)
+    assert (result.kv_hit_pages, result.extra_pool_hit_pages) == (100, {"kv": pages, "draft": 100})
+    assert result.restorable_prefix_pages == list(range(1, 101))
+    assert reader.batch_exists_v2([], None, None).kv_hit_pages == 0
+    # indices that do not match the keys: nothing read, every page reported failed
+    bad = reader.batch_get_v2([PoolTransfer(name="draft", host_indices=np.arange(PAGE), keys=hashes[:2])])
+    assert bad == {"draft": [False, False]}
+    assert reader.batch_set_v2([PoolTransfer(name="swa", host_indices=np.arange(PAGE), keys=hashes[:1])]) \
+        == {"swa": [False]}  # no such pool registered
+
+
+def test_sglang_v2_trailing_pools_and_rank_sharded_mamba(hicache):
+    """Pools that hold only the tail of a prefix (SWA, Mamba state: TRAILING_PAGES), and Mamba state
+    keyed by TP rank even in an MLA model, whose KV pages are shared by all ranks."""
+    hashes = page_hashes(list(range(6 * PAGE)))
+    mla = hicache(tp_rank=1, tp_size=2, is_mla_model=True)
+    assert mla.pool_key("kv", hashes[0]) == hashes[0] and mla.pool_key("mamba", hashes[0]) == hashes[0] + ".mamba_1_2"
+    assert mla.pool_key("draft", hashes[0]) == hashes[0] + ".draft"
+    kv, state = HostPool(6, seed=30), HostPool(6, seed=31, layers=1)
+    mla.register_mem_pool_host(kv)
+    mla.register_mem_host_pool_v2(state, "mamba")
+    backup(mla, kv, hashes)
+    # the state of the prefix ending at pages 3 and 6 only (as offloaded nodes end there)
+    for end in (3, 6):
+        stored = mla.batch_set_v2([PoolTransfer(name="mamba", host_indices=np.arange((end - 1) * PAGE, end * PAGE),
+                                                keys=[hashes[end - 1]], hit_policy="trailing_pages")])
+        assert stored == {"mamba": [True]}
+    trailing = PoolTransfer(name="mamba", keys=[hashes[-1]], hit_policy="trailing_pages")
+    result = mla.batch_exists_v2(hashes, [trailing], None)
+    assert result.restorable_prefix_pages == [3, 6] and result.kv_hit_pages == 6
+    assert result.extra_pool_hit_pages == {"kv": 6, "mamba": 6}
+    # a prefix of 5 pages cannot be restored: its state (page 5) was never stored
+    result = mla.batch_exists_v2(hashes[:5], [trailing], None)
+    assert result.kv_hit_pages == 3 and result.restorable_prefix_pages == [3]
+    other_rank = hicache(tp_rank=0, tp_size=2, is_mla_model=True)
+    assert other_rank.batch_exists(hashes) == 6  # MLA KV: one copy for every rank
+    assert other_rank.batch_exists_v2(hashes, [trailing], None).kv_hit_pages == 0  # its own Mamba state: none
+    with pytest.raises(ValueError, match="unsupported pool hit policy"):
+        mla.batch_exists_v2(hashes, [PoolTransfer(name="dsa", hit_policy="block_groups")], None)
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,8 @@ SGLang loads it by name and checks that it subclasses its `HiCacheStorage`::
 SGLang's own when SGLang is importable, and `object` otherwise (this module must
 import without SGLang or torch). docs/connectors.md has the whole recipe.
 
-Calls, as SGLang's cache controller makes them (`sglang/srt/managers/cache_controller.py`):
+Calls, as SGLang's cache controller makes them (`HybridCacheController`, which every model runs on
+in SGLang 0.5.23, over `sglang/srt/managers/cache_controller.py`):
 
 - default ("generic") path: `batch_exists(page_hashes) -> int`, the leading run of
   stored pages; `batch_get(page_hashes, [flat page tensor per key])`, each block read
@@ -26,12 +27,22 @@ Calls, as SGLang's cache controller makes them (`sglang/srt/managers/cache_contr
   addresses per page, and quilld's bytes go to and from the host pool itself, with no
   staging tensor. Layouts with more buffers per page (MHA `layer_first`) are refused,
   as SGLang's Mooncake backend refuses them.
+- the v2 batch calls, for the host pools besides the main KV pool that SGLang registers
+  with `register_mem_host_pool_v2` (a speculative-decoding draft model's own KV pool,
+  SWA, Mamba state, ...): `batch_set_v2(transfers)` and `batch_get_v2(transfers)` ->
+  `{pool name: [ok per page]}`, `batch_exists_v2(keys, pool_transfers)` ->
+  `PoolTransferResult` (the KV prefix, cut where a pool's `hit_policy` is not met).
+  `HybridCacheController` (every model in SGLang 0.5.23) calls `batch_set_v2` for those
+  pools before it stores the KV pages, so a backend without them stores nothing at all.
+  A v2 page is one object, the pool's flat data page (`get_data_page` /
+  `set_from_flat_data_page`, as SGLang's file backend does), named `<hash>.<pool>`.
 
 A page key is SGLang's page hash (64 hex characters of a SHA-256 chain over the token
-ids) plus what tells ranks apart: `_{tp_rank}_{tp_size}` for MHA (each rank holds its
-own heads), nothing for MLA (one copy, written by rank 0), then `_pp{r}_{n}`,
-`_cp{r}_{n}`, `_dcp{r}_{n}` when those are in use, then `_k` / `_v` on the v1 path.
-The model goes into quilld's identity scope (`SCOPE model tokenizer`), not the key.
+ids, `get_storage_hash_str`) plus what tells ranks apart: `_{tp_rank}_{tp_size}` for MHA
+(each rank holds its own heads), nothing for MLA (one copy, written by rank 0), then
+`_pp{r}_{n}`, `_cp{r}_{n}`, `_dcp{r}_{n}` when those are in use, then `_k` / `_v` on the
+v1 path. Mamba state is split over TP ranks even in an MLA model: its pages always carry
+the rank. The model goes into quilld's identity scope (`SCOPE model tokenizer`), not the key.
 
 Targets may be anything with the buffer protocol (numpy arrays, bytearray, mmap),
 CPU torch tensors (torch is looked up in `sys.modules`, never imported here), or raw
@@ -41,10 +52,12 @@ addresses (ints, with sizes), which is how SGLang's zero-copy calls name host me
 from __future__ import annotations
 
 import ctypes
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from quillclient.client import QuillClient
@@ -55,12 +68,40 @@ try:  # SGLang's factory accepts only subclasses of its own base; torch comes wi
 except ImportError:  # SGLang absent: a plain class with the same methods
     _Base = object
 
+
+class _HitPolicy(str, Enum):
+    """SGLang's PoolHitPolicy, where SGLang is absent (same values)."""
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+    BLOCK_GROUPS = "block_groups"
+
+
+@dataclass
+class _TransferResult:
+    """SGLang's PoolTransferResult, where SGLang is absent (same fields)."""
+
+    kv_hit_pages: int
+    extra_pool_hit_pages: dict = field(default_factory=dict)
+    restorable_prefix_pages: list | None = None
+
+
+try:  # the v2 interface's types (SGLang 0.5.2x); the controller reads the result's fields
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+    KV_POOL: Any = PoolName.KV  # results are looked up by SGLang's own enum (its hash is the member's)
+except ImportError:
+    PoolHitPolicy, PoolTransferResult, KV_POOL = _HitPolicy, _TransferResult, "kv"
+
 log = logging.getLogger(__name__)
 
-# Extra-config keys that belong to SGLang itself (the factory, the controller), not to us.
+# Extra-config keys that belong to SGLang itself, not to us: the factory's, the controller's
+# (`interface_v1`), and `file_storage_path`, which SGLang adds to every backend's extra config
+# when --file-storage-path is given. SGLang pops the prefetch keys, `hicache_storage_pass_prefix_keys`
+# and `tp_lcm_size` before a backend sees the config; they are listed for configs built by hand.
 SGLANG_KEYS = frozenset({
-    "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
-    "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+    "backend_name", "module_path", "class_name", "interface_v1", "file_storage_path", "tp_lcm_size",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
 })
 
 
@@ -80,11 +121,19 @@ class HiCacheSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheSettings:
+        """Our settings out of the whole extra config. SGLang's keys pass; another key that
+        looks like a misspelt setting of ours is an error; any other is some other part's
+        (SGLang adds keys of its own across versions), ignored with a warning."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(k for k in extra if k not in known and k not in SGLANG_KEYS)
+        typos = {k: difflib.get_close_matches(k, known, n=1, cutoff=0.75) for k in unknown}
+        typos = {k: m[0] for k, m in typos.items() if m}
+        if typos:
+            raise ValueError(f"unknown QuillHiCacheStorage settings {sorted(typos)} (did you mean "
+                             f"{', '.join(repr(m) for m in typos.values())}?); known: {sorted(known)}")
         if unknown:
-            raise ValueError(f"unknown QuillHiCacheStorage settings {unknown}; known: {sorted(known)}")
+            log.warning("QuillHiCacheStorage ignores extra config keys %s (neither its own nor SGLang's)", unknown)
         values: dict[str, Any] = {}
         for name, value in extra.items():
             if name not in known or value is None:
@@ -98,9 +147,11 @@ class HiCacheSettings:
         return cls(**values)
 
 
-def key_suffix(config: Any) -> str:
-    """What tells this rank's copy of a page from another rank's (see the module docstring)."""
-    suffix = "" if getattr(config, "is_mla_model", False) else f"_{config.tp_rank}_{config.tp_size}"
+def key_suffix(config: Any, rank_sharded: bool = False) -> str:
+    """What tells this rank's copy of a page from another rank's (see the module docstring).
+    `rank_sharded`: a pool split over TP ranks even in an MLA model (Mamba state)."""
+    replicated = getattr(config, "is_mla_model", False) and not rank_sharded
+    suffix = "" if replicated else f"_{config.tp_rank}_{config.tp_size}"
     for name in ("pp", "attn_cp", "dcp"):
         size = getattr(config, f"{name}_size", 1) or 1
         if size > 1:
@@ -138,6 +189,8 @@ class QuillHiCacheStorage(_Base):
             raise ValueError("QuillHiCacheStorage does not split heads across TP sizes (tp_lcm_size)")
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.suffix = key_suffix(storage_config)
+        self.sharded_suffix = key_suffix(storage_config, rank_sharded=True)
+        self.registered_pools: dict[str, Any] = {}  # pool name -> host pool (register_mem_host_pool_v2)
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         s = self.settings
         model = s.model if s.model is not None else (getattr(storage_config, "model_name", None) or "")
@@ -171,6 +224,13 @@ class QuillHiCacheStorage(_Base):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Another host pool (draft KV, SWA, Mamba...), read and written by the v2 calls."""
+        self.registered_pools[_pool_name(host_pool_name)] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang's end of registration: nothing to finalize, the pools are looked up per call."""
 
     def clear(self) -> None:
         """Drop every page in this scope (all ranks, all engines of the same model)."""
@@ -303,6 +363,111 @@ class QuillHiCacheStorage(_Base):
             log.warning("quilld put of %d pages failed: %s", len(items), e)
             return False
 
+    # -- the v2 interface: pools besides the main KV pool -------------------------
+
+    def pool_key(self, pool: Any, key: str) -> str:
+        """The object of `key`'s page in `pool`: `<hash><rank suffix>` for the KV pool (as the
+        generic path stores it), `<hash>.<pool><rank suffix>` for the others."""
+        name = _pool_name(pool)
+        if name == _pool_name(KV_POOL):
+            return self.page_key(key)
+        return f"{key}.{name}" + (self.sharded_suffix if name == "mamba" else self.suffix)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Sequence[Any] | None = None,
+                        extra_info: Any = None) -> Any:
+        """The stored KV prefix of `keys`, cut to what every pool in `pool_transfers` can restore
+        by its `hit_policy` (all pages, or the trailing `len(transfer.keys)` of the prefix)."""
+        transfers = list(pool_transfers or [])
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        kv_names = [self.object_keys(k) for k in keys]
+        names = [n for group in kv_names for n in group]
+        names += [self.pool_key(t.name, k) for t in transfers for k in keys]
+        try:
+            found = self.client.exists_many(names)
+        except QuillError as e:
+            log.warning("quilld batch EXISTS (v2) failed: %s", e)
+            return PoolTransferResult(0, {}, [])
+        it = iter(found)
+        kv_present = [all([next(it) for _ in group]) for group in kv_names]
+        kv_pages = kv_present.index(False) if False in kv_present else len(keys)
+        present = {_pool_name(t.name): [next(it) for _ in keys] for t in transfers}
+        hits: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in transfers:
+            if not restorable:
+                break
+            have = present[_pool_name(t.name)]
+            policy = _policy(t.hit_policy)
+            if policy == "all_pages":
+                boundary = have[:kv_pages].index(False) if False in have[:kv_pages] else kv_pages
+                ok = set(range(1, boundary + 1))
+            elif policy == "trailing_pages":
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                ok = {n for n in range(1, kv_pages + 1) if all(have[max(0, n - trailing):n])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"QuillHiCacheStorage: unsupported pool hit policy {t.hit_policy!r}")
+            if boundary:
+                hits[t.name] = boundary
+            restorable &= ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages read into its host pool at `host_indices`: per pool, per page, ok."""
+        results: dict[Any, list[bool]] = {}
+        jobs = []  # (transfer name, page number, host pool, host offset, staging page)
+        for t in transfers:
+            keys, pool, offsets = self._v2_pages(t)
+            results[t.name] = [False] * len(keys)
+            if pool is not None:
+                jobs += [(t.name, i, pool, off, pool.get_dummy_flat_data_page(), self.pool_key(t.name, k))
+                         for i, (k, off) in enumerate(zip(keys, offsets))]
+        if jobs:
+            views = [byte_view(job[4]) for job in jobs]
+            lengths = self._read([job[5] for job in jobs], views)
+            for (name, i, pool, off, page, _), view, n in zip(jobs, views, lengths):
+                if n == view.nbytes:
+                    pool.set_from_flat_data_page(off, page)
+                    results[name][i] = True
+        return results
+
+    def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages written from its host pool at `host_indices`: per pool, per page, ok
+        (a page another rank or engine already stored counts as stored)."""
+        results: dict[Any, list[bool]] = {}
+        items, owners = [], []
+        for t in transfers:
+            keys, pool, offsets = self._v2_pages(t)
+            results[t.name] = [False] * len(keys)
+            if pool is not None:
+                for i, (k, off) in enumerate(zip(keys, offsets)):
+                    items.append((self.pool_key(t.name, k), byte_view(pool.get_data_page(off, flat=True))))
+                    owners.append((t.name, i))
+        if items and self._write(items):
+            for name, i in owners:
+                results[name][i] = True
+        return results
+
+    def _v2_pages(self, transfer: Any) -> tuple[list[str], Any, list[int]]:
+        """(keys, host pool or None when the transfer cannot be served, host offset per page)."""
+        keys = list(transfer.keys or [])
+        name = _pool_name(transfer.name)
+        pool = self.registered_pools.get(name)
+        if pool is None and name == _pool_name(KV_POOL):
+            pool = self.mem_pool_host
+        if pool is None:
+            log.warning("QuillHiCacheStorage: no host pool registered as %r", name)
+            return keys, None, []
+        page_size = getattr(pool, "page_size", 1) or 1
+        indices = transfer.host_indices
+        if indices is None or len(indices) != len(keys) * page_size:
+            log.error("QuillHiCacheStorage: %s host indices for %d pages of pool %r (page size %d)",
+                      "no" if indices is None else len(indices), len(keys), name, page_size)
+            return keys, None, []
+        return keys, pool, [int(indices[i * page_size]) for i in range(len(keys))]
+
     def _host_buffers(self, keys: list[str], host_indices: Any) -> tuple[list[str], list[memoryview]]:
         if self.mem_pool_host is None:
             raise RuntimeError("register_mem_pool_host was not called")
@@ -315,4 +480,13 @@ class QuillHiCacheStorage(_Base):
         return names, [byte_view(p, s) for p, s in zip(ptrs, sizes)]
 
 
-__all__ = ["QuillHiCacheStorage", "HiCacheSettings", "key_suffix", "byte_view", "SGLANG_KEYS"]
+def _pool_name(name: Any) -> str:
+    """A pool's name as a plain string: SGLang's PoolName members hash by member name, not value."""
+    return str(getattr(name, "value", name))
+
+
+def _policy(policy: Any) -> str:
+    return str(getattr(policy, "value", policy) or "all_pages")
+
+
+__all__ = ["QuillHiCacheStorage", "HiCacheSettings", "key_suffix", "byte_view", "SGLANG_KEYS", "KV_POOL"]
