@@ -92,24 +92,24 @@ def _line_end(buf: bytearray, pos: int, end: int) -> int:
 
 
 def _bulks_so_far(partial: bytes) -> bool:
-    """Whether a partial multibulk command holds only bulk strings so far (with valid lengths).
+    """Whether hiredis may go on holding this partial multibulk command: every header line so
+    far reads the same to redis (`*<n>` or `$<len>`, then CRLF), every element is a bulk, and
+    a header still arriving holds no NUL and no CR but a last one (redis judges those at once,
+    hiredis would wait for a CRLF).
 
     Run only on the command a read ended in the middle of, so it stays off the common path.
     """
-    nl = partial.find(b"\r\n")
-    if nl < 0:
-        return True
-    pos, end = nl + 2, len(partial)
+    pos, end = 0, len(partial)
     while pos < end:
-        if partial[pos] != 36:  # '$'
+        if pos and partial[pos] != 36:  # '$' (the first line is the count, '*')
             return False
-        nl = partial.find(b"\r\n", pos)
-        if nl < 0:
-            return True
-        n = _parse_len(partial[pos + 1:nl])
-        if n is None or n < 0:
+        cr = partial.find(b"\r", pos)
+        if cr < 0 or cr + 1 >= end:  # a header still arriving
+            return partial.find(0, pos) < 0
+        n = _parse_len(partial[pos + 1:cr])
+        if partial[cr + 1] != 10 or n is None or n < 0:
             return False
-        pos = nl + 2 + n + 2
+        pos = cr + 2 + (n + 2 if pos else 0)
     return True
 
 

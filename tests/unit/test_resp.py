@@ -800,3 +800,25 @@ def test_a_line_that_never_ends_for_a_nul_is_refused_past_64k(data, error, use_h
     assert err.wire() == "ERR Protocol error: " + error
     if error.endswith("'\udcab'"):
         assert encode_error(err) == b"-ERR Protocol error: expected '$', got '\xab'\r\n"
+
+
+@MODES
+@pytest.mark.parametrize("partial, error", [
+    (b"*2\r\n$4\r\nECHO\r\n$2\n0\r\x00", "invalid bulk length"),  # its line ends at the CR for redis
+    (b"*2\r\n$4\r\nECHO\r\n$2\rx", None),  # `$2` then a skipped byte: two more bytes of payload awaited
+    (b"*2\r\n$4\r\nECHO\r\n$2\r\x00ab\r\n", [b"ECHO", b"ab"]),
+    (b"*2\rx$4\r\nECHO\r\n$1\r\na\r\n", [b"ECHO", b"a"]),
+], ids=["bad-len-before-lf", "cr-then-byte", "cr-then-nul", "count-cr-x"])
+def test_a_command_cut_by_a_read_is_judged_as_redis_judges_it(partial, error, use_hiredis):
+    """A read that ends inside a command: the fast path must not wait for a CRLF where redis has
+    already read the line (up to its first CR)."""
+    p = RespParser(use_hiredis=use_hiredis)
+    out: list = []
+    if isinstance(error, str):
+        with pytest.raises(ProtocolError, match=error):
+            p.feed(encode_command(b"PING") + partial)
+            drain(p, out)
+        return
+    p.feed(encode_command(b"PING") + partial)
+    drain(p, out)
+    assert out == [[b"PING"]] + ([error] if error else [])
