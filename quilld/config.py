@@ -78,7 +78,8 @@ class BlocksConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     requirepass: str = ""
-    users_file: str = ""  # lines of `user password`; `#` starts a comment
+    users_file: str = ""  # lines of `user password [model=M] [tokenizer=T] [adapter=A]`; `#` starts a comment
+    require_scope: bool = False  # data commands of a connection that chose no identity scope are refused (NOSCOPE)
     auth_throttle_after: int = 10  # failed AUTHs from one address before its attempts are slowed; 0: never
     auth_throttle_window_ms: int = 60_000  # an address with no failure for this long starts afresh
     auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused

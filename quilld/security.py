@@ -1,8 +1,20 @@
 """Users and passwords: `--requirepass` for user `default`, or a users file.
 
-A users file holds one `user password` pair per line; `#` starts a comment.
-With neither, every connection is user `default` and AUTH is refused as
-redis refuses it when no password is configured.
+A users file holds one user per line: `user password`, optionally followed by
+the identity scope that user's connections start in, as `model=...`,
+`tokenizer=...` and `adapter=...` (each at most once, in any order; values
+without whitespace). `#` starts a comment. A line of two words is what it
+always was: a user with a password and no scope of its own.
+
+A login name may also carry a scope for its connection alone:
+`user~model~tokenizer[~adapter]` (`SCOPE_SEP`). The user name is the one
+place every redis URL carries (`redis://alice~llama-3-8b~llama3-tok:pw@host`),
+so a client configured by URL alone, pooled and reconnected, always lands in
+its scope. User names in the file may therefore not contain `~`.
+
+With neither file nor password, every connection is user `default` and AUTH is
+refused as redis refuses it when no password is configured (AUTH as
+`default`, or `default~model~tokenizer`, with any password, is accepted).
 """
 
 from __future__ import annotations
@@ -11,15 +23,22 @@ import hmac
 
 from quilld.config import SecurityConfig
 from quilld.errors import ConfigError
+from quilld.model import IdentityScope
+
+SCOPE_SEP = "~"  # separates a login name's user from its scope: needs no escaping in a URL
+SCOPE_KEYS = ("model", "tokenizer", "adapter")
+MAX_SCOPE_FIELD = 256  # bytes in one scope field (as SCOPE allows)
 
 
 class Users:
-    def __init__(self, passwords: dict[str, str]) -> None:
+    def __init__(self, passwords: dict[str, str], scopes: dict[str, IdentityScope] | None = None) -> None:
         self._passwords = passwords
+        self._scopes = scopes or {}  # user -> the scope its connections start in
 
     @classmethod
     def from_config(cls, cfg: SecurityConfig) -> "Users":
         passwords: dict[str, str] = {}
+        scopes: dict[str, IdentityScope] = {}
         if cfg.users_file:
             try:
                 with open(cfg.users_file, encoding="utf-8") as f:
@@ -30,13 +49,22 @@ class Users:
                 line = line.split("#", 1)[0].strip()
                 if not line:
                     continue
-                parts = line.split()
-                if len(parts) != 2:
-                    raise ConfigError(f"{cfg.users_file}:{n}: expected `user password`")
-                passwords[parts[0]] = parts[1]
+                where = f"{cfg.users_file}:{n}"
+                words = line.split()
+                if len(words) < 2:
+                    raise ConfigError(f"{where}: expected `user password [model=M] [tokenizer=T] [adapter=A]`")
+                user, password, fields = words[0], words[1], words[2:]
+                if SCOPE_SEP in user:
+                    raise ConfigError(f"{where}: user name {user!r} contains {SCOPE_SEP!r}, which separates the "
+                                      f"scope in a login name (user{SCOPE_SEP}model{SCOPE_SEP}tokenizer)")
+                if user in passwords:
+                    raise ConfigError(f"{where}: user {user!r} is listed twice")
+                passwords[user] = password
+                if fields:
+                    scopes[user] = _scope_fields(where, user, fields)
         if cfg.requirepass:
             passwords["default"] = cfg.requirepass
-        return cls(passwords)
+        return cls(passwords, scopes)
 
     @property
     def required(self) -> bool:
@@ -46,6 +74,15 @@ class Users:
     @property
     def default_has_password(self) -> bool:
         return "default" in self._passwords
+
+    @property
+    def scoped(self) -> bool:
+        """Whether any user has a scope of its own in the users file."""
+        return bool(self._scopes)
+
+    def scope_of(self, user: str) -> IdentityScope | None:
+        """The scope `user`'s connections start in (its tenant is `user`), or None."""
+        return self._scopes.get(user)
 
     def check(self, user: str, password: str) -> bool:
         expected = self._passwords.get(user)
@@ -64,3 +101,50 @@ class Users:
         found = [user for user, password in self._passwords.items()
                  if hmac.compare_digest(password.encode(), given)]
         return found[0] if len(found) == 1 else None
+
+
+def _scope_fields(where: str, user: str, fields: list[str]) -> IdentityScope:
+    values: dict[str, str] = {}
+    for item in fields:
+        key, eq, value = item.partition("=")
+        if not eq or key not in SCOPE_KEYS:
+            raise ConfigError(f"{where}: {item!r} is not one of model=..., tokenizer=..., adapter=...")
+        if key in values:
+            raise ConfigError(f"{where}: {key} is given twice")
+        problem = scope_field_problem(value.encode())
+        if problem:
+            raise ConfigError(f"{where}: {key}: {problem}")
+        values[key] = value
+    return IdentityScope(user, **values)
+
+
+def scope_field_problem(raw: bytes) -> str:
+    """Why `raw` cannot be a scope field (too long, or a control byte), or ""."""
+    if len(raw) > MAX_SCOPE_FIELD or any(b < 32 or b == 127 for b in raw):
+        return f"scope fields are at most {MAX_SCOPE_FIELD} printable bytes"
+    return ""
+
+
+class LoginError(ValueError):
+    """A login name whose scope part is malformed."""
+
+
+def split_login(name: bytes) -> tuple[bytes, tuple[bytes, bytes, bytes] | None]:
+    """`user` -> (user, None); `user~model~tokenizer[~adapter]` -> (user, (model, tokenizer, adapter)).
+
+    LoginError when a `~` is there but the rest is not two or three fields of at most
+    MAX_SCOPE_FIELD printable bytes (fields may be empty: `alice~~tok`).
+    """
+    user, sep, rest = bytes(name).partition(SCOPE_SEP.encode())
+    if not sep:
+        return user, None
+    parts = rest.split(SCOPE_SEP.encode())
+    if len(parts) not in (2, 3):
+        raise LoginError(f"a scoped user name is user{SCOPE_SEP}model{SCOPE_SEP}tokenizer"
+                         f"[{SCOPE_SEP}adapter], not {len(parts)} field{'s' * (len(parts) != 1)} after the user")
+    for part in parts:
+        problem = scope_field_problem(part)
+        if problem:
+            raise LoginError(problem)
+    model, tokenizer, adapter = (*parts, b"")[:3]
+    return user, (model, tokenizer, adapter)

@@ -3,6 +3,14 @@
 A handler's `c` is its connection's Session: the node's shared parts are in
 `c.ctx` (context.py), and the ones every data command uses are also direct
 attributes (`c.keyspace`, `c.puts`, `c.control`).
+
+Identity: the tenant is the logged-in user; the scope (model, tokenizer,
+adapter) is chosen by `SCOPE`, named in the login name
+(`user~model~tokenizer[~adapter]`), or bound to the user in the users file
+(security.py). On a node with `security.require_scope`, a connection that has
+chosen none holds `UNSCOPED` instead of the keyspace and the two-phase puts:
+every data command it runs is refused with `-NOSCOPE`, and no dispatcher check
+is paid by connections that did choose.
 """
 
 from __future__ import annotations
@@ -10,10 +18,31 @@ from __future__ import annotations
 import itertools
 import time
 
+from quilld.errors import QuillError
 from quilld.model import IdentityScope
 from quilld.protocol.context import NodeContext
 
 _ids = itertools.count(1)
+
+
+class NoScope(QuillError):
+    """A data command on a connection without an identity scope (security.require_scope)."""
+
+    prefix = "NOSCOPE"
+
+
+class _Unscoped:
+    """Stands in for the keyspace and the two-phase puts until the connection has a scope."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        raise NoScope("this connection has no identity scope and this node requires one (security.require_scope): "
+                      "log in as a user with a scope in the users file, name it in the user name "
+                      "(user~model~tokenizer[~adapter]), or send SCOPE model tokenizer [adapter]")
+
+
+UNSCOPED = _Unscoped()
 
 
 class Session:
@@ -41,24 +70,41 @@ class Session:
         self.qbuf = 0
         self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
         self.tag = b""
-        self.set_scope(IdentityScope(), capped=False)
+        self.set_scope(IdentityScope(), capped=False, chosen=False)
+        if ctx.cfg.security.require_scope:
+            self.keyspace = self.puts = UNSCOPED
 
-    def set_scope(self, scope: IdentityScope, capped: bool = True) -> None:
+    def set_scope(self, scope: IdentityScope, capped: bool = True, chosen: bool = True) -> None:
         """Use `scope` from now on; the connection holds it (a client's new scope counts
-        against its tenant's cap: ScopeLimit)."""
+        against its tenant's cap: ScopeLimit). `chosen`: the client named it (SCOPE, a scoped
+        login, its user's bound scope), so storage is reachable; else only if it already was."""
         scopes = self.ctx.scopes
         tag = scopes.tag(scope, capped=capped)
         scopes.hold(tag)
         if self.tag:
             scopes.drop(self.tag)
         self.scope, self.tag = scope, tag
+        if chosen:
+            self.keyspace, self.puts = self.ctx.keyspace, self.ctx.puts
 
-    def login(self, user: str) -> None:
-        """The tenant becomes the authenticated user; the model part of the scope is kept."""
+    def login(self, user: str, scope: IdentityScope | None = None) -> None:
+        """The tenant becomes the authenticated user. Its scope: `scope` when the login named one,
+        else the user's scope from the users file, else the model part the connection had."""
+        if scope is None:
+            scope = self.ctx.users.scope_of(user)
+        if scope is not None:
+            self.set_scope(scope._replace(tenant=user))
+        else:
+            kept = self.scope._replace(tenant=user)
+            self.set_scope(kept, capped=bool(kept.model or kept.tokenizer or kept.adapter), chosen=False)
         self.user = user
         self.authenticated = True
-        self.set_scope(self.scope._replace(tenant=user), capped=bool(self.scope.model or self.scope.tokenizer
-                                                                     or self.scope.adapter))
+
+    def peer_login(self) -> None:
+        """A cluster peer (PEERAUTH): it names the scope of each key it reads or follows."""
+        self.peer = True
+        self.authenticated = True
+        self.keyspace, self.puts = self.ctx.keyspace, self.ctx.puts
 
     def close(self) -> None:
         """The connection is gone: its scope is no longer held by it."""

@@ -426,3 +426,72 @@ def test_protected_mode_decision():
                                             (["--protected-mode", "no"], False)])
 def test_protected_mode_flag(flag, expected):
     assert load(environ={}, overrides=_overrides(_parser().parse_args(flag))).server.protected_mode is expected
+
+
+# -- the users file: passwords, and the scope a user's connections start in (issue 14) ---------
+
+def users_from(tmp_path: Path, text: str, requirepass: str = ""):
+    from quilld.config import SecurityConfig
+    from quilld.security import Users
+
+    path = tmp_path / "users"
+    path.write_text(text)
+    return Users.from_config(SecurityConfig(users_file=str(path), requirepass=requirepass))
+
+
+def test_users_file_of_user_password_lines_is_read_as_before(tmp_path):
+    users = users_from(tmp_path, "# tenants\nalice s3cret\n\n  bob   pw#2  # a comment\n")
+    assert users.required and users.check("alice", "s3cret") and users.check("bob", "pw")
+    assert not users.check("alice", "pw") and not users.check("carol", "s3cret")
+    assert users.scope_of("alice") is None and not users.scoped
+
+
+def test_users_file_binds_a_user_to_a_scope(tmp_path):
+    from quilld.model import IdentityScope
+
+    users = users_from(tmp_path, "alice s3cret model=meta-llama/Llama-3.1-8B tokenizer=llama3\n"
+                                 "bob pw adapter=sql-lora model=m\n"
+                                 "carol pw\n", requirepass="root")
+    assert users.scoped
+    assert users.scope_of("alice") == IdentityScope("alice", "meta-llama/Llama-3.1-8B", "llama3", "")
+    assert users.scope_of("bob") == IdentityScope("bob", "m", "", "sql-lora")
+    assert users.scope_of("carol") is None and users.scope_of("default") is None
+    assert users.check("alice", "s3cret") and users.check("default", "root")
+
+
+@pytest.mark.parametrize("line, words", [
+    ("alice", "expected `user password"),
+    ("alice pw model", "is not one of model=..."),
+    ("alice pw colour=blue", "is not one of model=..."),
+    ("alice pw model=a model=b", "model is given twice"),
+    ("alice~x pw", "contains '~'"),
+    ("alice pw model=" + "m" * 257, "at most 256 printable bytes"),
+    ("alice pw tokenizer=t\x01", "at most 256 printable bytes"),
+    ("alice pw\nalice pw2", "listed twice"),
+])
+def test_users_file_errors_name_the_line(tmp_path, line, words):
+    with pytest.raises(ConfigError, match="users:[12]: ") as e:
+        users_from(tmp_path, line + "\n")
+    assert words in e.value.message
+
+
+@pytest.mark.parametrize("name, expected", [
+    (b"alice", (b"alice", None)),
+    (b"alice~llama~tok", (b"alice", (b"llama", b"tok", b""))),
+    (b"alice~meta-llama/Llama-3.1-8B~llama3~sql-lora", (b"alice", (b"meta-llama/Llama-3.1-8B", b"llama3", b"sql-lora"))),
+    (b"default~~tok", (b"default", (b"", b"tok", b""))),
+    (b"alice@host~m~t", (b"alice@host", (b"m", b"t", b""))),
+])
+def test_login_names_carry_a_scope(name, expected):
+    from quilld.security import split_login
+
+    assert split_login(name) == expected
+
+
+@pytest.mark.parametrize("name", [b"alice~m", b"alice~", b"alice~a~b~c~d", b"alice~m\x00~t", b"a~" + b"m" * 257 + b"~t"])
+def test_malformed_scoped_login_names_are_refused(name):
+    from quilld.security import LoginError, split_login
+
+    with pytest.raises(LoginError):
+        split_login(name)
+

@@ -41,8 +41,7 @@ def cmd_peerauth(c, args):
         raise WrongPass("peer connections need cluster.secret when clients need passwords")
     if not hmac.compare_digest(bytes(args[1]), secret.encode()):
         raise WrongPass("invalid cluster secret")
-    c.peer = True
-    c.authenticated = True
+    c.peer_login()
     cluster.stats["peer_connections"] += 1
     return OK
 

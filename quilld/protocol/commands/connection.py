@@ -23,6 +23,7 @@ from quilld.protocol.commands.common import parse_int, text
 from quilld.protocol.info import REDIS_VERSION
 from quilld.protocol.resp import OK, PONG, Status
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
+from quilld.security import LoginError, split_login
 
 _SYNTAX = CommandError("syntax error")
 _WRONGPASS = "invalid username-password pair or user is disabled."
@@ -117,9 +118,14 @@ def _credentials_match(users, user: bytes, password: bytes) -> bool:
         return False   # unknown user: such a user matches nothing
 
 
-def _authenticate(c, throttle: AuthThrottle, user: bytes, password: bytes) -> None:
-    """Log the session in as `user`, or raise WRONGPASS (counted, and remembered per address)."""
+def _authenticate(c, throttle: AuthThrottle, login: bytes, password: bytes) -> None:
+    """Log the session in as `login`'s user, in the scope it names (`user~model~tokenizer[~adapter]`)
+    if any, or raise WRONGPASS (counted, and remembered per address)."""
     users = c.ctx.users
+    try:
+        user, fields = split_login(login)
+    except LoginError as e:
+        raise CommandError(f"invalid scope in the user name: {e}") from None
     if not users.required:
         if user != b"default":  # redis: the default user has nopass; nobody else exists
             raise WrongPass(_WRONGPASS)
@@ -127,7 +133,8 @@ def _authenticate(c, throttle: AuthThrottle, user: bytes, password: bytes) -> No
         c.ctx.stats["auth_failures"] += 1
         throttle.failed(c.ctx.cfg.security, _client_ip(c), time.monotonic())
         raise WrongPass(_WRONGPASS)
-    c.login(user.decode())
+    name = user.decode()
+    c.login(name, None if fields is None else IdentityScope(name, *map(text, fields)))
     c.ctx.clients.auth_changed(c)
 
 
