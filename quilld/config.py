@@ -122,6 +122,7 @@ class ClusterConfig:
     push_pull_interval_ms: int = 10_000
     transfer: str = "auto"  # auto, tcp or rdma
     keep_fetched: bool = True  # keep a local copy of blocks fetched from peers
+    pool_reads: bool = True  # GET, MGET and EXISTS see the whole pool (a local miss asks the peers); false: local only
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ log; a peer declared dead (or that left) is forgotten everywhere at once.
 `fetch` reads a block held only by peers straight into this node's arena,
 verifies its CRC32C, and keeps a local copy when configured to. It returns
 the same plain values as a local read (bytes, a `Pinned` view, or None).
+`pool_read` is GET's, MGET's and EXISTS's read of a key this node lacks
+(`cluster.pool_reads`): from the holders the directory names, else from
+whichever live peer has it, all asked at once (values of at most
+`dram.inline_max` bytes are not in the replication log, and a write may not
+have reached it yet); a miss, never an error, when nobody can serve it.
 The cluster reaches storage only through the keyspace's front door.
 """
 
@@ -37,6 +42,7 @@ from quilld.tiers.keyspace import Keyspace
 log = logging.getLogger("quilld.cluster")
 
 META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
+ASK_TIMEOUT = 2.0  # seconds a peer asked for a key the directory does not place has to answer it
 
 
 class Cluster:
@@ -59,7 +65,10 @@ class Cluster:
         self.pool = PeerPool(hello=(("PEERAUTH", self.cfg.secret),))
         self.transfers = Transfers(self.cfg.transfer, self.pool)
         self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
-        self.stats: Counter[str] = Counter()
+        self.suspects: set[str] = set()  # peers gossip suspects now: not asked by pool reads
+        self.pool_reads = self.cfg.pool_reads
+        # pool reads are shown (in INFO cluster) before the first one
+        self.stats: Counter[str] = Counter(pool_reads=0, pool_read_hits=0, pool_read_asks=0, pool_read_errors=0)
         self.gossip: Any = None
         self.started = time.time()
         self._changed = asyncio.Event()
@@ -123,6 +132,10 @@ class Cluster:
         if m.node_id == self.node_id:
             return
         kind = event.kind.value
+        if kind == "suspect":
+            self.suspects.add(m.node_id)
+            return
+        self.suspects.discard(m.node_id)
         if kind in ("joined", "updated", "alive"):
             self._follow(m.node_id, m.meta)
         elif kind in ("dead", "left"):
@@ -208,61 +221,145 @@ class Cluster:
     # -- peer fetch ---------------------------------------------------------------
     async def fetch(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
         """A key held only by peers: read it into this node, verified; None if nobody has it."""
-        store = self.keyspace
         last_error: QuillError | None = None
         for peer, _tier in self.directory.holders(tag, key):
             addr = self.addresses.get(peer)
             if addr is None:
                 continue
-            block = None
-            buf: bytearray | None = None
-
-            def target(length: int) -> memoryview:
-                nonlocal block, buf
-                if block is not None:  # called again (a fallback to TCP): the first reservation goes
-                    store.discard(block)
-                    block = None
-                if length <= store.inline_max:
-                    buf = bytearray(length)
-                    return memoryview(buf)
-                block = store.reserve(length)
-                return store.write_view(block)
-
-            t0 = time.perf_counter()
             try:
-                crc, view = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key,
-                                                            target)
+                got = await self._fetch_from(peer, addr, scope, key)
             except QuillError as e:
-                if block is not None:
-                    store.discard(block)
-                self.stats["peer_fetch_errors"] += 1
-                log.warning("cluster: fetching from %s failed: %s", peer, e.message)
                 last_error = e
                 continue
-            except BaseException:  # cancelled (shutdown) mid-transfer: give the memory back
-                if block is not None:
-                    store.discard(block)
-                raise
-            if view is None:  # the peer no longer has it: the directory was behind
-                if block is not None:  # memory named by an attempt before the nil (RDMA, then TCP)
-                    store.discard(block)
-                self.stats["peer_fetch_stale"] += 1
-                continue
-            if crc32c.crc32c(view) != crc:
-                if block is not None:
-                    store.discard(block)
-                self.stats["peer_fetch_checksum_failures"] += 1
-                last_error = PeerError(f"block from {peer} failed its checksum")
-                continue
-            if block is not None:
-                block.crc = crc  # verified: a later peer reading it from here needs no recompute
-            self.stats["peer_fetches"] += 1
-            self.stats["peer_fetch_bytes"] += len(view)
-            self.stats["peer_fetch_usec"] += int((time.perf_counter() - t0) * 1e6)  # request to verified
-            return self._deliver(tag, key, block, buf)
+            if got is not None:
+                return self._deliver(tag, key, *got)
         if last_error is not None:
             raise PeerError(f"no peer could serve the block: {last_error.message}")
         return None
+
+    async def _fetch_from(self, peer: str, addr: tuple[str, int], scope: IdentityScope,
+                          key: bytes) -> tuple[Any, bytearray | None] | None:
+        """`key` from `peer`, verified: (arena block, None) or (None, buffer of an inline-sized value);
+        None when the peer does not have it. Raises QuillError when it failed (counted); whatever
+        it reserved is given back on every way out but success, cancellation included."""
+        store = self.keyspace
+        block = None
+        buf: bytearray | None = None
+
+        def target(length: int) -> memoryview:
+            nonlocal block, buf
+            if block is not None:  # called again (a fallback to TCP): the first reservation goes
+                store.discard(block)
+                block = None
+            if length <= store.inline_max:
+                buf = bytearray(length)
+                return memoryview(buf)
+            block = store.reserve(length)
+            return store.write_view(block)
+
+        t0 = time.perf_counter()
+        try:
+            crc, view = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key, target)
+        except QuillError as e:
+            if block is not None:
+                store.discard(block)
+            self.stats["peer_fetch_errors"] += 1
+            log.warning("cluster: fetching from %s failed: %s", peer, e.message)
+            raise
+        except BaseException:  # cancelled (shutdown, a pool read answered by another peer) mid-transfer
+            if block is not None:
+                store.discard(block)
+            raise
+        if view is None:  # the peer does not have it (for a directory holder: the directory was behind)
+            if block is not None:  # memory named by an attempt before the nil (RDMA, then TCP)
+                store.discard(block)
+            self.stats["peer_fetch_stale"] += 1
+            return None
+        if crc32c.crc32c(view) != crc:
+            if block is not None:
+                store.discard(block)
+            self.stats["peer_fetch_checksum_failures"] += 1
+            raise PeerError(f"block from {peer} failed its checksum")
+        if block is not None:
+            block.crc = crc  # verified: a later peer reading it from here needs no recompute
+        self.stats["peer_fetches"] += 1
+        self.stats["peer_fetch_bytes"] += len(view)
+        self.stats["peer_fetch_usec"] += int((time.perf_counter() - t0) * 1e6)  # request to verified
+        return block, buf
+
+    # -- pool reads (GET, MGET, EXISTS) -----------------------------------------------
+    async def pool_read(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
+        """A key this node lacks, from the pool: bytes, a Pinned view, or None (nobody has it, or
+        nobody could serve it: a miss, counted in pool_read_errors, never an error reply)."""
+        self.stats["pool_reads"] += 1
+        asked: set[str] = set()
+        try:
+            holders = self.directory.holders(tag, key)
+            if holders:
+                asked = {peer for peer, _tier in holders}
+                value = await self.fetch(scope, tag, key)
+                if value is not None:
+                    self.stats["pool_read_hits"] += 1
+                    return value
+            value = await self._ask(scope, tag, key, asked)
+        except QuillError:
+            self.stats["pool_read_errors"] += 1
+            return None
+        if value is not None:
+            self.stats["pool_read_hits"] += 1
+        return value
+
+    async def pool_has(self, scope: IdentityScope, tag: bytes, key: bytes) -> bool:
+        """EXISTS of a key this node lacks: the directory's word, else whether a peer has it (read
+        into this node as pool_read does, so the GET that usually follows is local)."""
+        if self.directory.holders(tag, key):
+            return True
+        value = await self.pool_read(scope, tag, key)
+        if value.__class__ is Pinned:
+            value.release()
+        return value is not None
+
+    async def pool_read_many(self, scope: IdentityScope, tag: bytes, keys: list[bytes]) -> list:
+        """pool_read of each key, all at once."""
+        return list(await asyncio.gather(*(self.pool_read(scope, tag, k) for k in keys)))
+
+    async def _ask(self, scope: IdentityScope, tag: bytes, key: bytes, skip: set[str]) -> Any:
+        """`key` from whichever live peer (not suspect, not in `skip`) has it, all asked at once, each
+        for at most ASK_TIMEOUT: the first verified copy wins, the others are cancelled or given back.
+        None if nobody has it."""
+        peers = [(p, a) for p, a in self.addresses.items() if p not in skip and p not in self.suspects]
+        if not peers:
+            return None
+        self.stats["pool_read_asks"] += 1
+        tasks = [asyncio.ensure_future(asyncio.wait_for(self._fetch_from(p, a, scope, key), ASK_TIMEOUT))
+                 for p, a in peers]
+        winner = None
+        try:
+            pending = set(tasks)
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if winner is None and not t.cancelled() and t.exception() is None:
+                        winner = t.result()
+        finally:
+            for t in tasks:
+                t.cancel()  # a transfer still running gives its reservation back
+            # awaited, so that a copy completing as it was cancelled is seen below and given back
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        unexpected = None
+        for got in outcomes:
+            if isinstance(got, asyncio.TimeoutError):
+                self.stats["pool_read_ask_timeouts"] += 1
+            elif isinstance(got, BaseException):
+                if not isinstance(got, (QuillError, asyncio.CancelledError)):
+                    unexpected = got  # a bug: raised once every reservation is given back
+            elif got is not None and got is not winner and got[0] is not None:
+                self.keyspace.discard(got[0])
+        if unexpected is not None:
+            if winner is not None and winner[0] is not None:
+                self.keyspace.discard(winner[0])
+            raise unexpected
+        return None if winner is None else self._deliver(tag, key, *winner)
 
     def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None) -> bytes | Pinned:
         store = self.keyspace

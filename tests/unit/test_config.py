@@ -495,3 +495,9 @@ def test_malformed_scoped_login_names_are_refused(name):
     with pytest.raises(LoginError):
         split_login(name)
 
+
+def test_pool_reads_and_require_scope_defaults_and_switches():
+    cfg = load(environ={})
+    assert cfg.cluster.pool_reads is True and cfg.security.require_scope is False
+    cfg = load(environ={"QUILLD_CLUSTER_POOL_READS": "false", "QUILLD_SECURITY_REQUIRE_SCOPE": "true"})
+    assert cfg.cluster.pool_reads is False and cfg.security.require_scope is True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
 from quilld.protocol.resp import _parse_len as _strict_int
@@ -30,6 +32,47 @@ def settle(replies: list):
         return out
 
     return Pending(gather())
+
+
+def pool_get(c, key: bytes):
+    """GET's local miss on a node in a cluster: the pool's copy, read into this node (a deferred
+    reply), unless cluster.pool_reads is off; None when no peer has it."""
+    cluster = c.ctx.cluster
+    if not (cluster.pool_reads and cluster.addresses):  # off, or no peer to ask
+        return None
+    return Pending(cluster.pool_read(c.scope, c.tag, bytes(key)))
+
+
+def pool_mget(c, keys: list, values: list):
+    """MGET's reply when some keys missed locally on a node in a cluster: the misses are read from
+    the pool all at once (cluster.pool_reads), then the reply settles as a local one does."""
+    cluster = c.ctx.cluster
+    if not (cluster.pool_reads and cluster.addresses):
+        return settle(values)
+    misses = [i for i, v in enumerate(values) if v is None]
+
+    async def fill():
+        got = await cluster.pool_read_many(c.scope, c.tag, [bytes(keys[i]) for i in misses])
+        for i, value in zip(misses, got):
+            values[i] = value
+        reply = settle(values)
+        return await reply.awaitable if reply.__class__ is Pending else reply
+
+    return Pending(fill())
+
+
+def pool_exists(c, found: int, missing: list):
+    """EXISTS's count when some keys missed locally on a node in a cluster: those a peer holds count
+    too (the directory's word, else asked of the peers), unless cluster.pool_reads is off."""
+    cluster = c.ctx.cluster
+    if not (cluster.pool_reads and cluster.addresses):
+        return found
+
+    async def count():
+        held = await asyncio.gather(*(cluster.pool_has(c.scope, c.tag, bytes(k)) for k in missing))
+        return found + sum(held)
+
+    return Pending(count())
 
 
 def text(raw: bytes) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
-from quilld.protocol.commands.common import acked, parse_int, settle
+from quilld.protocol.commands.common import acked, parse_int, pool_exists, pool_get, pool_mget, settle
 from quilld.protocol.commands.lcs import LcsTable
 from quilld.protocol.commands.longdouble import (
     MAX_LONG_DOUBLE_CHARS,
@@ -25,7 +25,10 @@ _SYNTAX = CommandError("syntax error")
 
 
 def cmd_get(c, args):
-    return c.keyspace.get(c.tag, args[1])
+    value = c.keyspace.get(c.tag, args[1])
+    if value is None and c.ctx.cluster is not None:
+        return pool_get(c, args[1])
+    return value
 
 
 def _storable(store, value):
@@ -98,7 +101,10 @@ def _expire_at(opt: bytes, raw: bytes, name: str = "set") -> int:
 def cmd_mget(c, args):
     store, tag = c.keyspace, c.tag
     get = store.get
-    return settle([get(tag, k) for k in args[1:]])
+    values = [get(tag, k) for k in args[1:]]
+    if c.ctx.cluster is not None and None in values:
+        return pool_mget(c, args[1:], values)
+    return settle(values)
 
 
 def cmd_mset(c, args):
@@ -112,7 +118,10 @@ def cmd_mset(c, args):
 
 def cmd_exists(c, args):
     store, tag = c.keyspace, c.tag
-    return sum(1 for k in args[1:] if store.contains(tag, k))
+    missing = [k for k in args[1:] if not store.contains(tag, k)]
+    if missing and c.ctx.cluster is not None:
+        return pool_exists(c, len(args) - 1 - len(missing), missing)
+    return len(args) - 1 - len(missing)
 
 
 def cmd_del(c, args):

@@ -1,0 +1,183 @@
+"""Issue 14, item 2: GET, MGET and EXISTS see the whole pool, on real nodes on 127.0.0.1.
+
+LMCache's `redis://` connector (replayed as tests/blackbox/test_lmcache_styles.py does:
+a pool from the URL, `K + "kv_bytes"` written before `K + "metadata"`, `EXISTS K +
+"metadata"` as the lookup, metadata then kv_bytes as the read) writes on node a and reads
+on nodes b and c, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from test_cluster import Cluster, holders, members, three, until
+from test_lmcache_styles import assert_same, chunk_key, metadata, payload
+
+MiB = 1024 * 1024
+CHUNK = 4 * MiB  # an LMCache chunk here: big enough to be an arena block, small enough to be quick
+IO_TIMEOUT = 20.0
+SCENARIO_DEADLINE = 60.0
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def cluster_info(r: redis.Redis) -> dict:
+    return r.info("cluster")
+
+
+# -- LMCache's redis:// connector across nodes ---------------------------------------------
+
+def test_lmcache_redis_pattern_written_on_a_is_read_on_b_and_c(cluster):
+    three(cluster)
+    urls = {n: f"redis://127.0.0.1:{cluster.nodes[n].port}" for n in "abc"}
+    keys = [chunk_key(i) for i in range(6)]
+    kvs = [payload(i, CHUNK) for i in range(6)]
+    missing = chunk_key(999)
+
+    async def connector(url: str):
+        pool = aioredis.ConnectionPool.from_url(url, max_connections=150, socket_timeout=IO_TIMEOUT)
+        return pool, aioredis.Redis.from_pool(pool)
+
+    async def scenario():
+        pool_a, on_a = await connector(urls["a"])
+        pool_b, on_b = await connector(urls["b"])
+        try:
+            async def put(k, kv):  # kv_bytes first: metadata visible implies kv_bytes visible
+                await on_a.set(k + "kv_bytes", kv)
+                await on_a.set(k + "metadata", metadata(len(kv)))
+
+            async def contains_prefix(ks):
+                hits = 0
+                for k in ks:
+                    if not await on_b.exists(k + "metadata"):
+                        return hits
+                    hits += 1
+                return hits
+
+            async def get(k):
+                meta = await on_b.get(k + "metadata")
+                if meta is None:
+                    return None
+                (length,) = struct.unpack_from("<i", meta)
+                kv = await on_b.get(k + "kv_bytes")
+                if kv is None:  # the connector's consistency path: it would delete the metadata
+                    return b"kv_bytes missing"
+                return bytes(kv[:length])
+
+            await asyncio.gather(*(put(k, kv) for k, kv in zip(keys, kvs)))
+            # b learns nothing it was not asked: the lookup alone finds every chunk on a
+            assert await contains_prefix(keys) == len(keys)
+            assert await contains_prefix(keys[:2] + [missing] + keys[2:]) == 2
+            got = await asyncio.gather(*(get(k) for k in keys[:3] + [missing]))
+            for i in range(3):
+                assert_same(got[i], kvs[i], f"GET on b of chunk {i} written on a")
+            assert got[3] is None
+            # the connector's batched get: gathered reads of chunks b has not read yet
+            got = await asyncio.gather(*(get(k) for k in keys[3:]))
+            for i, kv in enumerate(kvs[3:], 3):
+                assert_same(got[i - 3], kv, f"batched GET on b of chunk {i}")
+        finally:
+            await on_a.aclose()
+            await on_b.aclose()
+            await pool_a.aclose()
+            await pool_b.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_DEADLINE))
+    b = cluster.client("b")
+    info = cluster_info(b)
+    assert info["cluster_pool_read_hits"] >= 2 * len(keys), info  # every metadata and kv_bytes key
+    assert info["cluster_pool_read_asks"] >= 1, info  # metadata keys are inline: asked of the peers
+    assert info["cluster_peer_fetches"] >= len(keys), info
+    # b keeps what it fetched: the same reads are local now
+    for k, kv in zip(keys, kvs):
+        assert_same(b.execute_command("GETBLK", k + "kv_bytes", "LOCAL"), kv, "b's kept copy")
+    before = cluster_info(b)["cluster_pool_reads"]
+    assert b.exists(*(k + "metadata" for k in keys)) == len(keys)
+    assert cluster_info(b)["cluster_pool_reads"] == before
+
+    # c: MGET of metadata and kv_bytes keys, a missing one among them, in one command
+    c = cluster.client("c")
+    names = [keys[0] + "metadata", keys[1] + "kv_bytes", missing + "kv_bytes", keys[2] + "kv_bytes"]
+    got = c.mget(names)
+    assert got[0] == metadata(CHUNK) and got[2] is None
+    assert_same(got[1], kvs[1], "MGET on c, chunk 1")
+    assert_same(got[3], kvs[2], "MGET on c, chunk 2")
+    assert c.exists(missing + "metadata", keys[4] + "metadata", keys[4] + "metadata") == 2  # counted as redis does
+    assert c.get(missing + "metadata") is None and c.mget([missing + "a", missing + "b"]) == [None, None]
+
+
+def test_exists_of_a_block_the_directory_names_needs_no_transfer_and_scopes_stay_apart(cluster):
+    cluster.start("a")
+    cluster.start("b", ["a"])
+    until(lambda: members(cluster.client("b")) == {"a": "alive", "b": "alive"}, 15, "two members")
+    port = {n: cluster.nodes[n].port for n in "ab"}
+    in_m = {n: redis.Redis.from_url(f"redis://default~m~t@127.0.0.1:{port[n]}", socket_timeout=IO_TIMEOUT)
+            for n in "ab"}
+    in_x = redis.Redis.from_url(f"redis://default~x~t@127.0.0.1:{port['b']}", socket_timeout=IO_TIMEOUT)
+    plain_b = cluster.client("b")
+    big, small = os.urandom(MiB + 3), b"a small value"
+    in_m["a"].set("big", big)
+    in_m["a"].set("small", small)
+    until(lambda: "a" in holders(in_m["b"], "big"), 10, "b's directory to list a's block")
+    assert in_m["b"].exists("big") == 1
+    info = cluster_info(plain_b)
+    assert info.get("cluster_peer_fetches", 0) == 0 and info["cluster_pool_reads"] == 0, info
+    assert in_m["b"].execute_command("GETBLK", "big", "LOCAL") is None  # nothing was copied
+    # other scopes on b see none of it, from the directory or from a peer
+    for r in (in_x, plain_b):
+        assert r.exists("big", "small") == 0
+        assert r.get("big") is None and r.get("small") is None
+        assert r.mget(["big", "small"]) == [None, None]
+    assert in_m["b"].mget(["small", "big"]) == [small, big]
+
+
+def test_pool_reads_false_keeps_get_mget_exists_local(cluster):
+    off = {"QUILLD_CLUSTER_POOL_READS": "false"}
+    cluster.start("a", **off)
+    cluster.start("b", ["a"], **off)
+    a, b = cluster.client("a"), cluster.client("b")
+    until(lambda: members(b) == {"a": "alive", "b": "alive"}, 15, "two members")
+    big = os.urandom(MiB)
+    a.set("big", big)
+    a.set("small", b"inline")
+    until(lambda: "a" in holders(b, "big"), 10, "b's directory to list a's block")
+    assert b.get("big") is None and b.get("small") is None
+    assert b.mget(["big", "small"]) == [None, None]
+    assert b.exists("big", "small") == 0
+    assert cluster_info(b)["cluster_pool_reads"] == 0
+    assert b.execute_command("GETBLK", "big") == big  # GETBLK still fetches
+    assert b.get("big") == big  # and keeps a copy
+
+
+def test_a_holder_killed_is_a_miss_on_get_never_an_error(cluster):
+    cluster.start("a")
+    cluster.start("b", ["a"])
+    a, b = cluster.client("a"), cluster.client("b")
+    until(lambda: members(b) == {"a": "alive", "b": "alive"}, 15, "two members")
+    a.set("big", os.urandom(2 * MiB))
+    until(lambda: "a" in holders(b, "big"), 10, "b's directory to list a's block")
+    node_a = cluster.nodes["a"]
+    os.kill(node_a.proc.pid, signal.SIGKILL)
+    node_a.proc.wait(5)
+    t0 = time.monotonic()
+    assert b.get("big") is None
+    assert b.mget(["big", "other"]) == [None, None]
+    assert time.monotonic() - t0 < 10, "a dead holder must not hold a read up"
+    assert cluster_info(b)["cluster_pool_read_errors"] >= 1
+
