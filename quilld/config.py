@@ -246,6 +246,9 @@ class Config:
             host, _, port = seed.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"cluster.seeds: {seed!r} is not host:port")
+        if c.seeds.strip() and not c.gossip_port:
+            raise ConfigError("cluster.seeds (--seeds) needs cluster.gossip_port (--gossip-port): a node joins its "
+                              "seeds over gossip, so it needs a gossip port of its own, e.g. --gossip-port 7381")
         g = self.gateway
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:

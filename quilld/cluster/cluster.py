@@ -12,6 +12,9 @@ whichever live peer has it, all asked at once (values of at most
 `dram.inline_max` bytes are not in the replication log, and a write may not
 have reached it yet); a miss, never an error, when nobody can serve it.
 The cluster reaches storage only through the keyspace's front door.
+
+Membership changes are logged, one line each: a peer joins, is suspected,
+comes back, leaves or is declared dead (gossip.py warns when no seed answers).
 """
 
 from __future__ import annotations
@@ -43,6 +46,27 @@ log = logging.getLogger("quilld.cluster")
 
 META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
 ASK_TIMEOUT = 2.0  # seconds a peer asked for a key the directory does not place has to answer it
+
+
+def advertised_host(bind: str) -> str:
+    """The address peers and clients are told to reach this node at (a wildcard bind: loopback)."""
+    return "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind
+
+
+def standalone_meta(bind: str, port: int, admin_port: int, dram_used: int, dram_capacity: int) -> dict:
+    """What a node outside any cluster would advertise of itself: the fields NODES and /v1/nodes show."""
+    host = advertised_host(bind)
+    return {"resp": [host, port], "admin": [host, admin_port], "dram_capacity": dram_capacity,
+            "dram_used": dram_used, "version": __version__}
+
+
+def node_line(node_id: str, state: str, incarnation: int, meta: dict, myself: bool) -> str:
+    """One NODES line: `id state[ myself] incarnation resp admin dram_used/dram_capacity`."""
+    resp = ":".join(map(str, meta.get("resp", ["?", "?"])))
+    admin = ":".join(map(str, meta.get("admin", ["?", "?"])))
+    me = " myself" if myself else ""
+    return (f"{node_id} {state}{me} {incarnation} {resp} {admin} "
+            f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
 
 
 class Cluster:
@@ -116,8 +140,7 @@ class Cluster:
         }
 
     def _advertised_host(self) -> str:
-        bind = self.node_cfg.server.bind
-        return "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind
+        return advertised_host(self.node_cfg.server.bind)
 
     async def _refresh_meta(self) -> None:
         while True:
@@ -134,22 +157,32 @@ class Cluster:
         kind = event.kind.value
         if kind == "suspect":
             self.suspects.add(m.node_id)
+            log.info("cluster: %s is suspect (missed its probes at %s:%d)", m.node_id, *m.addr)
             return
         self.suspects.discard(m.node_id)
         if kind in ("joined", "updated", "alive"):
-            self._follow(m.node_id, m.meta)
+            moved = self._follow(m.node_id, m.meta)
+            resp = "%s:%s" % self.addresses[m.node_id] if m.node_id in self.addresses else "no RESP address"
+            if kind == "joined":
+                back = f" (back after {event.previous.name.lower()})" if event.previous is not None else ""
+                log.info("cluster: %s joined%s: gossip %s:%d, RESP %s", m.node_id, back, *m.addr, resp)
+            elif kind == "alive":
+                log.info("cluster: %s is alive again (refuted the suspicion)", m.node_id)
+            elif moved:
+                log.info("cluster: %s now serves RESP at %s", m.node_id, resp)
         elif kind in ("dead", "left"):
             self._forget(m.node_id, kind)
 
-    def _follow(self, peer: str, meta: dict) -> None:
+    def _follow(self, peer: str, meta: dict) -> bool:
+        """Follow `peer`'s log at the RESP address its meta names; whether a follower was (re)started."""
         try:
             host, port = meta["resp"][0], int(meta["resp"][1])
         except (KeyError, IndexError, TypeError, ValueError):
             self.stats["members_without_address"] += 1
-            return
+            return False
         self.peer_meta[peer] = meta
         if self.addresses.get(peer) == (host, port) and peer in self.followers:
-            return
+            return False
         old = self.followers.pop(peer, None)
         if old is not None:
             asyncio.ensure_future(old.stop())
@@ -159,7 +192,7 @@ class Cluster:
         follower.start()
         if peer not in self.control.pool:
             self.control.pool.append(peer)
-        log.info("cluster: following %s at %s:%d", peer, host, port)
+        return True
 
     def _forget(self, peer: str, why: str) -> None:
         follower = self.followers.pop(peer, None)
@@ -174,23 +207,18 @@ class Cluster:
         if peer in self.control.pool:
             self.control.pool.remove(peer)
         self.stats[f"members_{why}"] += 1
-        log.warning("cluster: %s is %s; dropped its %d residencies", peer, why, dropped)
+        if why == "left":
+            log.info("cluster: %s left; dropped its %d residencies", peer, dropped)
+        else:
+            log.warning("cluster: %s is dead; dropped its %d residencies", peer, dropped)
 
     def members(self) -> list:
         return self.gossip.members() if self.gossip is not None else []
 
     def node_lines(self) -> list[str]:
         """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""
-        lines = []
-        for m in sorted(self.members(), key=lambda m: (m.node_id != self.node_id, m.node_id)):
-            meta = m.meta or {}
-            resp = ":".join(map(str, meta.get("resp", ["?", "?"])))
-            admin = ":".join(map(str, meta.get("admin", ["?", "?"])))
-            state = m.state.name.lower()
-            me = " myself" if m.node_id == self.node_id else ""
-            lines.append(f"{m.node_id} {state}{me} {m.incarnation} {resp} {admin} "
-                         f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
-        return lines
+        return [node_line(m.node_id, m.state.name.lower(), m.incarnation, m.meta or {}, m.node_id == self.node_id)
+                for m in sorted(self.members(), key=lambda m: (m.node_id != self.node_id, m.node_id))]
 
     # -- the replication log ----------------------------------------------------
     def _snapshot_source(self):

@@ -27,6 +27,12 @@ answered), then cancels and awaits every task and closes both sockets.
 Member addresses must be IP literals (UDP replies go to `sendto`): the
 advertised host is resolved once at start; seeds may be names (resolved at
 start when possible; TCP connects resolve them anyway).
+
+Seeds that do not answer are said so: while a node with seeds is alone (no
+other live member), a WARNING after `SEED_WARN_AFTER` seconds names each seed
+and what went wrong with it (refused, timed out, failed authentication...),
+repeated at most every `SEED_WARN_EVERY` seconds while it lasts; an INFO line
+once contact is made after such a warning.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ MAX_INBOUND_SYNCS = 16  # push/pulls we serve at once; more connections are clos
 MIN_SLEEP = 0.001  # seconds: the ticker never spins
 BIND_ATTEMPTS = 8  # port 0: tries at finding a number free for both UDP and TCP
 SKEW_LOG_INTERVAL = 60.0  # seconds between two warnings about packets stamped outside the replay window
+SEED_WARN_AFTER = 10.0  # seconds alone, with seeds configured, before warning that none answers
+SEED_WARN_EVERY = 60.0  # seconds between two such warnings while the node stays alone
 _LEN = struct.Struct(">I")
 
 
@@ -120,6 +128,10 @@ class Gossip:
         self._wake = asyncio.Event()
         self._sleep_until = 0.0
         self._closing = False
+        self._seed_addrs: list[Addr] = []  # the seeds, resolved (this node's own address left out)
+        self._seed_problems: dict[Addr, str] = {}  # seed -> what went wrong the last time it was tried
+        self._alone_since: float | None = None
+        self._seeds_warned_at: float | None = None
 
     # -- public ----------------------------------------------------------------
 
@@ -150,7 +162,10 @@ class Gossip:
         host = await self._advertised_ip(loop)
         self.swim = Swim.from_config(self.node_id, (host, self.port), self._meta, self.cfg,
                                      clock=time.monotonic, rng=self._rng)
-        self.swim.join(await self._resolve_seeds(loop))
+        seeds = await self._resolve_seeds(loop)
+        self._seed_addrs = [a for a in seeds if a != self.swim.addr]
+        self._alone_since = time.monotonic()
+        self.swim.join(seeds)
         self._pump()
         self._ticker = asyncio.create_task(self._tick_loop(), name=f"gossip-tick-{self.node_id}")
 
@@ -275,6 +290,7 @@ class Gossip:
             try:
                 self.swim.tick(time.monotonic())
                 self._pump()
+                self._check_seeds(time.monotonic())
             except Exception:
                 log.exception("gossip: tick failed")
                 self.stats["gossip_internal_errors"] += 1
@@ -315,18 +331,52 @@ class Gossip:
                 reply = self._codec.decode_frame(await _read_frame(reader))
         except MalformedPacket as e:
             self._count_bad(e, addr)
+            self._seed_problem(addr, "answered with a packet that failed authentication (is cluster.secret the "
+                                     "same on every node?)" if isinstance(e, AuthFailure) else
+                                     f"answered with a packet that was refused ({e})")
             return
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             self.stats["gossip_push_pull_failed"] += 1
+            self._seed_problem(addr, f"no answer within {SYNC_TIMEOUT:.0f} s" if isinstance(e, asyncio.TimeoutError)
+                               else "closed the connection mid-exchange" if isinstance(e, asyncio.IncompleteReadError)
+                               else (e.strerror or str(e) or type(e).__name__).lower())
             return
         finally:
             if writer is not None:
                 writer.close()
+        self._seed_problems.pop(addr, None)
         if self._closing:
             return
         self.swim.merge_state(reply)
         self.stats["gossip_push_pull_ok"] += 1
         self._pump()
+
+    # -- seeds that do not answer --------------------------------------------
+
+    def _seed_problem(self, addr: Addr, what: str) -> None:
+        if addr in self._seed_addrs:
+            self._seed_problems[addr] = what
+
+    def _check_seeds(self, now: float) -> None:
+        """Warn while this node, which has seeds, is alone; say when that ends."""
+        if not self._seed_addrs or self.swim is None:
+            return
+        if self.swim.live_count() > 1:
+            if self._seeds_warned_at is not None:
+                log.info("gossip: in contact with the cluster after %.0f s alone", now - self._alone_since)
+            self._alone_since = self._seeds_warned_at = None
+            return
+        if self._alone_since is None:
+            self._alone_since = now
+        if now - self._alone_since < SEED_WARN_AFTER or (
+                self._seeds_warned_at is not None and now - self._seeds_warned_at < SEED_WARN_EVERY):
+            return
+        self._seeds_warned_at = now
+        seeds = "; ".join(f"{host}:{port} {self._seed_problems.get((host, port), 'has not answered')}"
+                          for host, port in self._seed_addrs)
+        retry = min(self.cfg.push_pull_interval_ms, 4 * self.cfg.probe_interval_ms) / 1000
+        log.warning("gossip: no seed has answered for %.0f s, this node is alone (%s); still trying every %g s",
+                    now - self._alone_since, seeds, retry)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer one push/pull: merge the peer's table, reply with ours."""

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from quilld import __version__
+from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
 from quilld.http.perimeter import loopback_only, parse_json
@@ -270,10 +271,14 @@ async def hot(request: web.Request) -> web.Response:
 
 
 async def nodes(request: web.Request) -> web.Response:
-    """The cluster's members as this node sees them (404 when not in a cluster)."""
+    """The cluster's members as this node sees them; outside a cluster, the node itself."""
     node = request.app[NODE]
     if node.cluster is None:
-        return _json_error(404, "this node is not in a cluster (cluster.gossip_port is 0)")
+        ks = node.keyspace
+        meta = standalone_meta(node.cfg.server.bind, node.port, node.admin_port, ks.used, ks.capacity)
+        return web.json_response({"node_id": node.node_id, "nodes": [
+            {"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
+             "following": False, **meta}]})
     out = []
     for m in node.cluster.members():
         out.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import time
@@ -268,3 +269,87 @@ def test_gossip_needs_a_secret_off_loopback_and_counts_replays_in_info(cluster):
     assert info["cluster_gossip_auth_failures"] == 1 and info["cluster_gossip_stale_rejected"] == 0
     time.sleep(1.0)  # several probe rounds: b was never declared dead
     assert members(a) == {"a": "alive", "b": "alive"}
+
+
+# -- a cluster that speaks (issue 14, item 3) --------------------------------------------------
+
+def test_a_single_node_answers_nodes_and_v1_nodes_with_itself(tmp_path):
+    import json
+    import urllib.request
+
+    q = start_quilld(tmp_path, "--node-id", "solo", "--dram", "64MiB")
+    try:
+        r = redis.Redis(port=q.port, socket_timeout=10)
+        r.set("blk", b"x" * 100_000)
+        line = r.execute_command("NODES").decode()
+        assert line.endswith("\n") and line.count("\n") == 1, line
+        node_id, state, me, incarnation, resp, admin, dram = line.split()
+        assert (node_id, state, me, incarnation) == ("solo", "alive", "myself", "0")
+        assert (resp, admin) == (f"127.0.0.1:{q.port}", f"127.0.0.1:{q.admin_port}")
+        used, capacity = map(int, dram.split("/"))
+        assert capacity == 64 * MiB and used >= 100_000
+        with urllib.request.urlopen(f"http://127.0.0.1:{q.admin_port}/v1/nodes", timeout=5) as resp_:
+            view = json.loads(resp_.read())
+        assert view["node_id"] == "solo" and len(view["nodes"]) == 1, view
+        me_ = view["nodes"][0]
+        assert (me_["id"], me_["state"], me_["self"], me_["incarnation"]) == ("solo", "alive", True, 0)
+        assert me_["resp"] == ["127.0.0.1", q.port] and me_["admin"] == ["127.0.0.1", q.admin_port]
+        assert me_["dram_capacity"] == 64 * MiB and me_["dram_used"] >= 100_000
+    finally:
+        stop_process(q.proc)
+
+
+def test_seeds_without_a_gossip_port_is_a_startup_error():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    proc = subprocess.run([sys.executable, "-m", "quilld", "--port", str(free_port()), "--admin-port", "0",
+                           "--dram", "16MiB", "--seeds", "127.0.0.1:7381"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "cluster.seeds (--seeds) needs cluster.gossip_port (--gossip-port)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_membership_changes_are_logged_one_line_each(cluster):
+    three(cluster)
+    log_a = cluster.nodes["a"].log
+    for name in "bc":
+        until(lambda name=name: re.search(rf"INFO quilld.cluster: cluster: {name} joined: gossip 127\.0\.0\.1:"
+                                          rf"{cluster.gossip[name]}, RESP 127\.0\.0\.1:{cluster.nodes[name].port}",
+                                          log_a()), 5, f"a to log that {name} joined")
+    c_node = cluster.nodes["c"]
+    os.kill(c_node.proc.pid, signal.SIGKILL)
+    c_node.proc.wait(5)
+    until(lambda: "WARNING quilld.cluster: cluster: c is dead; dropped its" in log_a(), DEAD_BOUND, "a: c is dead")
+    logs = log_a() + cluster.nodes["b"].log()
+    assert "INFO quilld.cluster: cluster: c is suspect" in logs, logs  # before dead, on a or b
+    cluster.start("c", ["a"])
+    until(lambda: "INFO quilld.cluster: cluster: c joined (back after dead): gossip" in log_a(), 15,
+          "a to log that c came back")
+    stop_process(cluster.nodes["b"].proc)
+    until(lambda: "INFO quilld.cluster: cluster: b left; dropped its" in log_a(), 10, "a to log that b left")
+    said = [ln for ln in log_a().splitlines() if "quilld.cluster: cluster: c " in ln]
+    kinds = [re.sub(r".*cluster: c ((joined( \(back after dead\))?)|is suspect|is dead|is alive again).*", r"\1", ln)
+             for ln in said]
+    # one line per change: joined, (suspect), dead, back; never the same change twice in a row
+    assert kinds[0] == "joined" and "is dead" in kinds and kinds[-1] == "joined (back after dead)", said
+    assert all(x != y for x, y in zip(kinds, kinds[1:])), said
+
+
+def test_unanswered_seeds_are_warned_about_then_contact_is_said(cluster):
+    seed_port = free_udp_tcp_port()
+    cluster.gossip["a"] = seed_port  # a is not started yet: b's seed answers nothing
+    t0 = time.monotonic()
+    b = cluster.start("b", ["a"])
+    until(lambda: "WARNING quilld.gossip: gossip: no seed has answered" in b.log(), 25,
+          "b to warn that its seed does not answer")
+    assert time.monotonic() - t0 >= 9.5, "warned before the bounded wait"
+    warning = next(ln for ln in b.log().splitlines() if "no seed has answered" in ln)
+    assert f"127.0.0.1:{seed_port} connection refused" in warning, warning
+    cluster.start("a")
+    until(lambda: members(cluster.client("b")) == {"a": "alive", "b": "alive"}, 15, "b to reach a")
+    until(lambda: "INFO quilld.gossip: gossip: in contact with the cluster after" in b.log(), 5,
+          "b to say it is in contact")
+    assert b.log().count("no seed has answered") == 1  # at most once a minute

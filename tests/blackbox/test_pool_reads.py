@@ -3,22 +3,28 @@
 LMCache's `redis://` connector (replayed as tests/blackbox/test_lmcache_styles.py does:
 a pool from the URL, `K + "kv_bytes"` written before `K + "metadata"`, `EXISTS K +
 "metadata"` as the lookup, metadata then kv_bytes as the read) writes on node a and reads
-on nodes b and c, unchanged.
+on nodes b and c, unchanged. The README's walk from one node to three runs as written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import signal
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
 import redis
 import redis.asyncio as aioredis
-from test_cluster import Cluster, holders, members, three, until
+from test_cluster import Cluster, free_udp_tcp_port, holders, members, three, until
 from test_lmcache_styles import assert_same, chunk_key, metadata, payload
+
+from conftest import ROOT, free_port
 
 MiB = 1024 * 1024
 CHUNK = 4 * MiB  # an LMCache chunk here: big enough to be an arena block, small enough to be quick
@@ -180,4 +186,65 @@ def test_a_holder_killed_is_a_miss_on_get_never_an_error(cluster):
     assert b.mget(["big", "other"]) == [None, None]
     assert time.monotonic() - t0 < 10, "a dead holder must not hold a read up"
     assert cluster_info(b)["cluster_pool_read_errors"] >= 1
+
+
+# -- the README's walk from one node to three ----------------------------------------------
+
+WALKTHROUGH = re.compile(r"<!-- walkthrough: three-nodes -->\n```sh\n(.*?)```", re.DOTALL)
+WALK_PORTS = ("7379", "7380", "7381", "7479", "7480", "7481", "7579", "7580", "7581")
+WALK_TIMEOUT = 90.0
+
+
+def test_the_readme_walk_from_one_node_to_three_runs_as_written(tmp_path):
+    m = WALKTHROUGH.search((ROOT / "README.md").read_text())
+    assert m, "README.md lost its three-node walkthrough"
+    ports = {p: str(free_udp_tcp_port() if p.endswith("81") else free_port()) for p in WALK_PORTS}
+    script = re.sub(r"\b(" + "|".join(WALK_PORTS) + r")\b", lambda x: ports[x[1]], m[1])
+    assert script.count("quilld ") == 3 and "kill %1 %2 %3" in script
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "quilld").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m quilld \"$@\"\n")
+    (shims / "quilld").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    env.update(PYTHONPATH=str(ROOT), PATH=f"{shims}:{env.get('PATH', '')}")
+    log = tmp_path / "nodes.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], stdout=subprocess.PIPE, stderr=err,
+                                cwd=tmp_path, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=WALK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the walkthrough did not finish in {WALK_TIMEOUT} s:\n{log.read_text(errors='replace')}")
+    finally:
+        _end_group(proc.pid, terminate=proc.returncode is None)
+    text = out.decode(errors="replace")
+    nodes_log = log.read_text(errors="replace")
+    assert proc.returncode == 0, f"{text}\n{nodes_log}"
+    lines = text.splitlines()
+    nodes = [ln for ln in lines if re.match(r"^[abc] (alive|suspect)", ln)]
+    assert [ln.split()[:2] for ln in nodes] == [["c", "alive"], ["a", "alive"], ["b", "alive"]], text
+    assert "myself" in nodes[0] and f"127.0.0.1:{ports['7579']}" in nodes[0], text
+    assert "OK" in lines and "65537" in lines, text
+    located = lines[lines.index("65537") + 1:]
+    assert {"a", "c"} <= set(located), text  # LOCATE on c: a's copy and c's own
+    assert "cluster_peer_fetches:1" in lines and "cluster_pool_read_hits:1" in lines, text
+    for name in "bc":
+        assert re.search(rf"cluster: {name} joined: gossip 127\.0\.0\.1:\d+, RESP 127\.0\.0\.1:\d+", nodes_log), \
+            nodes_log
+    assert "Traceback" not in nodes_log, nodes_log
+    assert nodes_log.count("quilld stopped") == 3, nodes_log  # `kill %1 %2 %3`: three clean stops
+
+
+def _end_group(pgid: int, terminate: bool, timeout: float = 15.0) -> None:
+    """Wait until every process the walkthrough started is gone (its own `kill` stops the nodes;
+    SIGTERM first when it did not finish), SIGKILL what is left after `timeout`."""
+    deadline = time.monotonic() + timeout
+    try:
+        os.killpg(pgid, signal.SIGTERM if terminate else 0)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            os.killpg(pgid, 0)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
 

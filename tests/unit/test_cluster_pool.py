@@ -1,4 +1,4 @@
-"""`Cluster.pool_read` / `pool_has` (GET, MGET, EXISTS across the pool).
+"""`Cluster.pool_read` / `pool_has` (GET, MGET, EXISTS across the pool) and the membership log lines.
 
 Real keyspace, scopes, control plane, feed and directory; gossip is never started and the
 network is replaced by `Peers`, which stands in for `Transfers.fetch_into` only: each peer
@@ -11,6 +11,7 @@ and a failure is a miss, never an error.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import crc32c
 import pytest
@@ -19,6 +20,8 @@ from quilld.cluster import cluster as cluster_mod
 from quilld.cluster.cluster import Cluster
 from quilld.cluster.peer_client import PeerError
 from quilld.cluster.replog import ReplicationLog
+from quilld.cluster.swim import Event, EventKind, Member
+from quilld.cluster.wire import State
 from quilld.config import ClusterConfig, Config, DramConfig
 from quilld.index.control import ControlPlane
 from quilld.index.residency_feed import ResidencyFeed
@@ -176,3 +179,61 @@ def test_many_keys_are_read_at_once():
     got, took = run(timed())
     assert got == [b"v"] * 4 and took < 0.6  # four 0.2 s asks side by side, not one after another
 
+
+# -- membership, said in the log ----------------------------------------------------------
+
+class _Follower:
+    def __init__(self, *args) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def member(node_id: str, state: State, port: int = 7479) -> Member:
+    return Member(node_id, ("127.0.0.1", 8000), 3, state, {"resp": ["127.0.0.1", port]}, 0.0)
+
+
+def test_each_membership_change_is_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(cluster_mod, "Follower", _Follower)
+    cluster, _, _ = make({})
+    cluster.addresses.clear()
+    events = [
+        (EventKind.JOINED, State.ALIVE, None, logging.INFO, "cluster: b joined: gossip 127.0.0.1:8000, RESP 127.0.0.1:7479"),
+        (EventKind.UPDATED, State.ALIVE, State.ALIVE, None, None),  # meta refreshed every second: quiet
+        (EventKind.SUSPECT, State.SUSPECT, State.ALIVE, logging.INFO, "cluster: b is suspect"),
+        (EventKind.ALIVE, State.ALIVE, State.SUSPECT, logging.INFO, "cluster: b is alive again"),
+        (EventKind.SUSPECT, State.SUSPECT, State.ALIVE, logging.INFO, "cluster: b is suspect"),
+        (EventKind.DEAD, State.DEAD, State.SUSPECT, logging.WARNING, "cluster: b is dead; dropped its 0 residencies"),
+        (EventKind.JOINED, State.ALIVE, State.DEAD, logging.INFO, "cluster: b joined (back after dead): gossip"),
+        (EventKind.LEFT, State.LEFT, State.ALIVE, logging.INFO, "cluster: b left; dropped its 0 residencies"),
+    ]
+
+    async def scenario():
+        for kind, state, previous, level, text in events:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="quilld.cluster"):
+                cluster._on_event(Event(kind, member("b", state), previous))
+            lines = [r for r in caplog.records if r.name == "quilld.cluster"]
+            if text is None:
+                assert lines == [], [r.getMessage() for r in lines]
+                continue
+            assert len(lines) == 1, [r.getMessage() for r in lines]
+            assert lines[0].levelno == level and lines[0].getMessage().startswith(text), lines[0].getMessage()
+            assert ("b" in cluster.suspects) is (kind is EventKind.SUSPECT)
+
+    asyncio.run(scenario())
+    # a member whose RESP address moved is followed there, and that is said once
+    caplog.clear()
+
+    async def moved():
+        with caplog.at_level(logging.INFO, logger="quilld.cluster"):
+            cluster._on_event(Event(EventKind.JOINED, member("c", State.ALIVE, 7579), None))
+            cluster._on_event(Event(EventKind.UPDATED, member("c", State.ALIVE, 7679), State.ALIVE))
+
+    asyncio.run(moved())
+    said = [r.getMessage() for r in caplog.records if r.name == "quilld.cluster"]
+    assert said[-1] == "cluster: c now serves RESP at 127.0.0.1:7679" and len(said) == 2, said

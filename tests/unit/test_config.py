@@ -496,6 +496,16 @@ def test_malformed_scoped_login_names_are_refused(name):
         split_login(name)
 
 
+def test_seeds_without_a_gossip_port_are_a_startup_error():
+    with pytest.raises(ConfigError, match=r"cluster.seeds \(--seeds\) needs cluster.gossip_port \(--gossip-port\)"):
+        load(environ={"QUILLD_CLUSTER_SEEDS": "127.0.0.1:7381"})
+    with pytest.raises(ConfigError, match="needs cluster.gossip_port"):
+        load(environ={}, overrides=_overrides(_parser().parse_args(["--seeds", "127.0.0.1:7381"])))
+    cfg = load(environ={}, overrides=_overrides(_parser().parse_args(["--seeds", "127.0.0.1:7381",
+                                                                     "--gossip-port", "7481"])))
+    assert cfg.cluster.seeds == "127.0.0.1:7381" and cfg.cluster.gossip_port == 7481
+
+
 def test_pool_reads_and_require_scope_defaults_and_switches():
     cfg = load(environ={})
     assert cfg.cluster.pool_reads is True and cfg.security.require_scope is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING
 
+from quilld.cluster.cluster import node_line, standalone_meta
 from quilld.cluster.replog import Behind as LogBehind
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope, Pending
@@ -139,9 +140,16 @@ def cmd_peerrelease(c, args):
 
 
 def cmd_nodes(c, args):
-    """NODES: one line per member: id, state, incarnation, RESP and admin addresses, usage."""
-    cluster = _cluster(c)
-    return "".join(line + "\n" for line in cluster.node_lines()).encode()
+    """NODES: one line per member: id, state, incarnation, RESP and admin addresses, usage. A node
+    outside any cluster answers with itself, in the same format."""
+    cluster, ctx = c.ctx.cluster, c.ctx
+    if cluster is not None:
+        lines = cluster.node_lines()
+    else:
+        ks = ctx.keyspace
+        meta = standalone_meta(ctx.cfg.server.bind, ctx.port, ctx.admin_port, ks.used, ks.capacity)
+        lines = [node_line(ctx.node_id, "alive", 0, meta, myself=True)]
+    return "".join(line + "\n" for line in lines).encode()
 
 
 def register(t: CommandTable) -> None:
