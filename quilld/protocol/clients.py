@@ -1,7 +1,14 @@
-"""The node's open RESP connections and the counters they feed (INFO stats, CLIENT LIST)."""
+"""The node's open RESP connections and the counters they feed (INFO stats, CLIENT LIST).
+
+Also what concerns them all at once: CLIENT PAUSE (commands wait, every connection's or
+only their writes, until the pause ends), MONITOR (each command run is sent to the
+monitoring connections of the same user) and the idle timeout (redis's `timeout`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +35,10 @@ class Clients:
         self._progress: dict[int, tuple[int, float]] = {}  # session id -> (payload bytes seen, since when)
         self._stall_check = 0.0
         self._samples: deque[tuple[float, int, int, int]] = deque(maxlen=3)  # INFO's instantaneous figures
+        self.paused: tuple[str, float] | None = None  # CLIENT PAUSE: ("all" | "write", until monotonic)
+        self._held: set[RespConnection] = set()  # connections whose next command waits for the pause's end
+        self._pause_timer: asyncio.TimerHandle | None = None
+        self.monitors: dict[int, RespConnection] = {}  # MONITOR: session id -> connection
 
     def opened(self, conn: RespConnection) -> bool:
         """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
@@ -50,6 +61,8 @@ class Clients:
         return True
 
     def closed(self, conn: RespConnection) -> None:
+        self.monitor_off(conn.session)
+        self._held.discard(conn)
         conn.session.close()
         self.connections.pop(conn.session.id, None)
         self.sessions.pop(conn.session.id, None)
@@ -81,6 +94,7 @@ class Clients:
             return 0
         self._stall_check = now
         self._samples.append((now, self.commands_processed, self.net_in, self.net_out))
+        self._close_idle(now)
         progress, closed = self._progress, 0
         for sid, conn in list(self.connections.items()):
             filled = conn.parser.sink_progress()
@@ -98,6 +112,82 @@ class Clients:
         for sid in [s for s in progress if s not in self.connections]:
             del progress[sid]
         return closed
+
+    def _close_idle(self, now: float) -> None:
+        """Close clients idle longer than the runtime `timeout` (seconds; 0: never), as redis does:
+        not a monitor, nor one waiting for a reply or for a pause to end."""
+        for conn in list(self.connections.values()):
+            timeout = conn.ctx.runtime.timeout
+            if not timeout:
+                return
+            s = conn.session
+            if now - s.last_active > timeout and not s.monitor and conn not in self._held and not conn.busy:
+                conn.transport.close()
+
+    # -- CLIENT PAUSE ---------------------------------------------------------
+    def pause(self, mode: str, seconds: float) -> None:
+        """Hold every client's commands ("all") or their writes ("write") for `seconds`; a pause
+        already on keeps the longer end and the stricter mode, as redis's pauseClients."""
+        until = time.monotonic() + seconds
+        if self.paused is not None:
+            old_mode, old_until = self.paused
+            mode = "all" if "all" in (mode, old_mode) else "write"
+            until = max(until, old_until)
+        self.paused = (mode, until)
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (handler tests): the end is noticed by holds()
+            return
+        self._pause_timer = loop.call_later(max(until - time.monotonic(), 0), self.unpause)
+
+    def unpause(self) -> None:
+        """End the pause: the held connections run what they kept."""
+        self.paused = None
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
+        held, self._held = self._held, set()
+        for conn in held:
+            conn.resume_after_pause()
+
+    def holds(self, conn: RespConnection, cmd: Any) -> bool:
+        """Whether the pause holds `cmd` (a table Command, or None for an unknown one) of `conn`."""
+        mode, until = self.paused
+        if time.monotonic() >= until:
+            self.unpause()
+            return False
+        if mode == "all" or (cmd is not None and "write" in cmd.info_flags):
+            self._held.add(conn)
+            return True
+        return False
+
+    # -- MONITOR --------------------------------------------------------------
+    def monitor_on(self, session: Any) -> None:
+        conn = self.connections.get(session.id)
+        if conn is None:
+            return
+        session.monitor = True
+        self.monitors[session.id] = conn
+        conn.ctx.table.set_monitor(self._feed)
+
+    def monitor_off(self, session: Any) -> None:
+        session.monitor = False
+        conn = self.monitors.pop(session.id, None)
+        if conn is not None and not self.monitors:
+            conn.ctx.table.set_monitor(None)
+
+    def _feed(self, client: Any, cmd: Any, args: list) -> None:
+        """Send one command run by `client` to the monitors of its user (redis's
+        replicationFeedMonitors): a tenant never sees another tenant's commands."""
+        line = None
+        for conn in self.monitors.values():
+            if conn.session.user != client.user:
+                continue
+            if line is None:
+                line = monitor_line(client, cmd, args, time.time())
+            conn.push(line)
 
     def instantaneous(self) -> tuple[int, float, float]:
         """Commands per second and KiB per second in and out, over the last seconds' samples
@@ -118,3 +208,29 @@ class Clients:
     def reset_stats(self) -> None:
         self.stats.clear()
         self.commands_processed = self.net_in = self.net_out = 0
+
+
+_REPR = {0x5C: b"\\\\", 0x22: b'\\"', 0x0A: b"\\n", 0x0D: b"\\r", 0x09: b"\\t", 0x07: b"\\a", 0x08: b"\\b"}
+
+
+def quoted(raw: bytes) -> bytes:
+    """An argument as redis's sdscatrepr quotes it: "...", escapes, \\xHH for unprintable bytes."""
+    out = bytearray(b'"')
+    for b in raw:
+        esc = _REPR.get(b)
+        if esc is not None:
+            out += esc
+        elif 32 <= b < 127:
+            out.append(b)
+        else:
+            out += b"\\x%02x" % b
+    out += b'"'
+    return bytes(out)
+
+
+def monitor_line(client: Any, cmd: Any, args: list, now: float) -> bytes:
+    """`+<seconds>.<micros> [0 <addr>] "arg" ...` with the arguments the command hides redacted."""
+    hidden = set(cmd.doc.redact(args)) if cmd is not None and cmd.doc is not None and cmd.doc.redact else ()
+    parts = [b'"(redacted)"' if i in hidden else quoted(bytes(a)) for i, a in enumerate(args)]
+    secs = int(now)
+    return b"+%d.%06d [0 %s] %s\r\n" % (secs, int((now - secs) * 1e6), client.addr.encode(), b" ".join(parts))

@@ -57,8 +57,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self.clients = ctx.clients
         self._large_target = large_target
         self._release_args = release_args
-        self.parser = RespParser(max_bulk_len=ctx.cfg.server.proto_max_bulk_len)
-        self._query_limit = ctx.cfg.server.client_query_buffer_limit
+        self.parser = RespParser(max_bulk_len=ctx.runtime.proto_max_bulk_len)
         self._rbuf = _shared_rbuf
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
         self._large = False  # the command being parsed carries a large bulk
@@ -68,6 +67,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._deferred: asyncio.Future | None = None  # a reply being awaited (disk or peer read)
         self._backlog: list = []  # parsed commands queued behind the deferred reply
+        self._out: list | None = None  # the replies being gathered by _process (MONITOR lines join them)
+        self._drop_deferred = False  # CLIENT REPLY OFF/SKIP: the deferred reply is not sent
 
     # -- transport callbacks ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -110,20 +111,49 @@ class RespConnection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         self.check_drained()
 
+    @property
+    def busy(self) -> bool:
+        """A reply is being awaited (disk, peer, arena space)."""
+        return self._deferred is not None or self._waiting is not None
+
+    def push(self, data: bytes) -> None:
+        """Send `data` (a MONITOR line) after the replies already due on this connection."""
+        if self._out is not None:
+            self._out.append(data)
+        elif not self.transport.is_closing():
+            self.clients.net_out += len(data)
+            self.transport.write(data)
+
+    def resume_after_pause(self) -> None:
+        """CLIENT PAUSE ended: run the commands it held."""
+        if self.transport.is_closing():
+            return
+        if not self._write_paused:
+            self.transport.resume_reading()
+        self._process()
+
     # -- the loop over buffered commands ----------------------------------
     def _process(self) -> None:
         """Run every complete command buffered, in order, and write their replies in one go."""
         if self._waiting is not None or self._deferred is not None:
             return  # a large bulk waits for arena space, or a reply for the disk: nothing may overtake it
         session, out, pins = self.session, [], []
+        clients = self.clients
+        self._out = out
         ncmds = 0
         while not session.closing:
             batch = self._next_batch(out)
             if not batch:
                 break
-            ncmds += self._run_batch(batch, out, pins)
+            if session.reply_mode or clients.paused is not None:
+                ncmds += self._run_careful(batch, out, pins)
+                if self._backlog and not self._deferred and clients.paused is not None:
+                    break  # held by CLIENT PAUSE
+            else:
+                ncmds += self._run_batch(batch, out, pins)
             if self._deferred is not None:
                 break
+        self._out = None
         if ncmds:
             self.clients.commands_processed += ncmds
             session.last_active = time.monotonic()
@@ -155,7 +185,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 self.session.closing = True
                 return None
             if item is None:
-                if parser.query_bytes() > self._query_limit:
+                if parser.query_bytes() > self.ctx.runtime.client_query_buffer_limit:
                     self._over_query_limit()
                 return None
             if item.__class__ is LargeBulk:
@@ -205,6 +235,39 @@ class RespConnection(asyncio.BufferedProtocol):
                 resp3 = session.resp3  # HELLO may have switched the protocol
                 if session.closing:
                     return i + 1  # QUIT: what follows it is never run
+                if session.reply_mode or self.clients.paused is not None:
+                    self._backlog = list(batch[i + 1:])  # CLIENT REPLY or PAUSE: the rest runs carefully
+                    return i + 1
+        return len(batch)
+
+    def _run_careful(self, batch: list | tuple, out: list, pins: list) -> int:
+        """One command at a time while CLIENT PAUSE may hold commands or CLIENT REPLY OFF/SKIP
+        drops replies (redis's order: SKIP drops the reply of the command after it, ON is answered)."""
+        session, clients, table = self.session, self.clients, self.ctx.table
+        for i, item in enumerate(batch):
+            if clients.paused is not None and clients.holds(self, table.resolve(item)):
+                self._backlog = list(batch[i:])
+                self.transport.pause_reading()
+                return i
+            mode = session.reply_mode  # Session.reply_mode: 0 on, 1 off, 2 skip this reply, 3 skip the next
+            if mode == 3:
+                session.reply_mode = mode = 2
+            mark, held = len(out), len(pins)
+            self._run_batch((item,), out, pins)
+            if mode and session.reply_mode:  # the reply of a command run while replies are off
+                del out[mark:]
+                for release in pins[held:]:
+                    release()
+                del pins[held:]
+                self._drop_deferred = self._deferred is not None
+                if mode == 2 and session.reply_mode == 2:
+                    session.reply_mode = 0  # SKIP covered this one command
+            if session.closing or self._deferred is not None:
+                self._backlog = list(batch[i + 1:])
+                return i + 1
+            if not session.reply_mode and clients.paused is None:
+                self._backlog = list(batch[i + 1:])
+                return i + 1
         return len(batch)
 
     def _encode(self, reply: Any, out: list, pins: list) -> None:
@@ -241,6 +304,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _resolved(self, fut: asyncio.Future) -> None:
         self._deferred = None
+        drop, self._drop_deferred = self._drop_deferred, False
         if fut.cancelled():  # shutting down
             return
         try:
@@ -250,7 +314,9 @@ class RespConnection(asyncio.BufferedProtocol):
         except Exception as e:  # a bug in a read path: answer it rather than hang the client
             self.ctx.stats["internal_errors"] += 1
             reply = self.ctx.table.internal_error(self.session.last_cmd, e)
-        if self.transport.is_closing():
+        if isinstance(reply, QuillError):
+            self.ctx.table.failed(self.session.last_cmd, reply)
+        if self.transport.is_closing() or drop:
             pins: list = []
             _collect_pins(reply, pins)
             for release in pins:
@@ -304,7 +370,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self.clients.stats["client_query_buffer_limit_disconnections"] += 1
         log.warning("closing client that reached the max query buffer length: addr=%s id=%d qbuf=%d "
                     "limit=%d (qbuf initial bytes: %r)", session.addr, session.id, parser.query_bytes(),
-                    self._query_limit, parser.head(64))
+                    self.ctx.runtime.client_query_buffer_limit, parser.head(64))
         session.closing = True
 
     async def _wait_space(self) -> None:

@@ -48,7 +48,7 @@ UNSCOPED = _Unscoped()
 class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
-                 "closing", "qbuf", "peer")
+                 "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict")
 
     def __init__(self, ctx: NodeContext, addr: str, laddr: str) -> None:
         self.ctx = ctx
@@ -69,6 +69,9 @@ class Session:
         self.closing = False  # QUIT: close once the reply is written
         self.qbuf = 0
         self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
+        self.reply_mode = 0  # CLIENT REPLY: 0 on, 1 off, 3 skip the next command's reply (2: skipping it)
+        self.monitor = False  # MONITOR: the connection receives the commands its user runs
+        self.no_evict = False  # CLIENT NO-EVICT (a flag only: quilld never evicts clients)
         self.tag = b""
         self.set_scope(IdentityScope(), capped=False, chosen=False)
         if ctx.cfg.security.require_scope:
@@ -105,6 +108,19 @@ class Session:
         self.peer = True
         self.authenticated = True
         self.keyspace, self.puts = self.ctx.keyspace, self.ctx.puts
+
+    def reset(self) -> None:
+        """RESET: the state of a new connection (its id, addresses and age kept): RESP2, no name,
+        replies on, user `default` (authenticated only when it has no password), no scope chosen."""
+        self.name = None
+        self.resp3 = False
+        self.reply_mode = 0
+        self.monitor = self.no_evict = self.peer = False
+        self.user = "default"
+        self.authenticated = not self.ctx.users.required
+        self.set_scope(IdentityScope(), capped=False, chosen=not self.ctx.cfg.security.require_scope)
+        if self.ctx.cfg.security.require_scope:
+            self.keyspace = self.puts = UNSCOPED
 
     def close(self) -> None:
         """The connection is gone: its scope is no longer held by it."""

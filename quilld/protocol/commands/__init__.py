@@ -1,6 +1,7 @@
 """Command families, one module each; `build_table()` assembles the command table."""
 
-from quilld.protocol.commands import admin, bits, blocks, cluster, command_docs, connection, keys, route, strings
+from quilld.protocol.commands import (admin, bits, blocks, client, cluster, command_docs, connection, keys, route,
+                                     strings)
 from quilld.protocol.commands.catalogue import DOCS
 from quilld.protocol.table import CommandTable
 
@@ -8,6 +9,6 @@ from quilld.protocol.table import CommandTable
 def build_table() -> CommandTable:
     """Every family's rows, each with what COMMAND tells about it (catalogue/)."""
     table = CommandTable(DOCS)
-    for family in (connection, strings, bits, keys, blocks, route, admin, command_docs, cluster):
+    for family in (connection, client, strings, bits, keys, blocks, route, admin, command_docs, cluster):
         family.register(table)
     return table

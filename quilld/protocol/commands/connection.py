@@ -1,4 +1,4 @@
-"""Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, CLIENT, SCOPE.
+"""Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, SCOPE (CLIENT and RESET: client.py).
 
 Password guessing is slowed per client address (`AuthThrottle`): once an address
 has failed `security.auth_throttle_after` times within `auth_throttle_window_ms`,
@@ -196,7 +196,7 @@ def cmd_hello(c, args, throttle: AuthThrottle):
     def finish():
         if not c.authenticated:
             raise NoAuth("HELLO must be called with the client already authenticated, otherwise the "
-                         "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client "
+                         "HELLO AUTH <user> <pass> option can be used to authenticate the client "
                          "and select the RESP protocol version at the same time")
         if name is not None:
             c.name = name or None
@@ -229,67 +229,6 @@ def _client_name(raw: bytes) -> bytes:
     return raw
 
 
-def cmd_client_setname(c, args):
-    name = _client_name(args[2])
-    c.name = name or None
-    return OK
-
-
-def cmd_client_getname(c, args):
-    return c.name
-
-
-def cmd_client_id(c, args):
-    return c.id
-
-
-def cmd_client_setinfo(c, args):
-    attr = bytes(args[2]).upper()
-    if attr not in (b"LIB-NAME", b"LIB-VER"):
-        raise CommandError(f"Unrecognized option '{echo(args[2])}'")
-    value = bytes(args[3])
-    if any(b < 33 or b > 126 for b in value):
-        raise CommandError(f"{attr.lower().decode()} cannot contain spaces, newlines or special characters.")
-    if attr == b"LIB-NAME":
-        c.lib_name = value
-    else:
-        c.lib_ver = value
-    return OK
-
-
-def client_line(c, now: float) -> bytes:
-    name = c.name or b""
-    fields = (
-        f"id={c.id} addr={c.addr} laddr={c.laddr} fd=-1 name={name.decode()} "
-        f"age={int(now - c.created)} idle={int(now - c.last_active)} flags=N db=0 sub=0 psub=0 ssub=0 "
-        f"multi=-1 qbuf={c.qbuf} qbuf-free=0 argv-mem=0 multi-mem=0 rbs=0 rbp=0 obl=0 oll=0 omem=0 "
-        f"tot-mem=0 events=r cmd={c.last_cmd} user={c.user} redir=-1 resp={3 if c.resp3 else 2} "
-        f"lib-name={c.lib_name.decode()} lib-ver={c.lib_ver.decode()}"
-    )
-    return fields.encode() + b"\n"
-
-
-def cmd_client_list(c, args):
-    now = time.monotonic()
-    # a tenant sees its own connections only; the admin API shows everyone's
-    return b"".join(client_line(s, now) for s in c.ctx.clients.sessions.values() if s.user == c.user)
-
-
-def cmd_client_info(c, args):
-    return client_line(c, time.monotonic())
-
-
-def cmd_client_help(c, args):
-    return [b"CLIENT <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
-            b"GETNAME", b"    Return the name of the current connection.",
-            b"ID", b"    Return the ID of the current connection.",
-            b"INFO", b"    Return information about the current client connection.",
-            b"LIST", b"    Return information about client connections.",
-            b"SETINFO <option> <value>", b"    Set client meta attr. Options are: LIB-NAME, LIB-VER.",
-            b"SETNAME <name>", b"    Assign the name <name> to the current connection.",
-            b"HELP", b"    Print this help."]
-
-
 _MAX_SCOPE_FIELD = 256
 
 
@@ -319,15 +258,3 @@ def register(t: CommandTable) -> None:
     t.add("quit", -1, f"{NOAUTH} {FAST}", cmd_quit, "Closes the connection.", "connection")
     t.add("scope", -3, FAST, cmd_scope, "Sets the connection's identity scope: model tokenizer [adapter].",
           "quillcache", "0.1.0")
-    sub = CommandTable()
-    sub.add("client|setname", 3, FAST, cmd_client_setname, "Sets the connection name.", "connection", "2.6.9")
-    sub.add("client|getname", 2, FAST, cmd_client_getname, "Returns the name of the connection.", "connection")
-    sub.add("client|id", 2, FAST, cmd_client_id, "Returns the unique client ID of the connection.", "connection")
-    sub.add("client|setinfo", 4, FAST, cmd_client_setinfo, "Sets information specific to the client.",
-            "connection", "7.2.0")
-    sub.add("client|list", -2, "", cmd_client_list, "Lists open connections.", "connection")
-    sub.add("client|info", 2, "", cmd_client_info, "Returns information about the connection.", "connection")
-    sub.add("client|help", 2, "", cmd_client_help, "Returns helpful text about the different subcommands.",
-            "connection")
-    t.add("client", -2, "", lambda c, a: None, "A container for client connection commands.", "connection",
-          subcommands={name.split(b"|")[1]: cmd for name, cmd in sub.commands.items()})

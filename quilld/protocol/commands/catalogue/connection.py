@@ -116,10 +116,10 @@ CONNECTION = {
         ),
         args=(
             A("normal_master_replica_pubsub", "oneof", token="TYPE", flags="optional", since="5.0.0", args=(
-                A("normal", "pure-token", token="normal"),
-                A("master", "pure-token", token="master"),
-                A("replica", "pure-token", token="replica"),
-                A("pubsub", "pure-token", token="pubsub"),
+                A("normal", "pure-token", token="NORMAL"),
+                A("master", "pure-token", token="MASTER"),
+                A("replica", "pure-token", token="REPLICA"),
+                A("pubsub", "pure-token", token="PUBSUB"),
             )),
             A("id", "block", token="ID", flags="optional", since="6.2.0", args=(
                 A("client-id", "integer", flags="multiple"),
@@ -151,11 +151,11 @@ CONNECTION = {
                 A("new-format", "oneof", flags="multiple", args=(
                     A("client-id", "integer", token="ID", flags="optional", since="2.8.12"),
                     A("normal_master_slave_pubsub", "oneof", token="TYPE", flags="optional", since="2.8.12", args=(
-                        A("normal", "pure-token", token="normal"),
-                        A("master", "pure-token", token="master", since="3.2.0"),
-                        A("slave", "pure-token", token="slave"),
-                        A("replica", "pure-token", token="replica", since="5.0.0"),
-                        A("pubsub", "pure-token", token="pubsub"),
+                        A("normal", "pure-token", token="NORMAL"),
+                        A("master", "pure-token", token="MASTER", since="3.2.0"),
+                        A("slave", "pure-token", token="SLAVE"),
+                        A("replica", "pure-token", token="REPLICA", since="5.0.0"),
+                        A("pubsub", "pure-token", token="PUBSUB"),
                     )),
                     A("username", "string", token="USER", flags="optional"),
                     A("ip:port", "string", token="ADDR", flags="optional"),
