@@ -26,6 +26,7 @@ from quilld.cluster.cluster import Cluster
 from quilld.config import Config
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
+from quilld.http.metrics import NodeMetrics
 from quilld.index.control import ControlPlane
 from quilld.index.residency_feed import ResidencyFeed
 from quilld.protocol.clients import Clients
@@ -90,6 +91,7 @@ class Node:
             clients=Clients(cfg.server.max_clients, on_close=self._session_closed),
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
+        self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
         self._admin: AdminServer | None = None
         self._gateway: Gateway | None = None
@@ -132,7 +134,7 @@ class Node:
                 reuse_address=True, backlog=1024)
         ctx.port = self._server.sockets[0].getsockname()[1]
         if self.cfg.admin.port:
-            self._admin = AdminServer(ctx)
+            self._admin = AdminServer(ctx, self.metrics)
             async with _listening(ADMIN, s.bind, self.cfg.admin.port):
                 ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         self.phase = "subscribing to engines"
@@ -141,12 +143,13 @@ class Node:
         if self.cfg.cluster.gossip_port:
             self.phase = "joining the cluster"
             cluster = Cluster(self.cfg, ctx.node_id, ctx.keyspace, ctx.scopes, ctx.control, self.feed, self._usage)
+            cluster.observe_fetch = self.metrics.peer_fetch.observe
             ctx.cluster = cluster
             async with _listening(GOSSIP, s.bind, self.cfg.cluster.gossip_port):
                 await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"
-            self._gateway = Gateway(ctx)
+            self._gateway = Gateway(ctx, self.metrics.gateway_ttft)
             ctx.gateway = self._gateway
             async with _listening(GATEWAY, s.bind, self.cfg.gateway.port):
                 ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)

@@ -69,6 +69,10 @@ def node_line(node_id: str, state: str, incarnation: int, meta: dict, myself: bo
             f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
 
 
+def _ignore(seconds: float) -> None:
+    """No observer of peer fetches (the default; node.py gives the node's metrics)."""
+
+
 class Cluster:
     def __init__(self, cfg: Config, node_id: str, keyspace: Keyspace, scopes: ScopeRegistry,
                  control: ControlPlane, feed: ResidencyFeed, usage: Callable[[], dict]) -> None:
@@ -93,6 +97,7 @@ class Cluster:
         self.pool_reads = self.cfg.pool_reads
         # pool reads are shown (in INFO cluster) before the first one
         self.stats: Counter[str] = Counter(pool_reads=0, pool_read_hits=0, pool_read_asks=0, pool_read_errors=0)
+        self.observe_fetch: Callable[[float], None] = _ignore  # seconds of each verified peer fetch
         self.gossip: Any = None
         self.started = time.time()
         self._changed = asyncio.Event()
@@ -312,7 +317,9 @@ class Cluster:
             block.crc = crc  # verified: a later peer reading it from here needs no recompute
         self.stats["peer_fetches"] += 1
         self.stats["peer_fetch_bytes"] += len(view)
-        self.stats["peer_fetch_usec"] += int((time.perf_counter() - t0) * 1e6)  # request to verified
+        elapsed = time.perf_counter() - t0  # request to verified
+        self.stats["peer_fetch_usec"] += int(elapsed * 1e6)
+        self.observe_fetch(elapsed)
         return block, buf
 
     # -- pool reads (GET, MGET, EXISTS) -----------------------------------------------

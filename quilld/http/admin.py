@@ -21,6 +21,7 @@ from quilld import __version__
 from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
+from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import loopback_only, parse_json
 from quilld.index.events import decode_json
 from quilld.index.route_request import RouteRequest
@@ -31,6 +32,7 @@ from quilld.protocol.context import NodeContext
 from quilld.protocol.info import counters, tier_stats
 
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
+METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -48,27 +50,15 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({
         "node_id": node.node_id,
         "version": __version__,
-        "tiers": {"dram": node.keyspace.arena.stats() | tier_stats(node)},
+        "tiers": {"dram": {k: v for k, v in tier_stats(node).items() if k.startswith("dram_")},
+                  "ssd": dict(node.tiering.info()) if node.tiering else {"ssd_enabled": 0}},
         "counters": counters(node),
         "clients": {"connected": len(node.clients.connections), "max": node.cfg.server.max_clients},
-        "persistence": dict(node.tiering.info()) if node.tiering else None,
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
         "tenants": tenant_stats(node),
         "engines": {e: node.control.feed_view(e) for e in node.control.engines.engines},
     })
-
-
-def tenant_stats(node: NodeContext) -> dict[str, dict[str, int]]:
-    """Per tenant, what RESP clients see of their own tenant only (INFO) — the operator's view."""
-    tenants = {s.user for s in node.clients.sessions.values()} | {t for t, _ in node.scopes.refusals}
-    out = {}
-    for tenant in sorted(tenants):
-        hits, misses = node.keyspace.lookups_of(tenant)
-        out[tenant] = {"connected_clients": sum(1 for s in node.clients.sessions.values() if s.user == tenant),
-                       "scopes": node.scopes.scopes_of(tenant), "keyspace_hits": hits, "keyspace_misses": misses,
-                       **{f"guard_refusals_{k}": v for k, v in node.scopes.refusals_of(tenant).items()}}
-    return out
 
 
 async def clients(request: web.Request) -> web.Response:
@@ -83,93 +73,9 @@ async def clients(request: web.Request) -> web.Response:
         for s in node.clients.sessions.values()]})
 
 
-def _metric_lines(node: NodeContext) -> list[str]:
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float) -> None:
-        lines.append(f"# HELP quilld_{name} {help_text}")
-        lines.append(f"# TYPE quilld_{name} {kind}")
-        lines.append(f"quilld_{name} {value}")
-
-    c = counters(node)
-    for name, help_text in (
-        ("total_commands_processed", "Commands executed."),
-        ("total_connections_received", "Connections accepted."),
-        ("total_net_input_bytes", "Bytes read from clients."),
-        ("total_net_output_bytes", "Bytes written to clients."),
-        ("keyspace_hits", "Lookups that found their key."),
-        ("keyspace_misses", "Lookups that did not."),
-        ("evicted_keys", "Values evicted for space."),
-        ("expired_keys", "Keys removed by their TTL."),
-        ("guard_refusals", "Lookups refused because the key exists only in another identity scope."),
-        ("auth_failures", "Failed AUTH attempts."),
-        ("put2phase_committed", "Two-phase puts committed."),
-        ("put2phase_aborted", "Two-phase puts aborted."),
-        ("put2phase_expired", "Two-phase puts reclaimed after their lease."),
-    ):
-        metric(name.removeprefix("total_") + ("_total" if not name.endswith("_total") else ""), "counter",
-               help_text, c[name])
-    lines.append("# HELP quilld_guard_refusals_by_reason_total Refused cross-scope lookups by reason.")
-    lines.append("# TYPE quilld_guard_refusals_by_reason_total counter")
-    for reason in ("cross_tenant", "cross_model", "cross_tokenizer", "cross_adapter"):
-        lines.append(f'quilld_guard_refusals_by_reason_total{{reason="{reason}"}} {c["guard_refusals_" + reason]}')
-    t = tier_stats(node)
-    metric("connected_clients", "gauge", "Open client connections.", len(node.clients.connections))
-    metric("put2phase_open", "gauge", "Two-phase puts in progress.", c["put2phase_open"])
-    for name, help_text in (
-        ("dram_capacity", "DRAM tier capacity in bytes."),
-        ("dram_used", "DRAM tier bytes in use (arena pages and inline values)."),
-        ("dram_keys", "Keys resident in DRAM."),
-        ("dram_blocks", "Arena blocks resident in DRAM."),
-        ("dram_fragmentation", "1 - largest free extent / free bytes."),
-    ):
-        metric(name, "gauge", help_text, t[name])
-    # the optional parts (SSD tier, cluster, gateway): every numeric field of their INFO section
-    for part, label in ((node.tiering, "SSD tier"), (node.cluster, "Cluster"), (node.gateway, "Gateway")):
-        if part is None:
-            continue
-        for name, value in part.info():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                metric(name, "gauge", f"{label}: {name.replace('_', ' ')} (see INFO).", value)
-    lines.extend(_engine_metric_lines(node))
-    return lines
-
-
-ENGINE_FEED_METRICS = (
-    ("batches", "KV-event batches applied."), ("events", "KV events applied."),
-    ("malformed", "KV events or batches skipped because they could not be decoded."),
-    ("gaps", "Holes seen in the KV-event sequence."), ("replays", "Replays that delivered missed batches."),
-    ("restarts", "KV-event publisher restarts detected."), ("missed", "KV-event batches lost for good."),
-    ("drops", "Times the engine's residencies were dropped (events lost or publisher restarted)."),
-)
-
-
-def _engine_metric_lines(node: NodeContext) -> list[str]:
-    """Per engine (label `engine`): its KV-event feed's counters, last sequence number and idle time."""
-    control = node.control
-    views = {e: control.feed_view(e) for e in control.engines.engines}
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, values: dict[str, float]) -> None:
-        lines.append(f"# HELP quilld_{name} {help_text}")
-        lines.append(f"# TYPE quilld_{name} {kind}")
-        for engine_id, value in values.items():
-            label = engine_id.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-            lines.append(f'quilld_{name}{{engine="{label}"}} {value}')
-
-    for key, help_text in ENGINE_FEED_METRICS:
-        family(f"kv_engine_{key}_total", "counter", help_text, {e: v[key] for e, v in views.items()})
-    family("kv_engine_last_sequence", "gauge", "Sequence number of the last KV-event batch applied (-1: none).",
-           {e: -1 if v["last_seq"] is None else v["last_seq"] for e, v in views.items()})
-    family("kv_engine_idle_seconds", "gauge", "Seconds since the engine's KV-event feed last received anything.",
-           {e: v["idle_s"] for e, v in views.items()})
-    return lines
-
-
 async def metrics(request: web.Request) -> web.Response:
-    body = "\n".join(_metric_lines(request.app[NODE])) + "\n"
-    return web.Response(text=body, content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    """GET /metrics: the node's registry (metrics.py) in Prometheus's text format."""
+    return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def config(request: web.Request) -> web.Response:
@@ -317,20 +223,22 @@ def _bearer_middleware(token: str):
     return check
 
 
-def build_app(node: NodeContext) -> web.Application:
+def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Application:
+    """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own."""
     middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m))]
     if node.cfg.admin.token:
         middlewares.append(_bearer_middleware(node.cfg.admin.token))
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
+    app[METRICS] = metrics if metrics is not None else NodeMetrics(node)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     return app
 
 
 class AdminServer:
-    def __init__(self, node: NodeContext) -> None:
-        self._runner = web.AppRunner(build_app(node), access_log=None)
+    def __init__(self, node: NodeContext, metrics: NodeMetrics | None = None) -> None:
+        self._runner = web.AppRunner(build_app(node, metrics), access_log=None)
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()

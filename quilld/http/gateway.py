@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Histogram
 from yarl import URL
 
 from quilld.config import EngineConfig
@@ -110,12 +111,13 @@ class Choice:
 
 
 class Gateway:
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, ttft: Histogram | None = None) -> None:
+        """`ttft`: the node's TTFT histogram (metrics.py), observed at each first byte."""
         self.node = node
         self.cfg = node.cfg.gateway
         self.control = node.control
         self.hasher = PromptHasher(self.cfg.chunk_chars)
-        self.stats = GatewayStats()
+        self.stats = GatewayStats(ttft)
         self.cooling: dict[str, float] = {}  # engine id -> monotonic time its cooldown ends
         self._urls: dict[tuple[str, str], URL] = {}  # (engine base URL, path) -> parsed upstream URL
         self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter

@@ -1,4 +1,4 @@
-"""The gateway's counters, time-to-first-token samples and goodput.
+"""The gateway's counters, its time-to-first-token histogram and goodput.
 
 Goodput is the share of *counted* requests whose first body byte reached the
 client within their TTFT budget (`gateway.ttft_slo_ms`, or the request's
@@ -14,35 +14,65 @@ against the budget is known:
 - requests the gateway or the engine refuses as malformed, unauthorized or for
   an unknown model (4xx) are not counted: they are the client's errors.
 
-TTFT percentiles are over the most recent `TTFT_SAMPLES` first bytes.
+Each first byte's TTFT is observed in a prometheus-client histogram
+(`quilld_gateway_ttft_seconds`, in the node's registry when the node gives
+one). INFO's `gateway_ttft_p50_ms` and `gateway_ttft_p99_ms` are read off that
+histogram as Prometheus's `histogram_quantile` reads it: linear within the
+bucket the rank falls in, over every first byte since the start.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 
-TTFT_SAMPLES = 4096
+from prometheus_client import CollectorRegistry, Histogram
+
+# TTFT buckets (seconds): fine around common SLOs (100 ms - 1 s), coarse beyond
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+# the counters of `info()` (every one a Prometheus counter); the rest of its figures are gauges
+COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_model", "unavailable",
+            "upstream_client_errors", "retries", "upstream_errors", "stream_errors", "client_disconnects",
+            "residencies_recorded", "residencies_forgotten", "slo_counted", "within_slo")
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (0.0 when empty)."""
-    if not sorted_values:
+def ttft_histogram(registry: CollectorRegistry | None) -> Histogram:
+    """The gateway's TTFT histogram, registered in `registry` (None: in no registry)."""
+    return Histogram("quilld_gateway_ttft_seconds", "Gateway time to first token: from the request's arrival to "
+                     "its first body byte written to the client (2xx answers).", buckets=TTFT_BUCKETS,
+                     registry=registry)
+
+
+def histogram_quantile(histogram: Histogram, q: float) -> float:
+    """The q-quantile (0..1) of an unlabelled histogram, as PromQL's histogram_quantile estimates it
+    (0.0 with no observation; the largest finite bound when the rank is in the +Inf bucket)."""
+    buckets = [(float(s.labels["le"]), s.value) for metric in histogram.collect() for s in metric.samples
+               if s.name.endswith("_bucket")]
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
         return 0.0
-    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil(n * q / 100)
-    return sorted_values[int(rank) - 1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (cumulative - below)
+        lower, below = upper, cumulative
+    return lower
 
 
 class GatewayStats:
-    def __init__(self) -> None:
+    def __init__(self, ttft: Histogram | None = None) -> None:
+        """`ttft`: the node's TTFT histogram (metrics.py); one of its own otherwise."""
         self.counts: Counter[str] = Counter()
-        self.ttft_ms: deque[float] = deque(maxlen=TTFT_SAMPLES)
+        self.ttft = ttft if ttft is not None else ttft_histogram(None)
         self.in_flight = 0
 
     def first_byte(self, ttft_ms: float, slo_ms: float) -> None:
         self.counts["slo_counted"] += 1
         if ttft_ms <= slo_ms:
             self.counts["within_slo"] += 1
-        self.ttft_ms.append(ttft_ms)
+        self.ttft.observe(ttft_ms / 1000)
 
     def missed(self) -> None:
         self.counts["slo_counted"] += 1
@@ -55,7 +85,6 @@ class GatewayStats:
 
     def info(self, slo_ms: int, cooling: int) -> list[tuple[str, int | float | str]]:
         c = self.counts
-        samples = sorted(self.ttft_ms)
         return [
             ("gateway_requests", c["requests"]),  # completion requests received
             ("gateway_in_flight", self.in_flight),
@@ -76,6 +105,6 @@ class GatewayStats:
             ("gateway_slo_counted", c["slo_counted"]),
             ("gateway_within_slo", c["within_slo"]),
             ("gateway_goodput", round(self.goodput, 6)),
-            ("gateway_ttft_p50_ms", round(percentile(samples, 50), 3)),
-            ("gateway_ttft_p99_ms", round(percentile(samples, 99), 3)),
+            ("gateway_ttft_p50_ms", round(histogram_quantile(self.ttft, 0.50) * 1000, 3)),
+            ("gateway_ttft_p99_ms", round(histogram_quantile(self.ttft, 0.99) * 1000, 3)),
         ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -42,6 +42,10 @@ _RESETS = {
     "beyond_buffer": "KV events lost beyond the publisher's replay buffer",
     "restart": "its KV-event publisher restarted",
 }
+
+
+def _ignore(seconds: float) -> None:
+    """No observer of ROUTE's time (the default; node.py gives the node's metrics)."""
 
 
 def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
@@ -76,6 +80,7 @@ class ControlPlane:
         self._whole: dict[str, set[CacheTier]] = {}  # engine id -> tiers its events stored with no group
         self._subscribers: dict[str, KvEventSubscriber] = {}  # engine id -> its KV-event subscriber
         self.pool: list[str] = []  # pool node ids (this node, then peers) holding blocks ROUTE can fetch
+        self.observe_route: Callable[[float], None] = _ignore  # each decision's seconds (the node's metrics)
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
@@ -194,6 +199,7 @@ class ControlPlane:
               session: str | None = None, acquire: bool = False) -> Decision:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
         `acquire`, an in-flight lease on it (give it back with `engines.release`)."""
+        t0 = time.perf_counter()
         engines = [e.id for e in self.engines.for_model(scope.model)]
         if blocks:
             self.hot.add(hash_key(blocks[0]))
@@ -208,6 +214,7 @@ class ControlPlane:
             if other is not None:
                 self.scopes.refused(tag, other)
         self.stats["routes"] += 1
+        self.observe_route(time.perf_counter() - t0)
         if decision.engine is None:
             return decision
         engine = self.engines.get(decision.engine)

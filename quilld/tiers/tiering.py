@@ -74,6 +74,10 @@ STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 FLUSH_REPORT_S = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
 
 
+def _ignore(seconds: float) -> None:
+    """No observer (the default; node.py gives the node's metrics)."""
+
+
 class Tiering:
     tier = CacheTier.SSD
 
@@ -100,6 +104,8 @@ class Tiering:
         self._pressure = False  # a write is waiting for space
         self._stopping = False
         self.space_freed = space_freed
+        self.observe_read: Callable[[float], None] = _ignore  # seconds of each verified read into DRAM
+        self.observe_demotion: Callable[[float], None] = _ignore  # seconds of each demotion batch written
         store.lower_tier = self
 
     # -- state -------------------------------------------------------------------
@@ -320,10 +326,12 @@ class Tiering:
         if not await self._write(items):
             return False
         moved = self._settle(items)
+        elapsed = time.perf_counter() - t0
         self.stats["demotions"] += len(items)
         self.stats["demoted_bytes"] += moved
         self.stats["demote_batches"] += 1
-        self.stats["demote_usec"] += int((time.perf_counter() - t0) * 1e6)
+        self.stats["demote_usec"] += int(elapsed * 1e6)
+        self.observe_demotion(elapsed)
         return True
 
     def _free_clean(self, picked: list[tuple[bytes, Block]]) -> int:
@@ -527,6 +535,7 @@ class Tiering:
         except BaseException:
             self._unpin(entry)
             raise
+        t0 = time.perf_counter()
         try:
             await self._run(self.ssd.read_into, entry, store.write_view(block))
         except (CorruptBlock, SsdFailure) as e:
@@ -538,6 +547,7 @@ class Tiering:
             store.discard(block)
             self._unpin(entry)
             raise
+        self.observe_read(time.perf_counter() - t0)
         self._unpin(entry)
         self.stats["ssd_reads"] += 1
         self.stats["ssd_read_bytes"] += entry.length

@@ -5,19 +5,27 @@ environment variables, and a clean exit on SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+from conftest import ROOT, free_port, stop_process, wait_port
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1024 * 1024
 HTTP_TIMEOUT = 10.0
+FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
+               "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "1000"}
 
 
 def http_get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
@@ -283,3 +291,216 @@ def test_malformed_json_bodies_answer_400_never_500(quilld):
     assert status == 201, answer
     assert get_json(quilld.admin_port, "/healthz")["status"] == "ok"
     assert "Traceback" not in quilld.log(), quilld.log()
+
+
+# -- /metrics: prometheus-client's registry (quilld/http/metrics.py) and the Grafana dashboard ------------------
+DASHBOARD = Path(__file__).resolve().parents[2] / "conf" / "grafana-quilld.json"
+HISTOGRAMS = ("quilld_command_duration_seconds", "quilld_peer_fetch_duration_seconds",
+              "quilld_ssd_read_duration_seconds", "quilld_demotion_batch_duration_seconds",
+              "quilld_route_duration_seconds", "quilld_gateway_ttft_seconds")
+# figures that are settings or capacities, not counts: not zero on a fresh node
+SETTINGS = {"quilld_build_info", "quilld_max_clients", "quilld_dram_capacity", "quilld_dram_largest_free",
+            "quilld_dram_high_watermark", "quilld_dram_low_watermark", "quilld_dram_inline_max",
+            "quilld_gateway_ttft_slo_ms", "quilld_gateway_goodput", "quilld_ssd_enabled", "quilld_ssd_capacity",
+            "quilld_recovery_ms", "quilld_ssd_fsync_last_ms", "quilld_ssd_fsync_avg_ms", "quilld_ssd_fsync_max_ms",
+            "quilld_ssd_wal_bytes", "quilld_ssd_last_checkpoint", "quilld_ssd_fsyncs", "quilld_cluster_enabled",
+            "quilld_cluster_members", "quilld_cluster_members_alive", "quilld_gateway_enabled",
+            "quilld_connections_received",  # the fixture's readiness probe connects once
+            "quilld_identity_scopes"}  # the default scope, held by the SSD tier's recovery
+
+
+def families(port: int, headers: dict | None = None) -> dict:
+    """/metrics parsed by prometheus_client: family name -> Metric (type, samples)."""
+    status, hdrs, body = http_get(port, "/metrics", headers)
+    assert status == 200, body
+    assert hdrs["Content-Type"].startswith("text/plain; version=0.0.4"), hdrs
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def sample(fams: dict, metric: str, suffix: str = "", /, **labels) -> float:
+    """The one sample of family `metric` named metric+suffix with exactly `labels`."""
+    found = [s.value for s in fams[metric].samples if s.name == metric + suffix and s.labels == labels]
+    assert len(found) == 1, (metric, suffix, labels, fams[metric].samples)
+    return found[0]
+
+
+def sample_names(fams: dict) -> set[str]:
+    """Every sample name a family of this type is exposed under (counters: _total; histograms:
+    _bucket, _count, _sum), whether or not it has samples yet (a labelled family may not)."""
+    out = set()
+    for name, f in fams.items():
+        out |= {"counter": {name + "_total"}, "histogram": {name + s for s in ("_bucket", "_count", "_sum")}}.get(
+            f.type, {name})
+    return out
+
+
+def test_metrics_exist_from_the_start_at_zero_with_their_types(quilld_factory, tmp_path):
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    fams = families(q.admin_port)
+    assert all(name.startswith("quilld_") for name in fams), sorted(fams)
+    types = {name: f.type for name, f in fams.items()}
+    for name in HISTOGRAMS:
+        assert types[name] == "histogram", (name, types.get(name))
+    for name in ("quilld_commands", "quilld_commands_processed", "quilld_keyspace_hits", "quilld_evicted_keys",
+                 "quilld_guard_refusals_by_reason", "quilld_tenant_guard_refusals", "quilld_routes",
+                 "quilld_engine_leases_expired", "quilld_kv_events", "quilld_kv_engine_events",
+                 "quilld_kv_engine_missed", "quilld_ssd_demotions", "quilld_ssd_promotions", "quilld_ssd_reads",
+                 "quilld_cluster_peer_fetches", "quilld_gateway_requests", "quilld_gateway_within_slo",
+                 "quilld_hot_prefix_lookups", "quilld_process_cpu_seconds"):
+        assert types[name] == "counter", (name, types.get(name))
+    for name in ("quilld_dram_used", "quilld_dram_capacity", "quilld_connected_clients", "quilld_put2phase_open",
+                 "quilld_identity_scopes", "quilld_ssd_used", "quilld_ssd_keys", "quilld_engines",
+                 "quilld_engine_in_flight", "quilld_kv_engine_last_sequence", "quilld_kv_engine_idle_seconds",
+                 "quilld_residency_blocks", "quilld_cluster_members", "quilld_gateway_in_flight",
+                 "quilld_gateway_goodput", "quilld_process_resident_memory_bytes"):
+        assert types[name] == "gauge", (name, types.get(name))
+    # one series per command family of the table, at zero; the histograms empty
+    assert {s.labels["family"] for s in fams["quilld_commands"].samples} >= {"string", "generic", "connection",
+                                                                             "server", "quillcache"}
+    for name in HISTOGRAMS:
+        assert all(s.value == 0 for s in fams[name].samples if s.name.endswith(("_count", "_sum"))), name
+    for name, f in fams.items():
+        if name in SETTINGS or name.startswith("quilld_process_"):
+            continue
+        assert all(s.value == 0 for s in f.samples), (name, f.samples)
+    assert sample(fams, "quilld_ssd_enabled") == 1 and sample(fams, "quilld_cluster_enabled") == 0
+    assert sample(fams, "quilld_gateway_goodput") == 1  # nothing counted, nothing missed
+    # the parts that are off report at zero all the same: a node without SSD, cluster or gateway has every name
+    plain = quilld_factory("--dram", "64MiB")
+    assert set(families(plain.admin_port)) == set(fams)
+
+
+def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_path):
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    fresh = families(q.admin_port)
+    r = q.client()
+    for i in range(80):  # 80 MiB into 64 MiB: demotion batches
+        r.set(f"blk:{i}", b"%02d" % i * (MiB // 2))
+    assert poll(lambda: get_json(q.admin_port, "/v1/stats")["tiers"]["ssd"]["ssd_keys"] >= 8, 20)
+    assert r.get("blk:0")[:2] == b"00"  # SSD-only by now: an SSD read
+    for _ in range(64):
+        r.get("blk:79")
+    assert http_post(q.admin_port, "/v1/engines", json.dumps({"id": "vllm-0", "model": "m",
+                                                              "url": "http://127.0.0.1:9"}).encode())[0] == 201
+    batch = {"engine_id": "vllm-0", "events": [{"type": "block_stored", "block_hashes": [1, 2, 3],
+                                                "parent_block_hash": None, "token_ids": [], "block_size": 16}]}
+    assert http_post(q.admin_port, "/v1/kv-events", json.dumps(batch).encode())[0] == 200
+    status, _, body = http_post(q.admin_port, "/v1/route", json.dumps({"model": "m", "blocks": [1, 2, 3, 4],
+                                                                       "acquire": True}).encode())
+    assert status == 200 and json.loads(body)["engine"] == "vllm-0"
+    stats = get_json(q.admin_port, "/v1/stats")
+    fams = families(q.admin_port)
+
+    ssd = stats["tiers"]["ssd"]
+    assert sample(fams, "quilld_demotion_batch_duration_seconds", "_count") == ssd["demote_batches"] >= 1
+    assert sample(fams, "quilld_ssd_demotions", "_total") == ssd["demotions"]
+    assert sample(fams, "quilld_ssd_read_duration_seconds", "_count") == ssd["ssd_reads"] >= 1
+    assert sample(fams, "quilld_ssd_promotions", "_total") == ssd["promotions"] >= 1
+    assert sample(fams, "quilld_route_duration_seconds", "_count") == stats["counters"]["routes"] == 1
+    assert sample(fams, "quilld_route_duration_seconds", "_sum") > 0
+    # commands: every call counted per family; the timed ones (1 in 16 of GET and SET) in the histogram
+    calls = sample(fams, "quilld_commands", "_total", family="string")
+    assert calls == 80 + 1 + 64
+    timed = sample(fams, "quilld_command_duration_seconds", "_count", family="string")
+    assert calls // 16 <= timed <= calls
+    assert sample(fams, "quilld_command_duration_seconds", "_sum", family="string") > 0
+    buckets = [s for s in fams["quilld_command_duration_seconds"].samples
+               if s.name.endswith("_bucket") and s.labels["family"] == "string"]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == timed
+    assert [s.value for s in buckets] == sorted(s.value for s in buckets)  # cumulative
+    # per engine: its feed, its load, what the index holds for it
+    assert sample(fams, "quilld_kv_engine_events", "_total", engine="vllm-0") == 1
+    assert sample(fams, "quilld_kv_engine_batches", "_total", engine="vllm-0") == 1
+    assert sample(fams, "quilld_kv_engine_last_sequence", engine="vllm-0") == -1
+    assert sample(fams, "quilld_kv_engine_subscribed", engine="vllm-0") == 0
+    assert sample(fams, "quilld_engine_in_flight", engine="vllm-0") == 1
+    assert sample(fams, "quilld_residency_blocks", holder="vllm-0", tier="hbm") == 3
+    assert sample(fams, "quilld_engines") == 1 and sample(fams, "quilld_hot_prefix_lookups", "_total") == 1
+    assert sample(fams, "quilld_tenant_keyspace_hits", "_total", tenant="default") == \
+        stats["tenants"]["default"]["keyspace_hits"] >= 65
+    assert sample(fams, "quilld_dram_keys") == stats["tiers"]["dram"]["dram_keys"]
+    assert sample(fams, "quilld_ssd_keys") == ssd["ssd_keys"]
+    # nothing appeared that was not there from the start
+    assert set(fams) == set(fresh), set(fams) ^ set(fresh)
+
+
+def test_stats_keeps_one_copy_of_each_dram_figure_and_ssd_figures_under_ssd(quilld_factory, tmp_path):
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    stats = get_json(q.admin_port, "/v1/stats")
+    dram, ssd = stats["tiers"]["dram"], stats["tiers"]["ssd"]
+    assert all(k.startswith("dram_") for k in dram), sorted(dram)  # the arena's own names are gone
+    assert "persistence" not in stats
+    assert ssd["ssd_enabled"] == 1 and ssd["ssd_capacity"] > 0 and "demotions" not in dram
+    assert get_json(quilld_factory("--dram", "64MiB").admin_port, "/v1/stats")["tiers"]["ssd"] == {"ssd_enabled": 0}
+
+
+def test_the_ttft_histogram_and_peer_fetch_histogram_move(quilld_factory, tmp_path):
+    """TTFT through the gateway (a fake engine), peer-fetch latency on a second node that fetched a block."""
+    engine_port = free_port()
+    with open(tmp_path / "engine.log", "wb") as log:
+        engine = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port",
+                                   str(engine_port), "--model", "tiny", "--delay-ms", "30"], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        wait_port(engine_port, engine)
+        conf = tmp_path / "engines.toml"
+        conf.write_text(f'[[engines]]\nid = "e1"\nmodel = "tiny"\nurl = "http://127.0.0.1:{engine_port}"\n')
+        gossip_a, gateway = free_port(), free_port()
+        a = quilld_factory("--dram", "64MiB", "--config", str(conf), "--gateway-port", str(gateway),
+                           "--node-id", "a", "--gossip-port", str(gossip_a), env=FAST_GOSSIP)
+        b = quilld_factory("--dram", "64MiB", "--node-id", "b", "--gossip-port", str(free_port()),
+                           "--seeds", f"127.0.0.1:{gossip_a}", env=FAST_GOSSIP)
+        fresh_b = families(b.admin_port)
+        wait_port(gateway, a.proc)
+        for _ in range(3):
+            status, _, body = http_post(gateway, "/v1/completions", json.dumps({"model": "tiny",
+                                                                                 "prompt": "hi"}).encode())
+            assert status == 200, body
+        fams = families(a.admin_port)
+        assert sample(fams, "quilld_gateway_ttft_seconds", "_count") == 3
+        assert sample(fams, "quilld_gateway_ttft_seconds", "_sum") >= 3 * 0.03
+        assert sample(fams, "quilld_gateway_ttft_seconds", "_bucket", le="0.025") == 0  # each took >= 30 ms
+        assert sample(fams, "quilld_gateway_requests", "_total") == sample(fams, "quilld_gateway_within_slo",
+                                                                          "_total") == 3
+        info = a.client().info("gateway")
+        assert 30 <= info["gateway_ttft_p50_ms"] <= info["gateway_ttft_p99_ms"] <= 5000  # read off the histogram
+
+        block = os.urandom(2 * MiB)
+        a.client().set("blk", block)
+        rb = b.client()
+        assert poll(lambda: rb.execute_command("GETBLK", "blk") == block, 15), "b never fetched a's block"
+        fams = families(b.admin_port)
+        assert sample(fams, "quilld_cluster_enabled") == 1 and sample(fams, "quilld_cluster_members_alive") == 2
+        fetches = sample(fams, "quilld_cluster_peer_fetches", "_total")
+        assert fetches >= 1 and sample(fams, "quilld_peer_fetch_duration_seconds", "_count") == fetches
+        assert set(fams) == set(fresh_b), set(fams) ^ set(fresh_b)
+    finally:
+        stop_process(engine)
+
+
+def test_the_grafana_dashboard_loads_and_names_only_metrics_a_node_has(quilld):
+    board = json.loads(DASHBOARD.read_text())
+    assert board["title"] and board["panels"]
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 9
+    exprs += [v["definition"] for v in board["templating"]["list"] if v["type"] == "query"]
+    fams = families(quilld.admin_port)
+    exposed = sample_names(fams)
+    types = {}
+    for name, f in fams.items():
+        for n in sample_names({name: f}):
+            types[n] = f.type
+    titles = " ".join(p["title"].lower() for p in board["panels"])
+    for wanted in ("ops/s", "latency", "dram", "ssd", "demotion", "promotion", "peer fetch", "route", "kv events",
+                   "guard", "ttft"):
+        assert wanted in titles, (wanted, titles)
+    for expr in exprs:
+        names = set(re.findall(r"\bquilld_[a-z0-9_]+", expr))
+        assert names, expr
+        for name in names:
+            assert name in exposed, (name, expr)
+        # rate() and increase() only over counters and histogram series
+        for name in re.findall(r"(?:rate|increase)\(\s*(quilld_[a-z0-9_]+)", expr):
+            assert types[name] in ("counter", "histogram"), (name, types[name], expr)
+        if expr.startswith("histogram_quantile("):
+            assert all(n.endswith("_bucket") and types[n] == "histogram" for n in names), expr

@@ -1,0 +1,435 @@
+"""The node's Prometheus metrics (prometheus-client), in one registry per node.
+
+Two kinds of metric:
+
+- **Figures read at scrape time.** Every figure of `/v1/stats` (and of INFO's
+  router section) is read off the part that keeps it when `/metrics` is
+  scraped, by `Figures`, a custom collector: counters as counters, gauges as
+  gauges, per engine (label `engine`), per tenant (`tenant`) or per guard
+  reason (`reason`) where the part keeps them so. Nothing is counted twice.
+  The optional parts (SSD tier, cluster, gateway) report at zero while they
+  are off, so every metric exists from the start; only series of labels that
+  do not exist yet (an engine, a tenant) appear later.
+- **Histograms observed at the source.** Peer fetch, SSD read, demotion batch,
+  ROUTE and gateway TTFT are prometheus-client `Histogram`s, observed by their
+  part through an injected observer (`observe(seconds)`; tiers, index and
+  cluster import nothing of Prometheus). Command latency per command family
+  (the table's `group`) is read at scrape time from the dispatcher's own
+  latency buckets (INFO latencystats): the dispatcher times one call in 16 of
+  the commands redis calls fast (GET, SET, ...) and every other call, so the
+  histogram counts timed calls, and `quilld_commands_total` counts every call.
+
+One registry per node, never prometheus-client's global one: tests run
+several nodes in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from quilld import __version__
+from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
+from quilld.http.gateway_stats import GatewayStats, ttft_histogram
+from quilld.index.engines import FEED_COUNTERS
+from quilld.model import CacheTier
+from quilld.protocol.context import NodeContext
+from quilld.protocol.info import counters, tier_stats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()  # no `_created` series (the start time of each histogram): not in the text format's spirit
+
+COMMAND_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0)
+PEER_FETCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0, 10.0)
+SSD_READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0)
+DEMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUTE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                 0.25, 1.0)
+
+# counters(): the few that are gauges; `guard_refusals_<reason>` are one family by reason
+NODE_GAUGES = {"identity_scopes", "put2phase_open"}
+HELP = {
+    "connections_received": "Connections accepted.",
+    "commands_processed": "Commands executed.",
+    "net_input_bytes": "Bytes read from clients.",
+    "net_output_bytes": "Bytes written to clients.",
+    "rejected_connections": "Connections refused (maxclients).",
+    "payload_timeouts": "Connections closed because a value's payload stalled.",
+    "expired_keys": "Keys removed by their TTL.",
+    "evicted_keys": "Values evicted for space.",
+    "unfilled_refused": "Reservations refused by the caps on unfilled payloads.",
+    "keyspace_hits": "Lookups that found their key.",
+    "keyspace_misses": "Lookups that did not.",
+    "auth_failures": "Failed AUTH attempts.",
+    "auth_throttled": "AUTH attempts answered late because their address kept failing.",
+    "auth_throttle_refused": "AUTH attempts refused outright by the throttle.",
+    "client_query_buffer_limit_disconnections": "Connections closed for an oversized query buffer.",
+    "internal_errors": "Commands answered 'internal error' (a bug, logged).",
+    "guard_refusals": "Lookups refused because the key exists only in another identity scope.",
+    "identity_scopes": "Identity scopes held.",
+    "identity_scopes_released": "Identity scopes released after being idle.",
+    "identity_scopes_refused": "New identity scopes refused by the per-tenant cap.",
+    "put2phase_open": "Two-phase puts in progress.",
+    "put2phase_committed": "Two-phase puts committed.",
+    "put2phase_aborted": "Two-phase puts aborted.",
+    "put2phase_expired": "Two-phase puts reclaimed after their lease.",
+    "kv_batches": "KV-event batches applied (every engine).",
+    "kv_events": "KV events applied (every engine).",
+    "kv_malformed": "KV events or batches skipped as undecodable (every engine).",
+    "kv_gaps": "KV-event losses that dropped an engine's residencies.",
+    "routes": "Routing decisions made (ROUTE, POST /v1/route, the gateway).",
+    "engine_leases_expired": "In-flight leases on engines that expired unreleased.",
+}
+DRAM_HELP = {
+    "dram_capacity": "DRAM tier capacity in bytes.",
+    "dram_used": "DRAM tier bytes in use (arena pages and inline values).",
+    "dram_used_arena": "Arena bytes in use.",
+    "dram_used_inline": "Bytes of small values kept inline, outside the arena.",
+    "dram_keys": "Keys resident in DRAM.",
+    "dram_blocks": "Arena blocks resident in DRAM.",
+    "dram_reserved_blocks": "Arena blocks reserved and not yet published.",
+    "dram_pinned_unlinked": "Blocks deleted or replaced while readers still pin them.",
+    "dram_held_bytes": "Bytes held by readers' pins.",
+    "dram_unfilled_bytes": "Bytes reserved for payloads still being received.",
+    "dram_largest_free": "Largest free arena extent in bytes.",
+    "dram_fragmentation": "1 - largest free extent / free bytes.",
+    "dram_high_watermark": "DRAM use share above which blocks are demoted to SSD.",
+    "dram_low_watermark": "DRAM use share demotion brings use back to.",
+    "dram_inline_max": "Largest value kept inline (bytes).",
+}
+FEED_HELP = {
+    "batches": "KV-event batches applied.", "events": "KV events applied.",
+    "malformed": "KV events or batches skipped because they could not be decoded.",
+    "gaps": "Holes seen in the KV-event sequence.", "missed": "KV-event batches lost for good.",
+    "replays": "Replays that delivered missed batches (or caught up after a connect).",
+    "restarts": "KV-event publisher restarts detected.",
+    "drops": "Times the engine's residencies were dropped (events lost or publisher restarted).",
+    "duplicates": "KV-event batches received twice and skipped.",
+    "errors": "KV-event socket errors.",
+}
+# the SSD tier's INFO section (tiers.ssd in /v1/stats): its gauges; every other figure is a counter
+SSD_GAUGES = ("ssd_enabled", "ssd_capacity", "ssd_used", "ssd_keys", "ssd_failed", "ssd_dirty_bytes", "ssd_wal_bytes",
+              "ssd_last_checkpoint", "ssd_fsync_last_ms", "ssd_fsync_avg_ms", "ssd_fsync_max_ms", "recovery_blocks",
+              "recovery_dropped_corrupt", "recovery_wal_stops", "recovery_wal_records", "recovery_checkpoint_errors",
+              "recovery_scanned_blocks", "recovery_scrubbed", "recovery_ms")
+SSD_COUNTERS = ("ssd_fsyncs", "demotions", "demoted_bytes", "demote_batches", "demote_usec", "demoted_clean",
+                "promotions", "checkpoints", "failures", "ssd_reads", "ssd_read_bytes", "ssd_read_corrupt",
+                "ssd_read_errors", "ssd_evictions", "ssd_copies_dropped", "ssd_deletes", "delete_syncs", "ssd_scrubbed")
+SSD_HELP = {
+    "ssd_capacity": "SSD tier capacity in bytes.", "ssd_used": "SSD tier bytes in use.",
+    "ssd_keys": "Values whose only copy is on SSD.", "ssd_failed": "1 once the SSD tier has failed.",
+    "ssd_last_checkpoint": "Unix time of the last checkpoint (0: none).",
+    "ssd_demotions": "Blocks written from DRAM to SSD.", "ssd_demoted_bytes": "Bytes written from DRAM to SSD.",
+    "ssd_promotions": "Blocks read back from SSD and kept in DRAM.", "ssd_reads": "Blocks read from SSD.",
+}
+# the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter
+CLUSTER_GAUGES = ("cluster_enabled", "cluster_members", "cluster_members_alive", "cluster_members_suspect",
+                  "cluster_members_dead", "cluster_members_left", "cluster_followers", "cluster_log_seq",
+                  "cluster_log_epoch", "cluster_follow_max_idle_ms", "cluster_peer_keys")
+CLUSTER_COUNTERS = ("cluster_log_snapshots", "cluster_follow_errors", "cluster_follow_malformed",
+                    "cluster_follow_resyncs", "cluster_peer_fetches", "cluster_peer_fetch_bytes",
+                    "cluster_peer_fetch_usec", "cluster_peer_fetch_errors", "cluster_peer_fetch_stale",
+                    "cluster_peer_fetch_checksum_failures", "cluster_members_without_address",
+                    "cluster_transfer_fetches_tcp", "cluster_transfer_fetches_rdma", "cluster_transfer_rdma_errors",
+                    "cluster_transfer_rdma_fallbacks", "cluster_rdma_connects", "cluster_rdma_accepts",
+                    "cluster_rdma_reads", "cluster_rdma_read_bytes", "cluster_rdma_read_errors",
+                    "cluster_rdma_read_timeouts", "cluster_rdma_inline_replies", "cluster_rdma_leases_dropped",
+                    *(f"cluster_gossip_{k}" for k in (
+                        "packets_in", "packets_out", "bytes_in", "bytes_out", "auth_failures", "replays_rejected",
+                        "stale_rejected", "malformed", "send_errors", "udp_errors", "event_errors",
+                        "internal_errors", "seed_unresolved", "push_pull_ok", "push_pull_failed",
+                        "push_pull_refused", "push_pull_served", "push_pull_skipped")),
+                    "cluster_peers_declared_dead", "cluster_peers_left", "cluster_pool_reads",
+                    "cluster_pool_read_hits", "cluster_pool_read_asks", "cluster_pool_read_errors",
+                    "cluster_pool_read_ask_timeouts")
+CLUSTER_HELP = {
+    "cluster_members": "Cluster members this node knows (itself included).",
+    "cluster_members_alive": "Members alive.", "cluster_members_suspect": "Members suspected of failure.",
+    "cluster_peer_fetches": "Blocks fetched from peers.", "cluster_peer_fetch_bytes": "Bytes fetched from peers.",
+    "cluster_peers_declared_dead": "Peers declared dead (events).", "cluster_peers_left": "Peers that left (events).",
+}
+NOT_METRICS = {"cluster_gossip_port"}
+# a counter of the cluster's INFO whose name a gauge took first (peers declared dead / left, as events)
+CLUSTER_EVENTS = {"cluster_members_dead": "cluster_peers_declared_dead", "cluster_members_left": "cluster_peers_left"}
+GATEWAY_GAUGES = ("gateway_in_flight", "gateway_engines_cooling", "gateway_ttft_slo_ms", "gateway_goodput")
+GATEWAY_HELP = {
+    "gateway_requests": "Completion requests received by the gateway.",
+    "gateway_in_flight": "Completion requests being served.",
+    "gateway_ttft_slo_ms": "The gateway's default TTFT budget (ms).",
+    "gateway_slo_counted": "Requests counted for goodput.",
+    "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
+    "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
+}
+GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
+TIERS = tuple(t.value for t in CacheTier)
+
+
+def _ignore(seconds: float) -> None:
+    """An observer that keeps nothing."""
+
+
+class NodeMetrics:
+    """One node's registry, its histograms, and the collector of its figures.
+
+    Built by node.py with the node's context; it hands the parts that exist then
+    (control plane, SSD tier) their observers. The cluster (started later) gets
+    `peer_fetch.observe`, the gateway `gateway_ttft`.
+    """
+
+    def __init__(self, node: NodeContext) -> None:
+        self.node = node
+        self.registry = CollectorRegistry(auto_describe=False)
+        reg = self.registry
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, help_text, buckets=buckets, registry=reg)
+
+        self.peer_fetch = histogram("quilld_peer_fetch_duration_seconds", "Peer fetch: request to a verified copy "
+                                    "in this node (successful fetches).", PEER_FETCH_BUCKETS)
+        self.ssd_read = histogram("quilld_ssd_read_duration_seconds", "SSD tier read of one block into DRAM, "
+                                  "verified (successful reads).", SSD_READ_BUCKETS)
+        self.demotion = histogram("quilld_demotion_batch_duration_seconds", "One demotion batch: its group "
+                                  "commit to SSD and the freeing of its DRAM.", DEMOTION_BUCKETS)
+        self.route = histogram("quilld_route_duration_seconds", "One routing decision (scoring every candidate "
+                               "engine).", ROUTE_BUCKETS)
+        self.gateway_ttft = ttft_histogram(reg)
+        reg.register(Figures(node))
+        reg.register(CommandLatency(node))
+        ProcessCollector(namespace="quilld", registry=reg)
+        node.control.observe_route = self.route.observe
+        if node.tiering is not None:
+            node.tiering.observe_read = self.ssd_read.observe
+            node.tiering.observe_demotion = self.demotion.observe
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus's text format (CONTENT_TYPE)."""
+        return generate_latest(self.registry)
+
+
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"quilld_{name}", help_text, value=value)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"quilld_{name}", help_text, value=value)
+
+
+def _labelled(kind: type[Metric], name: str, help_text: str, labels: list[str],
+              rows: Iterable[tuple[list[str], float]]) -> Metric:
+    family = kind(f"quilld_{name}", help_text, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zero_counters: tuple[str, ...],
+             label: str, helps: dict[str, str], rename: dict[str, str] | None = None) -> Iterator[Metric]:
+    """An optional part's INFO section as metrics: `gauges` as gauges, every other number as a
+    counter; the known names at zero when the part is off (`figures` None) or has not counted yet."""
+    seen: set[str] = set()
+
+    def text(name: str) -> str:
+        return helps.get(name) or f"{label}: {name.replace('_', ' ')} (INFO)."
+
+    for name, value in figures or ():
+        if not _number(value) or name in NOT_METRICS or name in GATEWAY_FROM_HISTOGRAM:
+            continue
+        if name in seen:
+            name = (rename or {}).get(name, name)
+            if name in seen:
+                continue
+        seen.add(name)
+        yield _gauge(name, text(name), value) if name in gauges else _counter(name, text(name), value)
+    for name in gauges:
+        if name not in seen:
+            yield _gauge(name, text(name), 0)
+    for name in zero_counters:
+        if name not in seen:
+            yield _counter(name, text(name), 0)
+
+
+def _ssd_name(key: str) -> str:
+    """The SSD tier's counters as metrics: `ssd_` before those named without it (demotions -> ssd_demotions)."""
+    return key if key.startswith(("ssd_", "recovery_")) else f"ssd_{key}"
+
+
+class Figures(Collector):
+    """Every figure of /v1/stats (and INFO router), read off the parts at scrape time."""
+
+    def __init__(self, node: NodeContext) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        yield _labelled(GaugeMetricFamily, "build_info", "This node's quilld version and node id (always 1).",
+                        ["version", "node_id"], [([__version__, node.node_id], 1)])
+        yield from self._node_counters()
+        yield _gauge("connected_clients", "Open client connections.", len(node.clients.connections))
+        yield _gauge("max_clients", "Most client connections accepted at once.", node.cfg.server.max_clients)
+        for name, value in tier_stats(node).items():
+            if name.startswith("dram_"):
+                yield _gauge(name, DRAM_HELP.get(name, f"DRAM tier: {name} (INFO tiers)."), value)
+        yield from self._tenants()
+        yield from self._router()
+        yield from self._ssd()
+        cluster = node.cluster
+        yield from _section(cluster.info() if cluster is not None else None, CLUSTER_GAUGES, CLUSTER_COUNTERS,
+                            "Cluster", CLUSTER_HELP, CLUSTER_EVENTS)
+        gateway = node.gateway
+        yield _gauge("gateway_enabled", "1 when this node runs the OpenAI-compatible gateway.",
+                     int(gateway is not None))
+        # a gateway that is off reports as a fresh one would: nothing counted, goodput 1
+        figures = gateway.info() if gateway is not None else GatewayStats().info(node.cfg.gateway.ttft_slo_ms, 0)
+        yield from _section(figures, GATEWAY_GAUGES, tuple(f"gateway_{c}" for c in GATEWAY_COUNTERS), "Gateway",
+                            GATEWAY_HELP)
+
+    def _node_counters(self) -> Iterator[Metric]:
+        reasons = []
+        for key, value in counters(self.node).items():
+            name = key.removeprefix("total_")
+            if name.startswith("guard_refusals_"):
+                reasons.append(([name.removeprefix("guard_refusals_")], value))
+            elif name in NODE_GAUGES:
+                yield _gauge(name, HELP.get(name, f"{name} (INFO stats)."), value)
+            else:
+                yield _counter(name, HELP.get(name, f"{name} (INFO stats)."), value)
+        yield _labelled(CounterMetricFamily, "guard_refusals_by_reason", "Refused cross-scope lookups by reason.",
+                        ["reason"], reasons)
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Per tenant (/v1/stats tenants): clients, scopes, lookups, the guard's refusals."""
+        rows = tenant_stats(self.node)
+        yield _labelled(GaugeMetricFamily, "tenant_connected_clients", "Open client connections per tenant.",
+                        ["tenant"], [([t], s["connected_clients"]) for t, s in rows.items()])
+        yield _labelled(GaugeMetricFamily, "tenant_scopes", "Identity scopes held per tenant.", ["tenant"],
+                        [([t], s["scopes"]) for t, s in rows.items()])
+        yield _labelled(CounterMetricFamily, "tenant_keyspace_hits", "Lookups that found their key, per tenant.",
+                        ["tenant"], [([t], s["keyspace_hits"]) for t, s in rows.items()])
+        yield _labelled(CounterMetricFamily, "tenant_keyspace_misses", "Lookups that did not, per tenant.",
+                        ["tenant"], [([t], s["keyspace_misses"]) for t, s in rows.items()])
+        yield _labelled(CounterMetricFamily, "tenant_guard_refusals", "Refused cross-scope lookups per tenant "
+                        "(the tenant refused) and reason.", ["tenant", "reason"],
+                        [([t, k.removeprefix("guard_refusals_")], v) for t, s in rows.items() for k, v in s.items()
+                         if k.startswith("guard_refusals_")])
+
+    def _router(self) -> Iterator[Metric]:
+        """The control plane: engines, their leases and KV-event feeds, residencies, hot prefixes."""
+        ctl = self.node.control
+        now = time.monotonic()
+        engines = list(ctl.engines.engines)
+        views = {e: ctl.feed_view(e, now) for e in engines}
+        yield _gauge("engines", "Registered inference engines.", len(engines))
+        yield _gauge("kv_subscriptions", "Engines followed over ZMQ KV events.", ctl.subscriptions)
+        yield _gauge("engine_residencies", "(scope, block) entries in the residency index.", len(ctl.index))
+        yield _counter("hot_prefix_lookups", "Routed requests counted by the hot-prefix sketch.", ctl.hot.total)
+        yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
+                        ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
+        for key in FEED_COUNTERS:
+            yield _labelled(CounterMetricFamily, f"kv_engine_{key}", FEED_HELP.get(key, f"KV-event feed: {key}."),
+                            ["engine"], [([e], v[key]) for e, v in views.items()])
+        yield _labelled(GaugeMetricFamily, "kv_engine_last_sequence", "Sequence number of the last KV-event batch "
+                        "applied (-1: none).", ["engine"],
+                        [([e], -1 if v["last_seq"] is None else v["last_seq"]) for e, v in views.items()])
+        yield _labelled(GaugeMetricFamily, "kv_engine_idle_seconds", "Seconds since the engine's KV-event feed last "
+                        "received anything.", ["engine"], [([e], v["idle_s"]) for e, v in views.items()])
+        yield _labelled(GaugeMetricFamily, "kv_engine_subscribed", "1 when the engine's KV events are followed "
+                        "over ZMQ, 0 when pushed (POST /v1/kv-events, KVEVENTS).", ["engine"],
+                        [([e], int(v["subscribed"])) for e, v in views.items()])
+        index = ctl.index
+        yield _labelled(GaugeMetricFamily, "residency_blocks", "Blocks the residency index places per holder "
+                        "(engine or pool node) and tier.", ["holder", "tier"],
+                        [([h, t], n) for h in index.holders() for t in TIERS if (n := index.count(h, t))])
+
+    def _ssd(self) -> Iterator[Metric]:
+        tiering = self.node.tiering
+        figures = [(_ssd_name(k), v) for k, v in tiering.info()] if tiering is not None else None
+        yield from _section(figures, SSD_GAUGES, tuple(_ssd_name(k) for k in SSD_COUNTERS), "SSD tier", SSD_HELP)
+
+
+class CommandLatency(Collector):
+    """Per command family (the table's `group`): calls, errors, and the dispatcher's latency buckets.
+
+    The dispatcher keeps, per command, its calls, the calls it timed and a histogram of
+    their durations in buckets 16 per power of two (`CommandTable.latency_of`); each of
+    those is put in the first Prometheus bucket whose bound is at least its top (so a bound
+    is at most 6% generous). The families are those of the table, at zero from the start.
+    """
+
+    def __init__(self, node: NodeContext) -> None:
+        self.table = node.table
+        self._family: dict[str, str] = {}  # command name (`client|list`) -> its family
+        for cmd in self.table.commands.values():
+            self._family[cmd.name] = cmd.group
+            for sub in cmd.subcommands.values():
+                self._family[sub.name] = cmd.group
+        self._bounds_ns = [int(b * 1e9) for b in COMMAND_BUCKETS]
+        self._slot: dict[int, int] = {}  # a dispatcher bucket's top (ns) -> index of its Prometheus bucket
+
+    def _slot_of(self, top: int) -> int:
+        slot = self._slot.get(top)
+        if slot is None:
+            slot = self._slot[top] = next((i for i, b in enumerate(self._bounds_ns) if top <= b),
+                                          len(self._bounds_ns))
+        return slot
+
+    def collect(self) -> Iterator[Metric]:
+        families = sorted(set(self._family.values()))
+        calls = dict.fromkeys(families, 0)
+        errors = {(f, kind): 0 for f in families for kind in ("rejected", "failed")}
+        buckets = {f: [0] * (len(COMMAND_BUCKETS) + 1) for f in families}
+        sums = dict.fromkeys(families, 0)
+        for name, st in self.table.stats.items():
+            family = self._family.get(name)
+            if family is None:
+                continue
+            calls[family] += st[0]
+            errors[(family, "rejected")] += st[3]
+            errors[(family, "failed")] += st[4]
+            sums[family] += st[1]
+            counts = buckets[family]
+            for top, n in self.table.latency_of(name):
+                counts[self._slot_of(top)] += n
+        yield _labelled(CounterMetricFamily, "commands", "Commands run, per command family (exact).", ["family"],
+                        [([f], n) for f, n in calls.items()])
+        yield _labelled(CounterMetricFamily, "command_errors", "Commands answered with an error, per family: "
+                        "rejected by the dispatcher's checks or failed in their handler.", ["family", "kind"],
+                        [([f, k], n) for (f, k), n in errors.items()])
+        hist = HistogramMetricFamily("quilld_command_duration_seconds", "Time a command ran on the event loop, "
+                                     "per family (timed calls: 1 in 16 of fast commands such as GET and SET, "
+                                     "every call of the others; a reply that waits on SSD or a peer is timed "
+                                     "until it starts waiting).", labels=["family"])
+        bounds = [repr(b) for b in COMMAND_BUCKETS] + ["+Inf"]
+        for family in families:
+            running, rows = 0, []
+            for bound, n in zip(bounds, buckets[family]):
+                running += n
+                rows.append((bound, running))
+            hist.add_metric([family], rows, sums[family] / 1e9)
+        yield hist
+
+
+def tenant_stats(node: NodeContext) -> dict[str, dict[str, int]]:
+    """Per tenant, what RESP clients see of their own tenant only (INFO) — the operator's view."""
+    tenants = {s.user for s in node.clients.sessions.values()} | {t for t, _ in node.scopes.refusals}
+    out = {}
+    for tenant in sorted(tenants):
+        hits, misses = node.keyspace.lookups_of(tenant)
+        out[tenant] = {"connected_clients": sum(1 for s in node.clients.sessions.values() if s.user == tenant),
+                       "scopes": node.scopes.scopes_of(tenant), "keyspace_hits": hits, "keyspace_misses": misses,
+                       **{f"guard_refusals_{k}": v for k, v in node.scopes.refusals_of(tenant).items()}}
+    return out
+
+
+__all__ = ["CONTENT_TYPE", "NodeMetrics", "tenant_stats"]
