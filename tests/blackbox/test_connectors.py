@@ -424,7 +424,7 @@ def test_lmcache_valkey_recipe(quilld_factory):
 
 def test_lmcache_valkey_recipe_with_glide(quilld_factory):
     """The same recipe through GLIDE's own sync client, built as LMCache 0.5.6's worker pool builds it."""
-    glide = pytest.importorskip("glide_sync", reason="valkey-glide-sync is not installed (not in the test extra)")
+    import glide_sync as glide  # the test extra installs valkey-glide-sync: this must run
     cfg = flat_yaml(recipe("lmcache-valkey"))
     extra = cfg["extra_config"]
     user, password = valkey_credentials(extra)

@@ -114,7 +114,7 @@ def test_cluster_events_gateway_route_alloc(saved):
 
 
 def test_save_writes_a_small_png(tmp_path):
-    pytest.importorskip("matplotlib")  # the `bench` extra
+    import matplotlib  # noqa: F401  (in the test extra as well as the `bench` extra: this must run)
     panels = [plot.Panel("a", ["x", "y"], {"ref": [1.0, 2.0], "quilld": [2.0, 1.0]}, "GB/s", ["2.00x", "0.50x"]),
               plot.Panel("b", ["z"], {"s": [3.0]}, "s")]
     out = plot.save(tmp_path / "sub" / "fig.png", panels, "title", "note")
