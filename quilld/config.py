@@ -67,6 +67,7 @@ class DramConfig:
     low_watermark: float = 0.85
     inline_max: int = 4 * KiB  # values up to this size live in the index entry, not in arena pages
     max_unfilled_share: float = 0.5  # of the arena, held at most by reservations still waiting for clients' bytes
+    maxmemory: int = 0  # DRAM filled before eviction (the watermarks are fractions of it); 0: the whole arena
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ class Config:
         if sec.auth_throttle_after < 0 or sec.auth_throttle_window_ms <= 0 or sec.auth_delay_max_ms <= 0:
             raise ConfigError("security: auth_throttle_after must be >= 0, auth_throttle_window_ms and "
                               "auth_delay_max_ms positive")
+        if not 0 <= d.maxmemory <= d.size:
+            raise ConfigError(f"dram.maxmemory must be within 0..dram.size ({d.size}), got {d.maxmemory}")
         if not 0 <= d.inline_max <= 64 * KiB:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
@@ -319,8 +322,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
 _SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
-_SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("server", "proto_max_bulk_len"),
-              ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),
+_SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
+              ("server", "proto_max_bulk_len"), ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),
               ("ssd", "size"), ("ssd", "segment_size"),
               ("ssd", "group_commit_bytes"), ("ssd", "checkpoint_wal_bytes")}
 

@@ -51,6 +51,7 @@ class Runtime:
     slowlog_max_len: int = 128
     latency_monitor_threshold: int = 0  # milliseconds; 0: the latency monitor is off
     proto_max_bulk_len: int = 512 * 1024 * 1024
+    maxmemory: int = 0  # dram.maxmemory: 0 is the whole arena; the keyspace's watermarks are fractions of it
     client_query_buffer_limit: int = 1024 * 1024 * 1024
     # redis parameters quilld has no use for, set by CONFIG SET where that is harmless (answered back)
     inert: dict[str, str] = field(default_factory=dict)
@@ -60,7 +61,8 @@ class Runtime:
         s = cfg.server
         return cls(timeout=s.timeout, slowlog_log_slower_than=s.slowlog_log_slower_than,
                    slowlog_max_len=s.slowlog_max_len, latency_monitor_threshold=s.latency_monitor_threshold,
-                   proto_max_bulk_len=s.proto_max_bulk_len, client_query_buffer_limit=s.client_query_buffer_limit)
+                   proto_max_bulk_len=s.proto_max_bulk_len, client_query_buffer_limit=s.client_query_buffer_limit,
+                   maxmemory=cfg.dram.maxmemory)
 
 
 @dataclass(eq=False)
@@ -92,6 +94,17 @@ class NodeContext:
     def __post_init__(self) -> None:
         self.runtime = Runtime.from_config(self.cfg)
         self.table.set_timing(slow_ns(self.runtime))
+        if self.runtime.maxmemory:
+            apply_maxmemory(self, self.runtime.maxmemory)
+
+
+def apply_maxmemory(ctx: NodeContext, n: int) -> None:
+    """maxmemory `n` bytes (0: the whole arena): the keyspace's watermarks become fractions of it."""
+    ks, dram = ctx.keyspace, ctx.cfg.dram
+    ctx.runtime.maxmemory = n
+    n = min(n or ks.capacity, ks.capacity)
+    ks.high_bytes = int(n * dram.high_watermark)
+    ks.low_bytes = int(n * dram.low_watermark)
 
 
 def slow_ns(rt: Runtime) -> int:

@@ -306,6 +306,7 @@ class CommandTable:
         self.error_replies = 0
         self.slow_ns = 10_000_000  # calls at least this long are reported to `on_slow`
         self.on_slow: Callable[[Any, Command, list, int], None] | None = None  # slowlog, latency monitor
+        self.observer: Any = None  # what on_slow feeds: the slowlog and latency events (commands/observe.py)
         self.monitor: Callable[[Any, Command, list], None] | None = None  # MONITOR's feed, while any
         self.time_all = False
 

@@ -1,68 +1,71 @@
-"""Server commands: INFO, CONFIG."""
+"""Server commands: INFO, and ACL's WHOAMI, USERS, CAT and HELP (CONFIG: config_cmd.py).
+
+quilld's users are its tenants (security.requirepass for `default`, security.users_file
+for the others); ACL SETUSER and the rest of redis's ACL are not here. A tenant's ACL
+USERS lists itself only, as its CLIENT LIST lists its own connections.
+"""
 
 from __future__ import annotations
 
-import fnmatch
-
-from quilld.errors import CommandError
+from quilld.errors import CommandError, echo
+from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.common import text
-from quilld.protocol.context import NodeContext
-from quilld.protocol.info import info_sections, render_info, reset_stats, wanted_sections
-from quilld.protocol.resp import OK, Verbatim
-from quilld.protocol.table import CommandTable
+from quilld.protocol.info import info_sections, render_info, wanted_sections
+from quilld.protocol.resp import Verbatim
+from quilld.protocol.table import ACL_CATEGORIES, CommandTable
+
 
 def cmd_info(c, args):
     names = wanted_sections([text(a) for a in args[1:]])
     return Verbatim(render_info(info_sections(c.ctx, c, names)).encode())
 
 
-def _config_params(ctx: NodeContext) -> dict[str, str]:
-    cfg = ctx.cfg
-    return {
-        "bind": cfg.server.bind,
-        "port": str(cfg.server.port),
-        "maxmemory": str(ctx.keyspace.capacity),
-        "maxmemory-policy": "allkeys-lru",
-        "maxclients": str(cfg.server.max_clients),
-        "proto-max-bulk-len": str(cfg.server.proto_max_bulk_len),
-        "databases": "1",
-        "save": "",
-        "appendonly": "no",
-        "timeout": "0",
-        "dram-size": str(cfg.dram.size),
-        "dram-high-watermark": str(cfg.dram.high_watermark),
-        "dram-low-watermark": str(cfg.dram.low_watermark),
-        "dram-inline-max": str(cfg.dram.inline_max),
-    }
+def cmd_acl_whoami(c, args):
+    return c.user.encode()
 
 
-def cmd_config_get(c, args):
-    params = _config_params(c.ctx)
-    out: dict[bytes, bytes] = {}
-    for pattern in args[2:]:
-        pat = text(pattern).lower()
-        for name, value in params.items():
-            if fnmatch.fnmatchcase(name, pat):
-                out[name.encode()] = value.encode()
-    return out
+def cmd_acl_users(c, args):
+    if c.user != "default":
+        return [c.user.encode()]
+    users = c.ctx.users
+    names = {"default"} | set(getattr(users, "_passwords", {}))  # Users keeps its names to itself
+    return [name.encode() for name in sorted(names)]
 
 
-def cmd_config_set(c, args):
-    raise CommandError(f"CONFIG SET is not supported: set '{text(args[2])}' in the config file or a "
-                       "QUILLD_* variable and restart quilld")
+def cmd_acl_cat(c, args):
+    if len(args) > 3:
+        raise CommandError(f"unknown subcommand or wrong number of arguments for '{echo(args[1], 128)}'. Try "
+                           f"{echo(bytes(args[0]).upper())} HELP.")
+    if len(args) == 2:
+        return [cat.encode() for cat in ACL_CATEGORIES]
+    cat = bytes(args[2]).lower().decode("latin-1")
+    if cat not in ACL_CATEGORIES:
+        raise CommandError(f"Unknown category '{echo(args[2], 128)}'")
+    table = c.ctx.table
+    return [cmd.name.encode() for top in table.commands.values() for cmd in (top, *top.subcommands.values())
+            if cat in cmd.acl_categories]
 
 
-def cmd_config_resetstat(c, args):
-    reset_stats(c.ctx)
-    return OK
+_ACL_HELP = (
+    "CAT [<category>]",
+    "    List all commands that belong to <category>, or all command categories",
+    "    when no category is specified.",
+    "USERS",
+    "    List all the registered usernames.",
+    "WHOAMI",
+    "    Return the current connection username.",
+)
+
+
+def cmd_acl_help(c, args):
+    return help_reply(args, _ACL_HELP)
 
 
 def register(t: CommandTable) -> None:
-    t.add("info", -1, "", cmd_info, "Returns information and statistics about the server.", "server")
-    cfg = CommandTable()
-    cfg.add("config|get", -3, "", cmd_config_get, "Returns the effective values of configuration parameters.",
-            "server", "2.0.0")
-    cfg.add("config|set", -4, "", cmd_config_set, "Not supported: quilld's config is fixed at start.", "server")
-    cfg.add("config|resetstat", 2, "", cmd_config_resetstat, "Resets the server's statistics.", "server")
-    t.add("config", -2, "", lambda c, a: None, "A container for server configuration commands.", "server",
-          subcommands={n.split(b"|")[1]: cmd for n, cmd in cfg.commands.items()})
+    t.add("info", -1, "", cmd_info)
+    acl = CommandTable()
+    acl.add("acl|cat", -2, "", cmd_acl_cat)
+    acl.add("acl|help", 2, "", cmd_acl_help)
+    acl.add("acl|users", 2, "", cmd_acl_users)
+    acl.add("acl|whoami", 2, "", cmd_acl_whoami)
+    t.add("acl", -2, "", lambda c, a: None, subcommands={n.split(b"|")[1]: x for n, x in acl.commands.items()})
