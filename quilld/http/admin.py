@@ -1,4 +1,4 @@
-"""Admin HTTP API (aiohttp): health, stats, Prometheus metrics, effective config.
+"""Admin HTTP API (aiohttp): health, stats, Prometheus metrics, effective config, the status page.
 
 Routes live in one table; the node is kept in a typed AppKey. With
 `admin.token` set, every request needs `Authorization: Bearer <token>`; the
@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import json
 import time
+from importlib import resources
 from typing import Any
 
 from aiohttp import web
@@ -24,15 +25,17 @@ from quilld.errors import CommandError, QuillError
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import loopback_only, parse_json
 from quilld.index.events import decode_json
+from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
 from quilld.index.route_request import route as route_in_scope
 from quilld.index.router import Decision
-from quilld.model import IdentityScope
+from quilld.model import CacheTier, IdentityScope
 from quilld.protocol.context import NodeContext
 from quilld.protocol.info import counters, tier_stats
 
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
+STATUS_PAGE: web.AppKey[bytes] = web.AppKey("status_page", bytes)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -78,6 +81,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def status_page(request: web.Request) -> web.Response:
+    """GET /: the status page (status.html, self-contained); it reads the JSON routes with the token."""
+    return web.Response(body=request.app[STATUS_PAGE], content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
+
+
 async def config(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].cfg.redacted())
 
@@ -96,9 +105,16 @@ async def _body(request: web.Request) -> Any:
 
 async def list_engines(request: web.Request) -> web.Response:
     control = request.app[NODE].control
+    index = control.index
     return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id],
-                                                                   "feed": control.feed_view(e.id)}
+                                                                   "feed": control.feed_view(e.id),
+                                                                   "blocks": _blocks_of(index, e.id)}
                                           for e in control.engines.engines.values()]})
+
+
+def _blocks_of(index: ResidencyIndex, holder: str) -> dict[str, int]:
+    """The blocks the residency index places with `holder`, per tier (tiers it has none in left out)."""
+    return {t.value: n for t in CacheTier if (n := index.count(holder, t))}
 
 
 async def add_engine(request: web.Request) -> web.Response:
@@ -171,9 +187,16 @@ async def kv_events(request: web.Request) -> web.Response:
 
 
 async def hot(request: web.Request) -> web.Response:
-    sketch = request.app[NODE].control.hot
-    return web.json_response({"total": sketch.total,
-                              "top": [{"block": key.hex(), "count": n} for key, n in sketch.top(20)]})
+    control = request.app[NODE].control
+    sketch, index = control.hot, control.index
+    return web.json_response({"total": sketch.total, "top": [
+        {"block": key.hex(), "count": n, "holders": _holders_of(index, key)} for key, n in sketch.top(20)]})
+
+
+def _holders_of(index: ResidencyIndex, key: bytes) -> list[dict[str, str]]:
+    """Who holds a hot prefix's first block, in any scope that has residencies: [{holder, tier}]."""
+    held = {pair for tag in list(index.tag_entries) for pair in index.locate(tag, [key])[0]}
+    return [{"holder": h, "tier": t.value} for h, t in sorted(held)]
 
 
 async def nodes(request: web.Request) -> web.Response:
@@ -194,6 +217,7 @@ async def nodes(request: web.Request) -> web.Response:
 
 
 ROUTES = [
+    ("GET", "/", status_page),
     ("GET", "/healthz", healthz),
     ("GET", "/v1/stats", stats),
     ("GET", "/v1/clients", clients),
@@ -214,6 +238,8 @@ def _bearer_middleware(token: str):
 
     @web.middleware
     async def check(request: web.Request, handler):
+        if request.method == "GET" and request.path == "/":
+            return await handler(request)  # the status page holds no data: it asks for the token to fetch any
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, expected):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401,
@@ -231,6 +257,7 @@ def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Appl
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
     app[METRICS] = metrics if metrics is not None else NodeMetrics(node)
+    app[STATUS_PAGE] = resources.files(__package__).joinpath("status.html").read_bytes()
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     return app
