@@ -115,13 +115,13 @@ class Clients:
 
     def _close_idle(self, now: float) -> None:
         """Close clients idle longer than the runtime `timeout` (seconds; 0: never), as redis does:
-        not a monitor, nor one waiting for a reply or for a pause to end."""
+        not a monitor, a cluster peer, nor one waiting for a reply or for a pause to end."""
         for conn in list(self.connections.values()):
             timeout = conn.ctx.runtime.timeout
             if not timeout:
                 return
             s = conn.session
-            if now - s.last_active > timeout and not s.monitor and conn not in self._held and not conn.busy:
+            if now - s.last_active > timeout and not (s.monitor or s.peer or conn.busy) and conn not in self._held:
                 conn.transport.close()
 
     # -- CLIENT PAUSE ---------------------------------------------------------
