@@ -594,10 +594,10 @@ NULL3 = b"_\r\n"
 def encode_error(err: QuillError) -> bytes:
     """The one place a typed error becomes `-PREFIX message`.
 
-    Client bytes quoted in the message (`errors.echo`) go back raw; CR and LF become
-    spaces, as redis's addReplyError makes them.
+    Client bytes quoted in the message (`errors.echo`) go back raw. As redis's
+    addReplyErrorFormat: CRs and LFs at the end are trimmed, the others become spaces.
     """
-    text = err.wire().replace("\r", " ").replace("\n", " ")
+    text = err.wire().rstrip("\r\n").replace("\r", " ").replace("\n", " ")
     return b"-" + text.encode("utf-8", "surrogateescape") + b"\r\n"
 
 

@@ -90,22 +90,26 @@ def assert_alive(q) -> None:
 
 # -- garbage and protocol limits ---------------------------------------------
 
-def test_random_binary_gets_only_errors_and_server_survives(server):
+def test_random_binary_gets_only_errors_and_server_survives(server, redis_server):
+    """Each case is answered as redis-server answers it, byte for byte, close included. A line
+    in which a NUL byte comes before its end is no line yet for redis (it looks for the end
+    with strchr), so such a case may get no reply at all: the connection just waits."""
     rng = random.Random(20240611)
-    closed_count = 0
+    closed_count = answered = 0
     for i in range(16):
         # Random binary lines (CRLF-separated, so the parser has to judge each of them).
         payload = b"\r\n".join(rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(1, 60)))
         if i % 3 == 0:
             payload = b"*" + payload  # garbage that starts like a multibulk command
         reply, closed = exchange_until_close(server.port, payload, timeout=3, quiet=0.3)
+        assert (reply, closed) == exchange_until_close(redis_server, payload, timeout=3, quiet=0.3), i
         lines = [line for line in reply.split(b"\r\n") if line]
-        assert lines, f"case {i}: no reply at all to {len(payload)} bytes of garbage"
+        answered += bool(lines)
         assert all(line.startswith(b"-ERR ") for line in lines), (i, reply[:300])
         if closed:
             closed_count += 1
             assert lines[-1].startswith(b"-ERR Protocol error: "), (i, lines[-1])
-    assert closed_count >= 5  # the '*' cases at least end in a protocol error
+    assert answered >= 8 and closed_count >= 3  # most cases are answered; '*' ones end in an error
     assert_alive(server)
 
 

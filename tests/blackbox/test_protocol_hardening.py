@@ -273,8 +273,8 @@ def test_auth_guessing_from_one_address_is_slowed_and_counted(quilld_factory):
     # the first failures are answered at once
     t0 = time.monotonic()
     reply, _ = exchange(q.port, cmd("AUTH", "guess") * 5, source=attacker, quiet=0.2)
-    assert reply == WRONGPASS * 5 and time.monotonic() - t0 < 1.0
-    # then: 8 connections pipelining 100 guesses each for about 2 s
+    assert reply == WRONGPASS * 5 and time.monotonic() - t0 < 1.5
+    # then 8 connections from the same address pipeline 100 guesses each
     socks = []
     for _ in range(8):
         s = socket.socket()
@@ -282,33 +282,32 @@ def test_auth_guessing_from_one_address_is_slowed_and_counted(quilld_factory):
         s.connect(("127.0.0.1", q.port))
         s.sendall(cmd("AUTH", "guess") * 100)
         socks.append(s)
-    got = [b""] * len(socks)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 2.0:
+    # meanwhile a client at another address with the right password is answered at once
+    assert exchange(q.port, cmd("AUTH", "s3cret") + b"PING\r\n", quiet=0.1)[0] == b"+OK\r\n+PONG\r\n"
+    assert time.monotonic() - t0 < 1.0
+    got = [b""] * len(socks)
+    while time.monotonic() - t0 < 3.0:  # 800 guesses took 6 ms before (134k/s)
         for i, s in enumerate(socks):
             s.settimeout(0.01)
             try:
                 got[i] += s.recv(1 << 16)
             except socket.timeout:
                 pass
-        # meanwhile a client elsewhere with the right password is answered at once
-        if len(got[0]) and time.monotonic() - t0 > 1.0:
-            t1 = time.monotonic()
-            assert exchange(q.port, cmd("AUTH", "s3cret") + b"PING\r\n", quiet=0.1)[0] == b"+OK\r\n+PONG\r\n"
-            assert time.monotonic() - t1 < 0.5
+    stats = q.client(password="s3cret").info("stats")
+    elapsed = time.monotonic() - t0
     for s in socks:
         s.close()
     wrong = sum(g.count(b"-WRONGPASS") for g in got)
     refused = sum(g.count(b"-ERR too many failed AUTH attempts from this address: try again later") for g in got)
-    stats = q.client(password="s3cret").info("stats")
-    print(f"\n800 guesses in ~2 s from one address: {wrong} checked, {refused} refused; "
-          f"auth_throttled={stats['auth_throttled']} auth_throttle_refused={stats['auth_throttle_refused']}")
-    # 50, 100, 200, 400, 400 ... ms apart: a handful were checked, the rest refused at once
-    assert 1 <= wrong <= 10, wrong
-    assert refused >= 700
-    assert stats["auth_failures"] == 5 + wrong
-    assert stats["auth_throttled"] >= wrong and stats["auth_throttle_refused"] >= refused
-    # the attacker's address gets the right password checked too, only later
+    checked = stats["auth_failures"] - 5
+    print(f"\n800 guesses from one address, {elapsed:.1f} s: {checked} checked, {refused} refused at once, the "
+          f"rest waiting; auth_throttled={stats['auth_throttled']} auth_throttle_refused={stats['auth_throttle_refused']}")
+    # checked one at a time, 50, 100, 200, then 400 ms apart (a first burst of 8 reserves 50 ms turns)
+    assert wrong <= checked <= 10 + elapsed / 0.4, (wrong, checked, elapsed)
+    assert refused >= 300 and stats["auth_throttle_refused"] >= refused
+    assert stats["auth_throttled"] >= checked
+    # the attacker's address gets the right password checked too, only later (or refused)
     reply, _ = exchange(q.port, cmd("AUTH", "s3cret") + b"PING\r\n", source=attacker, quiet=1.0)
     assert reply in (b"+OK\r\n+PONG\r\n",
                      b"-ERR too many failed AUTH attempts from this address: try again later\r\n"

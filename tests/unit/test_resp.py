@@ -627,6 +627,8 @@ def test_null_constants():
     (OutOfMemory("no room"), b"-OOM no room\r\n"),
     (NoHandle("gone"), b"-NOHANDLE gone\r\n"),
     (ChecksumMismatch("bad\r\ncrc\nhere"), b"-CHECKSUM bad  crc here\r\n"),
+    (CommandError("Unsupported option \r\n"), b"-ERR Unsupported option \r\n"),  # trailing ones trimmed
+    (CommandError("option '\r\n\n'"), b"-ERR option '   '\r\n"),
     (ProtocolError("invalid bulk length"), b"-ERR Protocol error: invalid bulk length\r\n"),
     (QuillError("plain"), b"-ERR plain\r\n"),
 ])
