@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -132,6 +133,10 @@ async def _serve(cfg, make_node: Callable[[], Node]) -> None:
             if not received:
                 raise
             return
+        # Everything built so far (modules, config, the recovered index) lives as long as the
+        # process: keep it out of the cyclic collector's scans, which otherwise grow with it.
+        gc.collect()
+        gc.freeze()
         print(f"quilld ready on {cfg.server.bind}:{node.port}", flush=True)
         await stop.wait()
     finally:
