@@ -15,9 +15,10 @@ Two kinds of metric:
   part through an injected observer (`observe(seconds)`; tiers, index and
   cluster import nothing of Prometheus). Command latency per command family
   (the table's `group`) is read at scrape time from the dispatcher's own
-  latency buckets (INFO latencystats): the dispatcher times one call in 16 of
-  the commands redis calls fast (GET, SET, ...) and every other call, so the
-  histogram counts timed calls, and `quilld_commands_total` counts every call.
+  latency buckets (INFO latencystats): the dispatcher times a sample of the
+  calls of the commands redis calls fast (GET, SET, ...; one in its
+  `SAMPLE_EVERY`) and every call of the others, so the histogram counts timed
+  calls, and `quilld_commands_total` counts every call.
 
 One registry per node, never prometheus-client's global one: tests run
 several nodes in one process.
@@ -130,7 +131,9 @@ SSD_HELP = {
     "ssd_demotions": "Blocks written from DRAM to SSD.", "ssd_demoted_bytes": "Bytes written from DRAM to SSD.",
     "ssd_promotions": "Blocks read back from SSD and kept in DRAM.", "ssd_reads": "Blocks read from SSD.",
 }
-# the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter
+# the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter.
+# A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py
+# compares a fresh node's names with a busy one's).
 CLUSTER_GAUGES = ("cluster_enabled", "cluster_members", "cluster_members_alive", "cluster_members_suspect",
                   "cluster_members_dead", "cluster_members_left", "cluster_followers", "cluster_log_seq",
                   "cluster_log_epoch", "cluster_follow_max_idle_ms", "cluster_peer_keys")
@@ -138,6 +141,7 @@ CLUSTER_COUNTERS = ("cluster_log_snapshots", "cluster_follow_errors", "cluster_f
                     "cluster_follow_resyncs", "cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_peer_fetch_usec", "cluster_peer_fetch_errors", "cluster_peer_fetch_stale",
                     "cluster_peer_fetch_checksum_failures", "cluster_members_without_address",
+                    "cluster_peer_connections", "cluster_peer_gets_served", "cluster_rdma_leases_granted",
                     "cluster_transfer_fetches_tcp", "cluster_transfer_fetches_rdma", "cluster_transfer_rdma_errors",
                     "cluster_transfer_rdma_fallbacks", "cluster_rdma_connects", "cluster_rdma_accepts",
                     "cluster_rdma_reads", "cluster_rdma_read_bytes", "cluster_rdma_read_errors",
@@ -407,7 +411,7 @@ class CommandLatency(Collector):
                         "rejected by the dispatcher's checks or failed in their handler.", ["family", "kind"],
                         [([f, k], n) for (f, k), n in errors.items()])
         hist = HistogramMetricFamily("quilld_command_duration_seconds", "Time a command ran on the event loop, "
-                                     "per family (timed calls: 1 in 16 of fast commands such as GET and SET, "
+                                     "per family (timed calls: a sample of fast commands such as GET and SET, "
                                      "every call of the others; a reply that waits on SSD or a peer is timed "
                                      "until it starts waiting).", labels=["family"])
         bounds = [repr(b) for b in COMMAND_BUCKETS] + ["+Inf"]

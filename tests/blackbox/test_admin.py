@@ -335,7 +335,7 @@ def sample_names(fams: dict) -> set[str]:
 
 
 def test_metrics_exist_from_the_start_at_zero_with_their_types(quilld_factory, tmp_path):
-    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256MiB")
     fams = families(q.admin_port)
     assert all(name.startswith("quilld_") for name in fams), sorted(fams)
     types = {name: f.type for name, f in fams.items()}
@@ -371,7 +371,7 @@ def test_metrics_exist_from_the_start_at_zero_with_their_types(quilld_factory, t
 
 
 def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_path):
-    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256MiB")
     fresh = families(q.admin_port)
     r = q.client()
     for i in range(80):  # 80 MiB into 64 MiB: demotion batches
@@ -398,11 +398,11 @@ def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_pa
     assert sample(fams, "quilld_ssd_promotions", "_total") == ssd["promotions"] >= 1
     assert sample(fams, "quilld_route_duration_seconds", "_count") == stats["counters"]["routes"] == 1
     assert sample(fams, "quilld_route_duration_seconds", "_sum") > 0
-    # commands: every call counted per family; the timed ones (1 in 16 of GET and SET) in the histogram
+    # commands: every call counted per family; the timed ones (a sample of GET and SET) in the histogram
     calls = sample(fams, "quilld_commands", "_total", family="string")
     assert calls == 80 + 1 + 64
     timed = sample(fams, "quilld_command_duration_seconds", "_count", family="string")
-    assert calls // 16 <= timed <= calls
+    assert 1 <= timed <= calls  # the dispatcher's sampling decides how many (latencystats)
     assert sample(fams, "quilld_command_duration_seconds", "_sum", family="string") > 0
     buckets = [s for s in fams["quilld_command_duration_seconds"].samples
                if s.name.endswith("_bucket") and s.labels["family"] == "string"]
@@ -425,7 +425,7 @@ def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_pa
 
 
 def test_stats_keeps_one_copy_of_each_dram_figure_and_ssd_figures_under_ssd(quilld_factory, tmp_path):
-    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"))
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256MiB")
     stats = get_json(q.admin_port, "/v1/stats")
     dram, ssd = stats["tiers"]["dram"], stats["tiers"]["ssd"]
     assert all(k.startswith("dram_") for k in dram), sorted(dram)  # the arena's own names are gone

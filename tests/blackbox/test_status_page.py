@@ -182,8 +182,8 @@ def test_the_status_page_shows_what_the_json_routes_say(quilld_factory, engine, 
     conf = tmp_path / "quilld.toml"
     conf.write_text(f'[[engines]]\nid = "fake-1"\nmodel = "tiny"\nurl = "http://127.0.0.1:{engine}"\n')
     gw_port = free_port()
-    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--config", str(conf),
-                       "--gateway-port", str(gw_port))
+    q = quilld_factory("--dram", "64MiB", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256MiB",
+                       "--config", str(conf), "--gateway-port", str(gw_port))
     wait_port(gw_port, q.proc)
     r = q.client()
     for i in range(96):  # 96 MiB into 64 MiB of DRAM: the coldest are demoted to SSD
