@@ -127,8 +127,10 @@ def test_client_commands(quilld):
     assert isinstance(cid, int) and cid > 0
     listing = r.client_list()
     assert any(c["name"] == "bench-1" for c in listing)
-    assert r.execute_command("CLIENT", "SETINFO", "LIB-NAME", "quill-test") == b"OK"
-    assert "lib-name=quill-test" in r.execute_command("CLIENT", "INFO").decode()
+    # quilld reports redis 7.0.15, which has no CLIENT SETINFO (7.2): its exact error, as redis-py expects
+    with pytest.raises(redis.ResponseError, match=r"^unknown subcommand 'SETINFO'\. Try CLIENT HELP\.$"):
+        r.execute_command("CLIENT", "SETINFO", "LIB-NAME", "quill-test")
+    assert "id=%d " % cid in r.execute_command("CLIENT", "INFO").decode()
     assert r.command_count() >= 20
     docs = r.execute_command("COMMAND DOCS", "get")
     assert docs and b"summary" in docs[1]
