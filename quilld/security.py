@@ -84,12 +84,14 @@ class Users:
         """The scope `user`'s connections start in (its tenant is `user`), or None."""
         return self._scopes.get(user)
 
-    def check(self, user: str, password: str) -> bool:
+    def check(self, user: str, password: str | bytes) -> bool:
+        """Whether `password` is `user`'s (compared as bytes: any client bytes are fine)."""
+        given = password if isinstance(password, bytes) else password.encode("utf-8", "surrogateescape")
         expected = self._passwords.get(user)
         if expected is None:
-            hmac.compare_digest(password, password)  # same work whether or not the user exists
+            hmac.compare_digest(given, given)  # same work whether or not the user exists
             return False
-        return hmac.compare_digest(expected.encode(), password.encode())
+        return hmac.compare_digest(expected.encode(), given)
 
     def user_for_token(self, token: str) -> str | None:
         """The user whose password is `token` (an API key of the OpenAI gateway), or None.

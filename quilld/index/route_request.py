@@ -17,6 +17,8 @@ Errors are `CommandError`s (ERR on RESP, 400 on HTTP) with stable texts.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,16 +44,25 @@ def parse_block_hash(v: Any) -> BlockHash:
     if isinstance(v, bool):
         raise CommandError("block hashes are integers or hex strings")
     if isinstance(v, int):
-        return v
+        if -(1 << 63) <= v < 1 << 64:
+            return v
+        raise CommandError("block hashes that are integers must fit in 64 bits")
     if isinstance(v, str):
         s = v.strip()
-        if s.lstrip("-").isdigit():
-            return int(s)
+        if _DECIMAL.fullmatch(s):  # ASCII digits only ("²" is a digit to str.isdigit), at most 20 of them
+            value = int(s)
+            if -(1 << 63) <= value < 1 << 64:
+                return value
+            raise CommandError("block hashes that are integers must fit in 64 bits")
         try:
             return bytes.fromhex(s.removeprefix("0x"))
         except ValueError:
             pass
-    raise CommandError(f"bad block hash {v!r}: an integer or a hex string")
+    shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+    raise CommandError(f"bad block hash {shown}: an integer or a hex string")
+
+
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")
 
 
 @dataclass(frozen=True, slots=True)

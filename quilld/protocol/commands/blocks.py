@@ -9,6 +9,8 @@ consume (and everything, when the connection drops mid-payload).
 
 from __future__ import annotations
 
+import re
+
 from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
@@ -142,7 +144,14 @@ def cmd_getblk(c, args):
 def _engine_hash(key: bytes) -> int | bytes:
     """A LOCATE key as an engine block hash: decimal digits are an int hash, else raw bytes."""
     k = bytes(key)
-    return int(k) if k.lstrip(b"-").isdigit() and len(k) < 21 else k
+    if _INT_HASH.fullmatch(k):
+        value = int(k)
+        if -(1 << 63) <= value < 1 << 64:
+            return value
+    return k
+
+
+_INT_HASH = re.compile(rb"-?[0-9]{1,20}")
 
 
 def _place(node: str, tier: CacheTier, nbytes: int | None = None, last_ms: int | None = None) -> dict:

@@ -305,8 +305,8 @@ def _cursor(raw) -> int:
     if nul >= 0:
         raw = raw[:nul]
     m = _CURSOR.fullmatch(raw)
-    if m is None or (m.group(1) and not m.group(2)):
-        raise CommandError("invalid cursor")
+    if m is None or (m.group(1) and not m.group(2)) or len((m.group(2) or b"").lstrip(b"0")) > 20:
+        raise CommandError("invalid cursor")  # (over 20 significant digits is past 2^64)
     value = int(m.group(2) or b"0")
     if value > ULONG_MAX:
         raise CommandError("invalid cursor")

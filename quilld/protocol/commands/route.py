@@ -18,7 +18,7 @@ def route_fields(args: list[bytes]) -> dict[str, Any]:
     if len(args) == 2 and args[1].lstrip()[:1] == b"{":
         try:
             return json.loads(args[1])  # valid JSON that starts with `{` is an object
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise CommandError(f"ROUTE: invalid JSON: {e}") from None
     if len(args) % 2 == 0:
         raise CommandError("ROUTE takes a JSON object or key value pairs")
