@@ -322,14 +322,18 @@ class Keyspace:
         return block
 
     def _check_unfilled(self, owner: str, need: int) -> None:
-        """Refuse a reservation that would take unfilled ones past their caps; one alone (of its
-        tenant, or of all) is always allowed, as any value that fits the arena was before."""
+        """Refuse a reservation that would take unfilled ones past their caps. A tenant's first
+        is always allowed, as any value that fits the arena was before: so a tenant whose
+        payloads stall (until server.payload_timeout_ms cuts them off) never holds up another
+        tenant's write, and the caps bound what one tenant's second and later ones may hold."""
         mine = self.unfilled.get(owner, 0)
-        if mine and mine + need > self.max_unfilled:
+        if not mine:
+            return
+        if mine + need > self.max_unfilled:
             self.stats["unfilled_refused"] += 1
             raise UnfilledLimit(f"tenant '{owner}' already waits for {mine} bytes of payloads and open puts "
                                 f"(limit {self.max_unfilled}, security.max_unfilled_bytes_per_tenant)")
-        if self.unfilled_bytes and self.unfilled_bytes + need > self.max_unfilled_all:
+        if self.unfilled_bytes + need > self.max_unfilled_all:
             self.stats["unfilled_refused"] += 1
             raise UnfilledLimit(f"payloads and open puts already hold {self.unfilled_bytes} bytes of the arena "
                                 f"(limit {self.max_unfilled_all}, dram.max_unfilled_share)")

@@ -184,10 +184,10 @@ def test_unfilled_reservations_are_capped_per_tenant(users):
         assert wait_until(lambda: alice.info("stats").get("unfilled_refused", 0) >= 2, timeout=15)
         assert alice.info("tiers")["dram_unfilled_bytes"] == 80 * MiB
         assert alice.get("kept") == kept  # 80 MiB reserved did not need to evict it
-        # alice's 64 MiB would take unfilled bytes past half the arena: it waits for mallory's
-        # stalled payload to be cut off, then goes through
+        # alice's 64 MiB goes through at once: a tenant's first reservation never waits for another's
+        t0 = time.monotonic()
         assert alice.set("more", b"m" * (64 * MiB)) is True
-        assert alice.info("stats")["payload_timeouts"] >= 1
+        assert time.monotonic() - t0 < 3.0
         assert alice.get("kept") == kept
         # mallory's other headers, waiting meanwhile, take her turn one at a time and are cut off too
         assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] == 0, timeout=30)
