@@ -133,7 +133,9 @@ def test_kill_9_right_after_acknowledged_deletes_and_overwrites(tmp_path, nodes)
                 break
         q.proc.wait(10)
         rounds += 1
-    assert on_ssd_changes >= 3 * rounds, f"only {on_ssd_changes} changes hit values on SSD: the test proved little"
+    # a sanity bound on the test itself (kills land after 1-10 changes, and on a loaded machine the
+    # demoter is slower, so fewer of them find a value on SSD): most rounds must change SSD values
+    assert on_ssd_changes >= 2 * rounds, f"only {on_ssd_changes} changes hit values on SSD: the test proved little"
     q = ssd_node(tmp_path, ssd_dir)
     nodes.append(q)
     r = redis.Redis(port=q.port, socket_timeout=20)
