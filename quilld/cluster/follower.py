@@ -27,6 +27,7 @@ log = logging.getLogger("quilld.cluster")
 BATCH = 5000  # entries per REPLOG call
 WAIT_MS = 1000  # how long the peer holds a REPLOG call open when nothing is new
 RETRY_MIN, RETRY_MAX = 0.05, 1.0  # backoff between failed attempts, seconds
+STOP_WAIT = 5.0  # seconds stop() waits for the follow loop to end
 
 
 class Follower:
@@ -40,21 +41,31 @@ class Follower:
         self.stats: Counter[str] = Counter()
         self.last_applied = 0.0  # monotonic time of the last successful call
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"follow-{self.peer}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """End the follow loop. Python 3.11's wait_for can lose a cancellation that races with
+        its inner call finishing (a REPLOG reply arriving as the node stops), so the loop is
+        also told by a flag, the cancel is repeated, and the wait is bounded."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._stopping = True
+        deadline = time.monotonic() + STOP_WAIT
+        while not task.done() and time.monotonic() < deadline:
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        if not task.done():
+            log.warning("following %s: the follow loop did not end within %.0f s", self.peer, STOP_WAIT)
 
     async def _run(self) -> None:
         conn = PeerConnection(self.host, self.port, self.hello)
         delay = RETRY_MIN
         try:
-            while True:
+            while not self._stopping:
                 try:
                     if self.epoch is None:
                         await self._resync(conn)
