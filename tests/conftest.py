@@ -110,6 +110,21 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
     return q
 
 
+def ssd_node(tmp_path: Path, ssd_dir: Path, dram: str = "8MiB", ssd_size: str = "128MiB", **env) -> Quilld:
+    """A quilld with a small DRAM arena over an SSD tier in `ssd_dir` (32 MiB segments)."""
+    return start_quilld(tmp_path, "--dram", dram, "--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size,
+                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB", **env})
+
+
+def tiers_of(r, key) -> set[str]:
+    """The tiers of this node LOCATE reports for `key` (RESP2 or RESP3)."""
+    out = set()
+    for place in r.execute_command("LOCATE", key)[0]:
+        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
+        out.add(d[b"tier"].decode())
+    return out
+
+
 @pytest.fixture
 def quilld_factory(tmp_path):
     started: list[Quilld] = []

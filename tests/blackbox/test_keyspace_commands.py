@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from conftest import start_quilld, stop_process, wait_until
+from conftest import ssd_node, stop_process, tiers_of, wait_until
 from test_compat import run_script, split_replies
 
 # -- byte for byte ---------------------------------------------------------------------------
@@ -263,49 +263,36 @@ def test_keys_nobody_reads_expire_in_the_background_and_are_counted(quilld):
 KiB = 1024
 
 
-def _ssd_node(tmp_path, ssd_dir):
-    return start_quilld(tmp_path, "--dram", "8MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "128MiB",
-                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB"})
-
-
-def _tiers(r, key) -> set[str]:
-    out = set()
-    for place in r.execute_command("LOCATE", key)[0]:
-        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
-        out.add(d[b"tier"].decode())
-    return out
-
-
 def _value(name: str) -> bytes:
     return random.Random(name).randbytes(256 * KiB)
 
 
 def test_expire_rename_copy_of_ssd_only_values_bring_them_back_and_no_crash_undoes_them(tmp_path):
     ssd_dir = tmp_path / "ssd"
-    q = _ssd_node(tmp_path, ssd_dir)
+    q = ssd_node(tmp_path, ssd_dir)
     try:
         r = redis.Redis(port=q.port, socket_timeout=20)
         keys = [f"v{i}" for i in range(48)]
         for k in keys:
             r.set(k, _value(k))
-        assert wait_until(lambda: all(_tiers(r, k) == {"ssd"} for k in keys[:8]), timeout=30), \
+        assert wait_until(lambda: all(tiers_of(r, k) == {"ssd"} for k in keys[:8]), timeout=30), \
             "blocks were not demoted to SSD"
         # EXPIRE: the value comes back to DRAM, its SSD copy goes, the TTL holds
         assert r.expire("v0", 1000) == 1
-        assert _tiers(r, "v0") == {"dram"} and 990 <= r.ttl("v0") <= 1000
+        assert tiers_of(r, "v0") == {"dram"} and 990 <= r.ttl("v0") <= 1000
         assert r.get("v0") == _value("v0")
-        assert r.pexpire("v1", 150) == 1 and _tiers(r, "v1") == {"dram"}
+        assert r.pexpire("v1", 150) == 1 and tiers_of(r, "v1") == {"dram"}
         assert wait_until(lambda: r.exists("v1") == 0, timeout=2)
         # RENAME: under the new name only, in DRAM
         assert r.rename("v2", "renamed") and r.get("renamed") == _value("v2") and r.exists("v2") == 0
-        assert _tiers(r, "renamed") == {"dram"}
+        assert tiers_of(r, "renamed") == {"dram"}
         assert r.renamenx("v3", "renamed") == 0 and r.exists("v3") == 1
         # COPY: an independent copy; the source keeps its SSD copy
         assert r.copy("v4", "copied") and r.get("copied") == _value("v4") and r.get("v4") == _value("v4")
         assert r.object("encoding", "v5") == b"raw" and r.memory_usage("v5") < 4096  # only its entry in DRAM
         os.kill(q.proc.pid, signal.SIGKILL)  # no flush: what the SSD holds is what recovery finds
         q.proc.wait(10)
-        q = _ssd_node(tmp_path, ssd_dir)
+        q = ssd_node(tmp_path, ssd_dir)
         r = redis.Redis(port=q.port, socket_timeout=20)
         assert r.exists("v2") == 0, "a renamed key came back under its old name"
         assert r.exists("v0") == 0, "a key given a TTL came back (without it) from SSD"

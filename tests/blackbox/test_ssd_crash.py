@@ -23,25 +23,12 @@ import time
 import pytest
 import redis
 
-from conftest import start_quilld, stop_process, wait_until
+from conftest import ssd_node, stop_process, tiers_of, wait_until
 
 KiB = 1024
 SIZE = 256 * KiB
 KEYS = [f"k{i:02d}" for i in range(48)]
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 8, 30.0
-
-
-def ssd_node(tmp_path, ssd_dir):
-    return start_quilld(tmp_path, "--dram", "8MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "128MiB",
-                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB"})
-
-
-def tiers_of(r, key) -> set[str]:
-    out = set()
-    for place in r.execute_command("LOCATE", key)[0]:
-        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
-        out.add(d[b"tier"].decode())
-    return out
 
 
 @pytest.fixture

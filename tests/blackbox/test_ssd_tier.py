@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import start_quilld, stop_process, wait_until
+from conftest import ssd_node, stop_process, tiers_of, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -25,19 +25,6 @@ KiB, MiB = 1024, 1024 * 1024
 def value(name: str, size: int) -> bytes:
     """The value of key `name`: distinct per key, so a wrong or mixed read shows."""
     return random.Random(name).randbytes(size)
-
-
-def ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="128MiB", **env):
-    return start_quilld(tmp_path, "--dram", dram, "--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size,
-                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB", **env})
-
-
-def tiers_of(r, key) -> set[str]:
-    out = set()
-    for place in r.execute_command("LOCATE", key)[0]:
-        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
-        out.add(d[b"tier"].decode())
-    return out
 
 
 def until(predicate, timeout, what):

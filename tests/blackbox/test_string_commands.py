@@ -23,7 +23,7 @@ import time
 
 import pytest
 import redis
-from conftest import require_tool, start_quilld, stop_process, wait_until
+from conftest import require_tool, ssd_node, stop_process, tiers_of, wait_until
 from test_compat import run_script
 
 KiB, MiB = 1024, 1024 * 1024
@@ -341,32 +341,19 @@ def test_commands_stay_in_the_callers_identity_scope(quilld):
 
 
 # -- values only on SSD --------------------------------------------------------------------------
-def _ssd_node(tmp_path, ssd_dir):
-    return start_quilld(tmp_path, "--dram", "8MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "128MiB",
-                        env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB"})
-
-
-def _tiers(r, key) -> set[str]:
-    out = set()
-    for place in r.execute_command("LOCATE", key)[0]:
-        d = place if isinstance(place, dict) else dict(zip(place[::2], place[1::2]))
-        out.add(d[b"tier"].decode())
-    return out
-
-
 def _value(name: str) -> bytes:
     return random.Random(name).randbytes(256 * KiB)
 
 
 def test_ssd_only_values_are_read_back_and_no_acknowledged_change_is_undone_by_a_crash(tmp_path):
     ssd_dir = tmp_path / "ssd"
-    q = _ssd_node(tmp_path, ssd_dir)
+    q = ssd_node(tmp_path, ssd_dir)
     try:
         r = redis.Redis(port=q.port, socket_timeout=20)
         keys = [f"v{i}" for i in range(48)]
         for k in keys:
             r.set(k, _value(k))
-        assert wait_until(lambda: all(_tiers(r, k) == {"ssd"} for k in keys[:10]), timeout=30), \
+        assert wait_until(lambda: all(tiers_of(r, k) == {"ssd"} for k in keys[:10]), timeout=30), \
             "blocks were not demoted to SSD"
         assert r.getrange("v0", 1000, 1999) == _value("v0")[1000:2000]
         assert r.strlen("v1") == 256 * KiB and r.getbit("v1", 8) == (_value("v1")[1] >> 7) & 1
@@ -385,7 +372,7 @@ def test_ssd_only_values_are_read_back_and_no_acknowledged_change_is_undone_by_a
         assert r.get("v2") == bytes(expect2) and r.get("v3") == _value("v3") + b"+tail"
         os.kill(q.proc.pid, signal.SIGKILL)  # no flush: what the SSD holds is what recovery finds
         q.proc.wait(10)
-        q = _ssd_node(tmp_path, ssd_dir)
+        q = ssd_node(tmp_path, ssd_dir)
         r = redis.Redis(port=q.port, socket_timeout=20)
         for k in ("v2", "v3", "v4", "v5", "v6", "v7", "v9"):  # changed in DRAM: lost, never the old bytes
             assert r.get(k) != _value(k), f"{k}: an acknowledged change was undone by the crash"
