@@ -44,6 +44,7 @@ import redis.asyncio as aioredis
 import zmq
 from quillclient import QuillClient, WrongPass
 
+from vllm_schema import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from conftest import ROOT, free_port, wait_until
 
 DOC = ROOT / "docs" / "connectors.md"
@@ -887,37 +888,6 @@ def test_sglang_v2_trailing_pools_and_rank_sharded_mamba(hicache):
 # ---------------------------------------------------------------------------
 # vLLM --kv-events-config
 # ---------------------------------------------------------------------------
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """vLLM's event declarations (vllm/distributed/kv_events.py, main): tagged, map-encoded."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
 
 class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
