@@ -106,6 +106,7 @@ class SsdConfig:
     promote_on_read: bool = True
     group_commit_bytes: int = 64 * MiB
     checkpoint_wal_bytes: int = 64 * MiB
+    flush_progress_s: float = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
 
 
 TRANSFERS = ("auto", "tcp", "rdma")
@@ -221,6 +222,8 @@ class Config:
             raise ConfigError("ssd: size and segment_size must be at least 1MiB, segment_size a multiple of 4KiB")
         if ssd.group_commit_bytes < 1 * MiB or ssd.checkpoint_wal_bytes < 1 * MiB:
             raise ConfigError("ssd: group_commit_bytes and checkpoint_wal_bytes must be at least 1MiB")
+        if ssd.flush_progress_s <= 0:
+            raise ConfigError("ssd.flush_progress_s must be positive")
         c = self.cluster
         passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:

@@ -71,7 +71,6 @@ _PATHS = {"fresh": "a new tier", "checkpoint": "its checkpoint and log",
           "fenced": "starting EMPTY (no tier key: fenced after a failure, or an older format)"}
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
-FLUSH_REPORT_S = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
 
 
 def _ignore(seconds: float) -> None:
@@ -203,7 +202,7 @@ class Tiering:
         return blocks, nbytes, len(writing), sum(b.length for b in writing)
 
     async def _flush_all(self) -> None:
-        """Write every DRAM block to SSD at a clean stop, logging progress every FLUSH_REPORT_S."""
+        """Write every DRAM block to SSD at a clean stop, logging progress every ssd.flush_progress_s."""
         blocks, nbytes, _, _ = self.unflushed()
         if not blocks:
             log.info("ssd tier: no DRAM block to flush")
@@ -217,7 +216,7 @@ class Tiering:
 
         async def report() -> None:
             while True:
-                await asyncio.sleep(FLUSH_REPORT_S)
+                await asyncio.sleep(self.cfg.flush_progress_s)
                 n, b, dt = done()
                 rate = b / dt
                 log.info("ssd tier: flushed %s of %s (%.0f%%), %d of %d blocks, %.0f MB/s, %s",
