@@ -68,6 +68,7 @@ class DramConfig:
     inline_max: int = 4 * KiB  # values up to this size live in the index entry, not in arena pages
     max_unfilled_share: float = 0.5  # of the arena, held at most by reservations still waiting for clients' bytes
     maxmemory: int = 0  # DRAM filled before eviction (the watermarks are fractions of it); 0: the whole arena
+    memory_file: str = ""  # the arena's memory file (on /dev/shm, say); empty: an anonymous memfd
 
 
 @dataclass(frozen=True)

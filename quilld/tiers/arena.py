@@ -1,13 +1,22 @@
-"""The DRAM tier: one anonymous mmap carved into 4 KiB pages by the offset allocator.
+"""The DRAM tier: one memory file, mapped shared, carved into 4 KiB pages by the offset allocator.
 
 The arena knows nothing of keys: it hands out extents, gives memoryviews of
 them, and takes them back. Pages are touched only when written, so a large
 `--dram` costs address space, not memory, until it is used.
+
+The memory is a file rather than an anonymous mapping so that it has a
+descriptor (`fd`): same-host clients allowed to may map it (the shared-memory
+path) and large replies can be sent from it with `sendfile`. By default it is
+an anonymous memfd that vanishes with the process; `dram.memory_file` names a
+file instead (on /dev/shm, say) for operators who want to see it. Either way
+its mode is 0600: only a descriptor handed over a unix socket lets another
+process map it.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
 
@@ -15,12 +24,28 @@ PAGE = 4096
 
 
 class DramArena:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, memory_file: str = "") -> None:
+        """`memory_file`: a path to create the arena as (it must not exist; it is removed at
+        close), or "" for an anonymous memfd."""
         self.pages = size // PAGE
         if self.pages < 1:
             raise ValueError("the DRAM arena needs at least one 4 KiB page")
         self.capacity = self.pages * PAGE
-        self._mmap = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.path = memory_file
+        if memory_file:
+            try:
+                self.fd = os.open(memory_file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                raise FileExistsError(f"dram.memory_file {memory_file} already exists: another quilld's arena, "
+                                      "or one left by a quilld that was killed (remove it if so)") from None
+        else:
+            self.fd = os.memfd_create("quilld-arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            self._mmap = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self._drop_file()
+            raise
         self._view = memoryview(self._mmap)
         self._alloc = OffsetAllocator(self.pages)
 
@@ -60,6 +85,17 @@ class DramArena:
     def close(self) -> None:
         self._view.release()
         self._mmap.close()
+        self._drop_file()
+
+    def _drop_file(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            if self.path:
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
 
 
 __all__ = ["DramArena", "NO_SPACE", "PAGE"]

@@ -71,7 +71,7 @@ class Keyspace:
         """`max_unfilled`: bytes one tenant's unfilled reservations may hold (0: a quarter of the arena)."""
         self.cfg = cfg
         self.scopes = scopes
-        self.arena = DramArena(cfg.size)
+        self.arena = DramArena(cfg.size, cfg.memory_file)
         self.capacity = self.arena.capacity
         self.high_bytes = int(self.capacity * cfg.high_watermark)
         self.low_bytes = int(self.capacity * cfg.low_watermark)
