@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gossip-port", type=int, help="cluster gossip port, UDP and TCP (default 0: single node)")
     p.add_argument("--seeds", help="comma-separated host:port gossip addresses of nodes to join")
     p.add_argument("--gateway-port", type=int, help="OpenAI-compatible gateway port (default 0: off)")
+    p.add_argument("--unixsocket", help="unix socket path to listen on beside TCP (default: none)")
+    p.add_argument("--unixsocketperm", help="the unix socket's mode, octal (default 700)")
+    p.add_argument("--map-users", help="comma-separated users who may map the DRAM arena (SHM ATTACH; default none)")
     p.add_argument("--protected-mode", choices=["yes", "no"],
                    help="with no password set, accept only loopback clients on every listener (default yes)")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
@@ -77,6 +80,9 @@ def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     put("server", "port", a.port)
     put("server", "node_id", a.node_id)
     put("server", "protected_mode", a.protected_mode)
+    put("server", "unixsocket", a.unixsocket)
+    put("server", "unixsocketperm", a.unixsocketperm)
+    put("security", "map_users", a.map_users)
     put("admin", "port", a.admin_port)
     put("dram", "size", a.dram)
     put("security", "requirepass", a.requirepass)

@@ -26,6 +26,21 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.I
 _SIZE_MULT = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
 
 
+def parse_mode(value: str | int) -> int:
+    """A file mode: a string of octal digits ("700", "0o770", as redis's unixsocketperm), or an int
+    already in range (a TOML 0o700). A bare TOML 700 is refused: it would be read as decimal."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        if not 0 <= value <= 0o777:
+            raise ValueError(value)
+        return value
+    text = str(value).strip().lower().removeprefix("0o")
+    if not text or any(ch not in "01234567" for ch in text):
+        raise ValueError(value)
+    return int(text, 8)
+
+
 def parse_size(text: str | int) -> int:
     """Parse `1GiB`, `512MiB`, `64k`, `4096` into bytes (binary multiples)."""
     if isinstance(text, int):
@@ -52,6 +67,10 @@ class ServerConfig:
     slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
     slowlog_max_len: int = 128  # entries SLOWLOG keeps
     latency_monitor_threshold: int = 0  # milliseconds: events this slow go to LATENCY; 0: the monitor is off
+    unixsocket: str = ""  # path of a unix socket to listen on beside TCP (redis's unixsocket); empty: none
+    unixsocketperm: int = 0o700  # the socket file's mode (octal, as redis's unixsocketperm)
+    shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
+    shm_max_leases: int = 4096  # leases one connection may hold at once (the table has SHM_SLOTS in all)
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,7 @@ class SecurityConfig:
     auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
+    map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,11 @@ class SsdConfig:
     group_commit_bytes: int = 64 * MiB
     checkpoint_wal_bytes: int = 64 * MiB
     flush_progress_s: float = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
+    direct_io: bool = True  # block writes with O_DIRECT where the file system allows it (buffered elsewhere)
+    io_threads: int = 4  # threads writing a demotion batch's blocks in parallel
+
+
+SHM_SLOTS = 65536  # lease slots of the shared-memory lease table, for all connections together (512 KiB)
 
 
 TRANSFERS = ("auto", "tcp", "rdma")
@@ -201,6 +226,10 @@ class Config:
         if s.timeout < 0 or s.slowlog_max_len < 0 or s.latency_monitor_threshold < 0:
             raise ConfigError("server.timeout, server.slowlog_max_len and server.latency_monitor_threshold "
                               "must be at least 0")
+        if not 0 <= s.unixsocketperm <= 0o777:
+            raise ConfigError(f"server.unixsocketperm must be an octal mode within 0..777, got {s.unixsocketperm:o}")
+        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS:
+            raise ConfigError(f"server.shm_lease_ms must be positive and server.shm_max_leases within 1..{SHM_SLOTS}")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if self.security.max_scopes_per_tenant < 1:
@@ -225,6 +254,8 @@ class Config:
             raise ConfigError("ssd: group_commit_bytes and checkpoint_wal_bytes must be at least 1MiB")
         if ssd.flush_progress_s <= 0:
             raise ConfigError("ssd.flush_progress_s must be positive")
+        if not 1 <= ssd.io_threads <= 64:
+            raise ConfigError("ssd.io_threads must be within 1..64")
         c = self.cluster
         passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:
@@ -326,6 +357,7 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
 _SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
+_OCTAL_KEYS = {("server", "unixsocketperm")}
 _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
               ("server", "proto_max_bulk_len"), ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),
               ("ssd", "size"), ("ssd", "segment_size"),
@@ -335,6 +367,12 @@ _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
 def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
     where = f"{section}.{key}"
     try:
+        if (section, key) in _OCTAL_KEYS:
+            try:
+                return parse_mode(value)
+            except ValueError:
+                raise ConfigError(f"{where}: invalid mode {value!r} (octal digits as a string, e.g. \"700\", "
+                                  "or a TOML 0o700)") from None
         if (section, key) in _SIZE_KEYS:
             try:
                 return parse_size(value)

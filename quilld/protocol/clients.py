@@ -46,7 +46,7 @@ class Clients:
         refusal = None
         if len(self.connections) >= self.max_clients:
             refusal = b"-ERR max number of clients reached\r\n"
-        else:
+        elif not conn.session.unix:  # a unix socket's peer is on this host: loopback, as redis counts it
             peer = conn.transport.get_extra_info("peername")
             if protected_mode_refuses(conn.ctx.cfg.server, conn.ctx.users.required, peer[0] if peer else None):
                 refusal = DENIED

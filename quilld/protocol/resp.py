@@ -585,6 +585,18 @@ class Raw(bytes):
     """Already-encoded reply bytes, written as they are."""
 
 
+class WithFds:
+    """A reply to be sent with open file descriptors attached (SCM_RIGHTS over a unix socket):
+    SHM ATTACH's. The codec does not encode it (it is not bytes on a wire): the server shell
+    sends it with sendmsg once the connection's earlier replies have left (server.py)."""
+
+    __slots__ = ("value", "fds")
+
+    def __init__(self, value: Any, fds: tuple[int, ...]) -> None:
+        self.value = value
+        self.fds = fds
+
+
 OK = Status(b"OK")
 PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"

@@ -11,19 +11,25 @@ A client whose unfinished input holds more than `server.client_query_buffer_limi
 bytes is closed without a reply, as redis closes it (client-query-buffer-limit).
 A reply that cannot be encoded, or a deferred reply that fails, is answered with
 an error and its pins are given back; the connection stays.
+
+The same class serves the unix socket (server.unixsocket). One reply there may carry
+file descriptors (`WithFds`, SHM ATTACH's): the codec cannot encode it, so it reaches
+`_send_with_fds` from the path of unencodable replies, never the GET/SET fast path.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
+import socket
 import time
 from typing import Any, Callable
 
-from quilld.errors import OutOfMemory, ProtocolError, QuillError
+from quilld.errors import CommandError, OutOfMemory, ProtocolError, QuillError
 from quilld.model import Pending, Pinned
 from quilld.protocol.context import NodeContext
-from quilld.protocol.resp import OK, LargeBulk, RespParser, encode, encode_error
+from quilld.protocol.resp import OK, LargeBulk, RespParser, WithFds, encode, encode_error
 from quilld.protocol.session import Session
 
 RECV_BUFFER = 256 * 1024
@@ -75,9 +81,12 @@ class RespConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         ctx = self.ctx
         transport.set_write_buffer_limits(high=ctx.cfg.server.client_output_high_water)  # type: ignore[attr-defined]
-        peer = transport.get_extra_info("peername") or ("?", 0)
         sock = transport.get_extra_info("sockname") or ("?", 0)
-        self.session = Session(ctx, f"{peer[0]}:{peer[1]}", f"{sock[0]}:{sock[1]}")
+        if sock.__class__ is str:  # the unix socket: addresses as redis shows them (`path:0`)
+            self.session = Session(ctx, f"{sock}:0", f"{sock}:0", unix=True)
+        else:
+            peer = transport.get_extra_info("peername") or ("?", 0)
+            self.session = Session(ctx, f"{peer[0]}:{peer[1]}", f"{sock[0]}:{sock[1]}")
         self.parser.authenticated = self.session.authenticated
         self.clients.opened(self)
 
@@ -279,11 +288,55 @@ class RespConnection(asyncio.BufferedProtocol):
             encode(reply, self.session.resp3, out)
         except Exception as e:
             del out[mark:]
+            if reply.__class__ is WithFds:  # the codec cannot encode it: here, not on the fast path
+                self._send_with_fds(reply, out, pins)
+                return
             for release in pins[held:]:
                 release()
             del pins[held:]
             self.ctx.stats["internal_errors"] += 1
             out.append(encode_error(self.ctx.table.internal_error(self.session.last_cmd, e)))
+
+    def _send_with_fds(self, reply: WithFds, out: list, pins: list) -> None:
+        """Send `reply` with its descriptors attached (SCM_RIGHTS), after every earlier reply.
+
+        The replies gathered so far are handed to the transport first; the descriptors ride
+        on the first byte of this reply, sent with sendmsg on the socket itself, which is only
+        in order while the transport holds nothing unsent. So when it does (the client pipelined
+        the command behind replies it has not read yet) the command is refused with an error
+        instead. A partial send's rest goes through the transport as usual.
+        """
+        if out:
+            self._write(list(out), list(pins))
+            out.clear()
+            pins.clear()
+        resp3, transport = self.session.resp3, self.transport
+        if transport.is_closing():
+            return
+        sock = transport.get_extra_info("socket")
+        if not self.session.unix or sock is None or transport.get_write_buffer_size():
+            encode(CommandError("a reply carrying descriptors must be read before anything is pipelined "
+                                "behind it; send the command alone"), resp3, out)
+            return
+        chunks: list = []
+        encode(reply.value, resp3, chunks)
+        data = b"".join(chunks)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=sock.fileno())
+        try:
+            sent = raw.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", reply.fds))])
+        except (BlockingIOError, InterruptedError):
+            sent = -1
+        except OSError:
+            transport.close()
+            return
+        finally:
+            raw.detach()  # the descriptor stays the transport's
+        if sent < 0:
+            encode(CommandError("the reply carrying descriptors could not be sent now; try again"), resp3, out)
+            return
+        self.clients.net_out += sent
+        if sent < len(data):
+            out.append(data[sent:])
 
     async def _retry_when_space(self, item: list):
         deadline = time.monotonic() + ARENA_WAIT

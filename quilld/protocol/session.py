@@ -48,10 +48,12 @@ UNSCOPED = _Unscoped()
 class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
-                 "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict")
+                 "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm")
 
-    def __init__(self, ctx: NodeContext, addr: str, laddr: str) -> None:
+    def __init__(self, ctx: NodeContext, addr: str, laddr: str, unix: bool = False) -> None:
         self.ctx = ctx
+        self.unix = unix  # over the unix socket (server.unixsocket): SHM ATTACH may hand it descriptors
+        self.shm = False  # SHM ATTACH handed it the arena's descriptor (INFO counts attached clients)
         self.keyspace = ctx.keyspace
         self.puts = ctx.puts
         self.control = ctx.control

@@ -224,6 +224,10 @@ REFUSED: dict[str, tuple[Getter, str]] = {
                                         "(server.port)"),
     "bind": (lambda ctx: ctx.cfg.server.bind, f"quilld cannot move its listeners while it runs: {_RESTART} "
                                               "(server.bind)"),
+    "unixsocket": (lambda ctx: ctx.cfg.server.unixsocket,
+                   f"quilld cannot move its unix socket while it runs: {_RESTART} (server.unixsocket)"),
+    "unixsocketperm": (lambda ctx: f"{ctx.cfg.server.unixsocketperm:o}",
+                       f"the unix socket's mode is fixed at start: {_RESTART} (server.unixsocketperm)"),
     "protected-mode": (lambda ctx: "yes" if ctx.cfg.server.protected_mode else "no",
                        f"protected mode is fixed at start: {_RESTART} (server.protected_mode)"),
     "requirepass": (lambda ctx: ctx.cfg.security.requirepass,
