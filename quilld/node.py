@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
+import stat
 import time
 
 from quilld import __version__
 from quilld.cluster.cluster import Cluster
-from quilld.config import Config
+from quilld.config import SHM_SLOTS, Config
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
 from quilld.http.metrics import NodeMetrics
@@ -38,6 +40,7 @@ from quilld.protocol.server import RespConnection
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
 from quilld.tiers.keyspace import Keyspace
+from quilld.tiers.leases import LeaseTable
 from quilld.tiers.puts import TwoPhasePuts
 from quilld.tiers.tiering import Tiering
 
@@ -66,6 +69,46 @@ async def _listening(listener: tuple[str, str, str], bind: str, port: int):
                                    f"(set another with {flag} or {key}; [Errno {e.errno}])") from e
 
 
+async def _unix_listener(path: str, mode: int, factory) -> asyncio.AbstractServer:
+    """The RESP listener on a unix socket (server.unixsocket), its file set to `mode`.
+
+    A socket file nobody listens on (left by a quilld that was killed) is replaced; a live one,
+    or a path that is not a socket, is a ListenError naming the key."""
+    def refuse(reason: str, err: int) -> ListenError:
+        return ListenError(err, f"the unix socket listener cannot open {path}: {reason} "
+                                f"(set another with --unixsocket or server.unixsocket; [Errno {err}])")
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise refuse(e.strerror or str(e), e.errno) from e
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise refuse("the path exists and is not a socket", errno.EEXIST)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # stale: its quilld is gone
+        except OSError:
+            pass  # not ours to judge: create_unix_server says why
+        else:
+            raise refuse("another process is listening on it", errno.EADDRINUSE)
+        finally:
+            probe.close()
+    loop = asyncio.get_running_loop()
+    try:
+        server = await loop.create_unix_server(factory, path, backlog=1024)
+    except OSError as e:
+        raise refuse("the path is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)), e.errno) from e
+    os.chmod(path, mode)
+    return server
+
+
 HOUSEKEEPING_INTERVAL = 0.05  # seconds between expiry sweeps, lease checks and pin checks
 DRAIN_TIMEOUT = 5.0  # seconds shutdown waits for replies still being written
 
@@ -91,6 +134,9 @@ class Node:
             clients=Clients(cfg.server.max_clients, on_close=self._session_closed),
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
+        if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
+            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases)
+        self._unix: asyncio.AbstractServer | None = None
         self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
         self._admin: AdminServer | None = None
@@ -133,6 +179,9 @@ class Node:
                 lambda: RespConnection(ctx, large_target, release_args), s.bind, s.port,
                 reuse_address=True, backlog=1024)
         ctx.port = self._server.sockets[0].getsockname()[1]
+        if s.unixsocket:
+            self._unix = await _unix_listener(
+                s.unixsocket, s.unixsocketperm, lambda: RespConnection(ctx, large_target, release_args))
         if self.cfg.admin.port:
             self._admin = AdminServer(ctx, self.metrics)
             async with _listening(ADMIN, s.bind, self.cfg.admin.port):
@@ -155,8 +204,8 @@ class Node:
                 ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self.phase = "serving"
-        log.info("quilld %s node %s listening on %s:%d (RESP), admin %s, DRAM %s%s",
-                 __version__, ctx.node_id, s.bind, ctx.port,
+        log.info("quilld %s node %s listening on %s:%d%s (RESP), admin %s, DRAM %s%s",
+                 __version__, ctx.node_id, s.bind, ctx.port, f" and {s.unixsocket}" if self._unix else "",
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
 
@@ -171,6 +220,10 @@ class Node:
         ctx = self.ctx
         if self._server is not None:
             self._server.close()
+        if self._unix is not None:
+            self._unix.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.cfg.server.unixsocket)
         if ctx.cluster is not None:
             await ctx.cluster.stop()
         deadline = time.monotonic() + DRAIN_TIMEOUT
@@ -193,6 +246,8 @@ class Node:
                 log.info("ssd tier: waiting for recovery to finish before stopping (it cannot be interrupted)")
             await asyncio.gather(self._recovery, return_exceptions=True)
             await ctx.tiering.stop()
+        if ctx.leases is not None:
+            ctx.leases.close()
         ctx.keyspace.close()
         self._server = None
         log.info("quilld stopped")
@@ -223,6 +278,8 @@ class Node:
                 ctx.keyspace.sweep_expired()
                 ctx.scopes.sweep()
                 ctx.puts.reclaim_expired()
+                if ctx.leases is not None:
+                    ctx.leases.expire()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()
                 ctx.clients.close_stalled(self.cfg.server.payload_timeout_ms / 1000, time.monotonic())
@@ -230,6 +287,8 @@ class Node:
                 log.exception("housekeeping failed")
 
     def _session_closed(self, session_id: int) -> None:
+        if self.ctx.leases is not None:
+            self.ctx.leases.drop_owner(session_id)
         if self.ctx.cluster is not None:
             self.ctx.cluster.transfers.session_closed(session_id)
 

@@ -22,6 +22,7 @@ from quilld.protocol.table import CommandTable
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
 from quilld.tiers.keyspace import Keyspace
+from quilld.tiers.leases import LeaseTable
 from quilld.tiers.puts import TwoPhasePuts
 from quilld.tiers.tiering import Tiering
 
@@ -79,6 +80,7 @@ class NodeContext:
     tiering: Tiering | None = None
     cluster: Cluster | None = None  # set once the node has joined (cluster.gossip_port)
     gateway: Reporting | None = None  # set once the gateway listens (gateway.port)
+    leases: LeaseTable | None = None  # the shared-memory path's read leases (server.unixsocket set)
     config_file: str = ""
     port: int = 0  # the RESP port actually bound
     admin_port: int = 0

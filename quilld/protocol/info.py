@@ -33,9 +33,10 @@ HZ = 20  # node.py's housekeeping runs every 0.05 s (HOUSEKEEPING_INTERVAL): red
 MEM_ALLOCATOR = "pymalloc+arena"  # values in quilld's offset-allocated mmap arena, the rest in Python's heap
 LATENCY_PERCENTILES = (50.0, 99.0, 99.9)  # latency-tracking-info-percentiles
 DEFAULT_SECTIONS = ("server", "clients", "memory", "persistence", "stats", "replication", "cpu", "modules",
-                    "errorstats", "cluster", "keyspace", "tiers", "router", "gateway")
+                    "errorstats", "cluster", "keyspace", "tiers", "shm", "router", "gateway")
 ALL_SECTIONS = ("server", "clients", "memory", "persistence", "stats", "replication", "cpu", "modules",
-                "commandstats", "errorstats", "latencystats", "cluster", "keyspace", "tiers", "router", "gateway")
+                "commandstats", "errorstats", "latencystats", "cluster", "keyspace", "tiers", "shm", "router",
+                "gateway")
 _ALIASES = {"module_list": "modules"}
 _TITLES = {"cpu": "CPU"}
 
@@ -163,7 +164,8 @@ def info_sections(ctx: NodeContext, session: Any, names: list[str]) -> list[tupl
         "stats": _stats, "replication": _replication, "cpu": _cpu, "modules": lambda ctx, s: [],
         "commandstats": _commandstats, "errorstats": _errorstats, "latencystats": _latencystats,
         "cluster": lambda ctx, s: ctx.cluster.info() if ctx.cluster else [("cluster_enabled", 0)],
-        "keyspace": _keyspace, "tiers": lambda ctx, s: list(tier_stats(ctx).items()), "router": _router,
+        "keyspace": _keyspace, "tiers": lambda ctx, s: list(tier_stats(ctx).items()), "shm": _shm,
+        "router": _router,
         "gateway": lambda ctx, s: ctx.gateway.info() if ctx.gateway else [("gateway_enabled", 0)],
     }
     return [(_TITLES.get(name, name.capitalize()), builders[name](ctx, session)) for name in names if name in builders]
@@ -359,6 +361,19 @@ def _latencystats(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             out.append((f"latency_percentiles_usec_{_info_name(cmd.name)}",
                         ",".join(f"p{p:g}={v:.3f}" for p, v in zip(LATENCY_PERCENTILES, values))))
     return out
+
+
+def _shm(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
+    """The shared-memory path (server.unixsocket): clients attached, leases live and how they ended."""
+    leases = ctx.leases
+    if leases is None:
+        return [("shm_enabled", 0)]
+    return [("shm_enabled", 1), ("shm_unixsocket", ctx.cfg.server.unixsocket),
+            ("shm_attached_clients", sum(1 for s in ctx.clients.sessions.values() if s.shm)),
+            ("shm_attaches", ctx.stats["shm_attaches"]), ("shm_attaches_refused", ctx.stats["shm_attach_refused"]),
+            ("shm_leases_live", leases.live), ("shm_leases_granted", leases.granted),
+            ("shm_leases_released", leases.released), ("shm_leases_expired", leases.expired),
+            ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots)]
 
 
 def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:

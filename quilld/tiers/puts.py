@@ -5,6 +5,13 @@ checks that every byte arrived (and the CRC32C when given) and publishes the
 block atomically; ABORT or an expired lease gives the space back. Nothing is
 visible before COMMIT. A DATA payload that is being received straight into
 the block holds a writer count, so the space is never reused under it.
+
+An in-place put (`in_place`, the shared-memory path) is filled by a same-host
+client writing straight into the arena through its own mapping: no DATA. quilld
+cannot see those writes, so "every byte arrived" is proven by the CRC32C instead,
+which its COMMIT must carry and which is checked over the whole region. Its
+space is not reused at once when its lease runs out (the client may still be
+writing into it): it waits one more lease length in quarantine.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from quilld.tiers.keyspace import Keyspace
 
 class Put:
     __slots__ = ("handle", "tag", "key", "tenant", "block", "nbytes", "deadline",
-                 "starts", "ends", "writers", "dead", "bhash")
+                 "starts", "ends", "writers", "dead", "bhash", "in_place", "lease_s")
 
     def __init__(self, handle: bytes, tag: bytes, key: bytes, tenant: str, block: Block | None,
                  nbytes: int, deadline: float) -> None:
@@ -38,6 +45,8 @@ class Put:
         self.writers = 0  # DATA payloads being received into the block right now
         self.dead = False  # aborted or expired while a writer was active
         self.bhash: int | bytes | None = None  # the engine block hash it holds (PUT2PHASE BEGIN ... HASH)
+        self.in_place = False  # written through the client's mapping of the arena (SHM): COMMIT needs the CRC
+        self.lease_s = 0.0
 
     def mark(self, start: int, end: int) -> None:
         """Record that bytes [start, end) arrived, merging with touching ranges."""
@@ -73,13 +82,15 @@ class TwoPhasePuts:
         self.default_lease_ms = default_lease_ms
         self.max_lease_ms = max_lease_ms
         self.open: dict[bytes, Put] = {}
+        self.quarantine: list[tuple[float, Block]] = []  # (free after, block) of expired in-place puts
         self.expired = 0
         self.committed = 0
         self.aborted = 0
 
     def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None,
-              bhash: int | bytes | None = None) -> bytes | None:
-        """A new handle, or None when the key is already complete (idempotent success)."""
+              bhash: int | bytes | None = None, in_place: bool = False) -> bytes | None:
+        """A new handle, or None when the key is already complete (idempotent success).
+        `in_place`: the client writes the bytes itself (see `region`), COMMIT carries the CRC."""
         if self.store.contains(tag, key):
             return None
         lease = self.default_lease_ms if lease_ms is None else lease_ms
@@ -89,6 +100,8 @@ class TwoPhasePuts:
         handle = secrets.token_hex(12).encode()
         put = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
         put.bhash = bhash
+        put.in_place = in_place
+        put.lease_s = lease / 1000
         self.open[handle] = put
         self.store.scopes.hold(tag)  # the scope lives at least as long as the put
         return handle
@@ -98,12 +111,18 @@ class TwoPhasePuts:
         if put is None or put.tenant != tenant:
             raise NoHandle("no such PUT2PHASE handle (unknown, committed, aborted or expired)")
         if time.monotonic() > put.deadline:
-            self._drop(put)
+            self._drop(put, quarantine=True)
             self.expired += 1
             raise NoHandle("PUT2PHASE handle expired: its lease ran out and its space was reclaimed")
         return put
 
+    def region(self, put: Put) -> int:
+        """The arena offset an in-place put's bytes go to (0 for an empty one)."""
+        return self.store.arena.offset(put.block.handle) if put.block is not None else 0
+
     def check_range(self, put: Put, offset: int, length: int) -> None:
+        if put.in_place:
+            raise CommandError("this put is written in place (SHM): it takes no DATA, only COMMIT with its CRC32C")
         if offset < 0 or offset + length > put.nbytes:
             raise CommandError(f"DATA range {offset}..{offset + length} is outside the block's {put.nbytes} bytes")
 
@@ -128,6 +147,11 @@ class TwoPhasePuts:
             self.store.discard(put.block)
 
     def commit(self, put: Put, crc: int | None) -> None:
+        if put.in_place:
+            if crc is None:
+                raise Incomplete("commit refused: a put written in place (SHM) needs COMMIT handle CRC32C crc, "
+                                 "the checksum over all its bytes")
+            put.mark(0, put.nbytes)  # every byte is vouched for by the CRC, checked below over the region
         missing = put.nbytes - put.received()
         if missing:
             raise Incomplete(f"commit refused: {missing} of {put.nbytes} bytes were never written")
@@ -160,16 +184,26 @@ class TwoPhasePuts:
         now = time.monotonic()
         late = [p for p in self.open.values() if now > p.deadline]
         for put in late:
-            self._drop(put)
+            self._drop(put, quarantine=True)
         self.expired += len(late)
+        if self.quarantine and self.quarantine[0][0] <= now:
+            keep = []
+            for until, block in self.quarantine:
+                if until <= now:
+                    self.store.discard(block)
+                else:
+                    keep.append((until, block))
+            self.quarantine = keep
         return len(late)
 
-    def _drop(self, put: Put) -> None:
+    def _drop(self, put: Put, quarantine: bool = False) -> None:
         if self.open.pop(put.handle, None) is not None:
             self.store.scopes.drop(put.tag)
         if put.block is None or not put.block.unpublished:
             return
-        if put.writers:
+        if quarantine and put.in_place:  # its client may still be writing: not reused for one more lease
+            self.quarantine.append((time.monotonic() + put.lease_s, put.block))
+        elif put.writers:
             put.dead = True  # freed when the last writer finishes
         else:
             self.store.discard(put.block)
@@ -177,3 +211,6 @@ class TwoPhasePuts:
     def close(self) -> None:
         for put in list(self.open.values()):
             self._drop(put)
+        for _, block in self.quarantine:
+            self.store.discard(block)
+        self.quarantine = []

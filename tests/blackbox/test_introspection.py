@@ -142,7 +142,7 @@ def test_info_sections_and_fields_follow_redis(quilld, redis_server):
     assert _titles(ours)[:13] == _titles(theirs)[:13] == [
         "Server", "Clients", "Memory", "Persistence", "Stats", "Replication", "CPU", "Modules", "Commandstats",
         "Errorstats", "Latencystats", "Cluster", "Keyspace"]
-    assert _titles(ours)[13:] == ["Tiers", "Router", "Gateway"]
+    assert _titles(ours)[13:] == ["Tiers", "Shm", "Router", "Gateway"]
     # every field redis has in these sections, quilld has too, in redis's order
     for section in ("server", "clients", "memory", "persistence", "stats", "replication", "cpu"):
         t, o = list(_fields(_info(r, section))), list(_fields(_info(q, section)))

@@ -15,6 +15,7 @@ from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
 from quilld.protocol.commands.common import acked, parse_int, text
+from quilld.protocol.commands.shm import check_map
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
@@ -59,22 +60,36 @@ def release_args(c, args: list) -> None:
 
 
 def _put2phase_begin(c, args):
-    if len(args) not in (4, 6, 8):
+    if not 4 <= len(args) <= 9:
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
     if nbytes < 0 or nbytes > c.ctx.cfg.server.proto_max_bulk_len:
         raise CommandError(f"block size must be within 0..{c.ctx.cfg.server.proto_max_bulk_len} bytes")
     lease = bhash = None
-    for i in range(4, len(args), 2):
+    in_place = False
+    i = 4
+    while i < len(args):
         opt = bytes(args[i]).upper()
+        if opt == b"SHM" and not in_place:  # written in place through the client's mapping (commands/shm.py)
+            in_place = True
+            i += 1
+            continue
+        if i + 1 >= len(args):
+            raise CommandError("syntax error")
         if opt == b"LEASE" and lease is None:
             lease = parse_int(args[i + 1])
         elif opt == b"HASH" and bhash is None:
             bhash = parse_block_hash(text(args[i + 1]))
         else:
             raise CommandError("syntax error")
-    handle = c.puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash)
-    return EXISTS if handle is None else handle
+        i += 2
+    if in_place:
+        check_map(c, "PUT2PHASE BEGIN ... SHM")
+    puts = c.puts
+    handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place)
+    if handle is None:
+        return EXISTS
+    return [handle, puts.region(puts.open[handle])] if in_place else handle
 
 
 def _put2phase_data(c, args):
@@ -172,7 +187,7 @@ def cmd_locate(c, args):
 
 def register(t: CommandTable) -> None:
     t.add("put2phase", -3, WRITE, cmd_put2phase,
-          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] | DATA handle offset bytes | "
+          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] | DATA handle offset bytes | "
           "COMMIT handle [CRC32C crc] | ABORT handle.", "quillcache", "0.1.0")
     t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
           "quillcache", "0.1.0", keys=(1, 1, 1))

@@ -42,6 +42,7 @@ QUILLCACHE = {
                     A("nbytes", "integer"),
                     A("ms", "integer", token="LEASE", flags="optional"),
                     A("blockhash", "string", token="HASH", flags="optional"),
+                    A("shm", "pure-token", token="SHM", flags="optional"),
                 )),
                 A("data", "block", token="DATA", args=(
                     A("handle", "string"), A("offset", "integer"), A("bytes", "string"),
@@ -134,5 +135,38 @@ QUILLCACHE = {
         "List the cluster's members, one line each", SINCE, G,
         complexity="O(N), N being the members",
         flags="loading stale",
+    ),
+    "shm": D(
+        "A container for the shared-memory path's commands (same-host clients)", SINCE, G,
+        complexity="Depends on subcommand.",
+    ),
+    "shm|hello": D(
+        "Say whether this client may use shared memory: the unix socket, the host's boot id, the arena's "
+        "size, the lease length, and whether this user may map", SINCE, G,
+        complexity="O(1)",
+        flags="fast",
+        acl="connection",
+    ),
+    "shm|attach": D(
+        "Receive the DRAM arena's and the lease table's descriptors (SCM_RIGHTS; unix socket and "
+        "security.map_users only)", SINCE, G,
+        complexity="O(1)",
+        acl="connection dangerous",
+    ),
+    "shm|get": D(
+        "Where each key's block lies in the arena, pinned by a lease: [offset, length, crc32c, slot, "
+        "generation], or the bytes of an inline value, or nil", SINCE, G,
+        complexity="O(N), N being the number of keys",
+        flags="readonly fast",
+        acl="string",
+        keys=(K("RO access", index=2, range=(-1, 1, 0)),),
+        args=(A("key", "key", key_spec=0, flags="multiple"),),
+    ),
+    "shm|release": D(
+        "End shared-memory read leases", SINCE, G,
+        complexity="O(N), N being the number of slots",
+        flags="fast",
+        acl="connection",
+        args=(A("slot", "integer", flags="multiple"),),
     ),
 }

@@ -1,0 +1,200 @@
+"""SHM: the shared-memory path for same-host clients (HELLO, ATTACH, GET, RELEASE).
+
+- `SHM HELLO` (any connection, TCP too) says whether the path is open to this
+  client: the unix socket's path, the host's boot id (so a client can tell it
+  is on the same host), the arena's size, the lease length, and whether this
+  user may map.
+- `SHM ATTACH` (the unix socket only, users in security.map_users only) is
+  answered with the DRAM arena's descriptor and the lease table's attached
+  (SCM_RIGHTS): the client maps both.
+- `SHM GET key [key ...]` answers per key nil (missing), the bytes (a value kept
+  inline in the index, or one read from below DRAM that could not be brought
+  back), or `[offset, length, crc32c, slot, generation]`: where the block lies in
+  the arena, pinned by a lease (tiers/leases.py) until `SHM RELEASE slot ...`,
+  the connection's end, or server.shm_lease_ms. A value only on SSD is brought
+  back into DRAM first (as a promoting read does) and leased like any block.
+  Keys are read in the connection's identity scope, exactly as GET reads them.
+- `SHM RELEASE slot [slot ...]` ends leases; the number it ended.
+
+Writes go through PUT2PHASE BEGIN ... SHM (blocks.py): the reply carries the
+region's arena offset, the client writes it in place, COMMIT carries the CRC32C.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import crc32c
+
+from quilld.errors import CommandError, OutOfMemory, QuillError
+from quilld.model import Pending
+from quilld.protocol.commands.common import parse_int
+from quilld.protocol.resp import WithFds
+from quilld.protocol.table import FAST, READONLY, CommandTable
+from quilld.tiers.block import Block
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+class NoPerm(QuillError):
+    prefix = "NOPERM"
+
+
+@functools.cache
+def boot_id() -> bytes:
+    """This host's boot id: a client on the same host (and boot) reads the same."""
+    try:
+        with open(BOOT_ID_FILE, "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return b""
+
+
+@functools.cache
+def _map_users(spec: str) -> frozenset[str]:
+    return frozenset(u.strip() for u in spec.split(",") if u.strip())
+
+
+def may_map(c) -> bool:
+    """Whether this connection's user is one security.map_users names."""
+    return c.user in _map_users(c.ctx.cfg.security.map_users)
+
+
+def check_map(c, what: str) -> None:
+    """Refuse `what` unless this connection may use the arena's memory: the user is allowed to
+    map it, and the connection is over the unix socket."""
+    ctx = c.ctx
+    if ctx.leases is None:
+        raise CommandError(f"{what} needs server.unixsocket: this node has no unix socket, so no shared memory")
+    if not may_map(c):
+        ctx.stats["shm_attach_refused"] += what == "SHM ATTACH"
+        raise NoPerm(f"user '{c.user}' may not map the arena (security.map_users)")
+    if not c.unix:
+        ctx.stats["shm_attach_refused"] += what == "SHM ATTACH"
+        raise CommandError(f"{what} needs a connection over the unix socket (server.unixsocket)")
+
+
+def cmd_shm_hello(c, args):
+    ctx = c.ctx
+    cfg = ctx.cfg.server
+    return {b"unixsocket": cfg.unixsocket.encode() if ctx.leases is not None else b"",
+            b"boot_id": boot_id(), b"arena_bytes": ctx.keyspace.capacity if c.keyspace is ctx.keyspace else 0,
+            b"lease_ms": cfg.shm_lease_ms, b"may_map": 1 if may_map(c) and ctx.leases is not None else 0}
+
+
+def cmd_shm_attach(c, args):
+    check_map(c, "SHM ATTACH")
+    ctx = c.ctx
+    ks, leases = ctx.keyspace, ctx.leases
+    c.shm = True
+    ctx.stats["shm_attaches"] += 1
+    return WithFds({b"arena_bytes": ks.capacity, b"lease_slots": leases.slots,
+                    b"lease_ms": ctx.cfg.server.shm_lease_ms, b"boot_id": boot_id()},
+                   (ks.arena.fd, leases.fd))
+
+
+def _lease(c, block: Block) -> list:
+    """[offset, length, crc32c, slot, generation] of `block`, pinned by a new lease."""
+    ks = c.keyspace
+    slot, gen = c.ctx.leases.grant(c.id, block)
+    if block.crc is None:  # published blocks never change: computed once, served many times
+        block.crc = crc32c.crc32c(ks.view(block))
+    return [ks.arena.offset(block.handle), block.length, block.crc, slot, gen]
+
+
+def cmd_shm_get(c, args):
+    check_map(c, "SHM GET")
+    ks, tag = c.keyspace, c.tag
+    out: list = []
+    later: list[int] = []  # keys to read below DRAM or from the pool
+    granted: list[int] = []
+    try:
+        for i, key in enumerate(args[2:]):
+            value = ks.lookup(tag, key)
+            t = value.__class__
+            if t is Block:
+                item = _lease(c, value)
+                granted.append(item[3])
+                out.append(item)
+            elif t is bytes:
+                out.append(value)
+            elif value is None and c.ctx.cluster is None:
+                out.append(None)
+            else:  # only below DRAM, or a local miss that the pool may have
+                out.append(None)
+                later.append(i)
+    except BaseException:
+        _unlease(c, granted)
+        raise
+    if not later:
+        return out
+    return Pending(_fill(c, args[2:], out, later, granted))
+
+
+def _unlease(c, slots: list[int]) -> None:
+    leases = c.ctx.leases
+    for slot in slots:
+        leases.release(c.id, slot)
+
+
+async def _fill(c, keys: list, out: list, later: list[int], granted: list[int]) -> list:
+    """SHM GET's keys that are not in DRAM: brought back from below DRAM (or read from the pool),
+    then leased as any block; bytes when they cannot be brought back."""
+    ctx, ks, tag = c.ctx, c.keyspace, c.tag
+    try:
+        for i in later:
+            key = bytes(keys[i])
+            if ks.below_only(tag, key):
+                try:
+                    await ks.bring_back(tag, key, ctx.space_freed)
+                except OutOfMemory:  # DRAM is full of what cannot go yet: the bytes instead
+                    pending = ks.get(tag, key)
+                    value = await pending.awaitable if pending.__class__ is Pending else pending
+                    out[i] = _settled(value)
+                    continue
+            elif ctx.cluster is not None and ctx.cluster.pool_reads and ctx.cluster.addresses:
+                _settled(await ctx.cluster.pool_read(c.scope, tag, key))  # a copy kept here, or the bytes
+            value = ks.lookup(tag, key)
+            if value.__class__ is Block:
+                item = _lease(c, value)
+                granted.append(item[3])
+                out[i] = item
+            elif value.__class__ is bytes or value is None:
+                out[i] = value
+            else:  # still below DRAM (deleted and written again meanwhile, say): its bytes
+                pending = ks.get(tag, key)
+                out[i] = _settled(await pending.awaitable if pending.__class__ is Pending else pending)
+    except BaseException:
+        _unlease(c, granted)
+        raise
+    return out
+
+
+def _settled(value):
+    """A read's value as plain bytes (a Pinned view is copied and released) or None."""
+    if value is None or value.__class__ is bytes:
+        return value
+    view = getattr(value, "view", None)
+    if view is not None:
+        try:
+            return bytes(view)
+        finally:
+            value.release()
+    return bytes(value)
+
+
+def cmd_shm_release(c, args):
+    leases = c.ctx.leases
+    if leases is None:
+        return 0
+    slots = [parse_int(a) for a in args[2:]]
+    return sum(1 for slot in slots if leases.release(c.id, slot))
+
+
+def register(t: CommandTable) -> None:
+    sub = CommandTable()
+    sub.add("shm|hello", 2, FAST, cmd_shm_hello)
+    sub.add("shm|attach", 2, "", cmd_shm_attach)
+    sub.add("shm|get", -3, f"{READONLY} {FAST}", cmd_shm_get)
+    sub.add("shm|release", -3, FAST, cmd_shm_release)
+    t.add("shm", -2, "", lambda c, a: None, subcommands={n.split(b"|")[1]: cmd for n, cmd in sub.commands.items()})

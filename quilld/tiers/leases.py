@@ -1,0 +1,156 @@
+"""Read leases of the shared-memory path: arena blocks pinned for readers that copy them themselves.
+
+A same-host client that has mapped the arena (SHM ATTACH) asks where a block lies
+and copies it from its own mapping. While it copies, the block must not be freed
+and reused; a *lease* pins it. Leases live in a small table of `slots` unsigned
+64-bit generations, in a memory file of its own (`fd`) that the client maps too:
+
+- a lease is (slot, generation): `grant` takes a free slot, pins the block, and
+  hands out the slot's current generation;
+- a lease ends by `release` (the client is done), `expire` (it ran past its
+  deadline: the periodic timer, at most `limit` entries a pass) or `drop_owner`
+  (its connection closed). Ending BUMPS the slot's generation, then unpins.
+
+So a client that copies a block and then reads its slot's generation again
+knows whether the lease was still alive when the copy ended: equal, the bytes
+are the block's; different, the lease ended meanwhile and the block may have
+been freed and reused, so what was copied is not trusted (the client reads the
+block again another way). This needs the client's data loads not to be
+performed after its generation load, and quilld's generation store not after
+its later writes into the reused block: x86-64's memory model (TSO) orders
+loads with loads and stores with stores, which is what the client library
+relies on; on a weaker model (ARM) the client would need a load barrier between
+the copy and the check.
+
+The table has a fixed number of slots for all connections together
+(config.SHM_SLOTS, 512 KiB); each owner (a connection) may hold at most
+`max_per_owner`. Storage knows nothing of connections: an owner is an int.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections import deque
+
+from quilld.errors import QuillError
+from quilld.tiers.block import Block
+from quilld.tiers.keyspace import Keyspace
+
+EXPIRE_PER_PASS = 4096  # table entries one expiry pass looks at, at most (live or already ended)
+
+
+class LeaseLimit(QuillError):
+    """No lease can be granted: the owner holds its maximum, or the table is full."""
+
+    prefix = "BUSY"
+
+
+class LeaseTable:
+    def __init__(self, keyspace: Keyspace, slots: int, lease_ms: int, max_per_owner: int) -> None:
+        self.keyspace = keyspace
+        self.slots = slots
+        self.lease_s = lease_ms / 1000
+        self.max_per_owner = max_per_owner
+        self.fd = os.memfd_create("quilld-leases", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, slots * 8)
+            self._mmap = mmap.mmap(self.fd, slots * 8, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.gens = memoryview(self._mmap).cast("Q")  # the shared generations, one u64 per slot
+        self._free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._block: list[Block | None] = [None] * slots
+        self._owner = [0] * slots
+        self._by_owner: dict[int, set[int]] = {}
+        self._order: deque[tuple[float, int, int]] = deque()  # (deadline, slot, generation), in grant order
+        self.granted = 0
+        self.released = 0
+        self.expired = 0
+        self.dropped = 0  # ended because their owner went away
+
+    @property
+    def live(self) -> int:
+        return self.slots - len(self._free)
+
+    def held_by(self, owner: int) -> int:
+        return len(self._by_owner.get(owner, ()))
+
+    def grant(self, owner: int, block: Block) -> tuple[int, int]:
+        """Pin `block` for `owner`; its lease (slot, generation)."""
+        held = self._by_owner.get(owner)
+        if held is not None and len(held) >= self.max_per_owner:
+            raise LeaseLimit(f"this connection holds {len(held)} shared-memory leases, its maximum "
+                             "(server.shm_max_leases): release some (SHM RELEASE) first")
+        if not self._free:
+            raise LeaseLimit(f"all {self.slots} shared-memory lease slots are taken: try again shortly")
+        slot = self._free.pop()
+        self.keyspace.pin(block)
+        self._block[slot] = block
+        self._owner[slot] = owner
+        if held is None:
+            held = self._by_owner[owner] = set()
+        held.add(slot)
+        gen = self.gens[slot]
+        self._order.append((time.monotonic() + self.lease_s, slot, gen))
+        self.granted += 1
+        return slot, gen
+
+    def release(self, owner: int, slot: int) -> bool:
+        """End `owner`'s lease in `slot`; False when it holds none there (ended already)."""
+        if not 0 <= slot < self.slots or self._block[slot] is None or self._owner[slot] != owner:
+            return False
+        self._end(slot)
+        self.released += 1
+        return True
+
+    def drop_owner(self, owner: int) -> int:
+        """End every lease `owner` holds (its connection closed); how many."""
+        held = self._by_owner.get(owner)
+        if not held:
+            return 0
+        n = len(held)
+        for slot in list(held):
+            self._end(slot)
+        self.dropped += n
+        return n
+
+    def expire(self, now: float | None = None, limit: int = EXPIRE_PER_PASS) -> int:
+        """End leases past their deadline, looking at `limit` entries at most; how many ended."""
+        now = time.monotonic() if now is None else now
+        order, blocks, gens = self._order, self._block, self.gens
+        ended = 0
+        for _ in range(min(limit, len(order))):
+            deadline, slot, gen = order[0]
+            if deadline > now:
+                break
+            order.popleft()
+            if blocks[slot] is not None and gens[slot] == gen:  # still that lease: not released meanwhile
+                self._end(slot)
+                ended += 1
+        self.expired += ended
+        return ended
+
+    def _end(self, slot: int) -> None:
+        block = self._block[slot]
+        self.gens[slot] += 1  # first: a reader still copying must see the lease end before the block can go
+        self._block[slot] = None
+        owner = self._owner[slot]
+        held = self._by_owner[owner]
+        held.discard(slot)
+        if not held:
+            del self._by_owner[owner]
+        self._owner[slot] = 0
+        self._free.append(slot)
+        self.keyspace.unpin(block)
+
+    def close(self) -> None:
+        """End every lease and drop the table's memory (the node stops)."""
+        for owner in list(self._by_owner):
+            self.drop_owner(owner)
+        self.gens.release()
+        self._mmap.close()
+        os.close(self.fd)
+        self.fd = -1
