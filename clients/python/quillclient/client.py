@@ -10,6 +10,11 @@ Two pools share one `ClientConfig`:
   memoryviews (`CommandPacker`, quillwire's encoder), not copied.
 - `zerocopy.RawPool`, raw sockets for `get_into` / `get_many_into`, set up
   with the same AUTH and SCOPE.
+- `shm.ShmPool`, unix-socket connections to a quilld on the same host that
+  lets this user map its arena: `get_into`, `get_many_into` and `put_blocks`
+  then copy blocks straight between the caller's memory and the arena
+  (`client.transport` is "shm"), else they use TCP ("tcp", and
+  `client.shm_unavailable_reason` says why). Decided at first use.
 
 Idempotent commands are retried after a lost connection with redis-py's
 `Retry` (exponential backoff with jitter); an error the server sent is never
@@ -19,6 +24,7 @@ retried. Every failure surfaces as a `quillclient.errors` type.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +37,11 @@ import redis.exceptions as rx
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from quillwire.encode import pack_command
+from quillwire.encode import as_readable, pack_command
 
-from quillclient import blocks, zerocopy
+from quillclient import blocks, shm, zerocopy
 from quillclient.config import ClientConfig, Scope
-from quillclient.errors import NotFound, QuillError, from_redis
+from quillclient.errors import BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
 from quillclient.zerocopy import as_writable
 
 T = TypeVar("T")
@@ -100,6 +106,10 @@ class QuillClient:
         self._raw = zerocopy.RawPool(cfg)
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._shm: shm.ShmPool | None = None
+        self._shm_decided = False
+        self._shm_lock = threading.Lock()
+        self.shm_unavailable_reason = ""  # why transport is "tcp" (empty while undecided or on "shm")
 
     # -- life cycle --------------------------------------------------------
 
@@ -113,6 +123,8 @@ class QuillClient:
         if executor is not None:
             executor.shutdown(wait=True)
         self._raw.close()
+        if self._shm is not None:
+            self._shm.close()
         self._pool.disconnect()
 
     def __enter__(self) -> QuillClient:
@@ -129,6 +141,68 @@ class QuillClient:
     def raw_sockets_opened(self) -> int:
         """Sockets the get_into pool has opened so far (reconnects and discarded ones included)."""
         return self._raw.created
+
+    # -- the shared-memory path ---------------------------------------------
+
+    @property
+    def transport(self) -> str:
+        """"shm" when blocks move through shared memory, else "tcp" (decided at first use)."""
+        return "shm" if self._shm_pool() is not None else "tcp"
+
+    @property
+    def shm_stale_reads(self) -> int:
+        """Shared-memory copies whose lease ended while copying, read again over TCP."""
+        return self._shm.stale_reads if self._shm is not None else 0
+
+    @property
+    def shm_crc_rereads(self) -> int:
+        """Shared-memory copies whose CRC32C did not match (verify_crc), read again over TCP."""
+        return self._shm.crc_rereads if self._shm is not None else 0
+
+    def _shm_pool(self) -> shm.ShmPool | None:
+        if not self._shm_decided:
+            with self._shm_lock:
+                if not self._shm_decided:
+                    self._shm, self.shm_unavailable_reason = self._open_shm()
+                    self._shm_decided = True
+        return self._shm
+
+    def _open_shm(self) -> tuple[shm.ShmPool | None, str]:
+        """The shared-memory pool, or None and why not. A server that cannot be reached raises
+        (nothing is decided then); "require" raises instead of returning a reason."""
+        cfg = self.config
+        if cfg.shared_memory == "off":
+            return None, "shared_memory is 'off'"
+        try:
+            hello = _text(self._call(lambda: self._redis.execute_command("SHM", "HELLO")))
+        except QuillConnectionError:
+            raise
+        except QuillError as e:
+            reason = f"the server offers no shared memory (SHM HELLO: {e})"
+        else:
+            if isinstance(hello, list):  # RESP2's flat list
+                hello = dict(zip(hello[::2], hello[1::2]))
+            path = hello.get("unixsocket") or ""
+            if not path:
+                reason = "the server has no unix socket (server.unixsocket)"
+            elif hello.get("boot_id", "").encode() != shm.local_boot_id():
+                reason = "the server is on another host (its boot id differs from this host's)"
+            elif not hello.get("may_map"):
+                reason = f"user '{cfg.username or 'default'}' may not map the arena (security.map_users)"
+            elif not os.path.exists(path):
+                reason = f"the server's unix socket {path} is not visible from here"
+            else:
+                pool = shm.ShmPool(cfg, path)
+                try:
+                    pool.release(pool.acquire())  # connect and attach once: any refusal shows now
+                except QuillError as e:
+                    pool.close()
+                    reason = f"attaching over {path} failed: {e}"
+                else:
+                    return pool, ""
+        if cfg.shared_memory == "require":
+            raise QuillError(f"shared_memory='require' but the shared-memory path is unavailable: {reason}")
+        return None, reason
 
     # -- plumbing ----------------------------------------------------------
 
@@ -190,7 +264,16 @@ class QuillClient:
         NotFound on a miss and BufferTooSmall, with nothing written, if the
         block does not fit; the client stays usable after either.
         """
-        n = zerocopy.get_into(self._raw, key, as_writable(buffer))
+        view = as_writable(buffer)
+        pool = self._shm_pool()
+        if pool is None:
+            n = zerocopy.get_into(self._raw, key, view)
+        else:
+            try:
+                n = shm.get_many(pool, [key], [view], self.config.verify_crc,
+                                 lambda i: zerocopy.get_into(self._raw, key, view))[0]
+            except BufferTooSmall as e:
+                raise BufferTooSmall(e.needed, e.size) from None
         if n == zerocopy.MISS:
             raise NotFound(key)
         return n
@@ -201,7 +284,14 @@ class QuillClient:
         A block too large for its buffer is skipped, the others are read, then
         BufferTooSmall is raised (its `results` holds every key's outcome).
         """
-        return zerocopy.get_many_into(self._raw, keys, [as_writable(b) for b in buffers])
+        views = [as_writable(b) for b in buffers]
+        pool = self._shm_pool()
+        if pool is None:
+            return zerocopy.get_many_into(self._raw, keys, views)
+        if len(keys) != len(views):
+            raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
+        return shm.get_many(pool, keys, views, self.config.verify_crc,
+                            lambda i: zerocopy.get_into(self._raw, keys[i], views[i]))
 
     def delete(self, *keys: str | bytes) -> int:
         """Delete keys; the number that existed."""
@@ -223,6 +313,11 @@ class QuillClient:
         value is kept). See `quillclient.blocks` for the failure rules.
         """
         cfg = self.config
+        pool = self._shm_pool()
+        if pool is not None:  # written in place through the mapping, committed with their CRC32C
+            pairs = items.items() if isinstance(items, Mapping) else items
+            return shm.put_blocks(pool, [(key, as_readable(data)) for key, data in pairs],
+                                  cfg.lease_ms if lease_ms is None else lease_ms, cfg.put_round_bytes)
         return blocks.put_blocks(self, items, chunk_size or cfg.chunk_size, parallelism or cfg.parallelism,
                                  cfg.put_round_bytes, cfg.lease_ms if lease_ms is None else lease_ms)
 

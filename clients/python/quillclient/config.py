@@ -52,6 +52,12 @@ class ClientConfig:
     # drain_max bytes is read and dropped (the socket is kept), a larger one closes the socket.
     pipeline_window: int = 64
     drain_max: int = 8 * MiB
+    # The shared-memory path (quillclient.shm) for a quilld on this host: "auto" uses it when the
+    # server offers it to this user and falls back to TCP otherwise (client.transport and
+    # client.shm_unavailable_reason say which and why); "require" raises instead of falling back;
+    # "off" never tries. verify_crc: check each shared-memory copy's CRC32C too (costs a pass).
+    shared_memory: str = "auto"
+    verify_crc: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -62,6 +68,8 @@ class ClientConfig:
             raise ValueError("pipeline_window must be positive")
         if self.max_connections < self.parallelism:
             raise ValueError("max_connections must be at least parallelism")
+        if self.shared_memory not in ("auto", "off", "require"):
+            raise ValueError("shared_memory must be 'auto', 'off' or 'require'")
         if self.scope is not None and not isinstance(self.scope, Scope):
             object.__setattr__(self, "scope", Scope(*self.scope))
 

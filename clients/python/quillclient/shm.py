@@ -1,0 +1,434 @@
+"""The shared-memory path: blocks copied straight between the caller's buffer and quilld's arena.
+
+When quilld runs on the same host (same boot id), has a unix socket
+(server.unixsocket) and lets this user map its arena (security.map_users), the
+client opens unix-socket connections (the same AUTH and SCOPE as TCP) and sends
+`SHM ATTACH` on each: quilld answers with two descriptors attached (SCM_RIGHTS),
+the DRAM arena and its lease table, which the client maps.
+
+Reads: `SHM GET key ...` answers, per key, nil, the bytes themselves (small values
+kept inline), or `[offset, length, crc32c, slot, generation]`. The client copies
+`length` bytes at `offset` of its mapping into the caller's buffer, then reads
+the slot's generation in the lease table again: equal, the lease was alive while
+it copied and the bytes are the block's; different, the lease ended meanwhile
+(expired, or quilld restarted) and the block may have been reused, so the
+client reads the key again over TCP and counts it (`stale_reads`). A stale copy
+is never returned as good data. This relies on x86-64's ordering of loads (TSO:
+the copy's loads are not performed after the generation's load); see quilld's
+tiers/leases.py. With `verify_crc` the CRC32C of each copy is checked as well
+(a mismatch also reads again over TCP, counted in `crc_rereads`).
+
+Leases are released right after the copy: `SHM RELEASE slot ...` is sent without
+waiting, its reply read in front of the next reply on that connection, so a read
+is one round trip and a block stays pinned only while it is being copied.
+
+Writes: `PUT2PHASE BEGIN key nbytes [LEASE ms] SHM` answers [handle, offset]; the
+client copies the block into its mapping at offset and commits with its CRC32C
+(mandatory for in-place puts; quilld checks it over the region).
+
+Every unix connection attaches itself, and the mapping it uses is the one its own
+ATTACH handed over (a quilld that restarted hands a new arena: it is mapped anew,
+never confused with the old one).
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
+
+import crc32c
+from quillwire.encode import pack_command
+from quillwire.reply import NEED_DATA, ReplyError, ReplyReader, Status
+from quillwire.reply import ProtocolError as WireProtocolError
+
+from quillclient.config import ClientConfig
+from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
+                                QuillTimeout, from_wire)
+from quillclient.zerocopy import MISS, _kernel_timeouts
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+RECV = 64 * 1024
+GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
+
+T = TypeVar("T")
+
+
+def local_boot_id() -> bytes:
+    try:
+        with open(BOOT_ID_FILE, "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return b""
+
+
+class Mapping:
+    """quilld's arena and lease table, mapped into this process."""
+
+    __slots__ = ("key", "arena_mm", "arena", "leases_mm", "gens")
+
+    def __init__(self, arena_fd: int, lease_fd: int) -> None:
+        st = os.fstat(arena_fd)
+        self.key = (st.st_dev, st.st_ino)
+        self.arena_mm = mmap.mmap(arena_fd, st.st_size, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.arena = memoryview(self.arena_mm)
+        size = os.fstat(lease_fd).st_size
+        self.leases_mm = mmap.mmap(lease_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self.gens = memoryview(self.leases_mm).cast("Q")
+
+
+def _reply(value: Any) -> Any:
+    """A reply value; a server error raised as its quillclient type."""
+    if isinstance(value, ReplyError):
+        raise from_wire(value.message)
+    return value
+
+
+class ShmConnection:
+    """One unix-socket connection, set up (AUTH, SCOPE) and attached (SHM ATTACH)."""
+
+    __slots__ = ("sock", "reader", "mapping", "broken", "owed", "generation")
+
+    def __init__(self, cfg: ClientConfig, path: str, mappings: "Mappings", generation: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.reader = ReplyReader(None)  # every reply parsed whole (blocks never come over this socket)
+        self.broken = False
+        self.owed = 0  # replies to SHM RELEASE sent without waiting: read before the next reply
+        self.generation = generation
+        try:
+            self.sock.settimeout(cfg.connect_timeout)
+            self.sock.connect(path)
+            _kernel_timeouts(self.sock, cfg.socket_timeout)
+            for cmd in cfg.handshake():
+                self.send(pack_command(*cmd))
+                if type(_reply(self.next_reply())) is not Status:
+                    raise ProtocolError("unexpected reply while setting the connection up")
+            self.send(pack_command("SHM", "ATTACH"))
+            reply, fds = self._reply_with_fds()
+            try:
+                _reply(reply)
+                if len(fds) != 2:
+                    raise ProtocolError(f"SHM ATTACH brought {len(fds)} descriptors, expected 2")
+                self.mapping = mappings.of(fds[0], fds[1])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except (BlockingIOError, TimeoutError) as e:
+            self.close()
+            raise QuillTimeout(f"no reply from {path} within the timeout") from e
+        except OSError as e:
+            self.close()
+            raise QuillConnectionError(f"connecting to {path}: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply_with_fds(self) -> tuple[Any, list[int]]:
+        fds: list[int] = []
+        reader = self.reader
+        space = socket.CMSG_SPACE(8 * array.array("i").itemsize)
+        while True:
+            event = reader.next_event()
+            if event is not NEED_DATA:
+                return event, fds
+            data, anc, _flags, _addr = self.sock.recvmsg(RECV, space)
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(raw[:len(raw) - len(raw) % got.itemsize])
+                    fds.extend(got)
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            reader.feed(data)
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, pieces: Sequence[bytes | memoryview]) -> None:
+        if len(pieces) == 1:
+            self.sock.sendall(pieces[0])
+        else:
+            self.sock.sendall(b"".join(pieces))  # commands here are small: one syscall
+
+    def next_reply(self) -> Any:
+        reader = self.reader
+        try:
+            event = reader.next_event()
+            while event is NEED_DATA:
+                data = self.sock.recv(RECV)
+                if not data:
+                    raise ConnectionResetError("the server closed the connection")
+                reader.feed(data)
+                event = reader.next_event()
+        except WireProtocolError as e:
+            raise ProtocolError(str(e)) from None
+        return event
+
+    def command(self, pieces: list) -> Any:
+        """Send one command (after the RELEASEs owed) and return its reply."""
+        self.send(pieces)
+        while self.owed:
+            self.owed -= 1
+            self.next_reply()  # a RELEASE's count (or its error): nothing depends on it
+        return self.next_reply()
+
+    def release(self, slots: list[int]) -> None:
+        """End leases now, without waiting for the reply (read in front of the next one)."""
+        if slots:
+            self.send(pack_command("SHM", "RELEASE", *slots))
+            self.owed += 1
+
+
+class Mappings:
+    """The mapping of the arena quilld currently hands out: one per arena (memfd identity)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: Mapping | None = None
+
+    def of(self, arena_fd: int, lease_fd: int) -> Mapping:
+        st = os.fstat(arena_fd)
+        with self._lock:
+            if self.current is None or self.current.key != (st.st_dev, st.st_ino):
+                self.current = Mapping(arena_fd, lease_fd)  # a new arena (quilld restarted): the old one unused
+            return self.current
+
+
+class ShmPool:
+    """Idle unix-socket connections (LIFO), thread-safe, like zerocopy.RawPool."""
+
+    def __init__(self, cfg: ClientConfig, path: str) -> None:
+        self.cfg = cfg
+        self.path = path
+        self.mappings = Mappings()
+        self._idle: list[ShmConnection] = []
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._closed = False
+        self.stale_reads = 0  # copies whose lease ended while copying: read again over TCP
+        self.crc_rereads = 0  # copies whose CRC32C did not match (verify_crc): read again over TCP
+
+    def acquire(self) -> ShmConnection:
+        with self._lock:
+            if self._closed:
+                raise QuillError("the client is closed")
+            if self._idle:
+                return self._idle.pop()
+            generation = self._generation
+        return ShmConnection(self.cfg, self.path, self.mappings, generation)
+
+    def release(self, conn: ShmConnection) -> None:
+        if not conn.broken and conn.reader.idle:
+            with self._lock:
+                if not self._closed and conn.generation == self._generation and \
+                        len(self._idle) < self.cfg.max_idle_raw:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._generation += 1
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.reset()
+
+    def run(self, request: Callable[[ShmConnection], T]) -> T:
+        """Run `request` on a pooled connection; once more on a fresh one if the connection broke
+        (reads are idempotent). A server that is gone fails fast: connecting is refused."""
+        for attempt in (0, 1):
+            conn = self.acquire()
+            try:
+                result = request(conn)
+            except ProtocolError:
+                conn.close()
+                raise
+            except QuillError:
+                self.release(conn)
+                raise
+            except (BlockingIOError, TimeoutError) as e:
+                conn.close()
+                raise QuillTimeout(f"no reply within socket_timeout={self.cfg.socket_timeout}s") from e
+            except OSError as e:
+                conn.close()
+                self.reset()
+                if attempt:
+                    raise QuillConnectionError(f"connection to {self.path} lost: {e}") from e
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            self.release(conn)
+            return result
+        raise AssertionError("unreachable")
+
+
+# -- reads ---------------------------------------------------------------------
+
+def _copy(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> tuple[int, int | None]:
+    """Land one SHM GET item in `view`: (length or MISS, the lease's slot or None).
+    Raises BufferTooSmall with nothing written."""
+    if item is None:
+        return MISS, None
+    if isinstance(item, bytes):
+        n = len(item)
+        if n > len(view):
+            raise BufferTooSmall(n, len(view))
+        view[:n] = item
+        return n, None
+    if isinstance(item, ReplyError):
+        raise from_wire(item.message)
+    offset, n, _crc, slot, _gen = item
+    if n > len(view):
+        raise BufferTooSmall(n, len(view))
+    view[:n] = conn.mapping.arena[offset:offset + n]
+    return n, slot
+
+
+def _intact(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> str:
+    """After copying a leased block: "" when the copy is good, else why not ("stale", "crc")."""
+    _offset, n, crc, slot, gen = item
+    if conn.mapping.gens[slot] != gen:  # read after the copy: x86 TSO keeps the copy's loads before it
+        return "stale"
+    if verify and crc32c.crc32c(view[:n]) != crc:
+        return "crc"
+    return ""
+
+
+def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify: bool,
+             reread: Callable[[int], int]) -> list[int | None]:
+    """Per key its length, MISS, or None (too large for its view: nothing written; BufferTooSmall
+    is raised at the end with every result). `reread(i)` reads key i again another way (TCP)."""
+    results: list[int | None] = [MISS] * len(keys)
+    again: list[int] = []
+    too_small: BufferTooSmall | None = None
+
+    def request(conn: ShmConnection) -> None:
+        nonlocal too_small
+        for lo in range(0, len(keys), GET_BATCH):
+            hi = min(lo + GET_BATCH, len(keys))
+            items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
+            slots: list[int] = []
+            try:
+                for i, item in zip(range(lo, hi), items):
+                    if type(item) is list:
+                        slots.append(item[3])
+                    try:
+                        n, slot = _copy(conn, item, views[i], verify)
+                    except BufferTooSmall as e:
+                        results[i] = None
+                        too_small = too_small or BufferTooSmall(e.needed, e.size, index=i)
+                        continue
+                    results[i] = n
+                    if slot is not None:
+                        why = _intact(conn, item, views[i], verify)
+                        if why:
+                            again.append(i)
+                            if why == "stale":
+                                pool.stale_reads += 1
+                            else:
+                                pool.crc_rereads += 1
+            finally:
+                if not conn.broken:
+                    conn.release(slots)
+
+    pool.run(request)
+    for i in again:
+        results[i] = reread(i)
+    if too_small is not None:
+        too_small.results = results
+        raise too_small
+    return results
+
+
+# -- writes --------------------------------------------------------------------
+
+def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview]], lease_ms: int | None,
+               round_bytes: int) -> list[bool]:
+    """Store each (key, data) in place: BEGIN ... SHM for a round, copy, COMMIT with CRC32C.
+    Per block True if stored, False if the key was already complete."""
+    stored = [False] * len(blocks)
+    lease = ("LEASE", lease_ms) if lease_ms is not None else ()
+    todo = list(range(len(blocks)))
+    while todo:
+        n, total = 0, 0
+        while n < len(todo) and (n == 0 or total + blocks[todo[n]][1].nbytes <= round_bytes):
+            total += blocks[todo[n]][1].nbytes
+            n += 1
+        # what the server could not reserve yet (its cap on a tenant's unfilled puts) goes in the next round
+        todo = _put_round(pool, blocks, todo[:n], stored, lease) + todo[n:]
+    return stored
+
+
+def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool], lease: tuple) -> list[int]:
+    """BEGIN, copy and COMMIT `order`'s blocks; the ones to try again in another round."""
+    conn = pool.acquire()  # not retried on a fresh connection: a BEGIN is not idempotent
+    later: list[int] = []
+    try:
+        conn.send([piece for i in order for piece in
+                   pack_command("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease, "SHM")])
+        while conn.owed:
+            conn.owed -= 1
+            conn.next_reply()
+        begun = [conn.next_reply() for _ in order]
+        handles: dict[int, bytes] = {}
+        error: QuillError | None = None
+        for i, reply in zip(order, begun):
+            if isinstance(reply, ReplyError):
+                err = from_wire(reply.message)
+                if isinstance(err, OutOfMemory) and i != order[0]:
+                    later.append(i)  # held by this round's own reservations: after they commit
+                else:
+                    error = error or err
+            elif type(reply) is list:
+                handles[i] = reply[0]
+                offset = reply[1]
+                data = blocks[i][1]
+                conn.mapping.arena[offset:offset + data.nbytes] = data
+        if error is None and handles:
+            commits = [pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc32c.crc32c(blocks[i][1]))
+                       for i in handles]
+            conn.send([piece for cmd in commits for piece in cmd])
+            for i in handles:
+                reply = conn.next_reply()
+                if isinstance(reply, ReplyError):
+                    err = from_wire(reply.message)
+                    error = error or err
+                    if isinstance(err, NoHandle):
+                        continue
+                    _abort(conn, [handles[i]])
+                else:
+                    stored[i] = True
+        elif handles:
+            _abort(conn, list(handles.values()))
+    except OSError as e:
+        conn.close()
+        pool.reset()
+        raise QuillConnectionError(f"connection to {pool.path} lost during a put: {e}") from e
+    except BaseException:
+        conn.close()
+        raise
+    pool.release(conn)
+    if error is not None:
+        raise error
+    return later
+
+
+def _abort(conn: ShmConnection, handles: list[bytes]) -> None:
+    for h in handles:
+        conn.send(pack_command("PUT2PHASE", "ABORT", h))
+        conn.owed += 1
