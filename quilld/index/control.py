@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import xxhash
@@ -27,13 +28,14 @@ from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings
 from quilld.index.residency import ResidencyIndex, hash_key
-from quilld.index.router import CostWeights, Decision, choose
+from quilld.index.router import CostWeights, Decision, score
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import KvEventSubscriber
 from quilld.model import CacheTier, IdentityScope
 from quilld.scopes import ScopeRegistry
 
 log = logging.getLogger("quilld.index.control")
+_OVERLAP = itemgetter(1)  # a Candidate's overlap_blocks
 
 
 _TIER_OF = {m: medium_tier(m) for m in (None, "GPU", "CPU", "STORAGE")}  # the common media, looked up inline
@@ -200,27 +202,27 @@ class ControlPlane:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
         `acquire`, an in-flight lease on it (give it back with `engines.release`)."""
         t0 = time.perf_counter()
-        engines = [e.id for e in self.engines.for_model(scope.model)]
+        engines = self.engines.ids_for_model(scope.model)
         if blocks:
             self.hot.add(hash_key(blocks[0]))
         if session and self.affinity.get(session) in engines:
             engines_considered = [self.affinity[session]]
         else:
             engines_considered = engines
-        decision = choose(self.index, tag, blocks, engines_considered, self.pool, self.engines.in_flight,
-                          decode_blocks, self.weights)
-        if blocks and not any(c.overlap_blocks for c in decision.candidates):
+        engine_id, cost, candidates, plan = score(self.index, tag, blocks, engines_considered, self.pool,
+                                                  self.engines.in_flight, decode_blocks, self.weights)
+        if blocks and not any(map(_OVERLAP, candidates)):
             other = self.index.held_elsewhere(tag, blocks[0])
             if other is not None:
                 self.scopes.refused(tag, other)
         self.stats["routes"] += 1
         self.observe_route(time.perf_counter() - t0)
-        if decision.engine is None:
-            return decision
-        engine = self.engines.get(decision.engine)
+        if engine_id is None:
+            return Decision(None, cost, candidates, plan)
+        engine = self.engines.get(engine_id)
         if session:
             self.affinity[session] = engine.id
-        return Decision(decision.engine, decision.cost, decision.candidates, decision.plan, engine.url,
+        return Decision(engine_id, cost, candidates, plan, engine.url,
                         self.engines.acquire(engine.id) if acquire else None)
 
     # -- engines and their subscriptions ------------------------------------------

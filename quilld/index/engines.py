@@ -72,15 +72,18 @@ class EngineRegistry:
         self.in_flight: Counter[str] = Counter()
         self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (engine, deadline)
         self.expired_leases = 0
+        self._ids_of: dict[str, list[str]] = {}  # model -> its engines' ids (ROUTE's), until add or remove
 
     def add(self, engine: EngineConfig) -> bool:
         """Register or replace an engine; True when it is new."""
         new = engine.id not in self.engines
         self.engines[engine.id] = engine
+        self._ids_of.clear()
         return new
 
     def remove(self, engine_id: str) -> EngineConfig:
         engine = self.engines.pop(engine_id, None)
+        self._ids_of.clear()
         if engine is None:
             raise CommandError(f"no engine {engine_id!r}")
         for lease, (owner, _) in list(self._leases.items()):
@@ -97,6 +100,16 @@ class EngineRegistry:
 
     def for_model(self, model: str) -> list[EngineConfig]:
         return [e for e in self.engines.values() if e.model == model]
+
+    def ids_for_model(self, model: str) -> list[str]:
+        """The ids of `model`'s engines, in registration order (kept until an engine is added or
+        removed; the caller must not change the list)."""
+        ids = self._ids_of.get(model)
+        if ids is None:
+            if len(self._ids_of) >= 1024:  # models named by requests, most with no engine
+                self._ids_of.clear()
+            ids = self._ids_of[model] = [e.id for e in self.engines.values() if e.model == model]
+        return ids
 
     def acquire(self, engine_id: str) -> str:
         lease = secrets.token_hex(8)

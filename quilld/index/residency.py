@@ -4,17 +4,23 @@ A holder is this pool's node (tiers dram, ssd) or an engine (tiers hbm, cpu).
 Each (holder, tier) pair is interned as a *slot*: slot = holder number *
 TIER_SLOTS + tier number (the tiers are CacheTier's members, in order; a new
 tier widens every holder's group of bits by one), and an entry is one int
-whose bit `slot` is set when that holder has the block in that tier. So an entry costs one dict slot, its key (scope
-tag + 8-byte or raw hash) and one small int, however many holders share it.
+whose bit `slot` is set when that holder has the block in that tier. Entries are kept
+per scope tag, `{tag: {hash: mask}}`, so an entry costs one dict slot, its key (the
+hash) and one small int, however many holders share it.
 
 Block hashes arrive as 64-bit ints (vLLM's default; may be negative or above
-2**63) or as raw bytes; ints are stored as 8 bytes, two's complement.
+2**63) or as raw bytes. An int is kept as its unsigned 64-bit value (two's
+complement), and 8 raw bytes as the big-endian int they spell, so -1, 2**64 - 1
+and b"\xff" * 8 are one block, as `hash_key` renders them; other raw hashes stay
+bytes. An int key is looked up without building a key object: ROUTE's 32
+lookups in a million-entry index cost the dict probes alone.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from itertools import repeat
 
 from quilld.model import CacheTier
 from quilld.scopes import TAG_LEN, ScopeRegistry
@@ -24,13 +30,13 @@ TIER_SLOTS = len(TIERS)  # bits per holder
 TIER_MASK = (1 << TIER_SLOTS) - 1  # one holder's bits, shifted down to bit 0
 _TIER_NO = {t: i for i, t in enumerate(TIERS)} | {t.value: i for i, t in enumerate(TIERS)}
 _U64 = (1 << 64) - 1
-_PACK = struct.Struct(">Q").pack  # an int hash's stored form, as hash_key() makes it
+_PACK = struct.Struct(">Q").pack  # an int hash's bytes form, as hash_key() makes it
 
 BlockHash = int | bytes
 
 
 def hash_key(block: BlockHash) -> bytes:
-    """The stored form of a block hash."""
+    """A block hash as bytes: 8 big-endian bytes for an int, raw bytes as they are."""
     if type(block) is int:
         return (block & _U64).to_bytes(8, "big")
     if isinstance(block, (bytes, bytearray)):
@@ -38,12 +44,37 @@ def hash_key(block: BlockHash) -> bytes:
     raise TypeError(f"a block hash is an int or bytes, not {type(block).__name__}")
 
 
+def entry_key(block: BlockHash) -> int | bytes:
+    """The key a block hash is kept under in its scope: an unsigned 64-bit int, or raw bytes
+    of any length but 8."""
+    if type(block) is int:
+        return block & _U64
+    if isinstance(block, (bytes, bytearray)):
+        return int.from_bytes(block, "big") if len(block) == 8 else bytes(block)
+    raise TypeError(f"a block hash is an int or bytes, not {type(block).__name__}")
+
+
+def _stored(key: int | bytes) -> bytes:
+    return _PACK(key) if key.__class__ is int else key
+
+
+def entry_keys(blocks: list) -> list:
+    """`entry_key` of each block; `blocks` itself when every one is already an unsigned 64-bit
+    int (the common case, checked in C)."""
+    try:
+        if blocks and min(blocks) >= 0 and max(blocks) <= _U64:
+            return blocks
+    except TypeError:  # bytes among the ints
+        pass
+    return [entry_key(b) for b in blocks]
+
+
 class ResidencyIndex:
     def __init__(self, scopes: ScopeRegistry | None = None) -> None:
         """With `scopes`, the index holds each scope tag while it has entries under it."""
         self.scopes = scopes
         self.tag_entries: dict[bytes, int] = {}  # scope tag -> entries under it
-        self._entries: dict[bytes, int] = {}
+        self._entries: dict[bytes, dict[int | bytes, int]] = {}  # scope tag -> entry key -> mask
         self._holders: list[str] = []  # holder number -> name
         self._holder_no: dict[str, int] = {}
         self._counts: list[int] = []  # slot -> number of blocks with that bit set
@@ -66,6 +97,10 @@ class ResidencyIndex:
         no = self._holder_no.get(holder)
         return 0 if no is None else TIER_MASK << (TIER_SLOTS * no)
 
+    def holder_no(self, holder: str) -> int | None:
+        """`holder`'s number: its slots are TIER_SLOTS * number and up (None when unknown)."""
+        return self._holder_no.get(holder)
+
     def slots(self, mask: int) -> list[tuple[str, CacheTier]]:
         """Decode an entry mask into (holder, tier) pairs."""
         out = []
@@ -78,15 +113,22 @@ class ResidencyIndex:
         return out
 
     # -- updates --------------------------------------------------------------
+    def _scope(self, tag: bytes) -> dict[int | bytes, int]:
+        entries = self._entries.get(tag)
+        if entries is None:
+            entries = self._entries[tag] = {}
+        return entries
+
     def put(self, tag: bytes, block: BlockHash, holder: str, tier: CacheTier | str) -> bool:
         """Record that `holder` has the block in `tier`; False if it already did."""
         slot = self._slot(holder, tier)
-        key = tag + hash_key(block)
-        mask = self._entries.get(key, 0)
+        key = entry_key(block)
+        entries = self._scope(tag)
+        mask = entries.get(key, 0)
         bit = 1 << slot
         if mask & bit:
             return False
-        self._entries[key] = mask | bit
+        entries[key] = mask | bit
         self._counts[slot] += 1
         if not mask:
             self._entry_added(tag)
@@ -95,18 +137,24 @@ class ResidencyIndex:
     def put_many(self, tag: bytes, blocks: Iterable[BlockHash], holder: str, tier: CacheTier | str) -> int:
         """`put` for several blocks of one holder and tier (one event's); returns how many were new."""
         slot = self._slot(holder, tier)
-        bit, entries, pack, added = 1 << slot, self._entries, _PACK, 0
+        bit, entries, added, new = 1 << slot, self._scope(tag), 0, 0
         get = entries.get
-        for block in blocks:
-            key = tag + (pack(block & _U64) if block.__class__ is int else hash_key(block))
-            mask = get(key, 0)
-            if mask & bit:
-                continue
-            entries[key] = mask | bit
-            added += 1
-            if not mask:
-                self._entry_added(tag)
-        self._counts[slot] += added
+        try:
+            for block in blocks:
+                key = block & _U64 if block.__class__ is int else entry_key(block)
+                mask = get(key, 0)
+                if mask & bit:
+                    continue
+                entries[key] = mask | bit
+                added += 1
+                if not mask:
+                    new += 1
+        finally:  # a bad hash midway: what went in before it is counted
+            self._counts[slot] += added
+            if new:
+                self._entries_added(tag, new)
+            elif not entries:
+                del self._entries[tag]
         return added
 
     def remove_many(self, tag: bytes, blocks: Iterable[BlockHash], holder: str, tier: CacheTier | str) -> int:
@@ -114,35 +162,51 @@ class ResidencyIndex:
         if holder not in self._holder_no:
             return 0
         slot = self._slot(holder, tier)
-        bit, entries, pack, removed = 1 << slot, self._entries, _PACK, 0
+        entries = self._entries.get(tag)
+        if entries is None:
+            for block in blocks:
+                entry_key(block)  # a bad hash is refused whether or not the scope has entries
+            return 0
+        bit, removed, gone = 1 << slot, 0, 0
         get = entries.get
-        for block in blocks:
-            key = tag + (pack(block & _U64) if block.__class__ is int else hash_key(block))
-            mask = get(key, 0)
-            if not mask & bit:
-                continue
-            removed += 1
-            mask ^= bit
-            if mask:
-                entries[key] = mask
-            else:
-                del entries[key]
-                self._entry_gone(tag)
-        self._counts[slot] -= removed
+        try:
+            for block in blocks:
+                key = block & _U64 if block.__class__ is int else entry_key(block)
+                mask = get(key, 0)
+                if not mask & bit:
+                    continue
+                removed += 1
+                mask ^= bit
+                if mask:
+                    entries[key] = mask
+                else:
+                    del entries[key]
+                    gone += 1
+        finally:
+            self._counts[slot] -= removed
+            if gone:
+                self._entries_gone(tag, gone)
         return removed
 
     def _entry_added(self, tag: bytes) -> None:
-        n = self.tag_entries.get(tag, 0)
-        self.tag_entries[tag] = n + 1
-        if not n and self.scopes is not None:
+        self._entries_added(tag, 1)
+
+    def _entries_added(self, tag: bytes, n: int) -> None:
+        had = self.tag_entries.get(tag, 0)
+        self.tag_entries[tag] = had + n
+        if not had and self.scopes is not None:
             self.scopes.hold(tag)
 
     def _entry_gone(self, tag: bytes) -> None:
-        n = self.tag_entries[tag] - 1
-        if n:
-            self.tag_entries[tag] = n
+        self._entries_gone(tag, 1)
+
+    def _entries_gone(self, tag: bytes, n: int) -> None:
+        left = self.tag_entries[tag] - n
+        if left:
+            self.tag_entries[tag] = left
         else:
             del self.tag_entries[tag]
+            del self._entries[tag]
             if self.scopes is not None:
                 self.scopes.drop(tag)
 
@@ -151,16 +215,17 @@ class ResidencyIndex:
         if holder not in self._holder_no:
             return False
         slot = self._slot(holder, tier)
-        key = tag + hash_key(block)
-        mask = self._entries.get(key, 0)
+        key = entry_key(block)
+        entries = self._entries.get(tag)
+        mask = entries.get(key, 0) if entries is not None else 0
         bit = 1 << slot
         if not mask & bit:
             return False
         mask ^= bit
         if mask:
-            self._entries[key] = mask
+            entries[key] = mask
         else:
-            del self._entries[key]
+            del entries[key]
             self._entry_gone(tag)
         self._counts[slot] -= 1
         return True
@@ -175,16 +240,19 @@ class ResidencyIndex:
         bits = (1 << self._slot(holder, tier)) if tier is not None else self.holder_bits(holder)
         keep = ~bits
         dropped = 0
-        entries = self._entries
-        for key, mask in list(entries.items()):
-            if mask & bits:
-                dropped += (mask & bits).bit_count()
-                mask &= keep
-                if mask:
-                    entries[key] = mask
-                else:
-                    del entries[key]
-                    self._entry_gone(key[:TAG_LEN])
+        for tag, entries in list(self._entries.items()):
+            gone = 0
+            for key, mask in list(entries.items()):
+                if mask & bits:
+                    dropped += (mask & bits).bit_count()
+                    mask &= keep
+                    if mask:
+                        entries[key] = mask
+                    else:
+                        del entries[key]
+                        gone += 1
+            if gone:
+                self._entries_gone(tag, gone)
         base = self._holder_no[holder] * TIER_SLOTS
         for slot in range(base, base + TIER_SLOTS):
             if bits >> slot & 1:
@@ -192,29 +260,54 @@ class ResidencyIndex:
         return dropped
 
     def holder_entries(self, holder: str) -> list[tuple[bytes, bytes, int]]:
-        """Every (scope tag, hash key, tier number) `holder` has: a full scan, for rare hand-overs."""
+        """Every (scope tag, hash key, tier number) `holder` has: a full scan, for rare hand-overs.
+
+        The hash key is `hash_key`'s bytes form."""
         no = self._holder_no.get(holder)
         if no is None:
             return []
         shift = TIER_SLOTS * no
         out = []
-        for key, mask in self._entries.items():
-            own = (mask >> shift) & TIER_MASK
-            while own:
-                low = own & -own
-                out.append((key[:TAG_LEN], key[TAG_LEN:], low.bit_length() - 1))
-                own ^= low
+        for tag, entries in self._entries.items():
+            for key, mask in entries.items():
+                own = (mask >> shift) & TIER_MASK
+                while own:
+                    low = own & -own
+                    out.append((tag, _stored(key), low.bit_length() - 1))
+                    own ^= low
         return out
 
     # -- queries --------------------------------------------------------------
-    def masks(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[int]:
+    def masks(self, tag: bytes, blocks: list[BlockHash]) -> list[int]:
         """The entry mask of each block, in order (0 where nobody holds it)."""
-        get, pack = self._entries.get, _PACK
-        return [get(tag + (pack(b & _U64) if b.__class__ is int else hash_key(b)), 0) for b in blocks]
+        entries = self._entries.get(tag)
+        if entries is None:
+            return [0] * len(blocks)
+        return list(map(entries.get, entry_keys(blocks), repeat(0)))
+
+    def leading_masks(self, tag: bytes, blocks: list[BlockHash]) -> list[int]:
+        """The masks of the leading blocks up to the first one nobody holds in this scope (left out,
+        with every block after it).
+
+        A reusable prefix is contiguous from the first block, so nothing after that gap can
+        credit anyone: ROUTE looks up no further (each lookup in a large index is a few cache
+        misses, most of ROUTE's time)."""
+        entries = self._entries.get(tag)
+        if entries is None:
+            return []
+        get, out = entries.get, []
+        add = out.append
+        for key in entry_keys(blocks):
+            mask = get(key)
+            if mask is None:
+                break
+            add(mask)
+        return out
 
     def has(self, key: bytes) -> bool:
-        """Whether a stored key (scope tag + hash key) has any residency."""
-        return key in self._entries
+        """Whether a stored key (scope tag + `hash_key` bytes) has any residency."""
+        entries = self._entries.get(key[:TAG_LEN])
+        return entries is not None and entry_key(key[TAG_LEN:]) in entries
 
     def held_elsewhere(self, tag: bytes, block: BlockHash) -> bytes | None:
         """A scope tag other than `tag` with a residency of `block`, or None.
@@ -222,16 +315,15 @@ class ResidencyIndex:
         Looks only at scopes that have entries (engines' and pools' scopes), never at
         every scope clients have named.
         """
-        hk = hash_key(block)
-        entries = self._entries
-        for other in self.tag_entries:
-            if other != tag and other + hk in entries:
+        key = entry_key(block)
+        for other, entries in self._entries.items():
+            if other != tag and key in entries:
                 return other
         return None
 
     def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
         """For each block, every (holder, tier) that has it."""
-        return [self.slots(m) for m in self.masks(tag, blocks)]
+        return [self.slots(m) for m in self.masks(tag, list(blocks))]
 
     def prefix_lengths(self, tag: bytes, blocks: list[BlockHash]) -> dict[str, int]:
         """For every holder with at least the first block: how many leading blocks it holds
@@ -268,7 +360,7 @@ class ResidencyIndex:
     # -- sizes ----------------------------------------------------------------
     def __len__(self) -> int:
         """Number of (scope, block) entries."""
-        return len(self._entries)
+        return sum(self.tag_entries.values())
 
     def count(self, holder: str, tier: CacheTier | str) -> int:
         """How many blocks `holder` has in `tier`."""

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from quilld.index.residency import TIER_MASK, TIERS, ResidencyIndex
+from quilld.index.residency import TIER_MASK, TIER_SLOTS, TIERS, ResidencyIndex
 from quilld.model import CacheTier
 
 _HBM, _CPU, _DRAM, _SSD, _STORAGE = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM,
@@ -104,6 +104,39 @@ class Decision:
 
 RECOMPUTE = Step("recompute")
 _NO_STEPS: list[Step] = []  # shared, never mutated: plans are built as new lists
+_HITS: dict[str, tuple[Step, Step, Step]] = {}  # engine -> its hit steps (hbm, cpu, storage), shared
+
+
+def _hits(engine: str) -> tuple[Step, Step, Step]:
+    hits = _HITS.get(engine)
+    if hits is None:
+        if len(_HITS) >= 4096:  # engines come and go: never grow without bound
+            _HITS.clear()
+        hits = _HITS[engine] = (Step("hit", engine, CacheTier.HBM), Step("hit", engine, CacheTier.CPU),
+                                Step("hit", engine, CacheTier.STORAGE))
+    return hits
+
+
+def _own_walk(masks: list[int], engine: str, shift: int, w: CostWeights) -> tuple[float, list[Step]]:
+    """`_engine_walk` with no pool to fetch from: the engine's own tiers alone, to the first gap."""
+    hit_hbm, hit_cpu, hit_storage = _hits(engine)
+    hbm, host, stored = w.hbm_credit, w.host_credit, w.storage_credit
+    credit, steps = 0.0, []
+    add = steps.append
+    for mask in masks:
+        own = mask >> shift
+        if own & _HBM_BIT:
+            credit += hbm
+            add(hit_hbm)
+        elif own & _CPU_BIT:
+            credit += host
+            add(hit_cpu)
+        elif own & _STORAGE_BIT:
+            credit += stored
+            add(hit_storage)
+        else:
+            break
+    return credit, steps
 
 
 def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: list[str],
@@ -113,8 +146,7 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
     shift = (base & -base).bit_length() - 1 if base else -1
     pool_bits = [(h, b) for h in pool if (b := index.holder_bits(h))]
     credit, steps = 0.0, []
-    hit_hbm, hit_cpu = Step("hit", engine, CacheTier.HBM), Step("hit", engine, CacheTier.CPU)
-    hit_storage = Step("hit", engine, CacheTier.STORAGE)
+    hit_hbm, hit_cpu, hit_storage = _hits(engine)
     for mask in masks:
         own = (mask >> shift) & TIER_MASK if shift >= 0 else 0
         if own & _HBM_BIT:
@@ -159,32 +191,50 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
            in_flight: dict[str, int], decode_blocks: float = 0.0, weights: CostWeights = CostWeights(),
            rng: random.Random | None = None) -> Decision:
     """Score every engine in `engines` (already filtered to the request's model)."""
+    engine, cost, candidates, plan = score(index, tag, blocks, engines, pool, in_flight, decode_blocks, weights,
+                                           rng)
+    return Decision(engine, cost, candidates, plan)
+
+
+def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], pool: list[str],
+          in_flight: dict[str, int], decode_blocks: float = 0.0, weights: CostWeights = CostWeights(),
+          rng: random.Random | None = None) -> tuple[str | None, float, list[Candidate], list[Step]]:
+    """`choose`'s decision as its parts (engine, cost, candidates, plan), for a caller that adds
+    to them before building the one `Decision` (the control plane: URL and lease)."""
     if not engines:
-        return Decision(None, math.inf, [], [])
-    masks = index.masks(tag, blocks)
+        return None, math.inf, [], []
+    masks = index.leading_masks(tag, blocks)  # every walk ends where these end, or before
     n = len(blocks)
     first = masks[0] if masks else 0
     scale, per_request = weights.prefill_load_scale, weights.active_request_weight
-    holder_bits, load_of = index.holder_bits, in_flight.get
+    holder_no, load_of = index.holder_no, in_flight.get
     if pool:
-        pool = [h for h in pool if holder_bits(h)]  # pool nodes that hold nothing cannot help
+        pool = [h for h in pool if holder_no(h) is not None]  # pool nodes that hold nothing cannot help
     candidates: list[Candidate] = []
     walks: list[list[Step]] = []
     cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
-    best, best_key = -1, None
+    best, best_cost, best_engine = -1, 0.0, ""
     make = tuple.__new__
     for engine in engines:
         load = load_of(engine, 0)
-        if pool or first & holder_bits(engine):
+        no = holder_no(engine)
+        if pool:
             credit, steps = _engine_walk(index, masks, engine, pool, weights)
-            uncovered = n - credit
-            cost = scale * (uncovered if uncovered > 0 else 0.0) + decode_blocks + per_request * load
+        elif no is not None and first >> (no * TIER_SLOTS) & TIER_MASK:
+            credit, steps = _own_walk(masks, engine, no * TIER_SLOTS, weights)
         else:  # it lacks the first block and there is no pool to fetch from: nothing to reuse
-            credit, steps, cost = 0.0, _NO_STEPS, cold + per_request * load
+            cost = cold + per_request * load
+            candidates.append(make(Candidate, (engine, 0, 0.0, cost, load)))
+            walks.append(_NO_STEPS)
+            if best < 0 or cost < best_cost or (cost == best_cost and engine < best_engine):
+                best, best_cost, best_engine = len(walks) - 1, cost, engine
+            continue
+        uncovered = n - credit
+        cost = scale * (uncovered if uncovered > 0 else 0.0) + decode_blocks + per_request * load
         candidates.append(make(Candidate, (engine, len(steps), credit, cost, load)))
         walks.append(steps)
-        if best < 0 or cost < best_key[0] or (cost == best_key[0] and engine < best_key[1]):
-            best, best_key = len(candidates) - 1, (cost, engine)
+        if best < 0 or cost < best_cost or (cost == best_cost and engine < best_engine):
+            best, best_cost, best_engine = len(walks) - 1, cost, engine
     pick = best
     if weights.temperature > 0:
         rng = rng or random.Random()
@@ -193,4 +243,4 @@ def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], 
         pick = rng.choices(range(len(candidates)), weights=odds)[0]
     winner, steps = candidates[pick], walks[pick]
     plan = steps + [RECOMPUTE] * (n - len(steps))
-    return Decision(winner.engine, winner.cost, candidates, plan)
+    return winner.engine, winner.cost, candidates, plan
