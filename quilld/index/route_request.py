@@ -13,12 +13,17 @@ tag) is theirs to supply. Fields:
 - `acquire`: 1/true/yes takes an in-flight lease on the chosen engine.
 
 Errors are `CommandError`s (ERR on RESP, 400 on HTTP) with stable texts.
+
+RESP also takes the hashes alone, with no JSON to decode: as decimal (or hex)
+arguments (`hashes_from_args`) or as one bulk of packed little-endian unsigned
+64-bit ints (`hashes_from_packed`); the protocol turns its option words into the
+other fields and builds the `RouteRequest` itself.
 """
 
 from __future__ import annotations
 
 import re
-
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +68,42 @@ def parse_block_hash(v: Any) -> BlockHash:
 
 
 _DECIMAL = re.compile(r"-?[0-9]{1,20}")
+_U64 = (1 << 64) - 1
+
+
+def hashes_from_args(args: list[bytes]) -> list[BlockHash]:
+    """Block hashes given one per argument: unsigned decimals (the fast path, checked in C),
+    else each as `parse_block_hash` takes a string (signed decimal or hex)."""
+    if not args:
+        return []
+    joined = b"".join(args)
+    if joined.isdigit() and min(map(len, args)) >= 1 and max(map(len, args)) <= 20:  # ASCII digits only
+        values = list(map(int, args))
+        if max(values) <= _U64:
+            return values
+    out = []
+    for i, raw in enumerate(args):
+        try:
+            s = bytes(raw).decode("ascii")
+        except UnicodeDecodeError:
+            s = None
+        if not s or not s.strip():
+            raise CommandError(f"ROUTE: hash {i + 1} is not an integer or a hex string")
+        try:
+            out.append(parse_block_hash(s))
+        except CommandError as e:
+            raise CommandError(f"ROUTE: hash {i + 1}: {e.message}") from None
+    return out
+
+
+def hashes_from_packed(data: bytes) -> list[int]:
+    """Block hashes packed as little-endian unsigned 64-bit ints, 8 bytes each."""
+    n, rest = divmod(len(data), 8)
+    if rest:
+        raise CommandError(f"ROUTE PACKED: {len(data)} bytes is not a whole number of 8-byte hashes")
+    if n > MAX_BLOCKS:
+        raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+    return list(struct.unpack(f"<{n}Q", data))
 
 
 @dataclass(frozen=True, slots=True)

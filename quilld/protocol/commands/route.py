@@ -1,4 +1,12 @@
-"""Control-plane commands: ROUTE, RELEASE, KVEVENTS."""
+"""Control-plane commands: ROUTE, RELEASE, KVEVENTS.
+
+ROUTE's request comes in four forms: a JSON object, key value pairs, or the hashes
+alone with no JSON to decode, `ROUTE HASHES n h1 ... hn [options]` (decimal or hex
+arguments) and `ROUTE PACKED <n x 8 bytes, little-endian u64> [options]`; the options
+are BLOCK_SIZE s, DECODE_TOKENS t, SESSION id, ACQUIRE and COMPACT. The reply is the
+decision's map (a flat array on RESP2), written straight to RESP bytes; with COMPACT,
+a five-item array: engine, url, cost, lease and the plan as runs (step, count, ...).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,15 @@ from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
-from quilld.index.route_request import RouteRequest, route
-from quilld.index.router import Decision, Step
+from quilld.index.route_request import (MAX_BLOCKS, RouteRequest, hashes_from_args, hashes_from_packed,
+                                        route)
+from quilld.index.router import Candidate, Decision, Step
 from quilld.protocol.commands.common import text
+from quilld.protocol.resp import Raw
 from quilld.protocol.table import CommandTable
+
+OPTIONS = ("BLOCK_SIZE", "DECODE_TOKENS", "SESSION", "ACQUIRE", "COMPACT")
+_INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
 
 
 def route_fields(args: list[bytes]) -> dict[str, Any]:
@@ -48,8 +61,167 @@ def decision_reply(d: Decision) -> dict:
                             for c in d.candidates]}
 
 
+def _options(args: list, after: str) -> tuple[int, int, str | None, bool, bool]:
+    """HASHES' and PACKED's options: (block_size, decode_tokens, session, acquire, compact)."""
+    block_size, decode, session, acquire, compact = 16, 0, None, False, False
+    i, n = 0, len(args)
+    while i < n:
+        word = bytes(args[i]).upper()
+        if word == b"ACQUIRE":
+            acquire = True
+        elif word == b"COMPACT":
+            compact = True
+        elif word in (b"BLOCK_SIZE", b"DECODE_TOKENS", b"SESSION"):
+            if i + 1 >= n:
+                raise CommandError(f"ROUTE: {word.decode()} needs a value")
+            value = bytes(args[i + 1])
+            i += 1
+            if word == b"SESSION":
+                session = text(value) or None
+            else:
+                try:
+                    number = int(value)
+                except ValueError:
+                    raise CommandError(_INTEGERS) from None
+                if word == b"BLOCK_SIZE":
+                    block_size = number
+                else:
+                    decode = number
+        else:
+            shown = text(bytes(args[i]))[:40]
+            raise CommandError(f"ROUTE: unknown option '{shown}' after {after} (options: {', '.join(OPTIONS)})")
+        i += 1
+    return block_size, decode, session, acquire, compact
+
+
+def hashes_request(args: list) -> tuple[RouteRequest, bool] | None:
+    """ROUTE HASHES n h1 ... hn [options] or ROUTE PACKED bytes [options]: the request and whether
+    COMPACT was asked; None for the JSON and key value forms."""
+    if len(args) < 2:
+        return None
+    form = bytes(args[1]).lower()
+    if form == b"hashes":
+        if len(args) < 3:
+            raise CommandError("ROUTE HASHES needs a count: ROUTE HASHES n h1 ... hn [options]")
+        raw = bytes(args[2])
+        if not raw.isdigit() or len(raw) > 10:
+            raise CommandError(f"ROUTE HASHES: the count must be an integer from 0 to {MAX_BLOCKS}")
+        n = int(raw)
+        if n > MAX_BLOCKS:
+            raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+        if len(args) < 3 + n:
+            raise CommandError(f"ROUTE HASHES: {n} hashes announced, {len(args) - 3} given")
+        blocks = hashes_from_args(args[3:3 + n])
+        rest, after = args[3 + n:], f"the {n} hashes"
+    elif form == b"packed":
+        if len(args) < 3:
+            raise CommandError("ROUTE PACKED needs the packed hashes: ROUTE PACKED <bytes> [options]")
+        blocks = hashes_from_packed(args[2])
+        rest, after = args[3:], "the packed hashes"
+    else:
+        return None
+    block_size, decode, session, acquire, compact = _options(rest, after)
+    return RouteRequest(blocks, block_size, decode, session, acquire), compact
+
+
 def cmd_route(c, args):
-    return decision_reply(route(c.control, c.scope, c.tag, RouteRequest.parse(route_fields(args))))
+    parsed = hashes_request(args)
+    if parsed is None:
+        req, compact = RouteRequest.parse(route_fields(args)), False
+    else:
+        req, compact = parsed
+    d = route(c.control, c.scope, c.tag, req)
+    return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
+
+
+# -- the reply, straight to RESP bytes ---------------------------------------------------------
+
+def _bulk(b: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(b), b)
+
+
+def _double(v: float, resp3: bool) -> bytes:
+    """A float as resp.encode writes it: a RESP3 double, a bulk string in RESP2."""
+    t = repr(v).encode() if v == v and abs(v) != float("inf") else (
+        b"nan" if v != v else (b"inf" if v > 0 else b"-inf"))
+    return b",%b\r\n" % t if resp3 else b"$%d\r\n%b\r\n" % (len(t), t)
+
+
+_NIL = {False: b"$-1\r\n", True: b"_\r\n"}
+_KEYS = {k: _bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"candidates", b"overlap_blocks",
+                               b"credit", b"in_flight")}
+_HEAD = {False: (b"*12\r\n", b"*10\r\n"), True: (b"%6\r\n", b"%5\r\n")}  # decision, candidate
+_CACHE_MAX = 4096
+_candidate_cache: dict[tuple[Candidate, bool], bytes] = {}  # most candidates repeat (every cold engine's)
+_step_cache: dict[Step, bytes] = {}
+
+
+def _candidate(c: Candidate, resp3: bool) -> bytes:
+    key = (c, resp3)
+    out = _candidate_cache.get(key)
+    if out is None:
+        if len(_candidate_cache) >= _CACHE_MAX:
+            _candidate_cache.clear()
+        engine, overlap, credit, cost, in_flight = c
+        out = _candidate_cache[key] = b"".join((
+            _HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"], b":%d\r\n" % overlap,
+            _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"], _double(float(cost), resp3),
+            _KEYS[b"in_flight"], b":%d\r\n" % in_flight))
+    return out
+
+
+def _step(s: Step) -> bytes:
+    out = _step_cache.get(s)
+    if out is None:
+        if len(_step_cache) >= _CACHE_MAX:
+            _step_cache.clear()
+        out = _step_cache[s] = _bulk(_plan_text(s))
+    return out
+
+
+def _runs(plan: list[Step]) -> list[tuple[Step, int]]:
+    """The plan as (step, how many in a row); steps in a row are mostly one shared object."""
+    runs: list[tuple[Step, int]] = []
+    prev, count = None, 0
+    for s in plan:
+        if s is prev or (prev is not None and s == prev):
+            count += 1
+            continue
+        if count:
+            runs.append((prev, count))
+        prev, count = s, 1
+    if count:
+        runs.append((prev, count))
+    return runs
+
+
+def _head(d: Decision, resp3: bool) -> list[bytes]:
+    nil = _NIL[resp3]
+    chosen = d.engine is not None
+    return [_bulk(d.engine.encode()) if chosen else nil, _bulk(d.url.encode()) if chosen else nil,
+            _double(float(d.cost), resp3) if chosen else nil,
+            _bulk(d.lease.encode()) if d.lease is not None else nil]
+
+
+def encode_decision(d: Decision, resp3: bool) -> bytes:
+    """`decision_reply(d)` as resp.encode would write it, built from cached pieces."""
+    engine, url, cost, lease = _head(d, resp3)
+    out = [_HEAD[resp3][0], _KEYS[b"engine"], engine, _KEYS[b"url"], url, _KEYS[b"cost"], cost,
+           _KEYS[b"lease"], lease, _KEYS[b"plan"], b"*%d\r\n" % len(d.plan)]
+    for s, count in _runs(d.plan):
+        out.append(_step(s) * count)
+    out += [_KEYS[b"candidates"], b"*%d\r\n" % len(d.candidates)]
+    out += [_candidate(c, resp3) for c in d.candidates]
+    return b"".join(out)
+
+
+def encode_compact(d: Decision, resp3: bool) -> bytes:
+    """ROUTE ... COMPACT: [engine, url, cost, lease, [step, count, step, count, ...]]."""
+    runs = _runs(d.plan)
+    out = [b"*5\r\n", *_head(d, resp3), b"*%d\r\n" % (2 * len(runs))]
+    for s, count in runs:
+        out += (_step(s), b":%d\r\n" % count)
+    return b"".join(out)
 
 
 def cmd_release(c, args):
@@ -69,7 +241,8 @@ def cmd_kvevents(c, args):
 
 
 def register(t: CommandTable) -> None:
-    t.add("route", -2, "", cmd_route, "Chooses the engine that recomputes the least: ROUTE {json} | key value...",
+    t.add("route", -2, "", cmd_route, "Chooses the engine that recomputes the least: ROUTE {json} | key value... | "
+          "HASHES n h1 ... hn [options] | PACKED <u64le bytes> [options]",
           "quillcache", "0.1.0")
     t.add("release", 2, "", cmd_release, "Ends an in-flight request taken with ROUTE ... ACQUIRE.",
           "quillcache", "0.1.0")
