@@ -336,8 +336,8 @@ class ScriptedPeer:
 
 def test_get_into_retries_once_on_a_fresh_socket():
     peer = ScriptedPeer([None, b"$5\r\nhello\r\n"])  # the first connection drops mid-request
-    try:
-        with QuillClient("127.0.0.1", peer.port) as qc:
+    try:  # the scripted peer speaks GETBLK only: no shared-memory discovery (SHM HELLO) on it
+        with QuillClient("127.0.0.1", peer.port, shared_memory="off") as qc:
             buf = bytearray(8)
             assert qc.get_into("k", buf) == 5 and buf[:5] == b"hello"
             assert (qc.raw_sockets_opened, peer.connections) == (2, 2)
@@ -345,7 +345,7 @@ def test_get_into_retries_once_on_a_fresh_socket():
         peer.close()
     peer = ScriptedPeer([None])  # every connection drops: one retry, then the error
     try:
-        with QuillClient("127.0.0.1", peer.port) as qc:
+        with QuillClient("127.0.0.1", peer.port, shared_memory="off") as qc:
             with pytest.raises(QuillConnectionError):
                 qc.get_into("k", bytearray(8))
             assert peer.connections == 2

@@ -41,7 +41,7 @@ from quillwire.encode import as_readable, pack_command
 
 from quillclient import blocks, shm, zerocopy
 from quillclient.config import ClientConfig, Scope
-from quillclient.errors import BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
+from quillclient.errors import AuthError, BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
 from quillclient.zerocopy import as_writable
 
 T = TypeVar("T")
@@ -175,8 +175,8 @@ class QuillClient:
             return None, "shared_memory is 'off'"
         try:
             hello = _text(self._call(lambda: self._redis.execute_command("SHM", "HELLO")))
-        except QuillConnectionError:
-            raise
+        except (QuillConnectionError, AuthError):
+            raise  # the call that needed the answer fails the same way: nothing is decided yet
         except QuillError as e:
             reason = f"the server offers no shared memory (SHM HELLO: {e})"
         else:

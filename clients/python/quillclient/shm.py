@@ -18,9 +18,13 @@ the copy's loads are not performed after the generation's load); see quilld's
 tiers/leases.py. With `verify_crc` the CRC32C of each copy is checked as well
 (a mismatch also reads again over TCP, counted in `crc_rereads`).
 
-Leases are released right after the copy: `SHM RELEASE slot ...` is sent without
-waiting, its reply read in front of the next reply on that connection, so a read
-is one round trip and a block stays pinned only while it is being copied.
+Leases are released after the copy with `SHM RELEASE slot ...`, never waited for
+(its reply is read in front of the next reply on that connection), so a read is
+one round trip: for small blocks (under DEFER_RELEASE_MAX leased bytes per
+connection) the RELEASE goes out in front of the connection's next command (one
+send, one server wakeup per read; an idle connection keeps at most that much
+pinned until its next use or server.shm_lease_ms), larger ones at once, so they
+stay pinned only while they are copied.
 
 Writes: `PUT2PHASE BEGIN key nbytes [LEASE ms] SHM` answers [handle, offset]; the
 client copies the block into its mapping at offset and commits with its CRC32C
@@ -54,6 +58,7 @@ from quillclient.zerocopy import MISS, _kernel_timeouts
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
+DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
 
 T = TypeVar("T")
 
@@ -92,13 +97,15 @@ def _reply(value: Any) -> Any:
 class ShmConnection:
     """One unix-socket connection, set up (AUTH, SCOPE) and attached (SHM ATTACH)."""
 
-    __slots__ = ("sock", "reader", "mapping", "broken", "owed", "generation")
+    __slots__ = ("sock", "reader", "mapping", "broken", "owed", "generation", "deferred", "deferred_bytes")
 
     def __init__(self, cfg: ClientConfig, path: str, mappings: "Mappings", generation: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.reader = ReplyReader(None)  # every reply parsed whole (blocks never come over this socket)
         self.broken = False
         self.owed = 0  # replies to SHM RELEASE sent without waiting: read before the next reply
+        self.deferred: list[int] = []  # leases to release with the next command (see release)
+        self.deferred_bytes = 0
         self.generation = generation
         try:
             self.sock.settimeout(cfg.connect_timeout)
@@ -173,17 +180,32 @@ class ShmConnection:
             raise ProtocolError(str(e)) from None
         return event
 
+    def with_deferred(self, pieces: list) -> list:
+        """`pieces`, behind a RELEASE of the leases deferred to this command (one send, one wakeup)."""
+        if not self.deferred:
+            return pieces
+        slots, self.deferred, self.deferred_bytes = self.deferred, [], 0
+        self.owed += 1
+        return pack_command("SHM", "RELEASE", *slots) + list(pieces)
+
     def command(self, pieces: list) -> Any:
         """Send one command (after the RELEASEs owed) and return its reply."""
-        self.send(pieces)
+        self.send(self.with_deferred(pieces))
         while self.owed:
             self.owed -= 1
             self.next_reply()  # a RELEASE's count (or its error): nothing depends on it
         return self.next_reply()
 
-    def release(self, slots: list[int]) -> None:
-        """End leases now, without waiting for the reply (read in front of the next one)."""
-        if slots:
+    def release(self, slots: list[int], nbytes: int) -> None:
+        """End leases of `nbytes` in all: small ones with this connection's next command (a read
+        is then one send and one server wakeup), larger ones now, without waiting for the reply
+        (it is read in front of the next one), so large blocks stay pinned only while copied."""
+        if not slots:
+            return
+        self.deferred.extend(slots)
+        self.deferred_bytes += nbytes
+        if self.deferred_bytes >= DEFER_RELEASE_MAX:
+            slots, self.deferred, self.deferred_bytes = self.deferred, [], 0
             self.send(pack_command("SHM", "RELEASE", *slots))
             self.owed += 1
 
@@ -323,10 +345,12 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
             hi = min(lo + GET_BATCH, len(keys))
             items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
             slots: list[int] = []
+            leased = 0
             try:
                 for i, item in zip(range(lo, hi), items):
                     if type(item) is list:
                         slots.append(item[3])
+                        leased += item[1]
                     try:
                         n, slot = _copy(conn, item, views[i], verify)
                     except BufferTooSmall as e:
@@ -344,7 +368,7 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
                                 pool.crc_rereads += 1
             finally:
                 if not conn.broken:
-                    conn.release(slots)
+                    conn.release(slots, leased)
 
     pool.run(request)
     for i in again:
@@ -379,8 +403,9 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
     conn = pool.acquire()  # not retried on a fresh connection: a BEGIN is not idempotent
     later: list[int] = []
     try:
-        conn.send([piece for i in order for piece in
-                   pack_command("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease, "SHM")])
+        conn.send(conn.with_deferred([piece for i in order for piece in
+                                      pack_command("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease,
+                                                   "SHM")]))
         while conn.owed:
             conn.owed -= 1
             conn.next_reply()
