@@ -78,7 +78,13 @@ def _slowlog_args(cmd: Command, args: list) -> list[bytes]:
         if keep != n and i == keep - 1:
             out.append(b"... (%d more arguments)" % (n - keep + 1))
             break
-        raw = b"(redacted)" if i in hidden else bytes(args[i])
+        a = args[i]
+        if i in hidden:
+            raw = b"(redacted)"
+        elif isinstance(a, (bytes, bytearray, memoryview)):
+            raw = bytes(a)
+        else:  # a payload received straight into the arena (SET value, PUT2PHASE DATA): not copied back out
+            raw = b"(%d bytes received into the arena)" % getattr(a, "length", 0)
         if len(raw) > SLOWLOG_MAX_STRING:
             raw = raw[:SLOWLOG_MAX_STRING] + b"... (%d more bytes)" % (len(raw) - SLOWLOG_MAX_STRING)
         out.append(raw)
