@@ -85,7 +85,8 @@ def bench_quilld(port: int, rounds: int, budget: int, batch: int, sizes: list[in
     from quillclient import QuillClient
 
     r = redis.Redis(port=port, socket_timeout=60)  # RESP2, hiredis parser: redis-py as people use it
-    qc = QuillClient("127.0.0.1", port, socket_timeout=60, parallelism=2)
+    qc = QuillClient("127.0.0.1", port, socket_timeout=60, parallelism=2, shared_memory="off")  # over TCP
+    qs = QuillClient("127.0.0.1", port, socket_timeout=60, shared_memory="require")  # over shared memory
     rng = np.random.default_rng(1)
     data = {size: [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)] for size in sizes}
     keys = {size: [f"blk:{size}:{i}" for i in range(batch)] for size in sizes}
@@ -128,10 +129,28 @@ def bench_quilld(port: int, rounds: int, budget: int, batch: int, sizes: list[in
             def quill_get_many_into(i):
                 qc.get_many_into(ks, bufs)
 
+            srcs = data[size]
+
+            def shm_get_into(i):
+                qs.get_into(ks[i % batch], bufs[i % batch])
+
+            def shm_get_many_into(i):
+                qs.get_many_into(ks, bufs)
+
+            def memcpy(i):  # the ceiling: the same bytes copied within this process
+                np.copyto(bufs[i % batch], srcs[i % batch])
+
+            def memcpy_batch(i):
+                for b, a in zip(bufs, srcs):
+                    np.copyto(b, a)
+
             methods = [("redis-py get", redis_get, ops, size),
                        ("get_into", quill_get_into, ops, size),
                        (f"redis-py pipeline x{batch}", redis_pipeline, batches, size * batch),
-                       (f"get_many_into x{batch}", quill_get_many_into, batches, size * batch)]
+                       (f"get_many_into x{batch}", quill_get_many_into, batches, size * batch),
+                       ("shm get_into", shm_get_into, ops, size),
+                       (f"shm get_many_into x{batch}", shm_get_many_into, batches, size * batch),
+                       ("memcpy", memcpy, ops, size), (f"memcpy x{batch}", memcpy_batch, batches, size * batch)]
             shift = rnd % len(methods)
             for name, fn, count, unit in methods[shift:] + methods[:shift]:
                 fn(0)  # warm: connections open, buffers touched
@@ -154,7 +173,9 @@ def bench_quilld(port: int, rounds: int, budget: int, batch: int, sizes: list[in
                 puts.setdefault((size, name), []).append(gbps(count * unit, seconds))
                 for lo in range(0, len(k), 256):
                     r.delete(*k[lo:lo + 256])
+    assert qs.transport == "shm" and qs.shm_stale_reads == 0, "the shared-memory reads all went through the mapping"
     qc.close()
+    qs.close()
     r.close()
     return median_table(gets), median_table(puts)
 
@@ -167,6 +188,15 @@ def print_tables(gets: dict, puts: dict, sizes: list[int], batch: int) -> None:
     for s in sizes:
         a, b, c, d = (gets[(s, m)] for m in (g1, g2, g3, g4))
         print(f"| {human(s)} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {c:.2f} | {d:.2f} | {d / c:.2f}x | {d / a:.2f}x |")
+    m1, m2, s1, s2 = "memcpy", f"memcpy x{batch}", "shm get_into", f"shm get_many_into x{batch}"
+    print(f"\nReads over shared memory, GB/s (median): quillclient over the mapping against a plain memcpy of the "
+          f"same bytes (numpy copyto, the ceiling), quillclient over TCP and redis-py\n\n| block | {m1} | {s1} "
+          f"| shm/memcpy | shm/TCP get_into | shm/redis-py get | {m2} | {s2} | shm/memcpy | shm/TCP get_many_into |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in sizes:
+        a, b, c, d, t1, t2, rp = (gets[(s, m)] for m in (m1, s1, m2, s2, g2, g4, g1))
+        print(f"| {human(s)} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {b / t1:.2f}x | {b / rp:.2f}x | {c:.2f} | {d:.2f} "
+              f"| {d / c:.2f}x | {d / t2:.2f}x |")
     p1, p2, p3 = "redis-py set", "put", f"put_blocks x{batch}"
     print(f"\nWrites, GB/s (median)\n\n| block | {p1} | {p2} | put/redis-py | {p3} | put_blocks/redis-py |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -195,12 +225,14 @@ def mooncake_unavailable() -> str | None:
     return None
 
 
-def start_quilld(dram: str, log) -> tuple[subprocess.Popen, int]:
+def start_quilld(dram: str, log, unixsocket: str = "") -> tuple[subprocess.Popen, int]:
+    """A quilld on a free port; with `unixsocket`, listening there too and mappable by `default`."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env["PYTHONPATH"] = str(ROOT)
+    shm = ["--unixsocket", unixsocket, "--map-users", "default"] if unixsocket else []
     proc = subprocess.Popen([sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port),
-                             "--admin-port", "0", "--dram", dram, "--log-level", "warning"],
+                             "--admin-port", "0", "--dram", dram, "--log-level", "warning", *shm],
                             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_port(port, proc)
@@ -292,12 +324,14 @@ def mooncake_child(rounds: int, budget: int, batch: int) -> None:
     quilld = None
     try:
         wait_port(50051, master)
-        quilld, port = start_quilld("2GiB", log)
+        sock_dir = tempfile.mkdtemp(prefix="mcq")
+        quilld, port = start_quilld("2GiB", log, os.path.join(sock_dir, "q.sock"))
         store = MooncakeDistributedStore()
         rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 1536 * MiB, 512 * MiB, "tcp", "", "127.0.0.1:50051")
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
-        qc = QuillClient("127.0.0.1", port, socket_timeout=60, parallelism=2)
+        qc = QuillClient("127.0.0.1", port, socket_timeout=60, parallelism=2, shared_memory="off")
+        qs = QuillClient("127.0.0.1", port, socket_timeout=60, shared_memory="require")
         rng = np.random.default_rng(2)
         results: dict[str, list[float]] = {}
         serial = [0]
@@ -310,10 +344,11 @@ def mooncake_child(rounds: int, budget: int, batch: int) -> None:
                         raise RuntimeError("register_buffer failed")
                 serial[0] += 1
                 sides = [("mooncake", MooncakeSide(store, size, batch, src, dst, str(serial[0]))),
-                         ("quilld", QuilldSide(qc, size, batch, src, dst, str(serial[0])))]
+                         ("quilld", QuilldSide(qc, size, batch, src, dst, str(serial[0]))),
+                         ("quilld-shm", QuilldSide(qs, size, batch, src, dst, "s" + str(serial[0])))]
                 ops = max(budget // size, 2 * batch)
                 batches = max(ops // batch, 2)
-                for who, side in (sides if rnd % 2 == 0 else sides[::-1]):
+                for who, side in sides[rnd % 3:] + sides[:rnd % 3]:
                     serial[0] += 1
                     put_keys = [f"p:{serial[0]}:{i}" for i in range(ops)]
                     bput_keys = [f"b:{serial[0]}:{i}" for i in range(batches * batch)]
@@ -327,6 +362,7 @@ def mooncake_child(rounds: int, budget: int, batch: int) -> None:
                 for arr in (src, dst):
                     store.unregister_buffer(arr.ctypes.data)
         qc.close()
+        qs.close()
         store.close()
         print("MOONCAKE_RESULT " + json.dumps({k: statistics.median(v) for k, v in results.items()}), flush=True)
     finally:
@@ -366,6 +402,13 @@ def print_mooncake(mc: dict, batch: int) -> None:
         for op in ("put", "get", "batch put", "batch get"):
             m, q = mc[("mooncake", size, op)], mc[("quilld", size, op)]
             print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
+    print("\nquilld over shared memory (same host, mapped arena) vs Mooncake Store's TCP transport, same run\n")
+    print("| block | Mooncake op / quilld op | Mooncake | quilld shm | quilld shm/Mooncake |")
+    print("|---|---|---:|---:|---:|")
+    for size in MOONCAKE_SIZES:
+        for op in ("put", "get", "batch put", "batch get"):
+            m, q = mc[("mooncake", size, op)], mc[("quilld-shm", size, op)]
+            print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
 
 
 def plot(path: str, gets: dict, puts: dict, mc: dict | None, batch: int, rounds: int) -> None:
@@ -398,9 +441,12 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (at least 2 batches)")
     ap.add_argument("--batch", type=int, default=16, help="keys per get_many_into / pipeline / put_blocks call")
     ap.add_argument("--mooncake", action="store_true", help="also measure Mooncake Store, if it runs here")
+    ap.add_argument("--quick", action="store_true", help="one round of 32 MiB per measurement (a smoke run)")
     ap.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
     add_flag(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.mib = 1, 32
     budget = args.mib * MiB
     if args.mooncake_child:
         mooncake_child(args.rounds, budget, args.batch)
@@ -408,7 +454,7 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="quilld-getinto-bench-")
     log = open(os.path.join(tmp, "quilld.log"), "wb")
-    proc, port = start_quilld("2GiB", log)
+    proc, port = start_quilld("2GiB", log, os.path.join(tmp, "q.sock"))
     try:
         import redis
 
