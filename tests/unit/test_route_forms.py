@@ -182,3 +182,11 @@ def test_the_reply_encoder_writes_what_the_generic_encoder_writes(resp3):
             (encode(full[b"cost"], resp3, o := []), o)[1])), full[b"lease"]]
         runs = compact[4]
         assert [st for st, n in zip(runs[::2], runs[1::2]) for _ in range(n)] == full[b"plan"]
+
+
+def test_command_docs_describe_the_hash_forms(routed):
+    ctx, s, _ = routed
+    docs = parse(bytes(call(ctx, s, "COMMAND", "DOCS", "route")))
+    text = repr(docs)
+    for word in ("HASHES", "PACKED", "BLOCK_SIZE", "DECODE_TOKENS", "SESSION", "ACQUIRE", "COMPACT"):
+        assert f"b'{word}'" in text, word

@@ -20,6 +20,17 @@ def _peer_secret(argv: list) -> list[int]:
     return [1] if len(argv) > 1 else []
 
 
+# ROUTE HASHES' and ROUTE PACKED's options (the JSON and key value forms name the same fields)
+_ROUTE_OPTIONS = (
+    A("block-size", "integer", token="BLOCK_SIZE", flags="optional"),
+    A("decode-tokens", "integer", token="DECODE_TOKENS", flags="optional"),
+    A("session", "string", token="SESSION", flags="optional"),
+    A("acquire", "pure-token", token="ACQUIRE", flags="optional",
+      summary="count the request in flight on the engine chosen and return a lease"),
+    A("compact", "pure-token", token="COMPACT", flags="optional",
+      summary="reply [engine, url, cost, lease, [step, count, ...]] instead of the map"),
+)
+
 QUILLCACHE = {
     "scope": D(
         "Set the connection's identity scope: the model, tokenizer and adapter its keys belong to", SINCE, G,
@@ -76,6 +87,17 @@ QUILLCACHE = {
         args=(A("request", "oneof", args=(
             A("json", "string"),
             A("field", "block", flags="multiple", args=(A("name", "string"), A("value", "string"))),
+            A("hashes", "block", args=(
+                A("numhashes", "integer", token="HASHES"),
+                A("hash", "string", flags="multiple",
+                  summary="a block hash: an unsigned or signed 64-bit decimal, or hex"),
+                *_ROUTE_OPTIONS,
+            )),
+            A("packed", "block", args=(
+                A("hashes", "string", token="PACKED",
+                  summary="the block hashes as little-endian unsigned 64-bit ints, 8 bytes each"),
+                *_ROUTE_OPTIONS,
+            )),
         )),),
     ),
     "release": D(
