@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,9 @@ class CommandPacker:
         if isinstance(args[0], str) and " " in args[0]:  # "CLIENT LIST", as redis-py's packers do
             args = tuple(args[0].split()) + args[1:]
         return pack_command(*args)
+
+
+_U64 = (1 << 64) - 1
 
 
 def _text(value: Any) -> Any:
@@ -329,20 +333,45 @@ class QuillClient:
 
     def route(self, *, blocks: Iterable[int | str] | None = None, tokens: Iterable[int] | None = None,
               block_size: int | None = None, decode_tokens: int | None = None, session: str | None = None,
-              acquire: bool = False) -> dict[str, Any]:
-        """The engine that recomputes the least for these blocks (or tokens), as quilld's ROUTE map."""
-        req: dict[str, Any] = {}
-        if blocks is not None:
-            req["blocks"] = [b if isinstance(b, (int, str)) else bytes(b).hex() for b in blocks]
-        if tokens is not None:
-            req["tokens"] = list(tokens)
-        for name, value in (("block_size", block_size), ("decode_tokens", decode_tokens), ("session", session)):
-            if value is not None:
-                req[name] = value
-        if acquire:
-            req["acquire"] = True
-        body = json.dumps(req, separators=(",", ":"))
-        return _text(self._call(lambda: self._redis.execute_command("ROUTE", body), idempotent=not acquire))
+              acquire: bool = False, candidates: bool = True) -> dict[str, Any]:
+        """The engine that recomputes the least for these blocks (or tokens), as quilld's ROUTE map.
+
+        Blocks go as ROUTE PACKED (64-bit ints, no JSON on either side) or ROUTE HASHES (hex
+        strings); tokens as JSON. With candidates=False (blocks only) quilld answers the COMPACT
+        form and the map has no "candidates": engine, url, cost, lease and plan (one step per block)."""
+        if tokens is not None or blocks is None:
+            req: dict[str, Any] = {}
+            if blocks is not None:
+                req["blocks"] = [b if isinstance(b, (int, str)) else bytes(b).hex() for b in blocks]
+            if tokens is not None:
+                req["tokens"] = list(tokens)
+            for name, value in (("block_size", block_size), ("decode_tokens", decode_tokens), ("session", session)):
+                if value is not None:
+                    req[name] = value
+            if acquire:
+                req["acquire"] = True
+            args: list[Any] = ["ROUTE", json.dumps(req, separators=(",", ":"))]
+            candidates = True
+        else:
+            hashes = [b if isinstance(b, (int, str)) else bytes(b).hex() for b in blocks]
+            if all(type(b) is int and -(1 << 63) <= b < 1 << 64 for b in hashes):
+                args = ["ROUTE", "PACKED", struct.pack(f"<{len(hashes)}Q", *(b & _U64 for b in hashes))]
+            else:  # hex strings, or an int quilld should refuse with its own error
+                args = ["ROUTE", "HASHES", len(hashes), *hashes]
+            for name, value in (("BLOCK_SIZE", block_size), ("DECODE_TOKENS", decode_tokens), ("SESSION", session)):
+                if value is not None:
+                    args += [name, value]
+            if acquire:
+                args.append("ACQUIRE")
+            if not candidates:
+                args.append("COMPACT")
+        reply = _text(self._call(lambda: self._redis.execute_command(*args), idempotent=not acquire))
+        if candidates:
+            return reply
+        engine, url, cost, lease, runs = reply
+        plan = [step for step, n in zip(runs[::2], runs[1::2]) for _ in range(n)]
+        return {"engine": engine, "url": url, "cost": None if cost is None else float(cost), "lease": lease,
+                "plan": plan}
 
     def release(self, lease: str) -> bool:
         """End a request taken with route(acquire=True); False for an unknown or expired lease."""
