@@ -101,6 +101,7 @@ class ShmConnection:
 
     def __init__(self, cfg: ClientConfig, path: str, mappings: "Mappings", generation: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.mapping: Mapping | None = None
         self.reader = ReplyReader(None)  # every reply parsed whole (blocks never come over this socket)
         self.broken = False
         self.owed = 0  # replies to SHM RELEASE sent without waiting: read before the next reply
@@ -155,6 +156,7 @@ class ShmConnection:
 
     def close(self) -> None:
         self.broken = True
+        self.mapping = None  # this connection no longer keeps the arena mapped
         try:
             self.sock.close()
         except OSError:
@@ -258,11 +260,15 @@ class ShmPool:
         conn.close()
 
     def reset(self) -> None:
+        """Close every idle connection (one broke: the server is likely gone) and forget the
+        mapping: a dead quilld's arena is unmapped once no connection in use still reads it, so
+        its memory is not kept alive by this client."""
         with self._lock:
             self._generation += 1
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+        self.mappings.current = None
 
     def close(self) -> None:
         with self._lock:
