@@ -1,11 +1,14 @@
 """ROUTE latency, index memory, guard overhead and the unsafe share of a naive cache.
 
     python bench/route_bench.py             # 1M resident blocks, 16 engines, 32-block requests
-    python bench/route_bench.py --quick     # 100k blocks
+    python bench/route_bench.py --quick     # 100k resident blocks
     python bench/route_bench.py --quick --plot route.png   # also the figure (the `bench` extra)
 
-In-process: ControlPlane.route() directly. Over RESP: a real quilld, the same
-residencies loaded with KVEVENTS, ROUTE sent by redis-py on one connection.
+In-process: ControlPlane.route() directly. Over RESP: a real quilld holding a tenth
+of the residencies (loaded with KVEVENTS); GET of a 64-byte value and ROUTE in each
+request form (JSON, HASHES, PACKED, PACKED COMPACT) alternated on one redis-py
+connection, on one plain socket read by hiredis (the least any client pays) and
+through quillclient, each ROUTE as a ratio to the GET of the same connection.
 Guard overhead: the same requests with every engine and request in one shared
 identity (no guard can refuse anything) against one identity per tenant.
 """
@@ -18,6 +21,7 @@ import os
 import random
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -40,13 +44,16 @@ REQUEST_BLOCKS = 32
 
 
 def build(blocks: int, tenants: list[str], seed: int = 1):
-    """A control plane whose engines hold `blocks` blocks as chains of 32, spread over tenants."""
+    """A control plane whose engines hold `blocks` resident blocks: chains of 32, each engine
+    holding a random prefix (8 to 32 blocks) of its chains, spread over tenants."""
     engines = tuple(EngineConfig(id=f"e{i}", url=f"http://127.0.0.1:{9000 + i}", model="m",
                                  tenant=tenants[i % len(tenants)]) for i in range(ENGINES))
     control = ControlPlane(Config(engines=engines), ScopeRegistry())
     rng = random.Random(seed)
     chains = []
-    for c in range(blocks // REQUEST_BLOCKS):
+    c = -1
+    while len(control.index) < blocks:
+        c += 1
         chain = [rng.getrandbits(64) for _ in range(REQUEST_BLOCKS)]
         chains.append(chain)
         engine = f"e{c % ENGINES}"
@@ -73,7 +80,8 @@ def time_routes(control: ControlPlane, chains, tenants, n: int, rng: random.Rand
     return out
 
 
-def over_resp(chains, blocks_per_engine: dict, n: int) -> list[float]:
+def start_server(chains, blocks_per_engine: dict):
+    """A real quilld with the 16 engines configured and `blocks_per_engine` loaded with KVEVENTS."""
     import redis
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -94,17 +102,116 @@ def over_resp(chains, blocks_per_engine: dict, n: int) -> list[float]:
             for i in range(0, len(hashes), 4096):
                 ev = {"events": [{"type": "block_stored", "block_hashes": hashes[i:i + 4096], "block_size": 16}]}
                 r.execute_command("KVEVENTS", engine, json.dumps(ev))
-        rng = random.Random(3)
-        out = []
-        for _ in range(n):
-            req = json.dumps({"blocks": rng.choice(chains)})
-            t0 = time.perf_counter_ns()
-            r.execute_command("ROUTE", req)
-            out.append((time.perf_counter_ns() - t0) / 1000)
-        return out
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        r.set("get-bench-key", b"v" * 64)
+        r.close()
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, port
+
+
+def route_forms(chain: list[int]) -> dict[str, list]:
+    """ROUTE's request forms for one chain of block hashes, as argument lists."""
+    packed = struct.pack(f"<{len(chain)}Q", *chain)
+    return {"ROUTE json": ["ROUTE", json.dumps({"blocks": chain})],
+            "ROUTE HASHES": ["ROUTE", "HASHES", len(chain), *chain],
+            "ROUTE PACKED": ["ROUTE", "PACKED", packed],
+            "ROUTE PACKED COMPACT": ["ROUTE", "PACKED", packed, "COMPACT"]}
+
+
+class RawConn:
+    """A plain socket and hiredis's reader: what any client must pay at least, without redis-py."""
+
+    def __init__(self, port: int) -> None:
+        import hiredis
+        import socket
+
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = hiredis.Reader()
+        self.pack = hiredis.pack_command
+        self.sock.sendall(self.pack(("SCOPE", "m", "")))
+        self.read()
+
+    def read(self):
+        reply = self.reader.gets()
+        while reply is False:
+            self.reader.feed(self.sock.recv(1 << 16))
+            reply = self.reader.gets()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def call(self, packed: bytes):
+        self.sock.sendall(packed)
+        return self.read()
+
+
+def over_resp(port: int, chains, n: int) -> dict[str, list[float]]:
+    """GET and every ROUTE form, alternated on one redis-py connection and on one raw socket, in
+    microseconds: each round times one GET then each ROUTE form, so drift and load hit all alike."""
+    import redis
+
+    r = redis.Redis(port=port, protocol=2)
+    r.execute_command("SCOPE", "m", "")
+    raw = RawConn(port)
+    rng = random.Random(3)
+    out: dict[str, list[float]] = {}
+    clock = time.perf_counter_ns
+    get_packed = raw.pack(("GET", "get-bench-key"))
+    for i in range(n + n // 10):  # the first tenth warms up and is dropped
+        forms = route_forms(rng.choice(chains))
+        timings = []
+        t0 = clock()
+        r.execute_command("GET", "get-bench-key")
+        timings.append(("redis-py GET", clock() - t0))
+        for name, argv in forms.items():
+            t0 = clock()
+            r.execute_command(*argv)
+            timings.append((f"redis-py {name}", clock() - t0))
+        t0 = clock()
+        raw.call(get_packed)
+        timings.append(("raw GET", clock() - t0))
+        for name, argv in forms.items():
+            packed = raw.pack(tuple(argv))
+            t0 = clock()
+            raw.call(packed)
+            timings.append((f"raw {name}", clock() - t0))
+        if i >= n // 10:
+            for name, ns in timings:
+                out.setdefault(name, []).append(ns / 1000)
+    r.close()
+    raw.sock.close()
+    return out
+
+
+def over_quillclient(port: int, chains, n: int) -> dict[str, list[float]]:
+    """get() (GETBLK), route() (ROUTE PACKED, full reply) and route(candidates=False) (COMPACT) through
+    quillclient, alternated, in microseconds."""
+    sys.path.insert(0, str(ROOT / "clients" / "python"))
+    sys.path.insert(0, str(ROOT / "wire"))
+    from quillclient import QuillClient
+
+    rng = random.Random(4)
+    out: dict[str, list[float]] = {}
+    clock = time.perf_counter_ns
+    with QuillClient("127.0.0.1", port, scope=("m", "")) as c:
+        for i in range(n + n // 10):
+            chain = rng.choice(chains)
+            timings = []
+            t0 = clock()
+            c.get("get-bench-key")
+            timings.append(("quillclient GET", clock() - t0))  # get(): GETBLK
+            t0 = clock()
+            c.route(blocks=chain)
+            timings.append(("quillclient route()", clock() - t0))
+            t0 = clock()
+            c.route(blocks=chain, candidates=False)
+            timings.append(("quillclient route(candidates=False)", clock() - t0))
+            if i >= n // 10:
+                for name, ns in timings:
+                    out.setdefault(name, []).append(ns / 1000)
+    return out
 
 
 def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
@@ -144,6 +251,7 @@ def naive_unsafe_share(seed: int = 5) -> tuple[int, int, int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the RESP comparison (medians of rounds)")
     add_flag(ap)
     args = ap.parse_args()
     blocks = 100_000 if args.quick else 1_000_000
@@ -197,13 +305,32 @@ def main() -> int:
           f"their identity, and refuses {refused:,} cross-identity matches")
 
     per_engine: dict[str, list[int]] = {}
-    for c, chain in enumerate(chains[: max(1, (blocks // 10) // REQUEST_BLOCKS)]):
+    served = chains[: max(1, (blocks // 10) // REQUEST_BLOCKS)]
+    for c, chain in enumerate(served):
         per_engine.setdefault(f"e{c % ENGINES}", []).extend(chain)
-    lat = over_resp(chains[: len(chains) // 10 or 1], per_engine, min(n, 3000))
-    print(f"ROUTE over RESP (redis-py, one connection): p50 {statistics.median(lat):.1f} us, "
-          f"p99 {percentile(lat, 99):.1f} us")
+    proc, port = start_server(served, per_engine)
+    try:
+        rounds = [over_resp(port, served, min(n, 3000) // args.rounds) |
+                  over_quillclient(port, served, min(n, 3000) // args.rounds) for _ in range(args.rounds)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    load = os.getloadavg()[0]
+    print(f"over RESP, {len(served) * REQUEST_BLOCKS:,} blocks loaded, GET of 64 B and ROUTE alternated on one "
+          f"connection ({args.rounds} round(s); load average {load:.1f} on {os.cpu_count()} cores):")
+    resp = {}
+    for name in rounds[0]:
+        meds = [statistics.median(rd[name]) for rd in rounds]
+        resp[name] = (statistics.median(meds), statistics.median(percentile(rd[name], 99) for rd in rounds))
+    for client in ("redis-py", "raw", "quillclient"):
+        get = resp[f"{client} GET"][0]
+        for name, (p50, p99) in resp.items():
+            if not name.startswith(client + " "):
+                continue
+            ratio = "" if name.endswith(" GET") else f"  {p50 / get:.2f}x GET (target <= 2x)"
+            print(f"  {name:<38} p50 {p50:7.1f} us  p99 {p99:7.1f} us{ratio}")
     if args.plot:
-        figures.append(("over RESP\n(redis-py)", statistics.median(lat), percentile(lat, 99)))
+        figures += [(name.replace(" ", "\n", 1), p50, p99) for name, (p50, p99) in resp.items()]
         plot(args.plot, figures, (hits, unsafe, guarded, refused), resident)
     return 0
 

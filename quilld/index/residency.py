@@ -97,6 +97,10 @@ class ResidencyIndex:
         no = self._holder_no.get(holder)
         return 0 if no is None else TIER_MASK << (TIER_SLOTS * no)
 
+    def holder_count(self) -> int:
+        """How many holders have been numbered (numbers are never reused)."""
+        return len(self._holders)
+
     def holder_no(self, holder: str) -> int | None:
         """`holder`'s number: its slots are TIER_SLOTS * number and up (None when unknown)."""
         return self._holder_no.get(holder)

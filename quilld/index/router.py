@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -208,11 +209,17 @@ def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], p
     first = masks[0] if masks else 0
     scale, per_request = weights.prefill_load_scale, weights.active_request_weight
     holder_no, load_of = index.holder_no, in_flight.get
+    cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
     if pool:
         pool = [h for h in pool if holder_no(h) is not None]  # pool nodes that hold nothing cannot help
+    if not pool:
+        loads = list(map(load_of, engines, repeat(0)))
+        if not any(loads):
+            candidates, walks, best = _idle(index, tag, masks, first, engines, cold, per_request, scale,
+                                            decode_blocks, n, weights)
+            return _pick(candidates, walks, best, n, weights, rng)
     candidates: list[Candidate] = []
     walks: list[list[Step]] = []
-    cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
     best, best_cost, best_engine = -1, 0.0, ""
     make = tuple.__new__
     for engine in engines:
@@ -235,6 +242,11 @@ def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], p
         walks.append(steps)
         if best < 0 or cost < best_cost or (cost == best_cost and engine < best_engine):
             best, best_cost, best_engine = len(walks) - 1, cost, engine
+    return _pick(candidates, walks, best, n, weights, rng)
+
+
+def _pick(candidates: list[Candidate], walks: list[list[Step]], best: int, n: int, weights: CostWeights,
+          rng: random.Random | None) -> tuple[str | None, float, list[Candidate], list[Step]]:
     pick = best
     if weights.temperature > 0:
         rng = rng or random.Random()
@@ -244,3 +256,64 @@ def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], p
     winner, steps = candidates[pick], walks[pick]
     plan = steps + [RECOMPUTE] * (n - len(steps))
     return winner.engine, winner.cost, candidates, plan
+
+
+# The common request: no pool to fetch from and no engine with a request in flight. Then every
+# engine lacking the first block scores the same as in the last such request of the same size,
+# so those candidates (shared tuples, never mutated) and the cheapest of them are kept, with
+# which engine each holder number is, per engine list and number of holders known.
+_COLD_MAX = 1024
+_cold: dict[tuple, tuple[list[Candidate], int, dict[int, int]]] = {}
+
+
+def _idle(index: ResidencyIndex, tag: bytes, masks: list[int], first: int, engines: list[str], cold: float,
+          per_request: float, scale: float, decode_blocks: float, n: int,
+          w: CostWeights) -> tuple[list[Candidate], list[list[Step]], int]:
+    key = (tuple(engines), index.holder_count(), cold, per_request)
+    kept = _cold.get(key)
+    if kept is None:
+        if len(_cold) >= _COLD_MAX:
+            _cold.clear()
+        cost = cold + per_request * 0
+        idle = [Candidate(e, 0, 0.0, cost, 0) for e in engines]
+        best = 0
+        for i, c in enumerate(idle):  # equal costs: the smallest engine id
+            if c.engine < idle[best].engine:
+                best = i
+        position = {}
+        for i, e in enumerate(engines):
+            no = index.holder_no(e)
+            if no is not None:
+                position.setdefault(no, i)
+        kept = _cold[key] = (idle, best, position)
+    idle, best, position = kept
+    candidates = list(idle)
+    walks = [_NO_STEPS] * len(engines)
+    scored = []
+    bits = first
+    while bits:  # the holders of the first block: the only engines with something to reuse
+        low = bits & -bits
+        no = (low.bit_length() - 1) // TIER_SLOTS
+        bits &= ~(TIER_MASK << (no * TIER_SLOTS))
+        i = position.get(no)
+        if i is None:
+            continue
+        engine = engines[i]
+        credit, steps = _own_walk(masks, engine, no * TIER_SLOTS, w)
+        uncovered = n - credit
+        cost = scale * (uncovered if uncovered > 0 else 0.0) + decode_blocks + per_request * 0
+        candidates[i] = Candidate(engine, len(steps), credit, cost, 0)
+        walks[i] = steps
+        scored.append(i)
+    if best in scored:  # the idle favourite was scored: look at everyone, in order, as `score` does
+        best = 0
+        for i, c in enumerate(candidates):
+            if c[3] < candidates[best][3] or (c[3] == candidates[best][3] and c[0] < candidates[best][0]):
+                best = i
+        return candidates, walks, best
+    best_cost, best_engine = candidates[best][3], candidates[best][0]
+    for i in sorted(scored):
+        c = candidates[i]
+        if c[3] < best_cost or (c[3] == best_cost and c[0] < best_engine):
+            best, best_cost, best_engine = i, c[3], c[0]
+    return candidates, walks, best

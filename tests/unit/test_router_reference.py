@@ -66,7 +66,7 @@ def reference(index: ResidencyIndex, blocks: list, engines: list[str], pool: lis
     return candidates[best].engine, candidates[best].cost, candidates, plan
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_choose_matches_the_reference(seed):
     rng = random.Random(seed)
     engines = [f"e{i}" for i in range(rng.randint(0, 6))]
@@ -79,7 +79,7 @@ def test_choose_matches_the_reference(seed):
             if rng.random() < 0.7 - 0.02 * i:
                 index.put(TAG, block, holder, rng.choice(tiers))
     w = CostWeights(prefill_load_scale=rng.choice([1.0, 0.5]), active_request_weight=rng.choice([1.0, 3.0]),
-                    storage_credit=rng.choice([0.25, 0.8, 0.1]))
+                    storage_credit=rng.choice([0.25, 0.8, 0.1, -0.5]))
     in_flight = {e: rng.randint(0, 3) for e in engines if rng.random() < 0.5}
     decode = rng.choice([0.0, 2.0, 0.3])
     blocks = chain + ([rng.getrandbits(64)] if rng.random() < 0.3 else [])

@@ -152,21 +152,31 @@ _KEYS = {k: _bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"
                                b"credit", b"in_flight")}
 _HEAD = {False: (b"*12\r\n", b"*10\r\n"), True: (b"%6\r\n", b"%5\r\n")}  # decision, candidate
 _CACHE_MAX = 4096
-_candidate_cache: dict[tuple[Candidate, bool], bytes] = {}  # most candidates repeat (every cold engine's)
+# A candidate's bytes, RESP2 and RESP3, by the candidate tuple's id (the tuple is kept, so its
+# id is not reused while cached): the router shares the tuples of engines that reuse nothing
+# between requests, so most of a reply's candidates are found here without being hashed.
+_candidates: dict[int, tuple[Candidate, bytes, bytes]] = {}
 _step_cache: dict[Step, bytes] = {}
 
 
-def _candidate(c: Candidate, resp3: bool) -> bytes:
-    key = (c, resp3)
-    out = _candidate_cache.get(key)
-    if out is None:
-        if len(_candidate_cache) >= _CACHE_MAX:
-            _candidate_cache.clear()
-        engine, overlap, credit, cost, in_flight = c
-        out = _candidate_cache[key] = b"".join((
-            _HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"], b":%d\r\n" % overlap,
-            _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"], _double(float(cost), resp3),
-            _KEYS[b"in_flight"], b":%d\r\n" % in_flight))
+def _encode_candidate(c: Candidate) -> tuple[Candidate, bytes, bytes]:
+    if len(_candidates) >= _CACHE_MAX:
+        _candidates.clear()
+    engine, overlap, credit, cost, in_flight = c
+    parts = [(_HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"],
+              b":%d\r\n" % overlap, _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"],
+              _double(float(cost), resp3), _KEYS[b"in_flight"], b":%d\r\n" % in_flight) for resp3 in (False, True)]
+    entry = _candidates[id(c)] = (c, b"".join(parts[0]), b"".join(parts[1]))
+    return entry
+
+
+def _candidates_bytes(candidates: list[Candidate], resp3: bool) -> list[bytes]:
+    get, which, out = _candidates.get, 2 if resp3 else 1, []
+    for c in candidates:
+        entry = get(id(c))
+        if entry is None or entry[0] is not c:
+            entry = _encode_candidate(c)
+        out.append(entry[which])
     return out
 
 
@@ -211,7 +221,7 @@ def encode_decision(d: Decision, resp3: bool) -> bytes:
     for s, count in _runs(d.plan):
         out.append(_step(s) * count)
     out += [_KEYS[b"candidates"], b"*%d\r\n" % len(d.candidates)]
-    out += [_candidate(c, resp3) for c in d.candidates]
+    out += _candidates_bytes(d.candidates, resp3)
     return b"".join(out)
 
 
