@@ -145,6 +145,51 @@ def quilld(quilld_factory) -> Quilld:
     return quilld_factory("--dram", "256MiB")
 
 
+@pytest.fixture(scope="module")
+def module_quilld(tmp_path_factory):
+    """One quilld (256 MiB arena) for a whole test module: see `shared_quilld`."""
+    nodes = [start_quilld(tmp_path_factory.mktemp("quilld"), "--dram", "256MiB")]
+    yield nodes
+    for q in nodes:
+        stop_process(q.proc)
+
+
+@pytest.fixture
+def shared_quilld(module_quilld, tmp_path_factory) -> Quilld:
+    """The module's one quilld, as a fresh one looks to a test of the default scope: no keys
+    (FLUSHALL), no command, error or latency statistics (CONFIG RESETSTAT). A module whose tests
+    need no fresh process opts in with `quilld = shared_quilld`-style fixtures; a test that stops,
+    kills or reconfigures its node, or that counts what every connection adds up, uses
+    `quilld_factory`. One that leaves it dead fails at teardown, and the next test gets a new one."""
+    q = module_quilld[-1]
+    if q.proc.poll() is not None:  # a test before this one failed at teardown for it
+        q = start_quilld(tmp_path_factory.mktemp("quilld"), "--dram", "256MiB")
+        module_quilld.append(q)
+    with q.client() as r:
+        r.flushall()
+        r.config_resetstat()
+    yield q
+    assert q.proc.poll() is None, f"the module's shared quilld exited during this test:\n{q.log()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    port, proc = start_redis(tmp_path_factory.mktemp("redis"))
+    yield port
+    stop_process(proc)
+
+
+@pytest.fixture
+def shared_redis_server(module_redis) -> int:
+    """A module's one redis-server, emptied (FLUSHALL) and its statistics reset for each test."""
+    import redis
+
+    with redis.Redis(port=module_redis, socket_timeout=30) as r:
+        r.flushall()
+        r.config_resetstat()
+    return module_redis
+
+
 def require_tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -152,16 +197,27 @@ def require_tool(name: str) -> str:
     return path
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    """A real redis-server on a free port, for byte-for-byte comparisons."""
+def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1",)) -> tuple[int, subprocess.Popen]:
+    """A real redis-server on a free port (no persistence, one database); (port, process).
+    `bind` must include 127.0.0.1: the start is waited for there."""
     binary = require_tool("redis-server")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--databases", "1", "--dir", str(tmp_path)],
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", *bind, "--save", "", "--appendonly", "no",
+                             "--databases", "1", "--dir", str(tmp_path), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, proc)
+    except Exception:
+        stop_process(proc)
+        raise
+    return port, proc
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free port, for byte-for-byte comparisons."""
+    port, proc = start_redis(tmp_path)
+    try:
         yield port
     finally:
         stop_process(proc)
@@ -169,13 +225,14 @@ def redis_server(tmp_path):
 
 def raw_exchange(port: int, payload: bytes, expect_close: bool = False, timeout: float = 5.0,
                  settle: float = 0.3) -> bytes:
-    """Send raw bytes, read everything the server answers until it is quiet for `settle` s."""
+    """Send raw bytes, read everything the server answers until it is quiet for `settle` s once it
+    has begun to answer (the first byte is waited for up to `timeout`: a loaded machine may be slow)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(payload)
         chunks = []
         deadline = time.monotonic() + timeout
-        s.settimeout(settle)
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(min(settle, left) if chunks else left)
             try:
                 data = s.recv(1 << 20)
             except socket.timeout:
@@ -188,11 +245,109 @@ def raw_exchange(port: int, payload: bytes, expect_close: bool = False, timeout:
         return b"".join(chunks)
 
 
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
-    """Poll `predicate` until it is truthy or `timeout` passes; returns its last value."""
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
+    """Poll `predicate` until it is truthy or `timeout` passes; returns its last value. The
+    timeout bounds a loaded machine's wait for what must happen; it is no claim about speed."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value or time.monotonic() >= deadline:
             return value
         time.sleep(interval)
+
+
+# -- raw RESP over a socket ------------------------------------------------------------------------
+
+def cmd(*args: bytes | str | int) -> bytes:
+    """One RESP multibulk command; str and int arguments are encoded as redis-cli sends them."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a.encode() if isinstance(a, str) else str(a).encode() if isinstance(a, int) else a
+        out.append(b"$%d\r\n%b\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def exchange(port: int, payload: bytes, timeout: float = 5.0, quiet: float | None = 0.3,
+             source: str | None = None, host: str = "127.0.0.1", lines: int = 0) -> tuple[bytes, bool]:
+    """Send `payload` (from address `source`, if given) and read until the server closes (True), or
+    until it stays silent for `quiet` s or `timeout` passes (False). quiet=None waits out `timeout`.
+    `lines`: the CRLFs expected; until that many have come a silence is waited out (a loaded machine
+    may be slow to answer), after them `quiet` s of silence shows that nothing more comes."""
+    s = socket.socket()
+    s.settimeout(timeout)
+    if source:
+        s.bind((source, 0))
+    s.connect((host, port))
+    with s:
+        try:
+            s.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed before it read everything: what it answered is still readable
+        chunks, deadline, seen = [], time.monotonic() + timeout, 0
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(max(0.01, min(left, quiet or left) if seen >= lines else left))
+            try:
+                data = s.recv(1 << 20)
+            except socket.timeout:
+                break
+            except ConnectionResetError:
+                return b"".join(chunks), True
+            if not data:
+                return b"".join(chunks), True
+            chunks.append(data)
+            seen += data.count(b"\r\n")
+        return b"".join(chunks), False
+
+
+def same_reply(cmd, ours: bytes, theirs: bytes) -> bool:
+    """Two servers' raw replies to `cmd` agree: byte for byte, except that a TTL in seconds, asked of
+    each server a moment apart, may be one second apart (the deadline is the same; the clock moved)."""
+    name = cmd[0].upper() if isinstance(cmd[0], str) else bytes(cmd[0]).decode(errors="replace").upper()
+    if name == "TTL" and ours[:1] == theirs[:1] == b":" and ours.endswith(b"\r\n") and theirs.endswith(b"\r\n"):
+        a, b = int(ours[1:-2]), int(theirs[1:-2])
+        return a == b or (min(a, b) >= 0 and abs(a - b) <= 1)
+    return ours == theirs
+
+
+def read_lines(sock: socket.socket, n: int, timeout: float = 10.0) -> bytes:
+    """Read from `sock` until `n` CRLFs have arrived, the peer closes or `timeout` passes."""
+    buf, deadline = bytearray(), time.monotonic() + timeout
+    while buf.count(b"\r\n") < n and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(max(0.05, left))
+        try:
+            chunk = sock.recv(1 << 20)
+        except socket.timeout:
+            break
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+def read_reply(sock: socket.socket, timeout: float = 10.0):
+    """Read one whole RESP reply from `sock` (hiredis parses it); fails if it does not come in `timeout` s."""
+    import hiredis
+
+    reader, deadline = hiredis.Reader(), time.monotonic() + timeout
+    while (reply := reader.gets()) is False:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no whole reply within {timeout} s"
+        sock.settimeout(left)
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the server closed the connection before a whole reply"
+        reader.feed(chunk)
+    return reply
+
+
+def assert_alive(q: Quilld) -> None:
+    """The node is still running and answers a PING on a new connection."""
+    assert q.proc.poll() is None, f"quilld exited:\n{q.log()}"
+    assert raw_exchange(q.port, b"PING\r\n") == b"+PONG\r\n"
+
+
+def wait_held(r, nbytes: int, timeout: float = 30.0) -> int:
+    """Wait until at least `nbytes` of the arena are held (pinned by a reply being sent, or reserved
+    for a payload arriving): what a test sets up before it acts on the held block. Fails past `timeout`."""
+    held = wait_until(lambda: r.info("tiers")["dram_held_bytes"] >= nbytes, timeout=timeout)
+    assert held, f"dram_held_bytes never reached {nbytes}: {r.info('tiers')}"
+    return r.info("tiers")["dram_held_bytes"]

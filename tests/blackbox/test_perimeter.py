@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, require_tool, start_quilld, stop_process
+from conftest import ROOT, exchange, free_port, read_reply, start_quilld, start_redis, stop_process
 
 from quilld.config import PROTECTED_MODE_REFUSAL
 
@@ -70,23 +70,9 @@ def connect_from(source: str, host: str, port: int) -> socket.socket:
     return s
 
 
-def exchange(source: str, host: str, port: int, payload: bytes = b"PING\r\n") -> tuple[bytes, bool]:
+def ping_from(source: str, host: str, port: int, payload: bytes = b"PING\r\n") -> tuple[bytes, bool]:
     """Send `payload` from `source`; (everything answered, whether the server closed the connection)."""
-    with connect_from(source, host, port) as s:
-        s.sendall(payload)
-        chunks, deadline = [], time.monotonic() + 5
-        s.settimeout(0.5)
-        while time.monotonic() < deadline:
-            try:
-                data = s.recv(65536)
-            except socket.timeout:
-                return b"".join(chunks), False
-            except ConnectionResetError:
-                return b"".join(chunks), True
-            if not data:
-                return b"".join(chunks), True
-            chunks.append(data)
-        return b"".join(chunks), False
+    return exchange(port, payload, quiet=0.5, source=source, host=host)
 
 
 def http_from(source: str, host: str, port: int, method: str, path: str, body: bytes | None = None,
@@ -138,10 +124,10 @@ def bound(tmp_path):
 def test_protected_mode_admits_only_loopback_on_every_listener(bound, addr, tmp_path):
     node = bound(addr)  # bound to this machine's non-loopback address, no password
     # RESP: refused before a byte is read, with the refusal line, then closed (as redis does) ...
-    answer, closed = exchange(addr, addr, node.port)
+    answer, closed = ping_from(addr, addr, node.port)
     assert answer == DENIED and closed
     # ... while a loopback client of the same listener is served
-    answer, closed = exchange("127.0.0.1", addr, node.port)
+    answer, closed = ping_from("127.0.0.1", addr, node.port)
     assert answer == b"+PONG\r\n" and not closed
     # the admin API and the gateway follow the same rule
     status, body = http_from(addr, addr, node.admin, "GET", "/healthz")
@@ -157,8 +143,7 @@ def test_protected_mode_admits_only_loopback_on_every_listener(bound, addr, tmp_
     # counted as redis counts it: a rejected connection, not a received one
     with connect_from("127.0.0.1", addr, node.port) as s:
         s.sendall(b"INFO stats\r\n")
-        time.sleep(0.3)
-        stats = s.recv(65536).decode()
+        stats = read_reply(s).decode()
     assert "rejected_connections:1\r\n" in stats and "total_connections_received:2\r\n" in stats, stats
     assert "protected mode: loopback clients only" in node.log()
     assert "Traceback" not in node.log()
@@ -166,24 +151,13 @@ def test_protected_mode_admits_only_loopback_on_every_listener(bound, addr, tmp_
 
 def test_redis_server_refuses_the_same_client_the_same_way(addr, tmp_path):
     """What quilld's RESP refusal copies: redis-server 7 in protected mode, bound to the same address."""
-    port = free_port()
-    proc = subprocess.Popen([require_tool("redis-server"), "--port", str(port), "--bind", addr, "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port, proc = start_redis(tmp_path, bind=(addr, "127.0.0.1"))
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        answer, closed = exchange(addr, addr, port)
+        answer, closed = ping_from(addr, addr, port)
         assert answer.startswith(b"-DENIED Redis is running in protected mode because protected mode is enabled "
                                  b"and no password is set for the default user. In this mode connections are only "
                                  b"accepted from the loopback interface.") and answer.endswith(b"\r\n") and closed
-        assert exchange("127.0.0.1", addr, port)[0] == b"+PONG\r\n"
+        assert ping_from("127.0.0.1", addr, port)[0] == b"+PONG\r\n"
     finally:
         stop_process(proc)
     # quilld's line has the same shape: the error prefix, the same first two sentences, one line
@@ -194,13 +168,13 @@ def test_redis_server_refuses_the_same_client_the_same_way(addr, tmp_path):
 
 def test_protected_mode_off_or_a_password_admits_other_hosts(bound, addr):
     node = bound(addr, "--protected-mode", "no")  # the operator says so, explicitly
-    assert exchange(addr, addr, node.port) == (b"+PONG\r\n", False)
+    assert ping_from(addr, addr, node.port) == (b"+PONG\r\n", False)
     assert http_from(addr, addr, node.admin, "GET", "/healthz")[0] == 200
     assert http_from(addr, addr, node.gateway, "GET", "/v1/models")[0] == 200
     node = bound(addr, "--requirepass", "pw", env={"QUILLD_ADMIN_TOKEN": "tok"})
-    answer, closed = exchange(addr, addr, node.port)
+    answer, closed = ping_from(addr, addr, node.port)
     assert answer.startswith(b"-NOAUTH") and not closed  # admitted: AUTH guards it
-    assert exchange(addr, addr, node.port, b"AUTH pw\r\nPING\r\n")[0] == b"+OK\r\n+PONG\r\n"
+    assert ping_from(addr, addr, node.port, b"AUTH pw\r\nPING\r\n")[0] == b"+OK\r\n+PONG\r\n"
     assert http_from(addr, addr, node.admin, "GET", "/healthz")[0] == 401
     assert http_from(addr, addr, node.admin, "GET", "/healthz", headers={"Authorization": "Bearer tok"})[0] == 200
     assert http_from(addr, addr, node.gateway, "GET", "/v1/models")[0] == 401  # API keys are the passwords

@@ -18,31 +18,10 @@ import urllib.request
 import pytest
 import redis
 
-from conftest import start_quilld, stop_process, wait_until
+from conftest import cmd, read_lines, start_quilld, stop_process, wait_until
 
 MiB = 1 << 20
 TOKEN = "admin-secret-token"
-
-
-def _command(*args) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        a = a if isinstance(a, bytes) else str(a).encode()
-        out.append(b"$%d\r\n%b\r\n" % (len(a), a))
-    return b"".join(out)
-
-
-def _drain(sock: socket.socket, replies: int, timeout: float = 60.0) -> bytes:
-    """Read until `replies` CRLF-terminated simple replies (+OK / -ERR) have arrived."""
-    buf = bytearray()
-    deadline = time.monotonic() + timeout
-    while buf.count(b"\r\n") < replies and time.monotonic() < deadline:
-        sock.settimeout(max(0.1, deadline - time.monotonic()))
-        chunk = sock.recv(1 << 20)
-        if not chunk:
-            break
-        buf += chunk
-    return bytes(buf)
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +92,17 @@ def test_a_miss_costs_the_same_however_many_scopes_exist(users):
         before = _median_miss_us(bob)
         n = 20_000
         with socket.create_connection(("127.0.0.1", q.port), timeout=60) as s:
-            s.sendall(_command("AUTH", "mallory", "mpw"))
-            assert _drain(s, 1) == b"+OK\r\n"
-            batch = b"".join(_command("SCOPE", f"m{i}", "t") + _command("SET", f"key-{i}", "v") for i in range(n))
+            s.sendall(cmd("AUTH", "mallory", "mpw"))
+            assert read_lines(s, 1) == b"+OK\r\n"
+            batch = b"".join(cmd("SCOPE", f"m{i}", "t") + cmd("SET", f"key-{i}", "v") for i in range(n))
             s.sendall(batch)
-            replies = _drain(s, 2 * n)
+            replies = read_lines(s, 2 * n, timeout=60)
             assert replies.count(b"+OK\r\n") == 2 * n, replies[:200]
         after = _median_miss_us(bob)
         # before the fix every miss scanned every scope: 100k scopes took a miss from 39 us to 10 ms
-        assert after < 3 * before + 200, (before, after)
+        # (a scan of 20k scopes is a fifth of that). Medians of 300 misses each, on one connection
+        # one after the other; the bound leaves room for a loaded machine and still catches a scan.
+        assert after < 5 * before + 500, (before, after)
         # and a key another identity holds is still refused, not served
         mallory_key = q.client(username="bob", password="bpw", single_connection_client=True)
         assert mallory_key.get("key-7") is None
@@ -176,18 +157,19 @@ def test_unfilled_reservations_are_capped_per_tenant(users):
         stalled = []
         for _ in range(3):
             s = socket.create_connection(("127.0.0.1", q.port), timeout=30)
-            s.sendall(_command("AUTH", "mallory", "mpw"))
-            assert _drain(s, 1) == b"+OK\r\n"
+            s.sendall(cmd("AUTH", "mallory", "mpw"))
+            assert read_lines(s, 1) == b"+OK\r\n"
             s.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhold\r\n$%d\r\n" % (80 * MiB))
             stalled.append(s)
         # alice's value was not evicted for them, and alice can still write a large value
         assert wait_until(lambda: alice.info("stats").get("unfilled_refused", 0) >= 2, timeout=15)
         assert alice.info("tiers")["dram_unfilled_bytes"] == 80 * MiB
         assert alice.get("kept") == kept  # 80 MiB reserved did not need to evict it
-        # alice's 64 MiB goes through at once: a tenant's first reservation never waits for another's
-        t0 = time.monotonic()
+        # alice's 64 MiB goes through at once: a tenant's first reservation never waits for another's.
+        # Waiting would mean waiting for mallory's payload to time out (4 s): none times out meanwhile.
+        timeouts = alice.info("stats")["payload_timeouts"]
         assert alice.set("more", b"m" * (64 * MiB)) is True
-        assert time.monotonic() - t0 < 3.0
+        assert alice.info("stats")["payload_timeouts"] == timeouts
         assert alice.get("kept") == kept
         # mallory's other headers, waiting meanwhile, take her turn one at a time and are cut off too
         assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] == 0, timeout=30)
@@ -210,20 +192,20 @@ def test_a_stalled_payload_is_cut_off_and_its_space_freed(users):
     try:
         alice = q.client(username="alice", password="apw", single_connection_client=True)
         s = socket.create_connection(("127.0.0.1", q.port), timeout=30)
-        s.sendall(_command("AUTH", "mallory", "mpw"))
-        assert _drain(s, 1) == b"+OK\r\n"
+        s.sendall(cmd("AUTH", "mallory", "mpw"))
+        assert read_lines(s, 1) == b"+OK\r\n"
         s.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhold\r\n$%d\r\n" % (40 * MiB) + b"x" * MiB)  # then nothing
         assert wait_until(lambda: alice.info("tiers")["dram_unfilled_bytes"] > 0, timeout=10)
         # a slow sender that keeps sending is not cut off
         slow = socket.create_connection(("127.0.0.1", q.port), timeout=30)
-        slow.sendall(_command("AUTH", "alice", "apw"))
-        assert _drain(slow, 1) == b"+OK\r\n"
+        slow.sendall(cmd("AUTH", "alice", "apw"))
+        assert read_lines(slow, 1) == b"+OK\r\n"
         slow.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nslow\r\n$%d\r\n" % (20 * 64 * 1024))
         for _ in range(20):
             slow.sendall(b"s" * 64 * 1024)
             time.sleep(0.1)  # 2 s in all, each gap well under the 0.6 s timeout
         slow.sendall(b"\r\n")
-        assert _drain(slow, 1) == b"+OK\r\n"
+        assert read_lines(slow, 1) == b"+OK\r\n"
         slow.close()
         # the stalled one was closed and its 40 MiB given back
         s.settimeout(10)
