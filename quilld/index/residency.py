@@ -301,10 +301,12 @@ class ResidencyIndex:
             return []
         get, out = entries.get, []
         add = out.append
-        for key in entry_keys(blocks):
-            mask = get(key)
+        for block in blocks:  # looked up as given first: an unsigned int is its own key
+            mask = get(block)
             if mask is None:
-                break
+                mask = get(entry_key(block))  # a signed int or 8 raw bytes is kept under another key
+                if mask is None:
+                    break
             add(mask)
         return out
 
