@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, stop_process, wait_port
+from conftest import ROOT, free_port, stop_process, wait_held, wait_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,16 +56,6 @@ def metrics(port: int, headers: dict | None = None) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return samples
-
-
-def poll(predicate, timeout: float = 5.0, step: float = 0.05):
-    """Wait until `predicate()` is truthy; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(step)
 
 
 def test_healthz(quilld):
@@ -108,7 +98,7 @@ def test_stats(quilld):
     assert after["tiers"]["dram"]["dram_used"] >= n * 100_000
 
     r.close()
-    assert poll(lambda: get_json(quilld.admin_port, "/v1/stats")["clients"]["connected"] == 0)
+    assert wait_until(lambda: get_json(quilld.admin_port, "/v1/stats")["clients"]["connected"] == 0)
 
 
 def test_metrics_prometheus(quilld):
@@ -239,7 +229,7 @@ def test_sigterm_with_reply_in_flight(quilld):
     try:
         reader.sendall(b"*2\r\n$3\r\nGET\r\n$3\r\nbig\r\n")
         writer.sendall(b"*3\r\n$3\r\nSET\r\n$4\r\nhalf\r\n$%d\r\n" % (32 * MiB) + b"h" * MiB)
-        time.sleep(0.3)  # the reply is queued, the SET's arena space reserved
+        wait_held(quilld.client(), 64 * MiB)  # the reply is queued (its block pinned), the SET's space reserved
         quilld.proc.send_signal(signal.SIGTERM)
         try:
             code = quilld.proc.wait(timeout=10)
@@ -376,7 +366,7 @@ def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_pa
     r = q.client()
     for i in range(80):  # 80 MiB into 64 MiB: demotion batches
         r.set(f"blk:{i}", b"%02d" % i * (MiB // 2))
-    assert poll(lambda: get_json(q.admin_port, "/v1/stats")["tiers"]["ssd"]["ssd_keys"] >= 8, 20)
+    assert wait_until(lambda: get_json(q.admin_port, "/v1/stats")["tiers"]["ssd"]["ssd_keys"] >= 8, 20)
     assert r.get("blk:0")[:2] == b"00"  # SSD-only by now: an SSD read
     for _ in range(64):
         r.get("blk:79")
@@ -468,7 +458,7 @@ def test_the_ttft_histogram_and_peer_fetch_histogram_move(quilld_factory, tmp_pa
         block = os.urandom(2 * MiB)
         a.client().set("blk", block)
         rb = b.client()
-        assert poll(lambda: rb.execute_command("GETBLK", "blk") == block, 15), "b never fetched a's block"
+        assert wait_until(lambda: rb.execute_command("GETBLK", "blk") == block, 15), "b never fetched a's block"
         fams = families(b.admin_port)
         assert sample(fams, "quilld_cluster_enabled") == 1 and sample(fams, "quilld_cluster_members_alive") == 2
         fetches = sample(fams, "quilld_cluster_peer_fetches", "_total")

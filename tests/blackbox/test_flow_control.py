@@ -10,6 +10,8 @@ import time
 
 from quillwire.encode import encode_command
 
+from conftest import wait_held
+
 MiB = 1 << 20
 
 
@@ -30,10 +32,10 @@ def test_slow_reader_keeps_its_block_and_a_put_waits_for_the_space(quilld_factor
     old = os.urandom(40 * MiB)
     assert r.set("big", old)
 
-    slow = socket.create_connection(("127.0.0.1", q.port))
+    slow = socket.create_connection(("127.0.0.1", q.port), timeout=30)
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     slow.sendall(encode_command("GET", "big"))
-    time.sleep(0.5)  # the reply is now mostly sitting in quilld's write buffer, pinned
+    wait_held(r, 40 * MiB)  # the reply is now mostly sitting in quilld's write buffer, pinned
     assert r.delete("big") == 1
     tiers = r.info("tiers")
     assert tiers["dram_pinned_unlinked"] == 1
@@ -67,10 +69,10 @@ def test_a_put_that_cannot_fit_after_waiting_gets_oom(quilld_factory):
     q = quilld_factory("--dram", "64MiB")
     r = q.client(protocol=2)
     assert r.set("a", os.urandom(40 * MiB))
-    slow = socket.create_connection(("127.0.0.1", q.port))
+    slow = socket.create_connection(("127.0.0.1", q.port), timeout=30)
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     slow.sendall(encode_command("GET", "a"))
-    time.sleep(0.5)
+    wait_held(r, 40 * MiB)  # "a" is pinned by its reply: the put below cannot evict it
     started = time.monotonic()
     try:
         r.set("b", os.urandom(40 * MiB))
@@ -88,10 +90,10 @@ def test_a_put_that_cannot_fit_after_waiting_gets_oom(quilld_factory):
 def test_other_clients_are_served_while_one_does_not_read(quilld):
     r = quilld.client(protocol=2)
     assert r.set("big", os.urandom(32 * MiB))
-    stalled = socket.create_connection(("127.0.0.1", quilld.port))
+    stalled = socket.create_connection(("127.0.0.1", quilld.port), timeout=30)
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     stalled.sendall(encode_command("GET", "big") * 4)
-    time.sleep(0.3)
+    wait_held(r, 32 * MiB)  # its first reply is stuck in quilld's write buffer
     started = time.monotonic()
     for i in range(200):
         assert r.set(f"k{i}", "v")

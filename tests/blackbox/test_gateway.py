@@ -193,7 +193,7 @@ def test_sync_client_sees_models_decision_headers_and_the_engine_that_served(gat
 
 
 def test_headers_arrive_before_the_first_body_byte(gateway):
-    gw = gateway([("slow", "m", ["--delay-ms", "1500"])])
+    gw = gateway([("slow", "m", ["--delay-ms", "3000"])])
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=HTTP_TIMEOUT)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "messages": chat("hi"), "stream": True}),
@@ -205,7 +205,8 @@ def test_headers_arrive_before_the_first_body_byte(gateway):
     first = resp.read1(65536)
     t_body = time.perf_counter() - t0
     assert first.startswith(b"data: ") and b"served by slow" in first
-    assert t_headers < 1.0 and t_body >= 1.4, (t_headers, t_body)
+    # the engine waits 3 s before its first byte: held headers would come with it, not 1.5 s sooner
+    assert t_body >= 3.0 and t_headers < t_body - 1.5, (t_headers, t_body)
     assert (first + resp.read()).endswith(b"data: [DONE]\n\n")
     conn.close()
 
@@ -440,7 +441,8 @@ def test_an_engine_killed_before_its_first_byte_is_replaced_by_the_next_best(gat
     assert not t.is_alive()
     # k1 had answered its headers (sent on with the decision naming it); the body came from k2.
     assert out["engine"] == "k1"
-    assert out["text"].startswith("served by k2") and time.monotonic() - t0 < 3
+    # at once, not after the 30 s first-byte timeout
+    assert out["text"].startswith("served by k2") and time.monotonic() - t0 < 15
     s = gw.stats()
     assert s["gateway_retries"] == 1 and s["gateway_completed"] == 1 and s["gateway_stream_errors"] == 0
     assert gw.in_flight() == {"k1": 0, "k2": 0}
@@ -467,14 +469,14 @@ def test_engines_silent_before_or_after_their_first_byte_time_out(gateway):
     t0 = time.monotonic()
     raw = client.chat.completions.with_raw_response.create(model="m", messages=chat("hi"))
     assert text_of(raw.parse()).startswith("served by b-ok")  # a-mute's headers went out, then b-ok answered
-    assert 0.8 <= time.monotonic() - t0 < 3
+    assert 0.8 <= time.monotonic() - t0 < 15  # a-mute given up after 800 ms, not after its 30 s
     assert wait_until(lambda: gw.engines["a-mute"].stats()["cancelled"] == 1)
     chunks = iter(client.chat.completions.create(model="s", messages=chat("hi"), stream=True))
     assert next(chunks).choices[0].delta.content == "served by stall"
     t0 = time.monotonic()
     with pytest.raises(openai.APIError, match="no byte for 800 ms"):
         next(chunks)
-    assert 0.8 <= time.monotonic() - t0 < 3
+    assert 0.8 <= time.monotonic() - t0 < 15  # not the stall's 30 s
     s = gw.stats()
     assert s["gateway_retries"] == 1 and s["gateway_stream_errors"] == 1 and s["gateway_in_flight"] == 0
     assert wait_until(lambda: gw.engines["stall"].stats()["cancelled"] == 1)
@@ -482,7 +484,8 @@ def test_engines_silent_before_or_after_their_first_byte_time_out(gateway):
 
 
 def test_a_client_disconnect_releases_the_engine_and_closes_the_upstream_request(gateway):
-    gw = gateway([("e1", "m", ["--delay-ms", "10000"])])
+    # a TTFT budget of 60 s: however slow the machine, the client leaves before it runs out
+    gw = gateway([("e1", "m", ["--delay-ms", "10000"])], env={"QUILLD_GATEWAY_TTFT_SLO_MS": "60000"})
     body = json.dumps({"model": "m", "messages": chat("hi"), "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -507,18 +510,20 @@ def test_a_client_disconnect_releases_the_engine_and_closes_the_upstream_request
     assert gw.engines["e1"].stats()["open"] == 0
     s = gw.stats()
     assert s["gateway_client_disconnects"] == 1 and s["gateway_in_flight"] == 0
-    assert s["gateway_slo_counted"] == 0  # it left before its 800 ms budget ran out: not counted
+    assert s["gateway_slo_counted"] == 0  # it left before its budget ran out: not counted
 
 
 def test_goodput_is_the_share_of_first_bytes_within_the_slo(gateway):
-    gw = gateway([("fast", "fast", []), ("slow", "slow", ["--delay-ms", "700"])],
-                 env={"QUILLD_GATEWAY_TTFT_SLO_MS": "300"})
+    # "slow" waits 1.3 s before its first byte, so it can never make the 1 s SLO; "fast" answers at
+    # once and makes it with room for a loaded machine; the budgeted one has 10 s
+    gw = gateway([("fast", "fast", []), ("slow", "slow", ["--delay-ms", "1300"])],
+                 env={"QUILLD_GATEWAY_TTFT_SLO_MS": "1000"})
     client = gw.client()
     plan = ["fast", "slow", "fast", "slow", "fast"] + ["slow-with-budget"]
     measured_within = 0
     for model in plan:
-        budget = 3000 if model == "slow-with-budget" else 300
-        headers = {"x-quillcache-ttft-slo-ms": str(budget)} if budget != 300 else None
+        budget = 10_000 if model == "slow-with-budget" else 1000
+        headers = {"x-quillcache-ttft-slo-ms": str(budget)} if budget != 1000 else None
         t0 = time.perf_counter()
         stream = client.chat.completions.create(model=model.split("-")[0], messages=chat("hi"), stream=True,
                                                 extra_headers=headers)
@@ -530,18 +535,17 @@ def test_goodput_is_the_share_of_first_bytes_within_the_slo(gateway):
     with pytest.raises(openai.BadRequestError):  # refused requests are not counted
         client.chat.completions.create(model="fast", messages=[])
     s = gw.stats()
-    assert measured_within == 4
-    assert s["gateway_slo_counted"] == len(plan) and s["gateway_within_slo"] == measured_within
-    assert s["gateway_goodput"] == pytest.approx(measured_within / len(plan))
-    assert s["gateway_ttft_slo_ms"] == 300
-    assert 0 < s["gateway_ttft_p50_ms"] < 300 < 700 <= s["gateway_ttft_p99_ms"]
+    assert s["gateway_slo_counted"] == len(plan) and s["gateway_within_slo"] == 4, (s, measured_within)
+    assert s["gateway_goodput"] == pytest.approx(4 / len(plan))
+    assert s["gateway_ttft_slo_ms"] == 1000
+    assert 0 < s["gateway_ttft_p50_ms"] < 1000 < 1300 <= s["gateway_ttft_p99_ms"]
     # the same figures in INFO, /v1/stats and /metrics
     info = redis.Redis(port=gw.resp_port).info("gateway")
-    assert info["gateway_goodput"] == pytest.approx(measured_within / len(plan))
-    assert http_json(gw.admin_port, "GET", "/v1/stats")[1]["gateway"]["gateway_within_slo"] == measured_within
+    assert info["gateway_goodput"] == pytest.approx(4 / len(plan))
+    assert http_json(gw.admin_port, "GET", "/v1/stats")[1]["gateway"]["gateway_within_slo"] == 4
     with urllib.request.urlopen(f"http://127.0.0.1:{gw.admin_port}/metrics", timeout=HTTP_TIMEOUT) as resp:
         metrics = resp.read().decode()
-    assert f"quilld_gateway_within_slo_total {measured_within}" in metrics  # a counter (prometheus-client)
+    assert "quilld_gateway_within_slo_total 4" in metrics  # a counter (prometheus-client)
 
 
 def test_errors_are_openai_shaped_400_404_503(gateway):

@@ -18,7 +18,7 @@ import tomllib
 import pytest
 import redis
 
-from conftest import free_port, require_tool, start_quilld, stop_process, wait_port, wait_until
+from conftest import read_lines, read_reply, require_tool, start_quilld, start_redis, stop_process, wait_until
 from quillwire.encode import encode_command
 from test_compat import run_script, split_replies
 
@@ -215,8 +215,7 @@ def test_client_replies_match_redis_byte_for_byte(quilld, redis_server, resp3):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             if resp3:
                 s.sendall(encode_command("HELLO", "3"))
-                time.sleep(0.2)
-                s.recv(65536)
+                read_reply(s)
             s.sendall(payload)
             buf, deadline = b"", time.monotonic() + 10
             while time.monotonic() < deadline:
@@ -319,34 +318,30 @@ def test_client_pause_holds_writes_or_everything_until_it_ends(quilld):
     admin = client(quilld.port, single_connection_client=True)
     worker = client(quilld.port, single_connection_client=True)
     worker.set("k", "v")
+    # Each `start` is taken before its PAUSE is sent, so the pause ends at least its length after
+    # `start` however slow the machine: a held command cannot be answered sooner than that.
+    start = time.monotonic()
     assert admin.execute_command("CLIENT", "PAUSE", 600, "WRITE") in (True, b"OK")
-    start = time.monotonic()
-    assert worker.get("k") == b"v" and time.monotonic() - start < 0.4  # reads go on
     worker.set("k", "w")  # held until the pause ends
-    assert time.monotonic() - start >= 0.5
+    assert time.monotonic() - start >= 0.6
     # ALL: every command waits, new connections' too (CLIENT UNPAUSE as well, as in redis)
+    start = time.monotonic()
     assert admin.execute_command("CLIENT", "PAUSE", 700) in (True, b"OK")
-    start = time.monotonic()
-    late = socket.create_connection(("127.0.0.1", quilld.port))
-    late.sendall(b"GET k\r\n")
-    late.settimeout(0.3)
-    with pytest.raises(socket.timeout):
-        late.recv(100)
-    late.settimeout(5)
-    assert late.recv(100) == b"$1\r\nw\r\n" and 0.5 <= time.monotonic() - start < 5
-    late.close()
-    # a long WRITE pause ends at CLIENT UNPAUSE (not a write: it runs)
+    with socket.create_connection(("127.0.0.1", quilld.port), timeout=10) as late:
+        late.sendall(b"GET k\r\n")
+        assert late.recv(100) == b"$1\r\nw\r\n" and time.monotonic() - start >= 0.7
+    # a long WRITE pause ends at CLIENT UNPAUSE (not a write: it runs); reads go on meanwhile
     assert admin.execute_command("CLIENT", "PAUSE", 60_000, "WRITE") in (True, b"OK")
-    start = time.monotonic()
-    writer = socket.create_connection(("127.0.0.1", quilld.port))
-    writer.sendall(b"SET k x\r\n")
-    writer.settimeout(0.3)
-    with pytest.raises(socket.timeout):
-        writer.recv(100)
-    assert client(quilld.port).execute_command("CLIENT", "UNPAUSE") in (True, b"OK")
-    writer.settimeout(5)
-    assert writer.recv(100) == b"+OK\r\n" and time.monotonic() - start < 5
-    writer.close()
+    with socket.create_connection(("127.0.0.1", quilld.port), timeout=10) as writer:
+        writer.sendall(b"SET k x\r\n")
+        assert worker.get("k") == b"w"  # answered (redis-py's 30 s timeout), the pause has 60 s to run
+        writer.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            writer.recv(100)  # held: nothing ends a 60 s pause this soon but the UNPAUSE below
+        assert client(quilld.port).execute_command("CLIENT", "UNPAUSE") in (True, b"OK")
+        writer.settimeout(10)
+        assert writer.recv(100) == b"+OK\r\n"
+    assert worker.get("k") == b"x"
 
 
 def test_client_reply_and_pause_in_one_pipeline(quilld):
@@ -538,9 +533,13 @@ def test_latency_monitor_records_slow_commands(quilld):
     q = client(quilld.port)
     assert b"Latency monitoring is disabled" in q.execute_command("LATENCY", "DOCTOR")
     q.config_set("latency-monitor-threshold", 1)
+    pipe = q.pipeline(transaction=False)
     for i in range(2000):
-        q.set(f"k{i}", "v")
-    q.execute_command("KEYS", "*")  # slow enough when the machine is slow; else nothing to see
+        pipe.set(f"k{i}", "v")  # one timed SET in 64 feeds the histogram
+    for i in range(0, 60_000, 1000):
+        pipe.mset({f"m{j}": "v" for j in range(i, i + 1000)})
+    pipe.execute()
+    q.execute_command("KEYS", "*")  # 62,000 names: well over 1 ms on any machine, so a latency event
     deadline = time.monotonic() + 20
     while not q.execute_command("LATENCY", "LATEST") and time.monotonic() < deadline:
         q.execute_command("KEYS", "*")
@@ -559,14 +558,7 @@ def test_latency_monitor_records_slow_commands(quilld):
 
 
 def _read_lines(sock: socket.socket, n: int, timeout: float = 5.0) -> list[bytes]:
-    buf, deadline = b"", time.monotonic() + timeout
-    while buf.count(b"\r\n") < n and time.monotonic() < deadline:
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
-        try:
-            buf += sock.recv(65536)
-        except socket.timeout:
-            break
-    return buf.split(b"\r\n")[:-1]
+    return read_lines(sock, n, timeout).split(b"\r\n")[:-1]
 
 
 def test_monitor_lines_as_redis_writes_them(quilld):
@@ -663,13 +655,8 @@ def test_monitor_and_slowlog_never_show_another_tenant_s_commands(tenants):
 # -- HELLO before AUTH, RESET -----------------------------------------------------------------
 @pytest.fixture
 def redis_with_password(tmp_path):
-    binary = require_tool("redis-server")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--databases", "1", "--requirepass", "pw", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port, proc = start_redis(tmp_path, "--requirepass", "pw")
     try:
-        wait_port(port, proc)
         yield port
     finally:
         stop_process(proc)

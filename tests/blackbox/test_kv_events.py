@@ -244,17 +244,26 @@ def test_route_stays_fast_during_full_rate_ingest(publisher, quilld_factory, tmp
         done.set()
 
     thread = threading.Thread(target=blast, daemon=True)
+    started = time.perf_counter()
     thread.start()
     waits = []
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         t = time.perf_counter()
         assert plan(r, [1, 2, 3]) == [HIT] * 3
         waits.append(time.perf_counter() - t)
         if done.is_set() and engine_line(q)["events"] >= total + 1:
             break
+    ingest = time.perf_counter() - started
     thread.join(5)
-    assert engine_line(q)["events"] == total + 1, "ingest did not finish in 30 s"
+    assert engine_line(q)["events"] == total + 1, "ingest did not finish in 120 s"
     waits.sort()
     p99 = waits[int(len(waits) * 0.99) - 1]
-    assert len(waits) >= 20 and p99 < 0.050, f"ROUTE p99 {p99 * 1000:.1f} ms, median {statistics.median(waits) * 1000:.2f} ms"
+    # A node that drained its queue of events before answering would keep ROUTE waiting for a good
+    # part of the whole ingest; sliced, it waits for one slice (0.5 ms). The bound scales with this
+    # machine's speed as the ingest shows it: 50 ms, or a twentieth of the ingest on a slower machine.
+    bound = max(0.050, ingest / 20)
+    print(f"\n{total} events ({per_batch} a batch) in {ingest:.2f} s; {len(waits)} ROUTEs meanwhile: p99 "
+          f"{p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median {statistics.median(waits) * 1000:.2f} ms")
+    assert len(waits) >= 20 and p99 < bound, (f"ROUTE p99 {p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median "
+                                              f"{statistics.median(waits) * 1000:.2f} ms, ingest {ingest:.2f} s")

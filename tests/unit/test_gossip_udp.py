@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - uvloop is a declared dependency
 
 
 async def until(cond, timeout: float, what: str) -> float:
+    """Wait for `cond`; `timeout` bounds a loaded machine's wait, it is no claim about speed."""
     start = time.monotonic()
     while not cond():
         if time.monotonic() - start > timeout:
@@ -66,12 +67,12 @@ async def scenario() -> None:
     nodes = [a, b, c]
     try:
         assert a.port and a.port not in (b.port, c.port)
-        await until(lambda: all(alive(g) == {"a", "b", "c"} for g in nodes), 5, "join")
+        await until(lambda: all(alive(g) == {"a", "b", "c"} for g in nodes), 15, "join")
         assert meta(c, "b") == {"resp": "127.0.0.1:7002"} and meta(b, "c") == {"resp": "127.0.0.1:7003"}
         assert a.stats["gossip_push_pull_served"] >= 2
 
         b.update_meta({"resp": "127.0.0.1:7002", "load": 3})
-        await until(lambda: meta(a, "b").get("load") == 3 and meta(c, "b").get("load") == 3, 3, "meta")
+        await until(lambda: meta(a, "b").get("load") == 3 and meta(c, "b").get("load") == 3, 15, "meta")
         assert any(e.kind is EventKind.UPDATED and e.member.node_id == "b" for e in events["c"])
 
         # Garbage and forgeries, on UDP and on the push/pull port.
@@ -90,15 +91,15 @@ async def scenario() -> None:
         assert await r.read() == b""
         w.close()
         await until(lambda: a.stats["gossip_auth_failures"] >= 3 and a.stats["gossip_malformed"] >= 2,
-                    2, "bad packets counted")
+                    15, "bad packets counted")
         assert alive(a) == {"a", "b", "c"}
 
         await c.stop(leave=True)
-        took_left = await until(lambda: state(a, "c") is State.LEFT and state(b, "c") is State.LEFT, 3, "leave")
+        took_left = await until(lambda: state(a, "c") is State.LEFT and state(b, "c") is State.LEFT, 15, "leave")
 
         stopped = time.monotonic()
         await b.stop(leave=False)
-        took_dead = await until(lambda: state(a, "b") is State.DEAD, 10, "detect a stopped member")
+        took_dead = await until(lambda: state(a, "b") is State.DEAD, 20, "detect a stopped member")
         print(f"\nleft seen in {took_left:.2f}s; stopped member DEAD after {time.monotonic() - stopped:.2f}s")
         assert took_dead >= 0.6  # not before the shortest suspicion (3 x 200 ms)
         about_c = [e.kind for es in events.values() for e in es if e.member.node_id == "c"]
@@ -164,7 +165,7 @@ def test_replayed_and_stale_packets_are_dropped_and_counted(caplog):
                 s.sendto(packet, a.addr)
                 s.sendto(old, a.addr)
                 await until(lambda: a.stats["gossip_replays_rejected"] == 1 and a.stats["gossip_stale_rejected"] == 1,
-                            2, "replays counted")
+                            15, "replays counted")
                 s.settimeout(0.3)
                 with pytest.raises(socket.timeout):
                     await asyncio.to_thread(s.recv, 2048)  # neither got an answer

@@ -344,16 +344,16 @@ def test_meta_updates_are_coalesced_to_one_per_probe_interval():
 
 
 def test_fifty_nodes_join_and_crash_quickly():
-    started = time.perf_counter()
+    started = time.process_time()  # this process's CPU: other processes' load does not count
     net = Net(seed=7)
     swims = net.cluster(50, stagger=0.1, seeds=2)
     join_took = net.run_until(net.converged, limit=60)
     victims = [swims[11], swims[29], swims[43]]
     first, last = detect(net, victims, 50)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     print(f"\n50 nodes: converged {join_took:.1f}s after the last join, 3 crashes DEAD everywhere in "
           f"{first:.2f}..{last:.2f}s (bound {detection_bound(50, swims[0]):.1f}s); "
-          f"{net.stats['sent']} packets, wall {elapsed:.2f}s")
+          f"{net.stats['sent']} packets, cpu {elapsed:.2f}s")
     assert elapsed < 20
     assert not [e for _, _, e in net.events if e.kind is EventKind.DEAD and e.member.node_id not in
                 {v.node_id for v in victims}]
