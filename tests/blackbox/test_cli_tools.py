@@ -15,6 +15,19 @@ import pytest
 
 from conftest import require_tool
 
+
+@pytest.fixture
+def quilld(shared_quilld):
+    """One quilld for the module, emptied for each test: these tests need no fresh process."""
+    return shared_quilld
+
+
+@pytest.fixture
+def redis_server(shared_redis_server):
+    """One redis-server for the module, emptied for each test."""
+    return shared_redis_server
+
+
 RUN_TIMEOUT = 30.0
 BENCH_RE = re.compile(r"(?:^|[\r\n])\s*(SET|GET): ([0-9.]+) requests per second")
 

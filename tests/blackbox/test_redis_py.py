@@ -10,6 +10,12 @@ import pytest
 import redis
 
 
+@pytest.fixture
+def quilld(shared_quilld):
+    """One quilld for the module, emptied for each test: these tests need no fresh process."""
+    return shared_quilld
+
+
 @pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])
 def client(request, quilld):
     return quilld.client(protocol=request.param)
