@@ -69,6 +69,7 @@ def parse_block_hash(v: Any) -> BlockHash:
 
 _DECIMAL = re.compile(r"-?[0-9]{1,20}")
 _U64 = (1 << 64) - 1
+_INTS = {int}
 
 
 def hashes_from_args(args: list[bytes]) -> list[BlockHash]:
@@ -134,7 +135,12 @@ class RouteRequest:
                 blocks = None
             else:
                 tokens = None
-                blocks = [parse_block_hash(h) for h in req.get("blocks", [])]
+                raw = req.get("blocks", [])
+                if type(raw) is list and raw and set(map(type, raw)) == _INTS and \
+                        min(raw) >= -(1 << 63) and max(raw) <= _U64:  # JSON's ints, checked in C
+                    blocks = list(raw)
+                else:
+                    blocks = [parse_block_hash(h) for h in raw]
             decode = int(req.get("decode_tokens", 0))
         except (TypeError, ValueError):
             raise CommandError(_NOT_INTEGERS) from None

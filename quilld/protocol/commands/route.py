@@ -11,6 +11,7 @@ a five-item array: engine, url, cost, lease and the plan as runs (step, count, .
 from __future__ import annotations
 
 import json
+from itertools import groupby
 from typing import Any
 
 from quilld.errors import CommandError
@@ -152,63 +153,72 @@ _KEYS = {k: _bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"
                                b"credit", b"in_flight")}
 _HEAD = {False: (b"*12\r\n", b"*10\r\n"), True: (b"%6\r\n", b"%5\r\n")}  # decision, candidate
 _CACHE_MAX = 4096
-# A candidate's bytes, RESP2 and RESP3, by the candidate tuple's id (the tuple is kept, so its
-# id is not reused while cached): the router shares the tuples of engines that reuse nothing
-# between requests, so most of a reply's candidates are found here without being hashed.
-_candidates: dict[int, tuple[Candidate, bytes, bytes]] = {}
-_step_cache: dict[Step, bytes] = {}
 
 
-def _encode_candidate(c: Candidate) -> tuple[Candidate, bytes, bytes]:
-    if len(_candidates) >= _CACHE_MAX:
-        _candidates.clear()
+class _ById:
+    """Encoded bytes of shared, immutable objects (candidates, plan steps), found by `id` with
+    no hashing of the object. Each object is kept while its bytes are, so its id cannot be
+    reused by another object meanwhile; the whole cache is dropped when it fills."""
+
+    def __init__(self, encoder) -> None:
+        self.encoder = encoder  # (object, resp3) -> bytes
+        self.alive: dict[int, object] = {}
+        self.by_protocol: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
+
+    def many(self, objects: list, resp3: bool) -> list[bytes]:
+        table = self.by_protocol[resp3]
+        parts = list(map(table.get, map(id, objects)))
+        if not all(parts):  # an object seen for the first time (no encoding is empty)
+            for i, part in enumerate(parts):
+                if part is None:
+                    parts[i] = self.one(objects[i], resp3)
+        return parts
+
+    def one(self, obj, resp3: bool) -> bytes:
+        table = self.by_protocol[resp3]
+        out = table.get(id(obj))
+        if out is None:
+            if len(self.alive) >= _CACHE_MAX:
+                self.alive.clear()
+                for t in self.by_protocol:
+                    t.clear()
+            self.alive[id(obj)] = obj
+            out = table[id(obj)] = self.encoder(obj, resp3)
+        return out
+
+
+def _encode_candidate(c: Candidate, resp3: bool) -> bytes:
     engine, overlap, credit, cost, in_flight = c
-    parts = [(_HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"],
-              b":%d\r\n" % overlap, _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"],
-              _double(float(cost), resp3), _KEYS[b"in_flight"], b":%d\r\n" % in_flight) for resp3 in (False, True)]
-    entry = _candidates[id(c)] = (c, b"".join(parts[0]), b"".join(parts[1]))
-    return entry
+    return b"".join((_HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"],
+                     b":%d\r\n" % overlap, _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"],
+                     _double(float(cost), resp3), _KEYS[b"in_flight"], b":%d\r\n" % in_flight))
 
 
-def _candidates_bytes(candidates: list[Candidate], resp3: bool) -> list[bytes]:
-    get, which, out = _candidates.get, 2 if resp3 else 1, []
-    for c in candidates:
-        entry = get(id(c))
-        if entry is None or entry[0] is not c:
-            entry = _encode_candidate(c)
-        out.append(entry[which])
-    return out
+# the router shares the candidates of engines that reuse nothing and the hit steps of each
+# engine between requests, so most of a reply is found here
+_candidates = _ById(_encode_candidate)
+_steps = _ById(lambda step, resp3: _bulk(_plan_text(step)))
+_texts: dict[str, bytes] = {}  # engine ids and URLs as bulk strings
 
 
-def _step(s: Step) -> bytes:
-    out = _step_cache.get(s)
+def _text_bulk(s: str) -> bytes:
+    out = _texts.get(s)
     if out is None:
-        if len(_step_cache) >= _CACHE_MAX:
-            _step_cache.clear()
-        out = _step_cache[s] = _bulk(_plan_text(s))
+        if len(_texts) >= _CACHE_MAX:
+            _texts.clear()
+        out = _texts[s] = _bulk(s.encode())
     return out
 
 
 def _runs(plan: list[Step]) -> list[tuple[Step, int]]:
-    """The plan as (step, how many in a row); steps in a row are mostly one shared object."""
-    runs: list[tuple[Step, int]] = []
-    prev, count = None, 0
-    for s in plan:
-        if s is prev or (prev is not None and s == prev):
-            count += 1
-            continue
-        if count:
-            runs.append((prev, count))
-        prev, count = s, 1
-    if count:
-        runs.append((prev, count))
-    return runs
+    """The plan as (step, how many in a row)."""
+    return [(step, len(list(run))) for step, run in groupby(plan)]
 
 
 def _head(d: Decision, resp3: bool) -> list[bytes]:
     nil = _NIL[resp3]
     chosen = d.engine is not None
-    return [_bulk(d.engine.encode()) if chosen else nil, _bulk(d.url.encode()) if chosen else nil,
+    return [_text_bulk(d.engine) if chosen else nil, _text_bulk(d.url) if chosen else nil,
             _double(float(d.cost), resp3) if chosen else nil,
             _bulk(d.lease.encode()) if d.lease is not None else nil]
 
@@ -218,10 +228,10 @@ def encode_decision(d: Decision, resp3: bool) -> bytes:
     engine, url, cost, lease = _head(d, resp3)
     out = [_HEAD[resp3][0], _KEYS[b"engine"], engine, _KEYS[b"url"], url, _KEYS[b"cost"], cost,
            _KEYS[b"lease"], lease, _KEYS[b"plan"], b"*%d\r\n" % len(d.plan)]
-    for s, count in _runs(d.plan):
-        out.append(_step(s) * count)
+    for step, count in _runs(d.plan):  # a step's bulk string is the same in both protocols
+        out.append(_steps.one(step, False) * count)
     out += [_KEYS[b"candidates"], b"*%d\r\n" % len(d.candidates)]
-    out += _candidates_bytes(d.candidates, resp3)
+    out += _candidates.many(d.candidates, resp3)
     return b"".join(out)
 
 
@@ -229,8 +239,8 @@ def encode_compact(d: Decision, resp3: bool) -> bytes:
     """ROUTE ... COMPACT: [engine, url, cost, lease, [step, count, step, count, ...]]."""
     runs = _runs(d.plan)
     out = [b"*5\r\n", *_head(d, resp3), b"*%d\r\n" % (2 * len(runs))]
-    for s, count in runs:
-        out += (_step(s), b":%d\r\n" % count)
+    for step, count in runs:
+        out += (_steps.one(step, False), b":%d\r\n" % count)
     return b"".join(out)
 
 
