@@ -256,3 +256,20 @@ def test_in_place_puts_need_their_crc_and_take_no_data(tmp_path, sock_dir, nodes
     assert r.get("p") is None, "nothing is visible before a good COMMIT"
     with pytest.raises(redis.ResponseError, match="unix socket"):
         redis.Redis(port=q.port).execute_command("PUT2PHASE", "BEGIN", "p2", 10, "SHM")
+
+
+def test_the_unix_socket_listens_as_redis_does(tmp_path, sock_dir, nodes):
+    q, path = _node(tmp_path, sock_dir, nodes, "--unixsocketperm", "770")
+    assert os.stat(path).st_mode & 0o777 == 0o770
+    r = redis.Redis(unix_socket_path=path)
+    assert r.config_get("unixsocket*") == {"unixsocket": path, "unixsocketperm": "770"}
+    assert r.client_list()[0]["addr"] == f"{path}:0"
+    assert r.info("shm")["shm_enabled"] == 1
+    with pytest.raises(redis.exceptions.NoPermissionError, match="security.map_users"):
+        r.execute_command("SHM", "ATTACH")  # nobody may map by default
+    other = tmp_path / "second"
+    other.mkdir()
+    with pytest.raises(RuntimeError, match=r"cannot open .*q.sock: another process is listening on it"):
+        start_quilld(other, "--unixsocket", path, admin=False)
+    q.stop()
+    assert not os.path.exists(path), "removed at stop"
