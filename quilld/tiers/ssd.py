@@ -10,11 +10,14 @@ Files in `directory`:
     tier.key              the tier's secret key (the tag of every block header); without it
                           nothing on the tier is trusted: recovery starts empty
 
-Publish order is object first: `write_batch` writes headers, payloads and identities,
-fdatasyncs each segment it touched, appends the batch's PUT records to the WAL as one
-log record (replayed all or none), fdatasyncs it once, and then marks the headers
-COMMITTED (no sync: a checkpoint syncs them before it drops the records); only then
-may the loop `publish` them.
+Publish order is object first: `write_blocks` writes each block's head (header and
+identity, not yet COMMITTED) and payload, page-aligned, from the I/O threads (O_DIRECT
+where the file system allows it: ssd_files.py); `commit` fdatasyncs each segment the
+batch touched, appends the batch's PUT records to the WAL as one log record (replayed
+all or none), fdatasyncs it once, and then marks the heads COMMITTED (no sync: a
+checkpoint syncs them before it drops the records); only then may the loop `publish`
+them. `write_batch` is the two in a row. The tiering overlaps the `write_blocks` of one
+batch with the `commit` of the batch before (commits stay in order, one at a time).
 
 Deletion order. A version stops being wanted when a DEL record for it is durable
 (`log_deletes`) or a newer PUT of its key is. Its extent is then *freed*: not given to
@@ -47,17 +50,21 @@ queue and the generation counter; its methods never do I/O and never lock:
     needs_checkpoint, stats
 The blocking methods touch only files and the items handed to them; run them in an
 executor thread:
-    recover, write_batch, log_deletes, scrub, fence, read_into, seal, checkpoint, close
-Among themselves, WAL appends and checkpoints are serialized by locks that only
+    recover, write_batch, write_blocks, commit, log_deletes, scrub, fence, read_into, seal,
+    checkpoint, close
+`write_blocks` spreads a batch over the tier's own I/O threads (`io_threads`). Among themselves, WAL appends and checkpoints are serialized by locks that only
 these worker threads take. `recover` runs once, before anything else.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from crc32c import crc32c
 
@@ -66,11 +73,13 @@ from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
 from quilld.tiers.ssd_files import (ZERO_PAGE, RecoveryPath, RecoveryReport, TierFiles, pread_all, pwrite_all,
                                     seg_name)
 from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, CorruptBlock, Found, Retired, Scope, SsdFailure,
-                                     block_meta, block_pages, check_block_header, commit_header, meta_len,
-                                     pack_block_header)
+                                     block_pages, check_block_header, commit_header, head_pages, pack_block_head,
+                                     payload_offset)
 from quilld.tiers.wal import DelRecord, PutRecord, WalWriter, encode_batch, wal_name
 
 DELETE_RECORD_OPS = 4096  # DEL operations per log record (one sync for all of a call's records)
+WRITE_CHUNK = 4 << 20  # bytes of adjacent blocks one pwritev writes, at most (one I/O thread's share)
+IOV_MAX = 1024  # buffers one pwritev takes (Linux's UIO_MAXIOV)
 
 
 class Extent:
@@ -84,15 +93,19 @@ class Extent:
 
 
 class PendingWrite:
-    """A block on its way to disk. `write_batch` fills `length` and `crc` and sets
-    `durable` once the batch is in the WAL; only durable writes can be published."""
+    """A block on its way to disk. `write_blocks` fills `length` and `crc` (unless given:
+    the CRC32C of `payload`, already known) and `commit` sets `durable` once the batch is
+    in the WAL; only durable writes can be published."""
 
-    __slots__ = ("scope", "key", "payload", "extent", "length", "crc", "durable")
+    __slots__ = ("scope", "key", "payload", "extent", "length", "crc", "durable", "head", "header")
 
-    def __init__(self, scope: Scope, key: bytes, payload, extent: Extent) -> None:
+    def __init__(self, scope: Scope, key: bytes, payload, extent: Extent, crc: int | None = None) -> None:
         self.scope, self.key, self.payload, self.extent = scope, key, payload, extent
-        self.length = self.crc = 0
+        self.length = 0
+        self.crc = crc
         self.durable = False
+        self.head = None  # the head's first page as written (between write_blocks and commit)
+        self.header = b""
 
 
 class SsdEntry:
@@ -116,6 +129,43 @@ class SsdEntry:
 Freed = tuple[int, int, int]  # seg, byte offset, allocator handle: an extent waiting for its scrub
 
 
+def _page_aligned(view: memoryview) -> bool:
+    """Whether `view`'s memory starts on a page boundary (only writable memory is looked
+    at: the arena's is; a bytes payload is copied under O_DIRECT)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _spare_pages(it: PendingWrite, direct: bool) -> int:
+    """Aligned scratch pages `_write_run` needs for `it`: its head, and the part of its
+    payload that cannot be written from where it lies."""
+    view = memoryview(it.payload).cast("B")
+    n = len(view)
+    if direct and not _page_aligned(view):
+        return head_pages(it.scope, it.key) + -(-n // PAGE)
+    return head_pages(it.scope, it.key) + (1 if n % PAGE else 0)
+
+
+def _runs(items: list[PendingWrite]) -> list[list[PendingWrite]]:
+    """`items` (sorted by segment and offset) cut into runs of adjacent extents of at most
+    WRITE_CHUNK bytes (a block larger than that is a run of its own)."""
+    runs: list[list[PendingWrite]] = []
+    end = seg = -1
+    size = 0
+    for it in items:
+        ext = it.extent
+        if ext.seg == seg and ext.offset == end and size + ext.pages * PAGE <= WRITE_CHUNK:
+            runs[-1].append(it)
+            size += ext.pages * PAGE
+        else:
+            runs.append([it])
+            size = ext.pages * PAGE
+        seg, end = ext.seg, ext.offset + ext.pages * PAGE
+    return runs
+
+
 class SsdTier:
     """The SSD block store in `directory`: `size // segment_size` segments of
     `segment_size` bytes. `needs_checkpoint` turns true past `checkpoint_wal_bytes` of
@@ -123,7 +173,8 @@ class SsdTier:
     the disk until `recover`."""
 
     def __init__(self, directory: str, size: int, segment_size: int, *,
-                 checkpoint_wal_bytes: int = 64 << 20, fsync: bool = True) -> None:
+                 checkpoint_wal_bytes: int = 64 << 20, fsync: bool = True, direct_io: bool = True,
+                 io_threads: int = 4) -> None:
         if segment_size < PAGE or segment_size % PAGE:
             raise ConfigError(f"ssd segment_size must be a positive multiple of {PAGE}")
         if size < segment_size:
@@ -134,6 +185,9 @@ class SsdTier:
         self.capacity = self.segments * segment_size  # a remainder below one segment is unused
         self.checkpoint_wal_bytes = checkpoint_wal_bytes
         self.fsync = fsync
+        self.direct_io = direct_io  # O_DIRECT block writes where the file system allows it
+        self.io_threads = max(1, io_threads)
+        self._io: ThreadPoolExecutor | None = None  # the I/O threads, started at the first batch
         self.entries: dict[tuple[Scope, bytes], SsdEntry] = {}  # loop thread
         self.failed: str | None = None  # the first fatal error; set by any thread, never cleared
         self.fenced = False  # fence() ran: a restart starts empty
@@ -150,6 +204,7 @@ class SsdTier:
         self._stat_lock = threading.Lock()  # workers only
         self._fsyncs = 0
         self._fsync_last = self._fsync_total = self._fsync_max = 0.0
+        self._write_total = 0.0  # seconds in write_blocks
         self._dirty = 0
 
     # -- loop thread -----------------------------------------------------------
@@ -256,6 +311,10 @@ class SsdTier:
             "fsync_last_ms": round(self._fsync_last * 1e3, 3),
             "fsync_avg_ms": round(self._fsync_total * 1e3 / n, 3) if n else 0.0,
             "fsync_max_ms": round(self._fsync_max * 1e3, 3),
+            "fsync_total_ms": round(self._fsync_total * 1e3, 3),
+            "write_total_ms": round(self._write_total * 1e3, 3),
+            "io_mode": self.files.io_mode,
+            "io_threads": self.io_threads,
             "dirty_bytes": self._dirty,
             "failed": self.failed is not None,
             "fenced": self.fenced,
@@ -265,49 +324,109 @@ class SsdTier:
     # -- worker threads: writes ------------------------------------------------
 
     def write_batch(self, items: list[PendingWrite]) -> None:
-        """Make a batch durable (blocks, then the WAL, then COMMITTED marks); raises
-        SsdFailure on an I/O error, after which the tier is failed and none of the batch
-        may be published."""
+        """Make a batch durable: `write_blocks`, then `commit`. Raises SsdFailure on an I/O
+        error, after which the tier is failed and none of the batch may be published."""
+        self.write_blocks(items)
+        self.commit(items)
+
+    def write_blocks(self, items: list[PendingWrite]) -> None:
+        """Write a batch's blocks (heads uncommitted, payloads), not synced: from the I/O
+        threads, one pwritev per run of adjacent extents (at most WRITE_CHUNK bytes), with
+        O_DIRECT where the file system allows it. A payload in page-aligned memory (an arena
+        block) goes to the disk from where it lies, but for its last partial page, copied
+        into a zeroed page (so no stale bytes of the arena reach the disk); any other payload
+        is copied into aligned memory under O_DIRECT. The CRC32C of a payload is computed
+        on the I/O thread that writes it, unless the item came with it. Then `commit`."""
+        self._check_writable()
+        for it in items:
+            n = memoryview(it.payload).nbytes
+            if block_pages(it.scope, it.key, n) > it.extent.pages:
+                raise ValueError(f"{n} bytes do not fit an extent of {it.extent.pages} pages")
+        runs = _runs(sorted(items, key=lambda it: (it.extent.seg, it.extent.offset)))
+        t0 = time.perf_counter()
+        try:
+            if len(runs) == 1 or self.io_threads == 1:
+                for run in runs:
+                    self._write_run(run)
+            else:
+                pool = self._io_pool()
+                for f in [pool.submit(self._write_run, run) for run in runs]:
+                    f.result()
+        except OSError as e:
+            raise self._fail(f"write_blocks: {e}") from e
+        with self._stat_lock:
+            self._write_total += time.perf_counter() - t0
+
+    def _write_run(self, run: list[PendingWrite]) -> None:
+        """One pwritev of adjacent blocks (I/O thread)."""
+        direct = self.files.direct
+        key = self.files.key
+        spare = sum(_spare_pages(it, direct) for it in run)
+        scratch = memoryview(mmap.mmap(-1, spare * PAGE))  # page-aligned and zeroed
+        bufs: list = []
+        pos = nbytes = 0
+        for it in run:
+            view = memoryview(it.payload).cast("B")
+            it.length = n = len(view)
+            if it.crc is None:
+                it.crc = crc32c(view)
+            head = payload_offset(it.scope, it.key)
+            it.head = scratch[pos:pos + PAGE]
+            header = pack_block_head(it.key, it.scope, it.extent.generation, n, it.crc, committed=False,
+                                     tier_key=key, into=scratch[pos:pos + head])
+            it.header = header
+            bufs.append(scratch[pos:pos + head])
+            pos += head
+            full = n - n % PAGE if not direct or _page_aligned(view) else 0
+            if full:
+                bufs.append(view[:full])
+            if full < n:
+                rest = -(-(n - full) // PAGE) * PAGE
+                scratch[pos:pos + n - full] = view[full:]
+                bufs.append(scratch[pos:pos + rest])
+                pos += rest
+            nbytes += head + -(-n // PAGE) * PAGE
+        fd, offset = self.files.dfds[run[0].extent.seg], run[0].extent.offset
+        self._count_dirty(nbytes)
+        for i in range(0, len(bufs), IOV_MAX):  # a very long run of small blocks: several calls
+            chunk = bufs[i:i + IOV_MAX]
+            pwrite_all(fd, chunk, offset)
+            offset += sum(b.nbytes for b in chunk)
+
+    def commit(self, items: list[PendingWrite]) -> None:
+        """Make written blocks durable and findable: fdatasync each segment they touched, append
+        their PUT records to the WAL as one log record and fdatasync it, then mark their heads
+        COMMITTED (whole pages through the page cache, no sync: a checkpoint syncs them before
+        it drops the records). Marks the items `durable`."""
         self._check_writable()
         if not items:
             return
-        views = []
-        for it in items:
-            view = memoryview(it.payload).cast("B")
-            if HEADER_SIZE + len(view) + meta_len(it.scope, it.key) > it.extent.pages * PAGE:
-                raise ValueError(f"{len(view)} bytes do not fit an extent of {it.extent.pages} pages")
-            views.append(view)
-        touched: dict[int, int] = {}
-        headers = []
-        nbytes = 0
+        nbytes = sum(it.extent.pages * PAGE for it in items)
         try:
-            for it, view in zip(items, views):
-                ext = it.extent
-                it.length, it.crc = len(view), crc32c(view)
-                header = pack_block_header(it.key, it.scope, ext.generation, it.length, it.crc,
-                                           committed=False, tier_key=self.files.key)
-                fd = self.files.fds[ext.seg]
-                pwrite_all(fd, [header, view, block_meta(it.scope, it.key)], ext.offset)
-                headers.append(header)
-                touched[ext.seg] = fd
-                nbytes += HEADER_SIZE + it.length
-                self._count_dirty(HEADER_SIZE + it.length)
-            for fd in touched.values():
-                self._sync(fd)
+            for seg in sorted({it.extent.seg for it in items}):
+                self._sync(self.files.dfds[seg])
             record = encode_batch(PutRecord(it.extent.generation, tuple(it.scope), it.key,
                                             it.extent.seg, it.extent.offset, it.length, it.crc)
                                   for it in items)
             with self._wal_lock:
                 self._check_writable()
                 self._append([record])
-            for it, header in zip(items, headers):  # durable now: a scan may take them
-                pwrite_all(self.files.fds[it.extent.seg], [commit_header(header)], it.extent.offset)
+            for it in items:  # durable now: a scan may take them
+                page = bytearray(it.head)
+                page[:HEADER_SIZE] = commit_header(it.header)
+                pwrite_all(self.files.fds[it.extent.seg], [page], it.extent.offset)
+                it.head = None
         except OSError as e:
-            raise self._fail(f"write_batch: {e}") from e
+            raise self._fail(f"commit: {e}") from e
         finally:
             self._count_dirty(-nbytes)
         for it in items:
             it.durable = True
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="ssd-io")
+        return self._io
 
     def log_deletes(self, entries: Iterable[SsdEntry]) -> None:
         """Durably record that these block versions are deleted (one WAL sync for all of
@@ -386,13 +505,14 @@ class SsdTier:
         view = memoryview(buf).cast("B")
         if len(view) < entry.length:
             raise ValueError(f"buffer of {len(view)} bytes for a {entry.length}-byte block")
-        header = bytearray(HEADER_SIZE)
+        head = bytearray(payload_offset(entry.scope, entry.key))
         target = view[:entry.length]
         try:
-            n = pread_all(self.files.fds[entry.seg], [header, target], entry.offset)
+            n = pread_all(self.files.fds[entry.seg], [head, target], entry.offset)
         except OSError as e:
             raise self._fail(f"read of {seg_name(entry.seg)}: {e}") from e
-        if n < HEADER_SIZE + entry.length:
+        header = memoryview(head)[:HEADER_SIZE]
+        if n < len(head) + entry.length:
             raise CorruptBlock(f"short read ({n} bytes) at {seg_name(entry.seg)}@{entry.offset}")
         check_block_header(header, entry.key, entry.scope, entry.generation, entry.length, entry.crc)
         if crc32c(target) != entry.crc:
@@ -418,7 +538,7 @@ class SsdTier:
         report = RecoveryReport(verified_payloads=verify_payloads)
         files = self.files
         try:
-            files.open_segments()
+            files.open_segments(self.direct_io)
             retired: Retired = []
             if files.open_key(report):
                 state, max_gen, base = {}, 0, None
@@ -491,6 +611,9 @@ class SsdTier:
 
     def close(self) -> None:
         """Close the files; call when no other method is running."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         if self._wal is not None:
             self._wal.close()
             self._wal = None

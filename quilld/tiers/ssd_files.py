@@ -14,8 +14,19 @@ that a later record deleted or replaced never comes back by any path; the versio
 the replay retires are listed so their headers can be scrubbed.
 
 No tier key means nothing on the tier is trusted: a fenced tier (ssd.py `fence`)
-or one written by the older format. Its checkpoints and logs are removed and it
-starts empty with a new key, so no scan can ever find its blocks again.
+or one written by an older format. Its checkpoints and logs are removed and it
+starts empty with a new key, so no scan can ever find its blocks again. Each format
+names its key file: format 1 had none, format 2 kept `tier.key`, format 3 keeps
+`tier-v3.key`, so a directory of format 1 or 2 starts empty under format 3 (and says
+so: RecoveryReport.key_error), and one of format 3 starts empty under format 2.
+
+Block writes go through a second descriptor per segment opened with O_DIRECT where the
+file system allows it (`open_segments` probes it with one aligned page in a scratch file;
+tmpfs refuses O_DIRECT at open): the payload moves from DRAM to the device without the
+page cache. Where it does not, both descriptors are plain ones (`io_mode` says which).
+Reads, scrubs and COMMITTED marks use the plain descriptor: a scrub or mark is a whole
+page, so the page cache never reads before it writes, and the kernel writes such a
+cached page back (and drops it) before a later O_DIRECT write to the same range.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import enum
 import errno
 import mmap
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,12 +47,14 @@ from quilld.model import IdentityScope
 from quilld.tiers.ssd_format import (COMMITTED, HEADER_SIZE, KEY_SIZE, PAGE, BadCheckpoint, CheckpointEncoder, Found,
                                      Retired, Scope, SsdFailure, State, apply_record, block_pages, commit_header,
                                      decode_checkpoint_body, decode_checkpoint_header, drop_overlaps, header_matches,
-                                     replay_log, scan_segment)
+                                     payload_offset, replay_log, scan_segment)
 from quilld.tiers.wal import PutRecord, parse_wal_name, wal_name
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LEGACY_CHECKPOINT = "checkpoint"  # format 1 kept one file of this name
-KEY_FILE = "tier.key"
+KEY_FILE = "tier-v3.key"  # the key of a format 3 tier
+OLDER_KEY_FILES = ("tier.key",)  # format 2's: such a tier starts empty (see the module docstring)
+PROBE_FILE = "direct-io.probe"
 KEEP_CHECKPOINTS = 2
 PROGRESS_EVERY = 10_000  # blocks verified between progress callbacks
 ZERO_PAGE = bytes(PAGE)
@@ -108,8 +122,10 @@ class TierFiles:
         self.segments = segments
         self.segment_size = segment_size
         self.fsync = fsync
-        self.fds: list[int] = []
-        self.key = b""  # the tier's secret key (tier.key)
+        self.fds: list[int] = []  # plain descriptors: reads, scrubs, COMMITTED marks, recovery
+        self.dfds: list[int] = []  # block writes: O_DIRECT descriptors, or `fds` where refused
+        self.io_mode = "buffered"  # "direct" (O_DIRECT), or "buffered (why)"
+        self.key = b""  # the tier's secret key (KEY_FILE)
         self.checkpoints: list[int] = []  # checkpoints known good, oldest first
         self._sync = sync
 
@@ -117,9 +133,14 @@ class TierFiles:
         return os.path.join(self.directory, name)
 
     def close(self) -> None:
-        for fd in self.fds:
+        for fd in {*self.fds, *self.dfds}:
             os.close(fd)
         self.fds = []
+        self.dfds = []
+
+    @property
+    def direct(self) -> bool:
+        return self.io_mode == "direct"
 
     def sync_dir(self) -> None:
         if not self.fsync:
@@ -142,12 +163,14 @@ class TierFiles:
 
     # -- segments and the key ------------------------------------------------------
 
-    def open_segments(self) -> None:
+    def open_segments(self, direct: bool = True) -> None:
+        """Open (or create) every segment; with `direct`, also with O_DIRECT for block
+        writes where the file system allows it (`io_mode` says whether it did)."""
         os.makedirs(self.directory, exist_ok=True)
         names = os.listdir(self.directory)
         for name in names:
-            if name.endswith(".tmp") and name.startswith(("seg-", CHECKPOINT_PREFIX, KEY_FILE)):
-                os.unlink(self.path(name))  # a checkpoint, key or segment creation cut short
+            if name == PROBE_FILE or name.endswith(".tmp") and name.startswith(("seg-", CHECKPOINT_PREFIX, KEY_FILE)):
+                os.unlink(self.path(name))  # a checkpoint, key or segment creation or a probe cut short
         extra = sorted(n for n in names if n.startswith("seg-") and n.endswith(".dat")
                        and n[4:-4].isdigit() and int(n[4:-4]) >= self.segments)
         if extra:
@@ -169,6 +192,37 @@ class TierFiles:
             self.fds.append(fd)
         if created:
             self.sync_dir()
+        why = self._probe_direct() if direct else "ssd.direct_io is off"
+        if why is None:
+            flags = os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC
+            for i in range(self.segments):
+                self.dfds.append(os.open(self.path(seg_name(i)), flags))
+            self.io_mode = "direct"
+        else:
+            self.dfds = list(self.fds)
+            self.io_mode = f"buffered ({why})"
+
+    def _probe_direct(self) -> str | None:
+        """None if an aligned O_DIRECT write works in this directory; else why not. Some
+        file systems (tmpfs) refuse O_DIRECT at open, others only at the first write."""
+        if not hasattr(os, "O_DIRECT"):
+            return "no O_DIRECT on this platform"
+        path = self.path(PROBE_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            return f"O_DIRECT refused at open: {e.strerror}"
+        try:
+            with mmap.mmap(-1, PAGE) as page:  # page-aligned memory
+                page[:16] = uuid.uuid4().bytes
+                if os.pwritev(fd, [page], 0) != PAGE:
+                    return "O_DIRECT wrote a short page"
+        except OSError as e:
+            return f"O_DIRECT refused at write: {e.strerror}"
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return None
 
     def _create_segment(self, path: str) -> int:
         tmp = path + ".tmp"
@@ -195,12 +249,17 @@ class TierFiles:
             with open(self.path(KEY_FILE), "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            index_files = [n for n in os.listdir(self.directory)
+            names = os.listdir(self.directory)
+            older = [n for n in names if n in OLDER_KEY_FILES]
+            index_files = [n for n in names
                            if n == LEGACY_CHECKPOINT or parse_checkpoint_name(n) is not None
                            or parse_wal_name(n) is not None]
-            for name in index_files:
+            for name in index_files + older:
                 os.unlink(self.path(name))
-            report.path = (RecoveryPath.FENCED if index_files else RecoveryPath.FRESH).value
+            report.path = (RecoveryPath.FENCED if index_files or older else RecoveryPath.FRESH).value
+            if older or LEGACY_CHECKPOINT in index_files:
+                report.key_error = (f"an older format's tier (format {2 if older else 1}): started empty in "
+                                    "format 3, its blocks are never read")
             self._write_key()
             return True
         if len(data) == KEY_SIZE + 4 and crc32c(data[:KEY_SIZE]) == int.from_bytes(data[KEY_SIZE:], "little"):
@@ -392,6 +451,7 @@ class TierFiles:
                 continue
             m = maps[seg]
             header = m[offset:offset + HEADER_SIZE]
+            start = offset + payload_offset(k[0], k[1])
             if not header_matches(header, k[1], k[0], gen, length, crc):
                 dropped += 1
                 continue
@@ -399,7 +459,7 @@ class TierFiles:
                 unmarked[(seg, offset)] = header
             if payloads:
                 with memoryview(m) as view:
-                    ok = crc32c(view[offset + HEADER_SIZE:offset + HEADER_SIZE + length]) == crc
+                    ok = crc32c(view[start:start + length]) == crc
                 if not ok:
                     dropped += 1
                     continue

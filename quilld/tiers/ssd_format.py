@@ -1,9 +1,15 @@
 """The SSD tier's on-disk formats and replay rules, without file handling.
 
-Block (format 2): a 4 KiB-aligned extent in a segment file holding a 64-byte
-header, the payload, then the block's identity (the msgpack of its scope's four
-strings followed by the raw key: `meta_len` bytes), so a scan of the segments can
-name every block without any index. Header (little-endian): magic "QSB1",
+Block (format 3): a 4 KiB-aligned extent in a segment file. Its *head* (one page,
+more only for a key longer than about 4 KiB) holds a 64-byte header and then the
+block's identity (the msgpack of its scope's four strings followed by the raw key:
+`meta_len` bytes), zero-padded to whole pages, so a scan of the segments can name
+every block without any index. The payload follows on the next page boundary
+(`payload_offset`), zero-padded to whole pages: every write of a block is page-aligned
+in file offset, length and (from the arena, whose blocks own whole pages) memory, as
+O_DIRECT wants, and the payload's full pages go to the disk straight from DRAM.
+Format 2 put header, payload and identity back to back (one page less for a small
+block, but no aligned write without a copy of the payload). Header (little-endian): magic "QSB1",
 version u16, flags u16 (COMMITTED), xxh64 of the key, xxh64 of the encoded scope,
 generation u64, payload length u64, CRC32C of the payload u32, meta_len u32, an
 8-byte tag, 4 zero bytes, CRC32C of the preceding 60 header bytes u32.
@@ -17,7 +23,7 @@ generation u64, payload length u64, CRC32C of the payload u32, meta_len u32, an
 - The CRC catches accidental damage; records name a block's place, so the
   normal paths check the fields and the CRC, not the tag.
 
-Checkpoint (format 2): a 64-byte header (magic "QSCK", version, first WAL number not
+Checkpoint (format 3, as format 2 but for its version): a 64-byte header (magic "QSCK", version, first WAL number not
 covered, highest generation seen, entry count, body length, body CRC32C,
 creation time, header CRC32C) and a msgpack body: the list of scopes, then arrays
 of up to 4096 `[scope index, key, seg, offset, length, crc, generation]` rows.
@@ -51,7 +57,7 @@ from quilld.tiers.wal import BadRecord, DelRecord, PutRecord, Scope, Stop, WalRe
 
 PAGE = 4096
 HEADER_SIZE = 64
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 2: header, payload, identity back to back (ssd_files.py: such a tier starts empty)
 BLOCK_MAGIC = b"QSB1"
 CHECKPOINT_MAGIC = b"QSCK"
 COMMITTED = 1  # header flag: the block's PUT record is durable
@@ -104,9 +110,30 @@ def meta_len(scope: Scope, key: bytes) -> int:
     return len(scope_meta(tuple(scope))) + len(key)
 
 
+def head_pages(scope: Scope, key: bytes) -> int:
+    """Pages before a block's payload: the header and the identity."""
+    return -(-(HEADER_SIZE + meta_len(scope, key)) // PAGE)
+
+
+def payload_offset(scope: Scope, key: bytes) -> int:
+    """Where a block's payload starts, in bytes from the start of its extent."""
+    return head_pages(scope, key) * PAGE
+
+
 def block_pages(scope: Scope, key: bytes, length: int) -> int:
-    """Pages of a block: header, `length` payload bytes, identity."""
-    return -(-(HEADER_SIZE + length + meta_len(scope, key)) // PAGE)
+    """Pages of a block: its head (header and identity), then `length` payload bytes."""
+    return head_pages(scope, key) + -(-length // PAGE)
+
+
+def pack_block_head(key: bytes, scope: Scope, generation: int, length: int, crc: int, *,
+                    committed: bool, tier_key: bytes, into) -> bytes:
+    """Fill `into` (a writable buffer of `head_pages` pages, zeroed) with a block's head:
+    its header, then its identity. Returns the header."""
+    header = pack_block_header(key, scope, generation, length, crc, committed=committed, tier_key=tier_key)
+    meta = block_meta(scope, key)
+    into[:HEADER_SIZE] = header
+    into[HEADER_SIZE:HEADER_SIZE + len(meta)] = meta
+    return header
 
 
 # -- block header -------------------------------------------------------------
@@ -205,10 +232,10 @@ def _scanned_block(buf, at: int, size: int, tier_key: bytes):
     if len(header) < HEADER_SIZE or crc32c(header[:_BLOCK.size]) != _CRC.unpack_from(header, _BLOCK.size)[0]:
         return None
     _, _, flags, kd, sd, gen, length, crc, mlen, tag = _BLOCK.unpack_from(header)
-    end = at + HEADER_SIZE + length + mlen
-    if end > size or mlen > 1 << 20:
+    pages = -(-(HEADER_SIZE + mlen) // PAGE) + -(-length // PAGE)
+    if mlen > 1 << 20 or at + pages * PAGE > size:
         return None
-    meta = bytes(buf[at + HEADER_SIZE + length:end])
+    meta = bytes(buf[at + HEADER_SIZE:at + HEADER_SIZE + mlen])
     if not hmac_equal(block_tag(tier_key, kd, sd, gen, length, crc, meta), tag):
         return None
     unpacker = msgpack.Unpacker(raw=False)
@@ -221,7 +248,7 @@ def _scanned_block(buf, at: int, size: int, tier_key: bytes):
     if len(scope) != 4 or not all(type(x) is str for x in scope) or key_digest(key) != kd \
             or scope_digest(scope) != sd:
         return None
-    return (scope, key), flags, gen, length, crc, -(-(end - at) // PAGE)
+    return (scope, key), flags, gen, length, crc, pages
 
 
 # -- replay -------------------------------------------------------------------

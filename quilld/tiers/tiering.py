@@ -3,9 +3,12 @@
 - Demotion: while DRAM use is above the high watermark, a background task takes
   the coldest unpinned blocks (least recently used first), up to
   `ssd.group_commit_bytes` per batch, pins them, writes them to SSD in one
-  group commit (payloads synced, then one WAL sync) from a worker thread, and
-  only then frees their DRAM — so a block is never in neither place. A block
-  read or overwritten meanwhile is handled: a pinned one keeps its SSD copy
+  group commit (payloads written by the SSD tier's I/O threads and synced, then
+  one WAL sync) and only then frees their DRAM — so a block is never in neither
+  place. Batches are pipelined: the next batch's blocks are written while the
+  previous one's fdatasyncs run (`_start_batch`, `_commit_and_settle`), at most one
+  commit in flight, commits (and so WAL records and settles) in batch order. A
+  block read or overwritten meanwhile is handled: a pinned one keeps its SSD copy
   as `block.lower`, an overwritten one's stale copy is deleted.
 - Reads: a GET of an SSD-only key is a pending read: the entry is pinned,
   read by a worker thread into a fresh DRAM block, verified (header and
@@ -86,7 +89,8 @@ class Tiering:
         self.store = store
         self.cfg = cfg
         segment = min(cfg.segment_size, cfg.size // 4096 * 4096)  # a small tier is one segment
-        self.ssd = SsdTier(cfg.dir, cfg.size, segment, checkpoint_wal_bytes=cfg.checkpoint_wal_bytes)
+        self.ssd = SsdTier(cfg.dir, cfg.size, segment, checkpoint_wal_bytes=cfg.checkpoint_wal_bytes,
+                           direct_io=cfg.direct_io, io_threads=cfg.io_threads)
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ssd")
         self.stats: Counter[str] = Counter()
         self.report: Any = None  # the RecoveryReport of the last start
@@ -94,9 +98,11 @@ class Tiering:
         self._group: asyncio.Future | None = None  # resolves when `_doomed` is durable
         self._last_group: asyncio.Future | None = None  # the group the latest drop joined
         self._flush_lock = asyncio.Lock()  # one group (log, forget, scrub, reclaim) at a time, in order
-        self._writing: set[Block] = set()  # blocks of the demotion batch in flight
-        self._batch: asyncio.Future | None = None  # resolves when that batch has settled
-        self._waits_batch: asyncio.Future | None = None  # `_batch`, once a block of it was released
+        self._writing: dict[Block, asyncio.Future] = {}  # blocks of the demotion batches in flight: their batch
+        self._waits_batch: asyncio.Future | None = None  # the latest such batch a released block belongs to
+        self._committing: asyncio.Task | None = None  # the commit (and settle) of the batch written last
+        self._inflight = 0  # DRAM bytes of the blocks in flight (written, not yet settled)
+        self._busy_since: float | None = None  # when the demoter last went from idle to a batch in flight
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
@@ -158,6 +164,7 @@ class Tiering:
                 else "", f", {r.key_error}" if r.key_error else "")
         for stop in r.wal_stops:
             log.warning("ssd tier: WAL replay stopped at %s", stop)
+        log.info("ssd tier: block writes %s, %d I/O threads", self.ssd.files.io_mode, self.ssd.io_threads)
         self._task = asyncio.create_task(self._demoter(), name="ssd-demoter")
 
     async def stop(self) -> None:
@@ -225,8 +232,9 @@ class Tiering:
 
         reporter = asyncio.create_task(report(), name="ssd-flush-progress") if blocks else None
         try:
-            while self.active and await self._demote_batch(everything=True):
+            while self.active and await self._start_batch(everything=True):
                 pass
+            await self._drain()
         finally:
             if reporter is not None:
                 reporter.cancel()
@@ -250,10 +258,12 @@ class Tiering:
                 pass
             self._wake.clear()
             try:
-                while self.active and not self._stopping and (store.used > store.high_bytes or self._pressure):
+                while self.active and not self._stopping and (
+                        store.used - self._inflight > store.high_bytes or self._pressure):
                     self._pressure = False
-                    if not await self._demote_batch():
+                    if not await self._start_batch():
                         break
+                await self._drain()
                 if self.active and self.ssd.needs_checkpoint():
                     n = await self._checkpoint()
                     if n is not None:
@@ -266,6 +276,7 @@ class Tiering:
             except Exception:
                 log.exception("ssd demotion failed")
                 await asyncio.sleep(0.5)
+        await self._drain()
 
     def _failed(self, e: Exception) -> None:
         self.stats["failures"] += 1
@@ -284,7 +295,8 @@ class Tiering:
         store = self.store
         # at least a quarter of the arena per group commit, so a small arena does not pay an
         # fsync pair for every few blocks (fsyncs dominate demotion time)
-        want = store.used if everything else max(store.used - store.low_bytes, store.capacity // 4)
+        used = store.used - self._inflight  # what the batches in flight will free is taken
+        want = used if everything else max(used - store.low_bytes, store.capacity // 4)
         budget = min(want, self.cfg.group_commit_bytes)
         picked, total = [], 0
         expires = store.expires
@@ -300,38 +312,89 @@ class Tiering:
         return picked
 
     async def _demote_batch(self, everything: bool = False) -> bool:
-        """Write one group of cold blocks to SSD and free their DRAM; False when nothing moved.
+        """Write one group of cold blocks to SSD and free their DRAM, settled on return; False
+        when nothing moved."""
+        started = await self._start_batch(everything)
+        return await self._drain() or started
 
-        While the batch is in flight its blocks are `_writing`: one released meanwhile
+    async def _start_batch(self, everything: bool = False) -> bool:
+        """Pick and write one group of cold blocks, then leave its commit and settling to a
+        task (`_committing`) that runs while the next batch is written; False when nothing
+        moved or could be started. The commit of the batch before is waited for first: one
+        commit in flight at most, in order.
+
+        While a batch is in flight its blocks are `_writing`: one released meanwhile
         (deleted, overwritten) makes its releaser wait for the batch to settle, since the
         settling drops the stale copy the write just made durable."""
         picked = self._pick(everything)
         if not picked:
-            return False
+            return await self._drain()
         clean = self._free_clean(picked)
-        self._batch = asyncio.get_running_loop().create_future()
-        try:
-            return await self._write_and_settle(picked, clean)
-        finally:
-            self._writing.clear()
-            batch, self._batch = self._batch, None
-            batch.set_result(None)
-
-    async def _write_and_settle(self, picked: list[tuple[bytes, Block]], clean: int) -> bool:
-        items = await self._stage(picked)
+        batch = asyncio.get_running_loop().create_future()
+        items = await self._stage(picked, batch)
         if not items:
+            batch.set_result(None)
             return bool(clean)
+        inflight = sum(page_extent(b.length) for _, b, _ in items)
+        self._inflight += inflight
+        if self._busy_since is None:
+            self._busy_since = time.perf_counter()
         t0 = time.perf_counter()
-        if not await self._write(items):
+        ok = False
+        try:
+            ok = await self._write(items)
+        finally:
+            if not ok:
+                self._end_batch(items, batch, inflight)
+        if not ok:
             return False
-        moved = self._settle(items)
+        await self._drain()
+        self._committing = asyncio.ensure_future(self._commit_and_settle(items, batch, inflight, t0))
+        return True
+
+    async def _drain(self) -> bool:
+        """Wait for the commit in flight, if any; whether it moved blocks."""
+        task, self._committing = self._committing, None
+        if task is None:
+            return False
+        return await asyncio.shield(task)
+
+    async def _commit_and_settle(self, items: list[tuple[bytes, Block, PendingWrite]], batch: asyncio.Future,
+                                 inflight: int, t0: float) -> bool:
+        try:
+            try:
+                await self._run(self.ssd.commit, [it for _, _, it in items])
+            except SsdFailure as e:
+                for _, block, it in items:
+                    self.ssd.release_extent(it.extent)
+                    self.store.unpin(block)
+                self._failed(e)
+                return False
+            moved = self._settle(items)
+        finally:
+            self._end_batch(items, batch, inflight)
         elapsed = time.perf_counter() - t0
+        log.debug("ssd demotion: %d blocks (%s) written and committed in %.1f ms", len(items), _mib(moved),
+                  elapsed * 1e3)
         self.stats["demotions"] += len(items)
         self.stats["demoted_bytes"] += moved
         self.stats["demote_batches"] += 1
-        self.stats["demote_usec"] += int(elapsed * 1e6)
         self.observe_demotion(elapsed)
         return True
+
+    def _end_batch(self, items: list[tuple[bytes, Block, PendingWrite]], batch: asyncio.Future,
+                   inflight: int) -> None:
+        """A batch settled (or failed): its blocks are no longer in flight; its waiters go on.
+        demote_usec counts the time with at least one batch in flight (overlaps once)."""
+        for _, block, _ in items:
+            if self._writing.get(block) is batch:
+                del self._writing[block]
+        self._inflight -= inflight
+        if not batch.done():
+            batch.set_result(None)
+        if not self._writing and self._busy_since is not None:
+            self.stats["demote_usec"] += int((time.perf_counter() - self._busy_since) * 1e6)
+            self._busy_since = None
 
     def _free_clean(self, picked: list[tuple[bytes, Block]]) -> int:
         """Blocks whose bytes are already on SSD (promoted earlier): just free their DRAM."""
@@ -341,7 +404,8 @@ class Tiering:
             self.stats["demoted_clean"] += 1
         return len(clean)
 
-    async def _stage(self, picked: list[tuple[bytes, Block]]) -> list[tuple[bytes, Block, PendingWrite]]:
+    async def _stage(self, picked: list[tuple[bytes, Block]],
+                     batch: asyncio.Future) -> list[tuple[bytes, Block, PendingWrite]]:
         """Pin each block still to be written and give it an SSD extent (making room if need be)."""
         store, ssd = self.store, self.ssd
         items = []
@@ -358,14 +422,15 @@ class Tiering:
                 if extent is None:
                     break
             store.pin(block)
-            self._writing.add(block)
-            items.append((fk, block, PendingWrite(scope, key, store.view(block), extent)))
+            self._writing[block] = batch
+            items.append((fk, block, PendingWrite(scope, key, store.view(block), extent, crc=block.crc)))
         return items
 
     async def _write(self, items: list[tuple[bytes, Block, PendingWrite]]) -> bool:
-        """One group commit from a worker thread; on failure everything staged is given back."""
+        """A batch's block writes (not synced: `_commit_and_settle` does that) from a worker
+        thread and the SSD tier's I/O threads; on failure everything staged is given back."""
         try:
-            await self._run(self.ssd.write_batch, [it for _, _, it in items])
+            await self._run(self.ssd.write_blocks, [it for _, _, it in items])
         except SsdFailure as e:
             for _, block, it in items:
                 self.ssd.release_extent(it.extent)
@@ -435,10 +500,18 @@ class Tiering:
     def writing(self, block: Block) -> bool:
         """Whether `block` is being written to SSD right now (it is being released: the copy
         the write makes is dropped when the batch settles, and `synced()` waits for that)."""
-        if block in self._writing:
-            self._waits_batch = self._batch
-            return True
-        return False
+        batch = self._writing.get(block)
+        if batch is None:
+            return False
+        # batches settle in order: waiting for the latest one a released block is in waits for all
+        if self._waits_batch is None or self._waits_batch.done() or self._later(batch, self._waits_batch):
+            self._waits_batch = batch
+        return True
+
+    def _later(self, a: asyncio.Future, b: asyncio.Future) -> bool:
+        """Whether batch `a` was started after batch `b` (both in flight)."""
+        order = list(dict.fromkeys(self._writing.values()))
+        return b not in order or (a in order and order.index(a) > order.index(b))
 
     def synced(self) -> Awaitable[None] | None:
         """What makes every deletion requested so far durable; None when nothing is left to
@@ -611,6 +684,8 @@ class Tiering:
             ("ssd_last_checkpoint", int(s["last_checkpoint"])),
             ("ssd_fsyncs", s["fsyncs"]), ("ssd_fsync_last_ms", s["fsync_last_ms"]),
             ("ssd_fsync_avg_ms", s["fsync_avg_ms"]), ("ssd_fsync_max_ms", s["fsync_max_ms"]),
+            ("ssd_fsync_total_ms", s["fsync_total_ms"]), ("ssd_write_total_ms", s["write_total_ms"]),
+            ("ssd_io_mode", _info_text(str(s["io_mode"]))), ("ssd_io_threads", s["io_threads"]),
         ]
         if r is not None:
             out += [("recovery_path", r.path), ("recovery_blocks", r.recovered),
@@ -621,7 +696,11 @@ class Tiering:
                     ("recovery_checkpoint_error", _info_text(r.checkpoint_error or "")),
                     ("recovery_scanned_blocks", r.scanned_blocks), ("recovery_scrubbed", r.scrubbed),
                     ("recovery_ms", int(r.duration_s * 1000))]
-        out += [(k, v) for k, v in sorted(self.stats.items())]
+        stats = {"demote_usec": 0, "demoted_bytes": 0, **self.stats}
+        if self._busy_since is not None:  # a batch in flight: its time so far counts too
+            stats["demote_usec"] = stats.get("demote_usec", 0) + int((time.perf_counter() - self._busy_since) * 1e6)
+        stats["demote_inflight_bytes"] = self._inflight
+        out += [(k, v) for k, v in sorted(stats.items())]
         return out
 
 

@@ -125,7 +125,8 @@ def test_flipped_bytes_in_a_segment_are_never_served(tmp_path, nodes):
             data = seg.read_bytes()
             pos = data.find(needle)
             if pos >= 0:
-                at = pos + 1000 if where == "payload" else pos - 40  # inside the 64-byte header
+                # the header starts the head page just before the payload (block format 3)
+                at = pos + 1000 if where == "payload" else pos - 4096 + 20
                 with open(seg, "r+b") as f:
                     f.seek(at)
                     b = f.read(1)

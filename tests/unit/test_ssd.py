@@ -17,11 +17,12 @@ from quilld.errors import ConfigError
 from quilld.model import IdentityScope
 from quilld.tiers.ssd import CorruptBlock, PendingWrite, SsdFailure, SsdTier, seg_name
 from quilld.tiers.ssd_files import checkpoint_name, parse_checkpoint_name
-from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, Loc, block_meta, block_pages, drop_overlaps, meta_len,
+from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, Loc, block_meta, block_pages, drop_overlaps, payload_offset,
                                      pack_block_header)
 from quilld.tiers.wal import parse_wal_name
 
 SEG = 64 * PAGE  # 256 KiB segments keep the files small
+SMALL = 2 * PAGE  # what a block of up to a page takes: its head page and one payload page (format 3)
 A = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
 B = IdentityScope("bob", "llama-3-8b", "tok-v1", "lora-7")
 
@@ -111,10 +112,9 @@ def wal_files(path):
 def test_write_publish_read_is_byte_identical(tmp_path):
     tier, report = open_tier(tmp_path, fsync=True)
     assert report.recovered == 0 and report.path == "fresh" and sorted(os.listdir(tmp_path)) == [
-        "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "tier.key", "wal-000001.log"]
+        "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "tier-v3.key", "wal-000001.log"]
     rng = random.Random(1)
-    fits = PAGE - HEADER_SIZE - meta_len(A, b"k2")  # exactly one page with its header and identity
-    sizes = [0, 1, fits, fits + 1, 100_000]
+    sizes = [0, 1, PAGE, PAGE + 1, 100_000]  # a head page, then the payload in whole pages
     items = [(A, b"k%d" % i, rng.randbytes(n)) for i, n in enumerate(sizes)]
     items.append((B, b"k0", memoryview(bytearray(b"shared key, other scope"))))
     entries = put(tier, items)
@@ -131,7 +131,7 @@ def test_write_publish_read_is_byte_identical(tmp_path):
     st = tier.stats()
     assert st["entries"] == 6 and st["fsyncs"] >= 2 and st["dirty_bytes"] == 0
     assert st["used"] == pages_of(items) * PAGE
-    assert [block_pages(s, k, len(d)) for s, k, d in items[:5]] == [1, 1, 1, 2, 25]
+    assert [block_pages(s, k, len(d)) for s, k, d in items[:5]] == [1, 2, 2, 3, 26]
     assert st["capacity"] == 4 * SEG and not st["failed"]
     tier.close()
 
@@ -221,11 +221,11 @@ def test_allocations_after_recovery_never_overlap_live_blocks(tmp_path):
     while True:  # fill every gap and the rest of the tier
         k = (B, b"fill%d" % i)
         data = payload(rng, rng.choice([1, PAGE, 2 * PAGE]))
-        ext = tier.allocate(*k, len(data)) or tier.allocate(*k, 1)
+        ext = tier.allocate(*k, len(data)) or tier.allocate(*k, 0)
         if ext is None:
             break
         tier.release_extent(ext)
-        data = data if ext.pages * PAGE >= HEADER_SIZE + len(data) + meta_len(*k) else data[:1]
+        data = data if ext.pages >= block_pages(*k, len(data)) else b""
         put(tier, [(*k, data)])
         model[k] = data
         i += 1
@@ -249,7 +249,7 @@ def test_deletes_survive_restart(tmp_path):
     tier.close()
     tier, _ = open_tier(tmp_path)
     assert contents(tier) == {(A, b"keep"): b"1"}
-    assert tier.stats()["used"] == PAGE
+    assert tier.stats()["used"] == SMALL
     tier.close()
 
 
@@ -257,7 +257,7 @@ def test_newer_put_of_a_key_wins_after_restart(tmp_path):
     tier, _ = open_tier(tmp_path)
     put(tier, [(A, b"k", b"old" * 3000)])
     put(tier, [(A, b"k", b"new")])
-    assert tier.stats()["used"] == PAGE  # the old extent was freed (scrubbed) once the new PUT was durable
+    assert tier.stats()["used"] == SMALL  # the old extent was freed (scrubbed) once the new PUT was durable
     # two versions in flight, made durable and published newest first
     first, second = tier.allocate(B, b"k", 5), tier.allocate(B, b"k", 5)
     w1, w2 = PendingWrite(B, b"k", b"v-one", first), PendingWrite(B, b"k", b"v-two", second)
@@ -267,11 +267,11 @@ def test_newer_put_of_a_key_wins_after_restart(tmp_path):
     assert tier.publish([w1]) == []  # older than what is indexed: not indexed, freed
     assert [f[:2] for f in reap(tier)] == [(first.seg, first.offset)]
     assert read(tier, tier.lookup(B, b"k")) == b"v-two"
-    assert tier.stats()["used"] == 2 * PAGE
+    assert tier.stats()["used"] == 2 * SMALL
     tier.close()
     tier, _ = open_tier(tmp_path)
     assert contents(tier) == {(A, b"k"): b"new", (B, b"k"): b"v-two"}
-    assert tier.stats()["used"] == 2 * PAGE
+    assert tier.stats()["used"] == 2 * SMALL
     tier.close()
 
 
@@ -280,12 +280,12 @@ def test_pinned_entry_keeps_its_space_until_unpinned(tmp_path):
     (old,) = put(tier, [(A, b"k", b"a" * 100)])
     tier.pin(old)
     put(tier, [(A, b"k", b"b" * 100)])
-    assert tier.stats()["used"] == 2 * PAGE and not tier.has_freed
+    assert tier.stats()["used"] == 2 * SMALL and not tier.has_freed
     assert read(tier, old) == b"a" * 100  # still readable: nothing can reuse the space
     tier.unpin(old)
-    assert tier.stats()["used"] == 2 * PAGE and tier.has_freed  # freed, but not reusable before its scrub
+    assert tier.stats()["used"] == 2 * SMALL and tier.has_freed  # freed, but not reusable before its scrub
     reap(tier)
-    assert tier.stats()["used"] == PAGE
+    assert tier.stats()["used"] == SMALL
     tier.close()
 
 
@@ -296,7 +296,7 @@ def test_corrupt_payload_is_dropped_at_recovery_and_counted(tmp_path):
     put(tier, [(s, k, d) for (s, k), d in model.items()])
     victim = tier.lookup(A, b"p3")
     tier.close()
-    flip_byte(tmp_path / seg_name(victim.seg), victim.offset + HEADER_SIZE + 1234)
+    flip_byte(tmp_path / seg_name(victim.seg), victim.offset + payload_offset(A, b"p3") + 1234)
     # header-only verification keeps it, and the read catches it
     tier, report = open_tier(tmp_path)
     assert report.recovered == 10 and report.dropped_corrupt == 0
@@ -321,7 +321,7 @@ def test_corrupt_block_header_is_dropped_without_payload_verification(tmp_path):
     flip_byte(tmp_path / seg_name(victim.seg), victim.offset + 20)
     tier, report = open_tier(tmp_path)
     assert report.dropped_corrupt == 1 and contents(tier) == {(A, b"a"): b"x" * 10}
-    assert tier.stats()["used"] == PAGE
+    assert tier.stats()["used"] == SMALL
     tier.close()
 
 
@@ -338,16 +338,16 @@ def test_lost_delete_record_cannot_let_two_blocks_share_pages(tmp_path, monkeypa
     with pytest.raises(Crash):
         tier.checkpoint()  # sealed wal-000002; later records go to wal-000003
     monkeypatch.undo()
-    spacer = tier.allocate(A, b"s", 1)  # keeps page 0
+    spacer = tier.allocate(A, b"s", 1)  # keeps pages 0 and 1
     (new,) = put(tier, [(A, b"new", b"n" * 100)])
     tier.release_extent(spacer)
-    assert (new.seg, new.offset) == (0, PAGE)  # inside "old"'s former extent
+    assert (new.seg, new.offset) == (0, 2 * PAGE)  # inside "old"'s former extent (pages 0-3)
     tier.close()
     flip_byte(wal2, 12)  # lose the DEL
     tier, report = open_tier(tmp_path)
     assert report.dropped_torn_wal_records == 1 and report.dropped_corrupt == 1
     assert contents(tier) == {(A, b"new"): b"n" * 100}
-    assert tier.stats()["used"] == PAGE
+    assert tier.stats()["used"] == SMALL
     tier.close()
 
 
@@ -367,7 +367,7 @@ def test_drop_overlaps_keeps_the_newest_of_each_cluster():
 def test_read_into_with_crc_mismatch_raises_corrupt_block(tmp_path):
     tier, _ = open_tier(tmp_path)
     (e, f) = put(tier, [(A, b"a", b"payload" * 100), (A, b"b", b"other" * 100)])
-    flip_byte(tmp_path / seg_name(e.seg), e.offset + HEADER_SIZE + 5)
+    flip_byte(tmp_path / seg_name(e.seg), e.offset + payload_offset(A, b"a") + 5)
     with pytest.raises(CorruptBlock, match="payload checksum"):
         read(tier, e)
     flip_byte(tmp_path / seg_name(f.seg), f.offset + 8)  # the key digest
@@ -394,7 +394,7 @@ def test_corrupt_wal_byte_stops_replay_there(tmp_path):
     assert report.dropped_torn_wal_records == 1 and report.wal_records == 1
     assert report.wal_stops == [f"wal-000001.log@{cut}: corrupt (fragment checksum mismatch)"]
     # the lost blocks' space is free again, and the next restart is clean
-    assert tier.stats()["used"] == PAGE
+    assert tier.stats()["used"] == SMALL
     put(tier, [(A, b"four", b"4")])
     tier.close()
     tier, report = open_tier(tmp_path)
@@ -424,13 +424,13 @@ def test_crash_between_payload_write_and_wal_append(tmp_path, monkeypatch):
     with pytest.raises(Crash):
         tier.write_batch([PendingWrite(A, b"lost", b"unlogged!!!", ext)])
     with open(tmp_path / seg_name(ext.seg), "rb") as f:  # the payload did reach the segment
-        f.seek(ext.offset + HEADER_SIZE)
+        f.seek(ext.offset + payload_offset(A, b"lost"))
         assert f.read(11) == b"unlogged!!!"
     tier.close()
     monkeypatch.undo()
     tier, report = open_tier(tmp_path)
     assert contents(tier) == {(A, b"before"): b"b"}
-    assert report.dropped_corrupt == 0 and tier.stats()["used"] == PAGE
+    assert report.dropped_corrupt == 0 and tier.stats()["used"] == SMALL
     tier.close()
 
 
@@ -482,14 +482,13 @@ def assert_retention(path):
 def test_full_tier_allocate_returns_none(tmp_path):
     tier = SsdTier(str(tmp_path), 2 * 4 * PAGE, 4 * PAGE, fsync=False)
     tier.recover()
-    fits = PAGE - HEADER_SIZE - meta_len(A, b"k")
-    assert tier.allocate(A, b"k", 5 * PAGE) is None  # larger than a segment
-    extents = [tier.allocate(A, b"k", fits) for _ in range(8)]
+    assert tier.allocate(A, b"k", 4 * PAGE) is None  # with its head page, larger than a segment
+    extents = [tier.allocate(A, b"k", PAGE) for _ in range(4)]  # a head page and a payload page each
     assert all(extents) and {e.seg for e in extents} == {0, 1}
-    assert len({(e.seg, e.offset) for e in extents}) == 8
+    assert len({(e.seg, e.offset) for e in extents}) == 4
     assert tier.allocate(A, b"k", 1) is None
     tier.release_extent(extents[3])
-    assert tier.allocate(A, b"k", fits + 1) is None and tier.allocate(A, b"k", 1) is not None
+    assert tier.allocate(A, b"k", PAGE + 1) is None and tier.allocate(A, b"k", 1) is not None
     tier.close()
 
 
@@ -641,14 +640,14 @@ def test_recovery_of_100k_blocks_is_fast(tmp_path):
     seg = 16 << 20
     path = tmp_path / "big"
     try:
-        tier = SsdTier(str(path), 26 * seg, seg, fsync=False)
+        tier = SsdTier(str(path), 52 * seg, seg, fsync=False)
         tier.recover()
         data = b"kv-block" * 4
         for start in range(0, n, 10_000):
             put(tier, [(A, b"block-%08d" % i, data) for i in range(start, start + 10_000)])
         tier.close()
         calls = []
-        tier = SsdTier(str(path), 26 * seg, seg, fsync=False)
+        tier = SsdTier(str(path), 52 * seg, seg, fsync=False)
         wall, cpu = time.perf_counter(), time.process_time()
         report = tier.recover(progress=lambda done, total: calls.append((done, total)))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -761,8 +760,8 @@ def test_a_scan_takes_no_uncommitted_or_forged_block(tmp_path, monkeypatch):
     forged_payload = b"forged!" * 100
     forged = pack_block_header(b"victim", A, 10 ** 9, len(forged_payload), crc32c(forged_payload),
                                committed=True, tier_key=os.urandom(32))
-    inner = forged + forged_payload + block_meta(A, b"victim")
-    carrier = b"c" * (PAGE - HEADER_SIZE) + inner + b"c" * 100  # `inner` starts on the extent's second page
+    inner = (forged + block_meta(A, b"victim")).ljust(PAGE, b"\0") + forged_payload
+    carrier = b"c" * PAGE + inner + b"c" * 100  # `inner` starts on a page boundary of the payload
     put(tier, [(B, b"carrier", carrier), (B, b"also-dead", carrier), (A, b"real", b"r" * 100)])
     # a block written but never logged (the process died before its WAL record)
     monkeypatch.setattr(SsdTier, "_append", crash)
@@ -853,7 +852,7 @@ def test_a_tier_of_the_older_format_starts_empty(tmp_path):
     tier, _ = open_tier(tmp_path)
     put(tier, [(A, b"k", b"v")])
     tier.close()
-    os.unlink(tmp_path / "tier.key")  # format 1 had no key, and one checkpoint file
+    os.unlink(tmp_path / "tier-v3.key")  # format 1 had no key, and one checkpoint file
     (tmp_path / "checkpoint").write_bytes(b"QSCK format 1")
     tier, report = open_tier(tmp_path)
     assert report.path == "fenced" and contents(tier) == {}
@@ -864,7 +863,7 @@ def test_a_tier_of_the_older_format_starts_empty(tmp_path):
 # -- deletions are durable when log_deletes returns (issue 11, finding 8) ---------------------
 
 def test_log_deletes_is_durable_on_return_with_one_sync_for_a_group(tmp_path, monkeypatch):
-    tier, _ = open_tier(tmp_path, segments=80, fsync=True)
+    tier, _ = open_tier(tmp_path, segments=160, fsync=True)
     entries = put(tier, [(A, b"d%d" % i, b"x") for i in range(5000)])
     synced = []
     real = os.fdatasync
@@ -875,7 +874,7 @@ def test_log_deletes_is_durable_on_return_with_one_sync_for_a_group(tmp_path, mo
     monkeypatch.undo()
     # durable before forget: a crash right here (no forget, no scrub) loses no deletion
     tier.close()
-    tier, report = open_tier(tmp_path, segments=80)
+    tier, report = open_tier(tmp_path, segments=160)
     assert contents(tier) == {} and report.wal_records == 10_000
     assert report.scrubbed == 5000  # recovery did the scrubs the crash prevented
     tier.close()
@@ -883,8 +882,8 @@ def test_log_deletes_is_durable_on_return_with_one_sync_for_a_group(tmp_path, mo
 
 def test_freed_space_is_reused_only_after_its_scrub(tmp_path):
     tier, _ = open_tier(tmp_path, segments=1)
-    fits = PAGE - HEADER_SIZE - meta_len(A, b"k00")
-    put(tier, [(A, b"k%02d" % i, b"x" * fits) for i in range(64)])  # the whole segment
+    fits = PAGE  # a head page and a payload page
+    put(tier, [(A, b"k%02d" % i, b"x" * fits) for i in range(32)])  # the whole segment
     entry = tier.lookup(A, b"k05")
     tier.log_deletes([entry])
     tier.forget(entry)

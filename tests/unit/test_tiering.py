@@ -4,8 +4,8 @@ SSD, and shutdown followed by recovery.
 
 No daemon, no sockets: each test drives the policy's steps (`_demote_batch`, `read`,
 `_flush_deletes`) on its own event loop, bounded by TIMEOUT. Values of VAL bytes take
-exactly one DRAM page and one SSD page (with the SSD header, 64 bytes, and the block's
-identity after the payload, for keys of up to 6 bytes).
+exactly one DRAM page and SSD_BLOCK bytes on SSD: a head page (header and identity) and
+one payload page (block format 3).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from quilld.tiers.arena import PAGE
 from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.keyspace import Keyspace, now_ms
 from quilld.tiers.ssd import seg_name
-from quilld.tiers.ssd_format import HEADER_SIZE, block_pages, meta_len
+from quilld.tiers.ssd_format import block_pages, payload_offset
 from quilld.tiers.tiering import Tiering
 
 SCOPE = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
-VAL = PAGE - HEADER_SIZE - meta_len(SCOPE, b"123456")  # one DRAM page, one SSD page
+VAL = PAGE  # one DRAM page; on SSD a head page and a payload page
+SSD_BLOCK = 2 * PAGE
 INLINE_MAX = 256
 TIMEOUT = 10.0  # seconds one test's event loop may run
 
@@ -223,6 +224,43 @@ def test_overwrite_during_demotion_leaves_no_stale_ssd_copy(tmp_path, change):
     run(body())
 
 
+def test_pipelined_batches_commit_in_order_and_a_release_waits_for_its_own(tmp_path):
+    """Two batches in flight (the second written while the first commits): a block of the
+    first overwritten meanwhile leaves no stale copy, and its releaser waits for the batch
+    it is in; every block ends up in exactly one place, and a restart finds them."""
+    values = {b"a%d" % i: data(2 * PAGE, 60 + i) for i in range(4)}
+    values.update({b"b%d" % i: data(PAGE + 7, 70 + i) for i in range(4)})
+
+    async def body():
+        async with tiered(tmp_path, pages=64, group_commit=4 * 2 * PAGE) as (ks, t, tag):
+            for key, value in values.items():
+                put(ks, tag, key, value)
+            assert await t._start_batch() is True  # the a-blocks: written, their commit running
+            first = t._committing
+            assert first is not None and not first.done()
+            assert await t._start_batch() is True  # the b-blocks: written after waiting for the first commit
+            assert first.done() and t._committing is not None
+            assert set(t._writing) == {ks.data[tag + b"b%d" % i] for i in range(4)}
+            old = ks.data[tag + b"b1"]
+            put(ks, tag, b"b1", b"new" * 2000)  # released while its batch commits
+            values[b"b1"] = b"new" * 2000
+            waiter = ks.take_unsynced()
+            assert waiter is not None and old.state is not BlockState.GONE
+            await waiter  # returns once the second batch settled and the stale copy's DEL is durable
+            assert t._committing is None or t._committing.done()
+            assert t.ssd.lookup(SCOPE, b"b1") is None
+            await t._drain()
+            assert t._inflight == 0 and not t._writing
+            for key, value in values.items():
+                assert await read_back(ks, tag, key) == value
+            check_accounting(ks)
+            await check_ssd(ks, t)
+        async with tiered(tmp_path, pages=64) as (ks, t, tag):
+            for key, value in values.items():
+                assert await read_back(ks, tag, key) == value
+    run(body())
+
+
 def test_values_with_a_ttl_and_inline_values_stay_in_dram(tmp_path):
     async def body():
         async with tiered(tmp_path) as (ks, t, tag):
@@ -304,7 +342,7 @@ def test_corrupt_ssd_block_reads_as_a_miss_and_is_counted(tmp_path, where):
             put(ks, tag, b"other", data(VAL, 10))
             await demote_all(t)
             entry = ks.lower[tag + b"k"]
-            offset = entry.offset + (HEADER_SIZE + 1000 if where == "payload" else 20)
+            offset = entry.offset + (payload_offset(SCOPE, b"k") + 1000 if where == "payload" else 20)
             with open(os.path.join(tmp_path, seg_name(entry.seg)), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
@@ -328,13 +366,13 @@ def test_corrupt_ssd_block_reads_as_a_miss_and_is_counted(tmp_path, where):
 
 def test_full_ssd_drops_ssd_copies_of_dram_blocks_first_then_its_lru(tmp_path):
     async def body():
-        # 8 SSD pages; one block per group commit
-        async with tiered(tmp_path, ssd_pages=8, group_commit=PAGE) as (ks, t, tag):
+        # room for 8 blocks on SSD; one block per group commit
+        async with tiered(tmp_path, ssd_pages=8 * 2, group_commit=PAGE) as (ks, t, tag):
             values = {b"k%d" % i: data(VAL, 20 + i) for i in range(8)}
             for key, value in values.items():
                 put(ks, tag, key, value)
             await demote_all(t)
-            assert t.used == t.capacity == 8 * PAGE and len(ks.lower) == 8
+            assert t.used == t.capacity == 8 * SSD_BLOCK and len(ks.lower) == 8
             new = data(VAL, 30)
             put(ks, tag, b"new", new)
             assert await read_back(ks, tag, b"k7") == values[b"k7"]  # promoted: DRAM + SSD copy
@@ -347,7 +385,7 @@ def test_full_ssd_drops_ssd_copies_of_dram_blocks_first_then_its_lru(tmp_path):
             assert not ks.contains(tag, b"k0")  # the SSD's least recently used key
             assert set(ks.lower) == {tag + b"k%d" % i for i in range(1, 7)} | {tag + b"new"}
             await settle_deletes(t)
-            assert t.used == 7 * PAGE
+            assert t.used == 7 * SSD_BLOCK
             assert await read_back(ks, tag, b"new") == new
             assert await read_back(ks, tag, b"k1") == values[b"k1"]
             direct = ks.get(tag, b"k7")
