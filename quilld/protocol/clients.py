@@ -13,6 +13,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from quilld.config import PROTECTED_MODE_REFUSAL, protected_mode_refuses
+from quilld.protocol.resp import shown_arg
 
 if TYPE_CHECKING:  # for annotations only: server.py imports this module
     from quilld.protocol.server import RespConnection
@@ -231,6 +232,6 @@ def quoted(raw: bytes) -> bytes:
 def monitor_line(client: Any, cmd: Any, args: list, now: float) -> bytes:
     """`+<seconds>.<micros> [0 <addr>] "arg" ...` with the arguments the command hides redacted."""
     hidden = set(cmd.doc.redact(args)) if cmd is not None and cmd.doc is not None and cmd.doc.redact else ()
-    parts = [b'"(redacted)"' if i in hidden else quoted(bytes(a)) for i, a in enumerate(args)]
+    parts = [b'"(redacted)"' if i in hidden else quoted(shown_arg(a)) for i, a in enumerate(args)]
     secs = int(now)
     return b"+%d.%06d [0 %s] %s\r\n" % (secs, int((now - secs) * 1e6), client.addr.encode(), b" ".join(parts))

@@ -124,6 +124,15 @@ class LargeBulk:
         self.length = length
 
 
+def shown_arg(a: Any) -> bytes:
+    """An argument as MONITOR and SLOWLOG show it. A payload received straight into the
+    arena (a SET value, a PUT2PHASE DATA chunk: see LargeBulk) is not copied back out:
+    it is shown as `(N bytes received into the arena)`."""
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return bytes(a)
+    return b"(%d bytes received into the arena)" % len(a)
+
+
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 

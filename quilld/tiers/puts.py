@@ -75,6 +75,9 @@ class IntoBlock:
         self.offset = offset
         self.length = length
 
+    def __len__(self) -> int:  # as a received argument's length (CLIENT LIST's qbuf, MONITOR, SLOWLOG)
+        return self.length
+
 
 class TwoPhasePuts:
     def __init__(self, store: Keyspace, default_lease_ms: int, max_lease_ms: int) -> None:

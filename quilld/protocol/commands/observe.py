@@ -22,7 +22,7 @@ from quilld.errors import CommandError, echo
 from quilld.protocol.commands.client import operator_only
 from quilld.protocol.commands.command_docs import by_full_name, help_reply, render
 from quilld.protocol.commands.common import parse_int
-from quilld.protocol.resp import OK, Verbatim
+from quilld.protocol.resp import OK, Verbatim, shown_arg
 from quilld.protocol.table import Command, CommandTable
 
 SLOWLOG_MAX_ARGC = 32  # redis's SLOWLOG_ENTRY_MAX_ARGC
@@ -78,13 +78,7 @@ def _slowlog_args(cmd: Command, args: list) -> list[bytes]:
         if keep != n and i == keep - 1:
             out.append(b"... (%d more arguments)" % (n - keep + 1))
             break
-        a = args[i]
-        if i in hidden:
-            raw = b"(redacted)"
-        elif isinstance(a, (bytes, bytearray, memoryview)):
-            raw = bytes(a)
-        else:  # a payload received straight into the arena (SET value, PUT2PHASE DATA): not copied back out
-            raw = b"(%d bytes received into the arena)" % getattr(a, "length", 0)
+        raw = b"(redacted)" if i in hidden else shown_arg(args[i])
         if len(raw) > SLOWLOG_MAX_STRING:
             raw = raw[:SLOWLOG_MAX_STRING] + b"... (%d more bytes)" % (len(raw) - SLOWLOG_MAX_STRING)
         out.append(raw)
