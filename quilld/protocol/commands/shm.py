@@ -167,6 +167,8 @@ async def _fill(c, keys: list, out: list, later: list[int], granted: list[int]) 
     except BaseException:
         _unlease(c, granted)
         raise
+    if c.id not in ctx.clients.sessions:  # the connection closed while we read: nobody will release these
+        _unlease(c, granted)
     return out
 
 
