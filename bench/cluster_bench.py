@@ -2,20 +2,24 @@
 
 1. Peer fetch: GETBLK on node B of blocks held only by node A (cluster.keep_fetched off, so
    every read crosses A -> B), against a plain Python socket copy of the same bytes
-   (a thread sending, `recv_into` a preallocated buffer) and against GETBLK LOCAL on A.
+   (a thread sending, `recv_into` a preallocated buffer) and against GETBLK LOCAL on A;
+   then again with both nodes busy (a `redis-benchmark` SET/GET load against each node,
+   running through the whole measurement, the socket copy included).
 2. Replication convergence: time from a SET on one node until LOCATE on every other node
    lists it, at 3 and 10 nodes.
 3. Failure detection: time from SIGKILL of one node until every other node reports it dead.
 
-    python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10] [--plot PATH]
+    python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10] [--no-busy] [--plot PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -83,12 +87,31 @@ def socket_copy(nbytes: int, count: int) -> float:
     return dt
 
 
-def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> list[tuple[int, float, float, float, float]]:
+BUSY_SECONDS = 600  # a load generator outlives no measurement: it is stopped after its part, or by then
+
+
+def busy_load(ports: list[int]) -> list[subprocess.Popen]:
+    """A redis-benchmark against each port (SET and GET of 1 KiB values over 4 connections, random
+    keys), running until stopped (bounded: 10M requests each, and BUSY_SECONDS at most)."""
+    tool = shutil.which("redis-benchmark")
+    if tool is None:
+        raise RuntimeError("redis-benchmark is not installed (Debian's redis-tools): no busy case")
+    return [subprocess.Popen(["timeout", str(BUSY_SECONDS), tool, "-p", str(port), "-c", "4", "-n", "10000000",
+                              "-t", "set,get", "-d", "1024", "-r", "100000", "-q"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]
+
+
+def peer_fetch(tmp: Path, sizes: list[int], rounds: int,
+               busy: bool = False) -> list[tuple[int, float, float, float, float]]:
     """Per size: (MiB, socket copy, GETBLK LOCAL on A, fetch hop, GETBLK via B), GB/s medians."""
     a, b = start_cluster(tmp, 2)
     rows = []
     ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port)
+    load: list[subprocess.Popen] = []
     try:
+        if busy:
+            load = busy_load([a.port, b.port])
+            print("\nboth nodes busy: a redis-benchmark (SET/GET 1 KiB, 4 connections) on each, all along")
         print("peer fetch (GB/s, median of rounds; ratio = peer fetch / socket copy)")
         print("  fetch hop = A -> B inside quilld (request to verified copy, from INFO cluster on B);")
         print("  via B = a redis-py client's GETBLK on B, which adds the B -> client hop")
@@ -126,6 +149,8 @@ def peer_fetch(tmp: Path, sizes: list[int], rounds: int) -> list[tuple[int, floa
             print(f"{mib:>4}Mi {s:>12.2f} {l:>18.2f} {h:>10.2f} {h / s:>6.2f} {f:>13.2f} {f / s:>6.2f}")
             rows.append((mib, s, l, h, f))
     finally:
+        for proc in load:
+            stop_process(proc)
         for q in (a, b):
             stop_process(q.proc)
     return rows
@@ -173,8 +198,9 @@ def convergence_and_detection(tmp: Path, n: int, rounds: int) -> tuple[int, floa
 
 
 def plot(path: str, fetch: list[tuple[int, float, float, float, float]],
-         clusters: list[tuple[int, float, float, float]], rounds: int) -> None:
-    sizes = [f"{mib} MiB" for mib, *_ in fetch]
+         clusters: list[tuple[int, float, float, float]], rounds: int, busy: int = 0) -> None:
+    """`busy`: how many of the last rows of `fetch` were measured with both nodes busy."""
+    sizes = [f"{mib} MiB" + (" busy" if i >= len(fetch) - busy else "") for i, (mib, *_) in enumerate(fetch)]
     panels = [Panel("peer fetch vs a socket copy (fetch hop / socket copy)", sizes,
                     {"Python socket copy": [r[1] for r in fetch], "GETBLK LOCAL on A": [r[2] for r in fetch],
                      "fetch hop A -> B": [r[3] for r in fetch], "GETBLK via B": [r[4] for r in fetch]},
@@ -195,14 +221,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", default="1,4")
     p.add_argument("--nodes", default="3,10")
+    p.add_argument("--no-busy", action="store_true", help="skip the peer fetch with both nodes busy")
     add_flag(p)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        fetch = peer_fetch(tmp, [int(x) for x in a.sizes.split(",")], a.rounds)
+        sizes = [int(x) for x in a.sizes.split(",")]
+        fetch = peer_fetch(tmp, sizes, a.rounds)
+        busy = [] if a.no_busy else peer_fetch(tmp, sizes, a.rounds, busy=True)
         clusters = [convergence_and_detection(tmp, n, a.rounds) for n in (int(x) for x in a.nodes.split(","))]
     if a.plot:
-        plot(a.plot, fetch, clusters, a.rounds)
+        plot(a.plot, fetch + busy, clusters, a.rounds, len(busy))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,14 @@ Commands are encoded by quillwire (the codec quillclient shares). General
 replies are parsed with hiredis. `fetch_into` reads its reply with quillwire's
 `ReplyReader`, which lands the block's payload straight into memory the caller
 provides (an arena slot): no intermediate `bytes` of the payload is ever built.
+
+A connection is an asyncio `BufferedProtocol` on the loop's own transport: the
+loop receives straight into the buffer `get_buffer` names (the reader's small
+buffer for headers, then the arena slot for the payload), one wake-up per
+arrival, with the socket registered with the poller once for the connection's
+life. (Awaiting `loop.sock_recv_into` per read registered and unregistered it
+every time: on uvloop, five system calls per wait.)
+
 Any connection error or timeout closes the connection; the caller decides
 whether to retry elsewhere.
 """
@@ -27,20 +35,58 @@ _HEADER_READ = 1024  # asked for while a reply header is due: little of the payl
 SOCKET_BUFFER = 4 * 1024 * 1024  # a whole block in flight per round trip (capped by net.core.rmem_max)
 
 
+_DISCARD = memoryview(bytearray(4096))  # where a socket let go of reads what still arrives
+
+
 class PeerError(QuillError):
     """A peer could not be reached or broke off mid-reply."""
 
     prefix = "PEERFAIL"
 
 
+class _Receiver(asyncio.BufferedProtocol):
+    """The loop's side of one PeerConnection's socket: received bytes go where the connection
+    says, until it lets go of this socket (`live` False); after that nothing it receives is
+    written anywhere a caller could see (a closed fetch's arena slot may already be reused)."""
+
+    __slots__ = ("conn", "live")
+
+    def __init__(self, conn: PeerConnection) -> None:
+        self.conn = conn
+        self.live = True
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn._get_buffer() if self.live else _DISCARD
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.live:
+            self.conn._received(nbytes)
+
+    def eof_received(self) -> bool:
+        if self.live:
+            self.conn._fail(PeerError("peer closed the connection mid-transfer" if self.conn._receiving()
+                                      else "connection closed by peer"))
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.live:
+            self.conn._fail(PeerError(f"connection lost: {exc}" if exc else "connection closed by peer"))
+
+
 class PeerConnection:
     def __init__(self, host: str, port: int, hello: tuple[tuple, ...] = ()) -> None:
         self.host, self.port = host, port
         self.hello = hello  # commands sent right after connecting (authentication)
-        self.sock: socket.socket | None = None
+        self.transport: asyncio.Transport | None = None
+        self._receiver: _Receiver | None = None
         self.reader = hiredis.Reader()
         self.fetch_reader = ReplyReader(large_bulk=0)  # fetch_into's replies: every bulk announced
         self.loop = asyncio.get_running_loop()
+        self._rbuf = memoryview(bytearray(_CHUNK))  # call()'s replies land here, then in hiredis
+        self._waiter: asyncio.Future | None = None  # the reply being awaited
+        self._fetching = False  # the awaited reply is fetch_into's
+        self._target: Callable[[int], memoryview] | None = None
+        self._view: memoryview | None = None
 
     async def connect(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -49,10 +95,15 @@ class PeerConnection:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)  # before connect: window scale
         try:
             await asyncio.wait_for(self.loop.sock_connect(sock, (self.host, self.port)), CONNECT_TIMEOUT)
+            receiver = _Receiver(self)
+            self.transport, _ = await self.loop.create_connection(lambda: receiver, sock=sock)
+            self._receiver = receiver
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
             raise PeerError(f"cannot connect to peer {self.host}:{self.port}: {e or 'timeout'}") from None
-        self.sock = sock
+        except BaseException:
+            sock.close()
+            raise
         for cmd in self.hello:
             reply = await self.call(*cmd)
             if isinstance(reply, hiredis.ReplyError):
@@ -60,40 +111,104 @@ class PeerConnection:
                 raise PeerError(f"peer {self.host}:{self.port} refused {cmd[0]}: {reply}")
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self._receiver is not None:
+            self._receiver.live = False  # nothing more is read into a caller's memory from here on
+            self._receiver = None
+        if self.transport is not None:
+            self.transport.abort()
+            self.transport = None
         self.reader = hiredis.Reader()
         self.fetch_reader = ReplyReader(large_bulk=0)
+        self._fetching, self._target, self._view = False, None, None
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(PeerError("connection closed"))
 
     @property
     def closed(self) -> bool:
-        return self.sock is None
+        return self.transport is None
+
+    # -- the receiving side (called by the loop) ------------------------------
+    def _receiving(self) -> bool:
+        return self._fetching and self.fetch_reader.receiving
+
+    def _get_buffer(self) -> memoryview:
+        if self._fetching:  # the header in the reader's buffer, the payload straight in the target
+            return self.fetch_reader.get_buffer(_HEADER_READ)
+        return self._rbuf
+
+    def _received(self, n: int) -> None:
+        if self._fetching:
+            self.fetch_reader.buffer_updated(n)
+            self._fetch_events()
+            return
+        self.reader.feed(self._rbuf, 0, n)
+        try:
+            reply = self.reader.gets()
+        except hiredis.ProtocolError as e:
+            self._fail(PeerError(f"protocol error: {e}"))
+            return
+        waiter = self._waiter
+        if reply is False:
+            return
+        if waiter is None or waiter.done() or self.reader.gets() is not False:
+            self._fail(PeerError("unexpected reply from peer"))  # nothing was asked, or more than asked
+            return
+        self._waiter = None
+        waiter.set_result(reply)
+
+    def _fetch_events(self) -> None:
+        reader = self.fetch_reader
+        try:
+            while True:
+                event = reader.next_event()
+                if event is NEED_DATA:
+                    return
+                if type(event) is not Bulk:
+                    break
+                # only the payload of `*2 :crc $len payload` goes anywhere: checked before it arrives
+                if not (event.depth == 1 and event.count == 2 and event.index == 1
+                        and type(event.items[0]) is int):
+                    raise ValueError(f"unexpected reply: {event!r}")
+                self._view = self._target(event.length)
+                reader.attach(self._view)
+        except BaseException as e:  # a malformed reply, or the target refused (out of memory)
+            self._fail(e)
+            return
+        view, waiter = self._view, self._waiter
+        self._fetching, self._target, self._view, self._waiter = False, None, None, None
+        if not reader.idle:  # bytes after the reply: the stream cannot be trusted any more
+            self.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_result((event, view))
+
+    def _fail(self, error: BaseException) -> None:
+        waiter = self._waiter
+        self._waiter = None
+        self.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    # -- requests -------------------------------------------------------------
+    def _ask(self, data: bytes) -> asyncio.Future:
+        if self._waiter is not None:
+            raise PeerError("a peer connection runs one request at a time")
+        waiter = self._waiter = self.loop.create_future()
+        self.transport.write(data)
+        return waiter
 
     async def call(self, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         """Send one command, return its reply (a ReplyError is returned, not raised)."""
-        if self.sock is None:
+        if self.transport is None:
             await self.connect()
         try:
-            return await asyncio.wait_for(self._call(encode_command(*args)), timeout)
-        except (OSError, asyncio.TimeoutError, hiredis.ProtocolError, PeerError) as e:
+            return await asyncio.wait_for(self._ask(encode_command(*args)), timeout)
+        except (OSError, asyncio.TimeoutError, PeerError) as e:
             self.close()
             raise PeerError(f"peer {self.host}:{self.port}: {e or 'timeout'}") from None
         except asyncio.CancelledError:
             self.close()  # a half-read reply would poison the next call
             raise
-
-    async def _call(self, data: bytes) -> Any:
-        await self.loop.sock_sendall(self.sock, data)
-        buf = bytearray(_CHUNK)
-        while True:
-            reply = self.reader.gets()
-            if reply is not False:
-                return reply
-            n = await self.loop.sock_recv_into(self.sock, buf)
-            if n == 0:
-                raise PeerError("connection closed by peer")
-            self.reader.feed(buf, 0, n)
 
     async def fetch_into(self, args: tuple, target: Callable[[int], memoryview],
                          timeout: float = CALL_TIMEOUT) -> tuple[int | None, memoryview | None]:
@@ -103,51 +218,25 @@ class PeerConnection:
         Returns (crc, view) or (None, None) for a nil reply; raises PeerError on
         a broken connection and QuillError for an error reply.
         """
-        if self.sock is None:
+        if self.transport is None:
             await self.connect()
+        self._fetching, self._target = True, target
         try:
-            return await asyncio.wait_for(self._fetch(encode_command(*args), target), timeout)
-        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            event, view = await asyncio.wait_for(self._ask(encode_command(*args)), timeout)
+        except (OSError, asyncio.TimeoutError, ValueError, PeerError) as e:
             self.close()
             raise PeerError(f"peer {self.host}:{self.port}: fetch failed: {e or 'timeout'}") from None
         except BaseException:
             self.close()
             raise
-
-    async def _fetch(self, data: bytes, target: Callable[[int], memoryview]) -> tuple:
-        loop, sock, reader = self.loop, self.sock, self.fetch_reader
-        await loop.sock_sendall(sock, data)
-        view = None
-        while True:
-            event = reader.next_event()
-            if event is NEED_DATA:
-                # the header lands in the reader's buffer, the payload straight in the target
-                buf = reader.get_buffer(_HEADER_READ)
-                try:  # drain what the kernel already holds without a loop round trip per chunk
-                    n = sock.recv_into(buf)
-                except BlockingIOError:
-                    n = await loop.sock_recv_into(sock, buf)
-                if n == 0:
-                    raise PeerError("peer closed the connection mid-transfer" if reader.receiving
-                                    else "connection closed by peer")
-                reader.buffer_updated(n)
-            elif type(event) is Bulk:
-                # only the payload of `*2 :crc $len payload` goes anywhere: checked before it arrives
-                if not (event.depth == 1 and event.count == 2 and event.index == 1
-                        and type(event.items[0]) is int):
-                    raise ValueError(f"unexpected reply: {event!r}")
-                view = target(event.length)
-                reader.attach(view)
-            else:
-                break
-        if not reader.idle:  # bytes after the reply: the stream cannot be trusted any more
-            self.close()
         if event is None:
             return None, None
         if isinstance(event, ReplyError):
+            self.close()
             raise QuillError(event.message)
         if view is None or type(event) is not list or event[1] is not view:
-            raise ValueError(f"unexpected reply {event!r:.60}")
+            self.close()
+            raise PeerError(f"peer {self.host}:{self.port}: fetch failed: unexpected reply {event!r:.60}")
         return event[0], view
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import ctypes
 import logging
+import os
 import socket
 import time
 from typing import Any, Callable
@@ -36,9 +38,33 @@ RECV_BUFFER = 256 * 1024
 # One receive buffer serves every connection: the loop calls get_buffer() and then
 # buffer_updated() back to back, and buffer_updated() consumes the bytes before returning.
 _shared_rbuf = memoryview(bytearray(RECV_BUFFER))
+SENDFILE_MIN = 64 * 1024  # a peer's reply block at least this large leaves the arena by sendfile
+SENT_HOLD = 2.0  # seconds a block sent by sendfile stays pinned at most when its peer sends nothing more
 ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
 ARENA_RETRY = 0.01
 log = logging.getLogger("quilld.protocol")
+
+
+def _write_some(fd: int, data: bytes) -> int:
+    """Bytes of `data` the socket took now (0 when it is full)."""
+    try:
+        return os.write(fd, data)
+    except OSError:  # full (EAGAIN), or broken: the transport sends the rest, or finds the error
+        return 0
+
+
+def _sendfile_some(fd: int, src: int, offset: int, n: int) -> int:
+    """Bytes of [offset, offset + n) of `src` the socket took now, by sendfile (0 when it is full)."""
+    done = 0
+    try:
+        while done < n:
+            k = os.sendfile(fd, src, offset + done, n - done)
+            if not k:
+                break
+            done += k
+    except OSError:  # full (EAGAIN), or broken: the transport sends the rest, or finds the error
+        pass
+    return done
 
 
 def _collect_pins(reply: Any, pins: list) -> None:
@@ -47,6 +73,14 @@ def _collect_pins(reply: Any, pins: list) -> None:
         pins.append(reply.release)
     elif reply.__class__ is list:
         pins.extend(item.release for item in reply if item.__class__ is Pinned)
+
+
+def _address(view: memoryview) -> int:
+    """Where `view`'s bytes lie in this process (-1 for a read-only view, never an arena's)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return -1
 
 
 class RespConnection(asyncio.BufferedProtocol):
@@ -66,6 +100,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self.parser = RespParser(max_bulk_len=ctx.runtime.proto_max_bulk_len)
         self._rbuf = _shared_rbuf
         self._pins: list[Callable[[], None]] = []  # releases waiting for the write buffer to drain
+        self._sent_pins: list[Callable[[], None]] = []  # blocks sent by sendfile: held until the peer reads on
+        self._sent_at = 0.0  # when the last of them was sent
         self._large = False  # the command being parsed carries a large bulk
         self._waiting: tuple[LargeBulk, float] | None = None  # a large bulk waiting for arena space
         self.transport: asyncio.Transport | None = None
@@ -97,6 +133,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.clients.net_in += nbytes
+        if self._sent_pins:  # a peer sends its next command only once it has read our last reply
+            self._release_sent()
         if self.parser.receiving:
             self.parser.sink_advance(nbytes)
         else:
@@ -108,6 +146,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._backlog = []
         self._release_args(self.session, self.parser.abandon())
         self._release_pins()
+        self._release_sent()
         self.clients.closed(self)
 
     def pause_writing(self) -> None:
@@ -448,7 +487,10 @@ class RespConnection(asyncio.BufferedProtocol):
             transport.write(chunk)
         elif pins:
             self.clients.net_out += sum(len(x) for x in out)
-            transport.writelines(out)
+            if self.session.peer and not transport.get_write_buffer_size():
+                out = self._sendfile(out, pins)
+            if out:
+                transport.writelines(out)
         else:
             chunk = b"".join(out)
             self.clients.net_out += len(chunk)
@@ -457,12 +499,83 @@ class RespConnection(asyncio.BufferedProtocol):
             self._pins.extend(pins)
             self.check_drained()
 
+    def _sendfile(self, out: list, pins: list) -> list:
+        """Send a peer's reply (PEERGET) straight from the arena's memory file: its large blocks
+        with sendfile, the rest with plain writes; returns what is left for the transport (a
+        partial send's remainder: nothing ever blocks the loop). Only while the transport holds
+        nothing unsent, so the order is kept.
+
+        sendfile hands the kernel the arena's pages, not a copy: until the peer has read them,
+        they must not be reused. So the reply's pins are held until this connection's next
+        command arrives (the peer client reads a reply whole before it sends again) or it
+        closes, or at most SENT_HOLD seconds (an idle pooled connection); a peer verifies the
+        CRC32C of what it received all the same, so a reader later than that gets an error, never
+        other bytes.
+        """
+        sock = self.transport.get_extra_info("socket")
+        arena = self.ctx.keyspace.arena
+        if sock is None or arena.fd < 0:
+            return out
+        fd, base = sock.fileno(), _address(arena.region)
+        head: list = []
+        sent_any = False
+        # corked: header, block and CRLF leave as one stream, so the peer wakes once for all of it
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        try:
+            for i, piece in enumerate(out):
+                offset = -1
+                if piece.__class__ is memoryview and piece.nbytes >= SENDFILE_MIN:
+                    offset = _address(piece) - base
+                    if not 0 <= offset <= arena.capacity - piece.nbytes:
+                        offset = -1
+                if offset < 0:
+                    head.append(piece)
+                    continue
+                if head:
+                    data = b"".join(head)
+                    head = []
+                    done = _write_some(fd, data)
+                    if done < len(data):
+                        return [data[done:], *out[i:]]
+                sent_any = True
+                n = piece.nbytes
+                done = _sendfile_some(fd, arena.fd, offset, n)
+                if done < n:
+                    return [piece[done:], *out[i + 1:]]
+            if head:
+                data = b"".join(head)
+                done = _write_some(fd, data)
+                if done < len(data):
+                    return [data[done:]]
+            return []
+        finally:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)  # and out it goes
+            except OSError:
+                pass
+            if sent_any:  # the pages are the kernel's until the peer reads them: held, not drained
+                self._sent_pins.extend(pins)
+                pins.clear()
+                self._sent_at = time.monotonic()
+                self.clients.watch_drain(self)
+
+    def _release_sent(self) -> None:
+        pins, self._sent_pins = self._sent_pins, []
+        for release in pins:
+            release()
+
     def check_drained(self) -> None:
-        """Unpin every block whose reply the transport has fully handed to the kernel."""
+        """Unpin every block whose reply the transport has fully handed to the kernel (and those
+        sent by sendfile SENT_HOLD seconds ago)."""
         if self._pins and self.transport.get_write_buffer_size() == 0:
             self._release_pins()
         elif self._pins:
             self.clients.watch_drain(self)
+        if self._sent_pins:
+            if time.monotonic() - self._sent_at >= SENT_HOLD:
+                self._release_sent()
+            else:
+                self.clients.watch_drain(self)
 
     @property
     def has_pins(self) -> bool:

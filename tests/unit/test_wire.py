@@ -451,8 +451,8 @@ def test_random_replies_through_random_splits(replies, large_bulk, data):
 
 class CannedServer:
     """A loopback server answering each request with the next canned reply, `step` bytes per
-    send; a None after a reply closes the connection right after it. Bounded: every socket
-    has a timeout."""
+    send; a None after a reply closes the connection right after it (else it stays open until
+    the client closes it). Bounded: every socket has a timeout."""
 
     def __init__(self, replies: list[bytes | None], step: int = 1 << 20) -> None:
         self.replies = list(replies)
@@ -477,6 +477,8 @@ class CannedServer:
                         if self.replies and self.replies[0] is None:
                             self.replies.pop(0)
                             break
+                    else:  # the last reply sent: the connection stays open until the client closes it
+                        conn.recv(1)
         except OSError:
             pass
 
