@@ -16,7 +16,8 @@ TCP transport, MC_STORE_MEMCPY=0 so a local read still goes through the transpor
 private network namespace (`unshare -n`, loopback only) together with a second quilld, measures
 both single-threaded in turn (order swapped each round, so both see the same machine load) and
 prints Mooncake's put_from / get_into / batch_put_from / batch_get_into next to quilld's put /
-get_into / put_blocks / get_many_into. If any of that is not possible on the machine, it says
+get_into / put_blocks / get_many_into, and put_from also next to a put_blocks of one block and a
+raw RESP SET (one sendmsg, no client library: what quilld itself costs a put). If any of that is not possible on the machine, it says
 exactly why and skips the section.
 """
 
@@ -27,6 +28,7 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -279,8 +281,38 @@ class MooncakeSide:
         self.store.batch_remove(keys, True)
 
 
+class RawResp:
+    """A raw RESP client, as small as one can be: SET as one sendmsg of the command's header, the
+    caller's bytes and CRLF (no copy), then its `+OK` read back. What quilld itself costs a put."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def set(self, key: str, data: np.ndarray) -> None:
+        view = memoryview(data).cast("B")
+        k = key.encode()
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(k), k, view.nbytes)
+        pieces = [head, view, b"\r\n"]
+        sent = self.sock.sendmsg(pieces)  # a blocking socket takes it all but for a signal
+        for piece in pieces:  # what a partial send left, in order
+            n = len(piece)
+            if sent < n:
+                self.sock.sendall(memoryview(piece)[sent:])
+            sent = max(0, sent - n)
+        reply = self.sock.recv(64)
+        while not reply.endswith(b"\r\n"):
+            reply += self.sock.recv(64)
+        if reply != b"+OK\r\n":
+            raise RuntimeError(f"SET answered {reply!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class QuilldSide:
-    """The same four operations with QuillClient: put, get_into, put_blocks, get_many_into."""
+    """The same four operations with QuillClient: put, get_into, put_blocks, get_many_into; over
+    TCP also one block per put_blocks call and a raw RESP SET (`extra`)."""
 
     def __init__(self, qc, size: int, batch: int, src: np.ndarray, dst: np.ndarray, tag: str) -> None:
         self.qc, self.batch = qc, batch
@@ -291,9 +323,18 @@ class QuilldSide:
             raise RuntimeError("put_blocks did not store every block")
         if qc.get_many_into(self.keys, self.dst) != [size] * batch or not np.array_equal(src, dst):
             raise RuntimeError("get_many_into returned other sizes or other bytes")
+        self.raw: RawResp | None = None
 
     def put(self, keys: list[str], i: int) -> None:
         self.qc.put(keys[i], self.src[i % self.batch])
+
+    def put_one(self, keys: list[str], i: int) -> None:
+        self.qc.put_blocks({keys[i]: self.src[i % self.batch]})
+
+    def raw_put(self, keys: list[str], i: int) -> None:
+        if self.raw is None:
+            self.raw = RawResp(self.qc.config.host, self.qc.config.port)
+        self.raw.set(keys[i], self.src[i % self.batch])
 
     def get(self, i: int) -> None:
         self.qc.get_into(self.keys[i % self.batch], self.dst[i % self.batch])
@@ -307,6 +348,9 @@ class QuilldSide:
     def drop(self, keys: list[str]) -> None:
         for lo in range(0, len(keys), 256):
             self.qc.delete(*keys[lo:lo + 256])
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = None
 
 
 def mooncake_child(rounds: int, budget: int, batch: int) -> None:
@@ -352,13 +396,17 @@ def mooncake_child(rounds: int, budget: int, batch: int) -> None:
                     serial[0] += 1
                     put_keys = [f"p:{serial[0]}:{i}" for i in range(ops)]
                     bput_keys = [f"b:{serial[0]}:{i}" for i in range(batches * batch)]
+                    one_keys = [f"o:{serial[0]}:{i}" for i in range(ops)]
+                    raw_keys = [f"r:{serial[0]}:{i}" for i in range(ops)]
+                    extra = (("put one", partial(side.put_one, one_keys), ops, size),
+                             ("raw put", partial(side.raw_put, raw_keys), ops, size)) if who == "quilld" else ()
                     for op, fn, count, unit in (("put", partial(side.put, put_keys), ops, size),
                                                 ("get", side.get, ops, size),
                                                 ("batch put", partial(side.batch_put, bput_keys), batches,
                                                  size * batch),
-                                                ("batch get", side.batch_get, batches, size * batch)):
+                                                ("batch get", side.batch_get, batches, size * batch), *extra):
                         results.setdefault(f"{who}|{size}|{op}", []).append(gbps(count * unit, timed(fn, count)))
-                    side.drop(put_keys + bput_keys + side.keys)
+                    side.drop(put_keys + bput_keys + side.keys + (one_keys + raw_keys if extra else []))
                 for arr in (src, dst):
                     store.unregister_buffer(arr.ctypes.data)
         qc.close()
@@ -402,6 +450,10 @@ def print_mooncake(mc: dict, batch: int) -> None:
         for op in ("put", "get", "batch put", "batch get"):
             m, q = mc[("mooncake", size, op)], mc[("quilld", size, op)]
             print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
+        m = mc[("mooncake", size, "put")]
+        for op, name in (("put one", "put_from / put_blocks (x1)"), ("raw put", "put_from / raw RESP SET")):
+            q = mc[("quilld", size, op)]
+            print(f"| {human(size)} | {name} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
     print("\nquilld over shared memory (same host, mapped arena) vs Mooncake Store's TCP transport, same run\n")
     print("| block | Mooncake op / quilld op | Mooncake | quilld shm | quilld shm/Mooncake |")
     print("|---|---|---:|---:|---:|")

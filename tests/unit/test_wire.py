@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import os
 import re
 import socket
 import threading
@@ -609,3 +610,90 @@ def test_get_into_malformed_replies_are_protocol_errors_and_close_the_socket(rep
     (err, hit), created = raw_get([reply, b"$2\r\nhi\r\n"], [bytearray(4), bytearray(4)])
     assert type(err) is ClientProtocolError and re.search(match, str(err)), err
     assert hit == 2 and created == 2  # the broken socket was not reused
+
+
+def test_raw_send_completes_a_partial_sendmsg_byte_for_byte():
+    """Pieces far larger than both socket buffers: sendmsg takes part of them, send() goes on
+    from the exact byte where it stopped, in order, until everything is through."""
+    from quillclient.zerocopy import RawConnection
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    a.settimeout(10)
+    b.settimeout(10)
+    pieces = [b"*3\r\n$3\r\nSET\r\n", memoryview(os.urandom(3 * 1024 * 1024 + 5)), b"\r\n", memoryview(b"x" * 70001),
+              b"tail"]
+    want = b"".join(bytes(p) for p in pieces)
+    got = bytearray()
+
+    def drain():
+        while len(got) < len(want):
+            chunk = b.recv(7919)  # small reads: the sender meets a full buffer again and again
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    conn = RawConnection.__new__(RawConnection)  # the socket alone: no server to set up with
+    conn.sock = a
+    calls = []
+    real = a.sendmsg
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(a, name)
+
+        def sendmsg(self, buffers):
+            sent = real(buffers)
+            calls.append(sent)
+            return sent
+
+    conn.sock = Spy()
+    try:
+        conn.send(pieces)
+        reader.join(timeout=20)
+    finally:
+        a.close()
+        b.close()
+    assert bytes(got) == want
+    assert len(calls) > 1 and sum(calls) == len(want)  # partial sends happened, each resumed exactly
+
+
+def test_put_sends_set_with_the_callers_bytes_and_reads_its_reply():
+    from quillclient.config import ClientConfig
+    from quillclient.errors import CommandError
+    from quillclient.zerocopy import RawPool, put
+
+    seen = []
+
+    class Recording(CannedServer):
+        def _run(self) -> None:
+            try:
+                conn, _ = self.sock.accept()
+                conn.settimeout(10)
+                with conn:
+                    for reply in self.replies:
+                        data = b""
+                        while not data.endswith(b"\r\n" + payload + b"\r\n") and not data.endswith(b"PX\r\n$4\r\n1500\r\n"):
+                            data += conn.recv(1 << 20)
+                        seen.append(data)
+                        conn.sendall(reply)
+                    conn.recv(1)
+            except OSError:
+                pass
+
+    payload = bytes(range(256)) * 300
+    server = Recording([b"+OK\r\n", b"-ERR no room\r\n"])
+    pool = RawPool(ClientConfig(port=server.port, socket_timeout=10))
+    try:
+        put(pool, "k", memoryview(bytearray(payload)))
+        with pytest.raises(CommandError, match="no room"):
+            put(pool, b"k2", payload, 1500)
+        assert pool.created == 1  # an error reply keeps the socket
+    finally:
+        pool.close()
+        server.close()
+    assert seen[0] == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$76800\r\n" + payload + b"\r\n"
+    assert seen[1] == b"*5\r\n$3\r\nSET\r\n$2\r\nk2\r\n$76800\r\n" + payload + b"\r\n$2\r\nPX\r\n$4\r\n1500\r\n"

@@ -254,8 +254,7 @@ class QuillClient:
 
     def put(self, key: str | bytes, data: Any, *, ttl: float | None = None) -> None:
         """Store `data` (any buffer: bytes, bytearray, numpy array, mmap) under `key`, replacing it."""
-        args: tuple = ("SET", key, data) if ttl is None else ("SET", key, data, "PX", max(1, int(ttl * 1000)))
-        self._call(lambda: self._redis.execute_command(*args))
+        zerocopy.put(self._raw, key, data, None if ttl is None else max(1, int(ttl * 1000)))
 
     def get(self, key: str | bytes) -> bytes | None:
         """The block as a new bytes object, None on a miss. `get_into` avoids the copies."""
