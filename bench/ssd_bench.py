@@ -704,6 +704,8 @@ def main() -> int:
                     help="64 KiB blocks written (about twice the arena) for the delete/overwrite test")
     ap.add_argument("--skip-deletes", action="store_true")
     ap.add_argument("--quick", action="store_true", help="256 blocks, no recovery or delete tests")
+    ap.add_argument("--levers", action="store_true", help="also the SSD tier alone in this process, per lever "
+                    "(O_DIRECT or not, I/O threads, pipelining, a second pass), each round")
     ap.add_argument("--direct-io", choices=("true", "false"), help="quilld's ssd.direct_io (default: its own)")
     ap.add_argument("--io-threads", type=int, help="quilld's ssd.io_threads (default: its own)")
     ap.add_argument("--keep", action="store_true", help="keep the directory (and quilld's logs) afterwards")
@@ -729,6 +731,7 @@ def main() -> int:
     try:
         raw, raw_small, raw_read, dd, direct_ok = [], [], [], [], True
         raw_share, small_share, best = [], [], []
+        levers: dict[str, list[tuple[float, float, float]]] = {}
         rows = []
         # the demoter's batch in practice: at least a quarter of the arena per group commit (tiering._pick)
         small_group = DRAM_BYTES // 4 // MiB * MiB
@@ -748,6 +751,10 @@ def main() -> int:
                      f"pwrite+fdatasync per 64 MiB {raw[-1]:.0f} MB/s, per {small_group // MiB} MiB "
                      f"{raw_small[-1]:.0f} MB/s ({small_share[-1] * 100:.0f}% in fdatasync); "
                      f"random 1 MiB preads {raw_read[-1]:.2f} GB/s")
+            if a.levers:
+                for name, v in tier_levers(base, a.blocks, small_group).items():
+                    levers.setdefault(name, []).append((v[0], v[1], v[0] / best[-1]))
+                progress(f"round {rnd}: levers " + "; ".join(f"{k}: {v[-1][0]:.0f} MB/s" for k, v in levers.items()))
             rows.append(demotion_round(base, a.blocks, body, rnd, can_drop, io_env))
             rows[-1]["paired"] = rows[-1]["demote_MBps"] / best[-1]
         rec = None if a.skip_recovery else recovery(base, a.recovery_blocks, a.rounds, can_drop)
@@ -790,6 +797,14 @@ def main() -> int:
                                       ("get_on_warm", "SSD GET, promote_on_read on, second pass", dg, "B")):
             v = med(rows, key)
             print(f"| {label} | {v:.2f} GB/s | {v / ref:.2f}x {name} | |")
+        if levers:
+            print(f"\nthe SSD tier alone, in the bench's process: {a.blocks} x 1 MiB from page-aligned memory, "
+                  f"batches of {small_group // MiB} MiB, write_blocks + commit (ratios: per round against C)\n")
+            print("| lever | median | fdatasync share | ratio to C |")
+            print("|---|---:|---:|---:|")
+            for name, vals in levers.items():
+                print(f"| {name} | {statistics.median(v[0] for v in vals):,.0f} MB/s | "
+                      f"{statistics.median(v[1] for v in vals) * 100:.0f}% | {statistics.median(v[2] for v in vals):.2f}x |")
         paired = ", ".join(f"{row['paired']:.2f}" for row in rows)  # against C, the best raw peer
         print(f"\ndemoter: avg batch {med(rows, 'batch_MiB'):.1f} MiB, {med(rows, 'fsyncs'):.0f} fsyncs averaging "
               f"{med(rows, 'fsync_avg_ms'):.1f} ms = {med(rows, 'fsync_share') * 100:.0f}% of demote_usec; busy "

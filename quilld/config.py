@@ -128,7 +128,7 @@ class SsdConfig:
     group_commit_bytes: int = 64 * MiB
     checkpoint_wal_bytes: int = 64 * MiB
     flush_progress_s: float = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
-    direct_io: bool = True  # block writes with O_DIRECT where the file system allows it (buffered elsewhere)
+    direct_io: bool = False  # block writes with O_DIRECT where the file system allows it (README "SSD tier")
     io_threads: int = 4  # threads writing a demotion batch's blocks in parallel
 
 

@@ -173,7 +173,7 @@ class SsdTier:
     the disk until `recover`."""
 
     def __init__(self, directory: str, size: int, segment_size: int, *,
-                 checkpoint_wal_bytes: int = 64 << 20, fsync: bool = True, direct_io: bool = True,
+                 checkpoint_wal_bytes: int = 64 << 20, fsync: bool = True, direct_io: bool = False,
                  io_threads: int = 4) -> None:
         if segment_size < PAGE or segment_size % PAGE:
             raise ConfigError(f"ssd segment_size must be a positive multiple of {PAGE}")

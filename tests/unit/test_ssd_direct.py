@@ -77,6 +77,7 @@ def round_trip(path: Path, **kw) -> tuple[str, dict]:
     returns the tier's I/O mode and the values."""
     rng = random.Random(7)
     values = {}
+    kw.setdefault("direct_io", True)
     tier = SsdTier(str(path), 4 * SEG, SEG, fsync=True, **kw)
     tier.recover()
     mode = tier.stats()["io_mode"]
@@ -135,7 +136,7 @@ def test_direct_io_off_is_buffered(tmp_path):
 def test_io_threads_write_the_same_bytes(tmp_path, threads):
     """Many adjacent blocks in one batch are cut into runs written by the I/O threads."""
     rng = random.Random(threads)
-    tier = SsdTier(str(tmp_path), 4 * SEG, SEG, fsync=True, io_threads=threads)
+    tier = SsdTier(str(tmp_path), 4 * SEG, SEG, fsync=True, io_threads=threads, direct_io=threads > 1)
     tier.recover()
     values = {b"k%03d" % i: rng.randbytes(rng.choice([1, PAGE - 1, PAGE + 1, 200_000])) for i in range(60)}
     write(tier, [(k, aligned(v) if i % 2 else v) for i, (k, v) in enumerate(values.items())])
