@@ -330,17 +330,32 @@ def main() -> int:
             ratio = "" if name.endswith(" GET") else f"  {p50 / get:.2f}x GET (target <= 2x)"
             print(f"  {name:<38} p50 {p50:7.1f} us  p99 {p99:7.1f} us{ratio}")
     if args.plot:
-        figures += [(name.replace(" ", "\n", 1), p50, p99) for name, (p50, p99) in resp.items()]
-        plot(args.plot, figures, (hits, unsafe, guarded, refused), resident)
+        plot(args.plot, figures, resp, (hits, unsafe, guarded, refused), resident)
     return 0
 
 
-def plot(path: str, figures: list[tuple[str, float, float]], collisions: tuple[int, int, int, int],
-         resident: int) -> None:
+FORMS = (("JSON", ("ROUTE json",)), ("HASHES", ("ROUTE HASHES",)), ("PACKED", ("ROUTE PACKED", "route()")),
+         ("PACKED COMPACT", ("ROUTE PACKED COMPACT", "route(candidates=False)")))
+
+
+def plot(path: str, figures: list[tuple[str, float, float]], resp: dict[str, tuple[float, float]],
+         collisions: tuple[int, int, int, int], resident: int) -> None:
     hits, unsafe, guarded, refused = collisions
-    panels = [Panel(f"ROUTE, {REQUEST_BLOCKS} blocks x {ENGINES} engines", [f[0] for f in figures],
-                    {"p50": [f[1] for f in figures], "p99": [f[2] for f in figures]}, "microseconds",
-                    bar_colors=[COLORS[1], COLORS[3]]),
+    clients = ("redis-py", "raw", "quillclient")
+
+    def ratio(client: str, names: tuple[str, ...]) -> float:
+        for name in names:
+            if f"{client} {name}" in resp:
+                return resp[f"{client} {name}"][0] / resp[f"{client} GET"][0]
+        return 0.0
+
+    ratios = {form: [ratio(c, names) for c in clients] for form, names in FORMS}
+    panels = [Panel(f"ROUTE in process, {REQUEST_BLOCKS} blocks x {ENGINES} engines", [f[0] for f in figures],
+                    {"p50": [f[1] for f in figures], "p99": [f[2] for f in figures]}, "microseconds (log)",
+                    logy=True, bar_colors=[COLORS[1], COLORS[3]]),
+              Panel("over RESP: ROUTE's p50 / GET's p50, same connection (target <= 2x)",
+                    ["redis-py", "plain socket\n(hiredis)", "quillclient\n(get(), route())"], ratios,
+                    "x GET", bar_colors=list(COLORS[:4])),
               Panel("collision workload: hits served across identities",
                     ["naive content-hash\ncache", "quilld (scoped)"],
                     {"hits": [hits, guarded], "across identities": [unsafe, 0], "refused": [0, refused]},
