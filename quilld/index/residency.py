@@ -78,6 +78,9 @@ class ResidencyIndex:
         self._holders: list[str] = []  # holder number -> name
         self._holder_no: dict[str, int] = {}
         self._counts: list[int] = []  # slot -> number of blocks with that bit set
+        # the router's scratch for this index (router._idle): built from holder numbers, which
+        # are this index's own and never change
+        self.router_memo: dict = {}
 
     # -- holders ------------------------------------------------------------
     def _slot(self, holder: str, tier: CacheTier | str) -> int:

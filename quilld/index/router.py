@@ -261,19 +261,20 @@ def _pick(candidates: list[Candidate], walks: list[list[Step]], best: int, n: in
 # The common request: no pool to fetch from and no engine with a request in flight. Then every
 # engine lacking the first block scores the same as in the last such request of the same size,
 # so those candidates (shared tuples, never mutated) and the cheapest of them are kept, with
-# which engine each holder number is, per engine list and number of holders known.
+# which engine each holder number is, per engine list and number of holders known, in the
+# index's `router_memo` (holder numbers are the index's own).
 _COLD_MAX = 1024
-_cold: dict[tuple, tuple[list[Candidate], int, dict[int, int]]] = {}
 
 
 def _idle(index: ResidencyIndex, tag: bytes, masks: list[int], first: int, engines: list[str], cold: float,
           per_request: float, scale: float, decode_blocks: float, n: int,
           w: CostWeights) -> tuple[list[Candidate], list[list[Step]], int]:
     key = (tuple(engines), index.holder_count(), cold, per_request)
-    kept = _cold.get(key)
+    memo = index.router_memo
+    kept = memo.get(key)
     if kept is None:
-        if len(_cold) >= _COLD_MAX:
-            _cold.clear()
+        if len(memo) >= _COLD_MAX:
+            memo.clear()
         cost = cold + per_request * 0
         idle = [Candidate(e, 0, 0.0, cost, 0) for e in engines]
         best = 0
@@ -285,7 +286,7 @@ def _idle(index: ResidencyIndex, tag: bytes, masks: list[int], first: int, engin
             no = index.holder_no(e)
             if no is not None:
                 position.setdefault(no, i)
-        kept = _cold[key] = (idle, best, position)
+        kept = memo[key] = (idle, best, position)
     idle, best, position = kept
     candidates = list(idle)
     walks = [_NO_STEPS] * len(engines)

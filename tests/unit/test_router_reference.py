@@ -85,3 +85,24 @@ def test_choose_matches_the_reference(seed):
     blocks = chain + ([rng.getrandbits(64)] if rng.random() < 0.3 else [])
     d = choose(index, TAG, blocks, engines, pool, in_flight, decode, w)
     assert (d.engine, d.cost, d.candidates, d.plan) == reference(index, blocks, engines, pool, in_flight, decode, w)
+
+
+def test_two_indexes_numbering_their_holders_differently_decide_apart():
+    """What the router keeps between requests belongs to one index: holder numbers differ between
+    indexes (here e1 is holder 0 in one and holder 1 in the other)."""
+    blocks = [1, 2, 3]
+    one, other = ResidencyIndex(), ResidencyIndex()
+    for b in blocks:
+        one.put(TAG, b, "e1", "hbm")
+    other.put(TAG, 99, "e1", "hbm")  # e1 is numbered first here too, then e2 holds the request
+    for b in blocks:
+        other.put(TAG, b, "e2", "hbm")
+    flipped = ResidencyIndex()
+    flipped.put(TAG, 99, "e2", "hbm")
+    for b in blocks:
+        flipped.put(TAG, b, "e1", "hbm")
+    w = CostWeights()
+    for index, want in ((one, "e1"), (other, "e2"), (flipped, "e1"), (one, "e1")):
+        d = choose(index, TAG, blocks, ["e1", "e2"], [], {}, 0.0, w)
+        assert d.engine == want and d.plan == [Step("hit", want, CacheTier.HBM)] * 3
+        assert (d.engine, d.cost, d.candidates, d.plan) == reference(index, blocks, ["e1", "e2"], [], {}, 0.0, w)
