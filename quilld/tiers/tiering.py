@@ -252,19 +252,20 @@ class Tiering:
     async def _demoter(self) -> None:
         store = self.store
         while not self._stopping:
-            try:
-                await asyncio.wait_for(self._wake.wait(), DEMOTE_INTERVAL)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait_for_work()
             self._wake.clear()
             try:
+                if self._committing is not None and self._committing.done():
+                    await self._drain()  # its outcome (and any error) is taken here
                 while self.active and not self._stopping and (
                         store.used - self._inflight > store.high_bytes or self._pressure):
                     self._pressure = False
                     if not await self._start_batch():
                         break
-                await self._drain()
+                # the last batch's commit may still run: the next wake-up starts the next batch
+                # at once (overlapping it), or collects the commit
                 if self.active and self.ssd.needs_checkpoint():
+                    await self._drain()
                     n = await self._checkpoint()
                     if n is not None:
                         self.stats["checkpoints"] += 1
@@ -277,6 +278,15 @@ class Tiering:
                 log.exception("ssd demotion failed")
                 await asyncio.sleep(0.5)
         await self._drain()
+
+    async def _wait_for_work(self) -> None:
+        """Until a wake-up, the commit in flight ends, or DEMOTE_INTERVAL passes."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        waits = {wake} if self._committing is None else {wake, self._committing}
+        try:
+            await asyncio.wait(waits, timeout=DEMOTE_INTERVAL, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
 
     def _failed(self, e: Exception) -> None:
         self.stats["failures"] += 1
