@@ -173,9 +173,10 @@ LEVERS = {  # name: (SsdTier options, pipelined: the next batch written while th
     "buffered, 1 thread, serial (format 2's pattern)": (dict(direct_io=False, io_threads=1), False, False),
     "O_DIRECT, 1 thread, serial": (dict(direct_io=True, io_threads=1), False, False),
     "O_DIRECT, 4 threads, serial": (dict(direct_io=True, io_threads=4), False, False),
-    "buffered, 4 threads, pipelined": (dict(direct_io=False, io_threads=4), True, False),
-    "O_DIRECT, 4 threads, pipelined (quilld's default)": (dict(direct_io=True, io_threads=4), True, False),
-    "same, second pass (extents written before)": (dict(direct_io=True, io_threads=4), True, True),
+    "buffered, 4 threads, pipelined (quilld's default)": (dict(direct_io=False, io_threads=4), True, False),
+    "O_DIRECT, 4 threads, pipelined": (dict(direct_io=True, io_threads=4), True, False),
+    "O_DIRECT, 4 threads, pipelined, second pass (extents written before)": (dict(direct_io=True, io_threads=4),
+                                                                             True, True),
     "buffered, 4 threads, pipelined, second pass": (dict(direct_io=False, io_threads=4), True, True),
 }
 
