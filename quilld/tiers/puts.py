@@ -17,6 +17,7 @@ writing into it): it waits one more lease length in quarantine.
 from __future__ import annotations
 
 import bisect
+import re
 import secrets
 import time
 
@@ -25,6 +26,9 @@ import crc32c
 from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle
 from quilld.tiers.block import Block
 from quilld.tiers.keyspace import Keyspace
+
+
+HANDLE_FORM = re.compile(rb"[0-9a-f]{16,64}")  # a client-chosen handle (PUT2PHASE BEGIN ... HANDLE h)
 
 
 class Put:
@@ -91,16 +95,23 @@ class TwoPhasePuts:
         self.aborted = 0
 
     def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None,
-              bhash: int | bytes | None = None, in_place: bool = False) -> bytes | None:
+              bhash: int | bytes | None = None, in_place: bool = False, handle: bytes | None = None) -> bytes | None:
         """A new handle, or None when the key is already complete (idempotent success).
-        `in_place`: the client writes the bytes itself (see `region`), COMMIT carries the CRC."""
+        `in_place`: the client writes the bytes itself (see `region`), COMMIT carries the CRC.
+        `handle`: one the client chose (HANDLE_FORM), so it can pipeline DATA and COMMIT right
+        behind BEGIN in one round trip; refused while a put holds it."""
+        if handle is not None:
+            if not HANDLE_FORM.fullmatch(handle):
+                raise CommandError("HANDLE must be 16 to 64 lowercase hex digits")
+            if handle in self.open:
+                raise CommandError("HANDLE is in use by an open put: choose another")
         if self.store.contains(tag, key):
             return None
         lease = self.default_lease_ms if lease_ms is None else lease_ms
         if not 0 < lease <= self.max_lease_ms:
             raise CommandError(f"LEASE must be within 1..{self.max_lease_ms} ms")
         block = self.store.reserve(nbytes, tenant) if nbytes else None
-        handle = secrets.token_hex(12).encode()
+        handle = handle or secrets.token_hex(12).encode()
         put = Put(handle, tag, key, tenant, block, nbytes, time.monotonic() + lease / 1000)
         put.bhash = bhash
         put.in_place = in_place

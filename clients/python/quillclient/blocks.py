@@ -12,9 +12,10 @@ A round reserves space for a group of blocks (`put_round_bytes` at most):
 3. COMMIT with the CRC32C, pipelined: the server checks every byte arrived and
    the checksum, then publishes each block whole.
 
-A round of at most `chunk_size` bytes in all (small blocks) skips the threads:
-its DATA and COMMIT commands go in one pipeline on the calling thread, which
-saves a round trip (one connection runs its commands in order).
+A round of at most `chunk_size` bytes in all (a single put, small blocks) skips
+the threads and goes in ONE round trip: the client chooses each put's handle
+(`PUT2PHASE BEGIN ... HANDLE h`), so every BEGIN, DATA and COMMIT is pipelined
+on the calling thread (one connection runs its commands in order).
 
 On any failure the round's handles still open are aborted (best effort; a
 handle nobody aborts is reclaimed when its lease runs out) and the first error
@@ -28,6 +29,7 @@ handle is gone by then (the first one went through), the key's existence decides
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -102,6 +104,9 @@ def put_blocks(client: QuillClient, items: Iterable | Mapping, chunk_size: int, 
 def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], chunk_size: int,
                parallelism: int, lease_ms: int | None) -> None:
     lease = ("LEASE", lease_ms) if lease_ms is not None else ()
+    if sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size and _put_at_once(
+            client, blocks, lo, hi, stored, lease):
+        return
     replies = client._pipeline([("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease)
                                 for i in range(lo, hi)])
     handles: dict[int, bytes] = {}
@@ -125,6 +130,57 @@ def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
         _abort(client, handles.values())
         raise
     _commit(client, blocks, handles, crcs, stored)
+
+
+def _put_at_once(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], lease: tuple) -> bool:
+    """A round of at most chunk_size bytes in ONE round trip: handles chosen here (`HANDLE`), so
+    every BEGIN, DATA and COMMIT goes in one pipeline. A key already complete answers BEGIN with
+    `+EXISTS` and its DATA and COMMIT with NOHANDLE (its payload read and dropped by the server).
+
+    False when the connection was lost on the way (what went through is unknown): the handles
+    are aborted, the keys now present count as stored, and the caller goes the long way for the
+    rest (a BEGIN answered EXISTS then, for a key stored here, is one of ours).
+    """
+    order = list(range(lo, hi))
+    handles = {i: secrets.token_hex(12) for i in order}
+    crcs = {i: crc32c.crc32c(blocks[i][1]) for i in order}
+    commands: list[tuple] = []
+    for i in order:
+        key, data = blocks[i]
+        commands.append(("PUT2PHASE", "BEGIN", key, data.nbytes, *lease, "HANDLE", handles[i]))
+        if data.nbytes:
+            commands.append(("PUT2PHASE", "DATA", handles[i], 0, data))
+        commands.append(("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]))
+    try:
+        replies = iter(client._pipeline(commands, idempotent=False))
+    except QuillConnectionError:
+        _abort(client, handles.values())
+        for i in order:
+            stored[i] = client.exists(blocks[i][0])
+        return all(stored[i] for i in order)
+    error: Exception | None = None
+    still_open = []
+    for i in order:
+        begun = next(replies)
+        data = next(replies) if blocks[i][1].nbytes else None
+        committed = next(replies)
+        if _is_exists(begun):
+            continue  # complete already: kept, not stored (its DATA and COMMIT found no handle)
+        if isinstance(begun, Exception):
+            error = error or begun
+            continue
+        if isinstance(data, Exception):
+            error = error or data
+        if isinstance(committed, Exception):
+            error = error or committed
+            if not isinstance(committed, NoHandle):
+                still_open.append(handles[i])  # CHECKSUM and INCOMPLETE leave the put open
+        else:
+            stored[i] = True
+    if error is not None:
+        _abort(client, still_open)
+        raise error
+    return True
 
 
 def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], stored: list[bool],

@@ -60,12 +60,12 @@ def release_args(c, args: list) -> None:
 
 
 def _put2phase_begin(c, args):
-    if not 4 <= len(args) <= 9:
+    if not 4 <= len(args) <= 11:
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
     if nbytes < 0 or nbytes > c.ctx.cfg.server.proto_max_bulk_len:
         raise CommandError(f"block size must be within 0..{c.ctx.cfg.server.proto_max_bulk_len} bytes")
-    lease = bhash = None
+    lease = bhash = handle = None
     in_place = False
     i = 4
     while i < len(args):
@@ -80,13 +80,15 @@ def _put2phase_begin(c, args):
             lease = parse_int(args[i + 1])
         elif opt == b"HASH" and bhash is None:
             bhash = parse_block_hash(text(args[i + 1]))
+        elif opt == b"HANDLE" and handle is None:  # chosen by the client: DATA and COMMIT pipelined behind
+            handle = bytes(args[i + 1])
         else:
             raise CommandError("syntax error")
         i += 2
     if in_place:
         check_map(c, "PUT2PHASE BEGIN ... SHM")
     puts = c.puts
-    handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place)
+    handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place, handle)
     if handle is None:
         return EXISTS
     return [handle, puts.region(puts.open[handle])] if in_place else handle
@@ -187,7 +189,7 @@ def cmd_locate(c, args):
 
 def register(t: CommandTable) -> None:
     t.add("put2phase", -3, WRITE, cmd_put2phase,
-          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] | DATA handle offset bytes | "
+          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] [HANDLE h] | DATA handle offset bytes | "
           "COMMIT handle [CRC32C crc] | ABORT handle.", "quillcache", "0.1.0")
     t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
           "quillcache", "0.1.0", keys=(1, 1, 1))

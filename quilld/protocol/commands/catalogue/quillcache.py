@@ -54,6 +54,7 @@ QUILLCACHE = {
                     A("ms", "integer", token="LEASE", flags="optional"),
                     A("blockhash", "string", token="HASH", flags="optional"),
                     A("shm", "pure-token", token="SHM", flags="optional"),
+                    A("h", "string", token="HANDLE", flags="optional"),
                 )),
                 A("data", "block", token="DATA", args=(
                     A("handle", "string"), A("offset", "integer"), A("bytes", "string"),
