@@ -11,8 +11,8 @@ Files in `directory`:
                           nothing on the tier is trusted: recovery starts empty
 
 Publish order is object first: `write_blocks` writes each block's head (header and
-identity, not yet COMMITTED) and payload, page-aligned, from the I/O threads (O_DIRECT
-where the file system allows it: ssd_files.py); `commit` fdatasyncs each segment the
+identity, not yet COMMITTED) and payload, page-aligned, from the I/O threads (with
+`direct_io`, O_DIRECT where the file system allows it: ssd_files.py); `commit` fdatasyncs each segment the
 batch touched, appends the batch's PUT records to the WAL as one log record (replayed
 all or none), fdatasyncs it once, and then marks the heads COMMITTED (no sync: a
 checkpoint syncs them before it drops the records); only then may the loop `publish`

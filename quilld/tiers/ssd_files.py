@@ -20,10 +20,11 @@ names its key file: format 1 had none, format 2 kept `tier.key`, format 3 keeps
 `tier-v3.key`, so a directory of format 1 or 2 starts empty under format 3 (and says
 so: RecoveryReport.key_error), and one of format 3 starts empty under format 2.
 
-Block writes go through a second descriptor per segment opened with O_DIRECT where the
-file system allows it (`open_segments` probes it with one aligned page in a scratch file;
-tmpfs refuses O_DIRECT at open): the payload moves from DRAM to the device without the
-page cache. Where it does not, both descriptors are plain ones (`io_mode` says which).
+With ssd.direct_io on, block writes go through a second descriptor per segment opened with
+O_DIRECT where the file system allows it (`open_segments` probes it with one aligned page
+in a scratch file; tmpfs before Linux 6.6 refuses O_DIRECT at open): the payload moves from
+DRAM to the device without the page cache. Otherwise both descriptors are the plain ones
+(`io_mode` says which, and why).
 Reads, scrubs and COMMITTED marks use the plain descriptor: a scrub or mark is a whole
 page, so the page cache never reads before it writes, and the kernel writes such a
 cached page back (and drops it) before a later O_DIRECT write to the same range.
