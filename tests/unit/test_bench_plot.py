@@ -107,8 +107,12 @@ def test_cluster_events_gateway_route_alloc(saved):
     bench("gateway_bench").plot("x.png", {"direct": [1.0, 2.0], "gateway": [2.0, 3.0]},
                                 {"direct": [1000.0], "gateway": [400.0]}, args)
     assert saved[-1]["panels"][1].labels == ["1.00x", "0.40x"]
-    bench("route_bench").plot("x.png", [("in-process", 80.0, 300.0)], (30_400, 28_333, 0, 16_696), 623_000)
-    assert saved[-1]["panels"][1].series["across identities"] == [28_333, 0]
+    resp = {"redis-py GET": (40.0, 80.0), "redis-py ROUTE json": (70.0, 140.0),
+            "raw GET": (20.0, 40.0), "raw ROUTE PACKED": (50.0, 90.0)}
+    bench("route_bench").plot("x.png", [("in-process", 80.0, 300.0)], resp, (30_400, 28_333, 0, 16_696), 623_000)
+    ratios = saved[-1]["panels"][1].series
+    assert ratios["JSON"] == [1.75, 0.0, 0.0] and ratios["PACKED"] == [0.0, 2.5, 0.0], ratios
+    assert saved[-1]["panels"][2].series["across identities"] == [28_333, 0]
     bench("alloc_bench").plot("x.png", [(2.0, 500, 0.2)], 1_000_000)
     assert saved[-1]["panels"][0].series == {"ops/s": [500_000.0]}
 
