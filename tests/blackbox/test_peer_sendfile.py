@@ -84,6 +84,7 @@ def test_the_pin_is_held_until_the_peer_sends_its_next_command(pair):
     ra.set("sf:pin", value)
     s = peer_socket(pair[0].port)
     try:
+        asked = time.monotonic()
         s.sendall(PEERGET % (6, b"sf:pin"))
         head = b"*2\r\n:"
         got = read_exactly(s, len(head))
@@ -92,7 +93,9 @@ def test_the_pin_is_held_until_the_peer_sends_its_next_command(pair):
         while not line.endswith(b"\r\n$1048576\r\n"):
             line += s.recv(1)
         assert read_exactly(s, MiB + 2) == value + b"\r\n"
-        assert held(ra) > 0  # sent by sendfile: the kernel may still hand these pages to the reader
+        pinned = held(ra)
+        if time.monotonic() - asked < 1.5:  # within SENT_HOLD (2 s) of the send, however slow the machine
+            assert pinned > 0  # sent by sendfile: the kernel may still hand these pages to the reader
         s.sendall(b"*1\r\n$4\r\nPING\r\n")
         assert read_exactly(s, 7) == b"+PONG\r\n"
         assert held(ra) == 0
