@@ -139,9 +139,17 @@ def quilld_factory(tmp_path):
         stop_process(q.proc)
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "shared_node: the module's tests get one quilld and one redis-server for "
+                            "the whole module (emptied before each test) as `quilld` and `redis_server`")
+
+
 @pytest.fixture
-def quilld(quilld_factory) -> Quilld:
-    """A fresh quilld with a 256 MiB arena."""
+def quilld(request, quilld_factory) -> Quilld:
+    """A fresh quilld with a 256 MiB arena; in a module marked `shared_node`, the module's one
+    (see `shared_quilld`)."""
+    if request.node.get_closest_marker("shared_node"):
+        return request.getfixturevalue("shared_quilld")
     return quilld_factory("--dram", "256MiB")
 
 
@@ -158,7 +166,7 @@ def module_quilld(tmp_path_factory):
 def shared_quilld(module_quilld, tmp_path_factory) -> Quilld:
     """The module's one quilld, as a fresh one looks to a test of the default scope: no keys
     (FLUSHALL), no command, error or latency statistics (CONFIG RESETSTAT). A module whose tests
-    need no fresh process opts in with `quilld = shared_quilld`-style fixtures; a test that stops,
+    need no fresh process opts in with `pytestmark = pytest.mark.shared_node`; a test that stops,
     kills or reconfigures its node, or that counts what every connection adds up, uses
     `quilld_factory`. One that leaves it dead fails at teardown, and the next test gets a new one."""
     q = module_quilld[-1]
@@ -214,8 +222,12 @@ def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1
 
 
 @pytest.fixture
-def redis_server(tmp_path):
-    """A real redis-server on a free port, for byte-for-byte comparisons."""
+def redis_server(request, tmp_path):
+    """A real redis-server on a free port, for byte-for-byte comparisons; in a module marked
+    `shared_node`, the module's one, emptied for each test."""
+    if request.node.get_closest_marker("shared_node"):
+        yield request.getfixturevalue("shared_redis_server")
+        return
     port, proc = start_redis(tmp_path)
     try:
         yield port

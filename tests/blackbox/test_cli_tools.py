@@ -16,22 +16,10 @@ import pytest
 from conftest import require_tool
 
 
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
-
-
-@pytest.fixture
-def redis_server(shared_redis_server):
-    """One redis-server for the module, emptied for each test."""
-    return shared_redis_server
-
-
 RUN_TIMEOUT = 30.0
 BENCH_RE = re.compile(r"(?:^|[\r\n])\s*(SET|GET): ([0-9.]+) requests per second")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.shared_node]  # one quilld and one redis-server for the module
 
 
 def cli(port: int, *args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT):

@@ -14,17 +14,7 @@ import pytest
 from conftest import same_reply
 from quillwire.encode import encode_command
 
-
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
-
-
-@pytest.fixture
-def redis_server(shared_redis_server):
-    """One redis-server for the module, emptied for each test."""
-    return shared_redis_server
+pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
 
 
 # Replies that differ by nature (ids, versions, timings) are kept out of the scripts.

@@ -32,17 +32,11 @@ import redis
 import redis.asyncio as aioredis
 
 
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
-
-
 CHUNK = 32 * 1024 * 1024  # one LMCache KV chunk, as `$33554432`
 IO_TIMEOUT = 20.0  # bound on any single socket wait
 TEST_DEADLINE = 45.0  # bound on any hand-written receive loop
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.shared_node]  # one quilld and one redis-server for the module
 
 
 def chunk_key(i: int, model: str = "meta-llama/Llama-3.1-8B-Instruct") -> str:

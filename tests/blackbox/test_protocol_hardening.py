@@ -20,17 +20,7 @@ import redis
 
 from conftest import assert_alive, cmd, exchange, raw_exchange, start_redis, stop_process, wait_until
 
-
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
-
-
-@pytest.fixture
-def redis_server(shared_redis_server):
-    """One redis-server for the module, emptied for each test."""
-    return shared_redis_server
+pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
 
 
 MiB = 1024 * 1024

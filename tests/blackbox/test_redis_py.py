@@ -9,11 +9,7 @@ import threading
 import pytest
 import redis
 
-
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
+pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
 
 
 @pytest.fixture(params=[2, 3], ids=["resp2", "resp3"])

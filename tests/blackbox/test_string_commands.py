@@ -26,17 +26,7 @@ import redis
 from conftest import require_tool, same_reply, ssd_node, stop_process, tiers_of, wait_held, wait_until
 from test_compat import run_script
 
-
-@pytest.fixture
-def quilld(shared_quilld):
-    """One quilld for the module, emptied for each test: these tests need no fresh process."""
-    return shared_quilld
-
-
-@pytest.fixture
-def redis_server(shared_redis_server):
-    """One redis-server for the module, emptied for each test."""
-    return shared_redis_server
+pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
 
 
 KiB, MiB = 1024, 1024 * 1024
