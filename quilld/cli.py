@@ -102,8 +102,15 @@ class EarlySignal(Exception):
     """A stop signal that arrived before the event loop took the signals over."""
 
 
+_early_received: list[str] = []  # stop signals taken by _early_signal, even if its exception was swallowed
+
+
 def _early_signal(signum: int, frame) -> None:
-    raise EarlySignal(signal.Signals(signum).name)
+    # The exception can land inside code that swallows it (a logging handler's emit, say), so the
+    # signal is also recorded: _serve acts on it once the loop has taken the signals over.
+    name = signal.Signals(signum).name
+    _early_received.append(name)
+    raise EarlySignal(name)
 
 
 async def _serve(cfg, make_node: Callable[[], Node]) -> None:
@@ -132,6 +139,8 @@ async def _serve(cfg, make_node: Callable[[], Node]) -> None:
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    if _early_received:  # one arrived before, and its EarlySignal did not reach main()
+        on_signal(signal.Signals[_early_received[0]])
     try:
         try:
             await starting
