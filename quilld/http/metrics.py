@@ -120,10 +120,12 @@ FEED_HELP = {
 SSD_GAUGES = ("ssd_enabled", "ssd_capacity", "ssd_used", "ssd_keys", "ssd_failed", "ssd_dirty_bytes", "ssd_wal_bytes",
               "ssd_last_checkpoint", "ssd_fsync_last_ms", "ssd_fsync_avg_ms", "ssd_fsync_max_ms", "recovery_blocks",
               "recovery_dropped_corrupt", "recovery_wal_stops", "recovery_wal_records", "recovery_checkpoint_errors",
-              "recovery_scanned_blocks", "recovery_scrubbed", "recovery_ms")
+              "recovery_scanned_blocks", "recovery_scrubbed", "recovery_ms", "ssd_io_threads",
+              "ssd_demote_inflight_bytes")
 SSD_COUNTERS = ("ssd_fsyncs", "demotions", "demoted_bytes", "demote_batches", "demote_usec", "demoted_clean",
                 "promotions", "checkpoints", "failures", "ssd_reads", "ssd_read_bytes", "ssd_read_corrupt",
-                "ssd_read_errors", "ssd_evictions", "ssd_copies_dropped", "ssd_deletes", "delete_syncs", "ssd_scrubbed")
+                "ssd_read_errors", "ssd_evictions", "ssd_copies_dropped", "ssd_deletes", "delete_syncs", "ssd_scrubbed",
+                "ssd_fsync_total_ms", "ssd_write_total_ms")
 SSD_HELP = {
     "ssd_capacity": "SSD tier capacity in bytes.", "ssd_used": "SSD tier bytes in use.",
     "ssd_keys": "Values whose only copy is on SSD.", "ssd_failed": "1 once the SSD tier has failed.",
