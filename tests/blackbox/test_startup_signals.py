@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 MiB = 1024 * 1024
 WRITTEN = 24_000  # values written; all but what the 16 MiB arena holds (about 4,000) are demoted to SSD
-SSD_SIZE, SEGMENT = 160 * MiB, 32 * MiB
+SSD_SIZE, SEGMENT = 256 * MiB, 32 * MiB  # 20,000 demoted blocks of 2 pages each (head page + payload page)
 SSD_ENV = {"QUILLD_SSD_SEGMENT_SIZE": str(SEGMENT), "QUILLD_DRAM_INLINE_MAX": "0"}
 WAIT = 60.0  # seconds any one step may take on a slow, shared machine
 
