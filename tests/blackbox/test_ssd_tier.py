@@ -77,9 +77,15 @@ def test_blocks_seen_on_ssd_survive_sigkill_at_random_moments(tmp_path, nodes):
 
         t = threading.Thread(target=writer)
         t.start()
-        kill_at = time.monotonic() + rng.uniform(0.8, 2.5)
+        # the kill lands at a random moment once this round has put blocks on SSD (at least 5,
+        # waited for up to 60 s however slow the machine), so every round proves something
+        kill_after = rng.uniform(0.0, 1.5)
+        kill_at, deadline = None, time.monotonic() + 60
         watcher = redis.Redis(port=q.port, socket_timeout=5)
-        while time.monotonic() < kill_at:
+        while kill_at is None or time.monotonic() < kill_at:
+            if kill_at is None and (sum(k.startswith(f"r{rnd}:") for k in seen_on_ssd) >= 5
+                                    or time.monotonic() > deadline or not t.is_alive()):
+                kill_at = time.monotonic() + kill_after
             for key in [k for k in list(written) if k.startswith(f"r{rnd}:") and k not in seen_on_ssd]:
                 try:
                     if "ssd" in tiers_of(watcher, key):
