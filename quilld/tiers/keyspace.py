@@ -18,11 +18,26 @@ second dict in the lower tier's LRU order. A key is in exactly one of the
 two dicts. A Block whose bytes are also in the lower tier (written by
 demotion but still pinned, or promoted back by a read) keeps that entry in
 `block.lower`: evicting it from DRAM then loses nothing.
+
+This module keeps what every GET and SET goes through (`lookup`, `get`, `reserve`,
+`write_view`, `publish`, delete, eviction and the accounting behind them), so that path
+makes no call it did not make before. The rest lives beside it, each on its own seam:
+
+- expiry.py: `Expiry`, the TTL deadlines (`expires` here is its dict) and the heap the
+  periodic sweep reads; the TTL verbs below are built on it.
+- scope_keys.py: `ScopeKeys`, each enumerated scope's key array and SCAN's cursor rules;
+  `keys_matching`, `scan` and `random_key` below read it, `_added`/`_removed` keep it.
+- value_parts.py (mixin `ValueParts`): `size`, `read_slice`, `write_range`.
+- renames.py (mixin `Renames`): `rename`, `copy`.
+- tier_moves.py (mixin `TierMoves`): `demoted`, `promoted`, `adopt`, `below_only`,
+  `bring_back`.
+
+The mixins hold no state: they are methods of `Keyspace` kept in their own files, built on
+its primitives and fields, and callers reach them as `keyspace.write_range(...)` as before.
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 import time
 from collections import Counter, OrderedDict
@@ -36,24 +51,14 @@ from quilld.model import CacheTier, Pending, Pinned
 from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.arena import NO_SPACE, DramArena
 from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.expiry import Expiry, now_ms
+from quilld.tiers.renames import Renames
+from quilld.tiers.scope_keys import ScopeKeys
 from quilld.tiers.tier import LowerTier
+from quilld.tiers.tier_moves import TierMoves
+from quilld.tiers.value_parts import ValueParts
 
 LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already in the lower tier before waiting for it
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def _zero(view: memoryview) -> None:
-    """Fill `view` with zero bytes, a MiB at a time (no buffer the size of the view)."""
-    step = len(_ZEROS)
-    for i in range(0, len(view), step):
-        part = view[i:i + step]
-        part[:] = _ZEROS[:len(part)]
 
 
 class KeyFacts(NamedTuple):
@@ -66,7 +71,7 @@ class KeyFacts(NamedTuple):
     dram_bytes: int  # DRAM the value holds: its bytes inline, whole pages in the arena, 0 below DRAM
 
 
-class Keyspace:
+class Keyspace(ValueParts, Renames, TierMoves):
     def __init__(self, cfg: DramConfig, scopes: ScopeRegistry, max_unfilled: int = 0) -> None:
         """`max_unfilled`: bytes one tenant's unfilled reservations may hold (0: a quarter of the arena)."""
         self.cfg = cfg
@@ -85,15 +90,16 @@ class Keyspace:
         self.lower: OrderedDict[bytes, Any] = OrderedDict()  # keys only in the lower tier -> its entry
         self.lower_tier: LowerTier | None = None  # the tier below DRAM (tiering.py installs the SSD tier)
         self.on_free: Any = None  # called when arena space is given back (wakes writers waiting for it)
-        self.expires: dict[bytes, int] = {}
-        self._expiry_heap: list[tuple[int, bytes]] = []
+        self.ttls = Expiry()  # TTLs and their heap (expiry.py)
+        self.expires = self.ttls.at  # full key -> when it expires: read here with no call in between
         self.per_scope: Counter[bytes] = Counter()
-        # the keys of each scope that was ever enumerated (KEYS, SCAN, RANDOMKEY), in an array
-        # with swap-remove (see `scan`), built at its first enumeration and kept up to date from
-        # then on while the scope has keys; `_slot` is a key's index in its scope's array. A node
-        # nobody enumerates pays nothing for it: no memory, one truth test per new or gone key.
-        self._scope_keys: dict[bytes, list[bytes]] = {}
-        self._slot: dict[bytes, int] = {}
+        # the keys of each scope that was ever enumerated (KEYS, SCAN, RANDOMKEY), in arrays laid
+        # out by scope_keys.py; `_added`/`_removed` keep them up to date through these two names
+        # for its dicts, inline: a node nobody enumerates pays one truth test per new or gone key,
+        # and one that does pays no call
+        self.enumerated = ScopeKeys()
+        self._scope_keys = self.enumerated.arrays
+        self._slot = self.enumerated.slot
         self.used = 0  # arena bytes held (whole pages) plus inline value bytes
         self.inline_bytes = 0
         self.block_count = 0  # published blocks in the keyspace
@@ -464,194 +470,9 @@ class Keyspace:
             elif fk in self.lower:
                 yield fk, self.lower_tier.tier, self.lower[fk].length, bhash
 
-    # -- parts of a value, read and written in place (GETRANGE, SETRANGE, APPEND, bits) ---
-    def size(self, tag: bytes, key: bytes) -> int | None:
-        """The length of `key`'s value wherever it lives; None when missing. Not counted as a read."""
-        if not self.contains(tag, key):
-            return None
-        fk = tag + key
-        value = self.data.get(fk)
-        return len(value if value is not None else self.lower[fk])
-
-    def read_slice(self, tag: bytes, key: bytes, span: Callable[[int], tuple[int, int]]):
-        """Bytes `lo:hi` of `key`'s value, `(lo, hi) = span(length)` with 0 <= lo and hi <= length.
-
-        An inline value gives bytes; an arena block a `Pinned` view of just that slice, no copy
-        of the block (release it when sent: until then the block is neither freed nor written in
-        place, see `write_range`); a value only below DRAM a `Pending` read resolving to the
-        same; a missing key None. An empty slice is b"".
-        """
-        value = self.lookup(tag, key)
-        t = value.__class__
-        if t is bytes:
-            lo, hi = span(len(value))
-            return value[lo:hi]
-        if t is Block:
-            lo, hi = span(value.length)
-            if lo >= hi:
-                return b""
-            self.pin(value)
-            return Pinned(self.arena.view(value.handle, hi)[lo:], lambda: self.unpin(value))
-        if value is None:
-            return None
-        return Pending(self._slice_below(self.lower_tier.read(value), span))  # read() pins the entry now
-
-    @staticmethod
-    async def _slice_below(read: Any, span: Callable[[int], tuple[int, int]]):
-        pinned = await read
-        if pinned is None:  # it failed verification: the value is gone
-            return None
-        lo, hi = span(len(pinned.view))
-        if lo >= hi:
-            pinned.release()
-            return b""
-        return Pinned(pinned.view[lo:hi], pinned.release)
-
-    def write_range(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                    fn: Callable[[memoryview], Any]) -> Any:
-        """Change bytes `offset:offset+n` of `key`'s value where it lies; returns `fn`'s result.
-
-        The value is first made at least `offset + n` bytes long, padded with zero bytes (a
-        missing key is created, unless that length is 0); `offset=None` means its end (an
-        append). Then `fn(view)` gets a writable view of the whole value; it may read all of it
-        but write only those `n` bytes, and must not keep the view. The TTL is kept.
-
-        - An inline value is rebuilt; past `dram.inline_max` bytes it moves to a new arena block.
-        - An arena block no reader pins is written in place, no copy of it made, if it keeps its
-          pages (it may grow into its last page's slack). Its CRC is forgotten, and a copy in
-          the lower tier is stale, so it is dropped: whoever acknowledges the write waits for
-          `take_unsynced()` first.
-        - A pinned block (a reply being sent, a peer's RDMA lease, a demotion being written) is
-          never written under its readers: the change goes to a copy published in its place
-          (copy-on-write), and they keep the old bytes until they release them. Likewise a
-          block that must grow past its pages.
-        - A value only below DRAM is read back into a DRAM block first (keeping its lower copy,
-          as a promoting read does): a `Pending` is returned, resolving to `fn`'s result.
-          With `n == 0` that alone happens, and nothing is written anywhere.
-
-        OutOfMemory is raised before anything changes.
-        """
-        fk = tag + key
-        value = self.data.get(fk)
-        if value is None:
-            if fk in self.lower:
-                return Pending(self._write_below(tag, key, offset, n, fn))
-        elif self.expires and fk in self.expires and self.expires[fk] <= now_ms():
-            self._unlink(fk)
-            self.stats["expired"] += 1
-            value = None
-        is_block = value.__class__ is Block
-        if n == 0:  # nothing is written: no copy, nothing forgotten
-            if is_block:
-                return fn(self.arena.view(value.handle, value.length))
-            return fn(memoryview(value or b""))
-        old = 0 if value is None else len(value)
-        new = max(old, (old if offset is None else offset) + n)
-        if not is_block:
-            return self._rebuilt(tag, key, value or b"", new, fn)
-        if not value.pins and page_extent(new) == page_extent(old):
-            view = self.arena.view(value.handle, new)
-            if new > old:
-                _zero(view[old:])
-                value.length = new
-            result = fn(view)
-            self._rewritten(fk, value)
-            return result
-        self.pin(value)  # copy-on-write: making room must not evict the source
-        try:
-            return self._rebuilt(tag, key, self.arena.view(value.handle, old), new, fn)
-        finally:
-            self.unpin(value)
-
-    def _rebuilt(self, tag: bytes, key: bytes, src: Any, new: int, fn: Callable[[memoryview], Any]) -> Any:
-        """Publish a new value of `new` bytes: `src`, zero bytes up to `new`, then changed by `fn`."""
-        had = len(src)
-        if new <= self.inline_max:
-            buf = bytearray(new)
-            buf[:had] = src
-            result = fn(memoryview(buf))
-            self.publish(tag, key, bytes(buf), keep_ttl=True)
-            return result
-        block = self.reserve(new)
-        try:
-            view = self.write_view(block)
-            view[:had] = src
-            _zero(view[had:])
-            result = fn(view)
-        except BaseException:
-            self.discard(block)
-            raise
-        self.publish(tag, key, block, keep_ttl=True)
-        return result
-
-    def _rewritten(self, fk: bytes, block: Block) -> None:
-        """`block` (resident, unpinned) was changed in place: its CRC and lower copy are stale."""
-        block.crc = None
-        block.last_access = time.time()
-        if block.lower is not None:
-            self.lower_tier.drop(block.lower)
-            block.lower = None
-            self.unsynced = True
-        if self.listener is not None:
-            if self.tracked:
-                self._forget(fk)  # its bytes changed: no longer the engine block it was published as
-            self.tracked[fk] = None
-            self.listener.placed(fk, CacheTier.DRAM, block.length, None)
-        self.data.move_to_end(fk)
-        self.writes += 1
-
-    async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                           fn: Callable[[memoryview], Any]) -> Any:
-        await self.bring_back(tag, key)
-        result = self.write_range(tag, key, offset, n, fn)  # in DRAM now, unless changed meanwhile
-        return await result.awaitable if result.__class__ is Pending else result
-
-    # -- moves between tiers (driven by the lower tier's policy, e.g. tiering.py) -------
-    def demoted(self, fk: bytes, block: Block, entry: Any) -> None:
-        """`block` (unpinned, resident) now lives only in the lower tier as `entry`: free its DRAM.
-
-        The key leaves the DRAM LRU (keeping its TTL-free life) and joins the lower tier's LRU.
-        """
-        self.data.pop(fk, None)  # eviction has already popped it
-        self.lower[fk] = entry
-        block.lower = None
-        self.block_count -= 1
-        self._free(block)
-        if self.listener is not None:
-            if fk not in self.tracked:
-                self.tracked[fk] = None
-            self.listener.placed(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
-
-    def promoted(self, fk: bytes, block: Block, entry: Any) -> None:
-        """A read brought `entry` back into DRAM as `block` (keeping the lower copy)."""
-        del self.lower[fk]
-        self.reserved_blocks -= 1
-        self.held_bytes -= page_extent(block.length)
-        block.to(BlockState.RESIDENT)
-        block.last_access = time.time()
-        block.lower = entry
-        block.crc = entry.crc  # verified by the read
-        self.block_count += 1
-        self.data[fk] = block
-        if self.listener is not None and fk in self.tracked:
-            self.listener.placed(fk, CacheTier.DRAM, block.length, self.tracked[fk])
-
-    def adopt(self, fk: bytes, entry: Any) -> None:
-        """A value found in the lower tier at start (recovery) joins the keyspace."""
-        self.lower[fk] = entry
-        self._added(fk)
-        if self.listener is not None:
-            self.tracked[fk] = None
-            self.listener.placed(fk, self.lower_tier.tier, entry.length, None)
-
-    # -- expiry ------------------------------------------------------------
+    # -- TTLs (EXPIRE, TTL, PERSIST, the periodic sweep): expiry.py keeps the deadlines --
     def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
-        fk = tag + key
-        self.expires[fk] = at_ms
-        heapq.heappush(self._expiry_heap, (at_ms, fk))
-        if len(self._expiry_heap) > 64 and len(self._expiry_heap) > 2 * len(self.expires):
-            self._expiry_heap = [(at, k) for k, at in self.expires.items()]
-            heapq.heapify(self._expiry_heap)
+        self.ttls.set(tag + key, at_ms)
 
     def ttl_ms(self, tag: bytes, key: bytes) -> int:
         """-2 when missing, -1 when it never expires, else the milliseconds left."""
@@ -660,55 +481,11 @@ class Keyspace:
         at = self.expires.get(tag + key)
         return -1 if at is None else max(0, at - now_ms())
 
-    def sweep_expired(self, limit: int = 1000) -> int:
-        """Remove up to `limit` keys whose time has come (called periodically)."""
-        heap, now, n = self._expiry_heap, now_ms(), 0
-        while heap and heap[0][0] <= now and n < limit:
-            at, fk = heapq.heappop(heap)
-            if self.expires.get(fk) == at:
-                self._unlink(fk)
-                self.stats["expired"] += 1
-                n += 1
-        return n
-
-    # -- the generic keyspace: TTL changes, enumeration, renames and copies ---------
     def expire_time(self, tag: bytes, key: bytes) -> int:
         """-2 when missing, -1 when it never expires, else when it expires (unix ms)."""
         if not self.contains(tag, key):
             return -2
         return self.expires.get(tag + key, -1)
-
-    def below_only(self, tag: bytes, key: bytes) -> bool:
-        """Whether `key`'s only copy is in the tier below DRAM (see `bring_back`)."""
-        return tag + key in self.lower
-
-    async def bring_back(self, tag: bytes, key: bytes, space_freed: Any = None, wait_s: float = 5.0) -> None:
-        """Read a value kept only below DRAM back into the arena, keeping the lower copy as
-        `block.lower` (as a promoting read does). The lower tier keeps no TTLs and its copies
-        are stored under their key, so EXPIRE, RENAME and COPY work on the DRAM copy.
-
-        While the arena is full of blocks the lower tier is about to take, waits up to
-        `wait_s` for room (`space_freed(timeout)` returns when some is freed), then raises
-        OutOfMemory."""
-        fk = tag + key
-        entry = self.lower.get(fk)
-        if entry is None:
-            return
-        data = await self.lower_tier.read_bytes(entry)  # verified against entry.crc
-        deadline = time.monotonic() + wait_s
-        while True:
-            if self.lower.get(fk) is not entry:
-                return  # deleted, overwritten or promoted meanwhile: the caller looks again
-            try:
-                block = self.reserve(len(data))
-                break
-            except OutOfMemory:
-                if space_freed is None or time.monotonic() > deadline or not self.space_may_free():
-                    raise
-                self.lower_tier.wake()
-                await space_freed(0.01)
-        self.write_view(block)[:] = data
-        self.promoted(fk, block, entry)
 
     def set_ttl(self, tag: bytes, key: bytes, at_ms: int) -> bool:
         """Make the DRAM value of `key` expire at `at_ms`; False when it has none.
@@ -733,36 +510,35 @@ class Keyspace:
             return False
         return self.expires.pop(tag + key, None) is not None
 
-    def _expired_now(self, fk: bytes, now: int) -> bool:
-        at = self.expires.get(fk)
-        return at is not None and at <= now
+    def sweep_expired(self, limit: int = 1000) -> int:
+        """Remove up to `limit` keys whose time has come (called periodically)."""
+        due, now, n = self.ttls.next_due, now_ms(), 0
+        while n < limit:
+            fk = due(now)
+            if fk is None:
+                break
+            self._unlink(fk)
+            self.stats["expired"] += 1
+            n += 1
+        return n
 
+    # -- enumeration (KEYS, SCAN, RANDOMKEY): scope_keys.py keeps the arrays ---------
     def _keys_of(self, tag: bytes) -> list[bytes]:
         """Scope `tag`'s key array, built by one pass over the keyspace at its first use."""
-        keys = self._scope_keys.get(tag)
-        if keys is None:
-            if not self.per_scope.get(tag):
-                return []
-            keys = [fk for fk in self.data if fk[:TAG_LEN] == tag]
-            keys += [fk for fk in self.lower if fk[:TAG_LEN] == tag]
-            slot = self._slot
-            for i, fk in enumerate(keys):
-                slot[fk] = i
-            self._scope_keys[tag] = keys
-        return keys
+        return self.enumerated.of(tag, self.per_scope.get(tag, 0), self.data, self.lower)
 
     def keys_matching(self, tag: bytes, match: Callable[[bytes], bool] | None = None) -> list[bytes]:
         """Scope `tag`'s live keys (without the tag) that `match` accepts (all when None)."""
         keys = self._keys_of(tag)
         if not keys:
             return []
-        expires, now, cut = self.expires, now_ms(), TAG_LEN
+        expires, expired, now, cut = self.expires, self.ttls.expired, now_ms(), TAG_LEN
         out = []
         for fk in keys:
             key = fk[cut:]
             if match is not None and not match(key):
                 continue
-            if expires and self._expired_now(fk, now):
+            if expires and expired(fk, now):
                 continue
             out.append(key)
         return out
@@ -771,32 +547,21 @@ class Keyspace:
              keep: Callable[[bytes], bool] | None = None) -> tuple[int, list[bytes]]:
         """One step of a scan of scope `tag`: (next cursor, keys), 0 once the scan is over.
 
-        Each scope keeps its keys in an array; a key removed leaves its slot to the
-        scope's last key (swap-remove) and a new key is appended, so a key's index only
-        ever goes down. A cursor `c` means "the slots below `c` are left" (0 starts at the
-        top: every slot is left) and a step visits the `count` slots just below it. A key
-        present for the whole scan starts below the first cursor and only moves lower, so
-        it is returned; one added meanwhile may or may not be, one moved by a removal may
-        be returned twice. LRU reordering, tier moves and TTLs never move a key. A scope's
-        array is built at its first enumeration with every key it has then, so a key present
-        for the whole scan is in it.
-        Keys that `keep` accepts and that have expired are reclaimed, as redis's SCAN does.
+        Which keys a scan returns, and why a key present for the whole scan is returned,
+        is told at `ScopeKeys.window` (scope_keys.py). Keys that `keep` accepts and that
+        have expired are reclaimed, as redis's SCAN does.
         """
         keys = self._keys_of(tag)
         if not keys:
             return 0, []
-        n = len(keys)
-        top = n if cursor == 0 or cursor > n else cursor
-        low = max(0, top - count)
-        window = keys[low:top]
-        window.reverse()
+        low, window = self.enumerated.window(keys, cursor, count)
         out = []
-        expires, now, cut = self.expires, now_ms(), TAG_LEN
+        expires, expired, now, cut = self.expires, self.ttls.expired, now_ms(), TAG_LEN
         for fk in window:
             key = fk[cut:]
             if keep is not None and not keep(key):
                 continue
-            if expires and self._expired_now(fk, now):
+            if expires and expired(fk, now):
                 self._unlink(fk)  # its slot goes to a key at or above `low`: visited or new
                 self.stats["expired"] += 1
                 continue
@@ -809,76 +574,13 @@ class Keyspace:
         now = now_ms()
         while keys:
             fk = keys[random.randrange(len(keys))]
-            if self.expires and self._expired_now(fk, now):
+            if self.expires and self.ttls.expired(fk, now):
                 self._unlink(fk)
                 self.stats["expired"] += 1
                 keys = self._scope_keys.get(tag)
                 continue
             return fk[TAG_LEN:]
         return None
-
-    def rename(self, tag: bytes, src: bytes, dst: bytes, nx: bool = False) -> int:
-        """Move `src`'s value (and TTL) to `dst` in the same scope, replacing `dst` unless `nx`.
-
-        -1 when `src` is missing, 0 when `nx` and `dst` exists (or `nx` and the names are
-        the same), 1 when done. `src` must be in DRAM (see `bring_back`). A block's copy in
-        the lower tier is stored under the old name: it is dropped (`take_unsynced()`).
-        """
-        fk, nk = tag + src, tag + dst
-        if not self.contains(tag, src):
-            return -1
-        if fk == nk:
-            return 0 if nx else 1
-        if self.contains(tag, dst):
-            if nx:
-                return 0
-            if self._unlink(nk):
-                self.unsynced = True
-        value = self.data.pop(fk)
-        at = self.expires.pop(fk, None)
-        was_tracked = fk in self.tracked
-        bhash = self.tracked.get(fk)
-        if was_tracked:
-            self._forget(fk)
-        if value.__class__ is Block and self.lower_tier is not None:
-            if value.lower is not None:
-                self.lower_tier.drop(value.lower)
-                value.lower = None
-                self.unsynced = True
-            elif value.pins and self.lower_tier.writing(value):
-                self.unsynced = True  # the demotion in flight writes it under the old name
-        self.data[nk] = value
-        self._added(nk)
-        self._removed(fk)
-        if at is not None:
-            self.set_expire(tag, dst, at)
-        if self.listener is not None and (was_tracked or value.__class__ is Block):
-            self.tracked[nk] = bhash
-            self.listener.placed(nk, CacheTier.DRAM, len(value), bhash)
-        return 1
-
-    def copy(self, tag: bytes, src: bytes, dst: bytes, replace: bool = False) -> bool:
-        """Copy `src`'s value (and TTL) to `dst` in the same scope; False when `src` is
-        missing, or `dst` exists and not `replace`. `src` must be in DRAM (see `bring_back`);
-        a block is copied into a new block (OutOfMemory when none fits)."""
-        value = self.lookup(tag, src)
-        if value is None:
-            return False
-        if not replace and self.contains(tag, dst):
-            return False
-        at = self.expires.get(tag + src)
-        if value.__class__ is Block:
-            self.pin(value)  # making room must not evict the source
-            try:
-                dup = self.reserve(value.length)
-                self.write_view(dup)[:] = self.view(value)
-            finally:
-                self.unpin(value)
-            value = dup
-        self.publish(tag, dst, value)
-        if at is not None:
-            self.set_expire(tag, dst, at)
-        return True
 
     def facts(self, tag: bytes, key: bytes, expire: bool = True) -> KeyFacts | None:
         """What is known of `key`'s value, without counting a read or refreshing its LRU
@@ -907,7 +609,7 @@ class Keyspace:
         per_scope[tag] = n + 1
         if not n:
             self.scopes.hold(tag)
-        if self._scope_keys:
+        if self._scope_keys:  # some scope was enumerated: keep its array (scope_keys.py) up to date
             keys = self._scope_keys.get(tag)
             if keys is not None:
                 self._slot[fk] = len(keys)
@@ -926,10 +628,10 @@ class Keyspace:
         tag = fk[:TAG_LEN]
         if self._scope_keys:
             keys = self._scope_keys.get(tag)
-            if keys is not None:
+            if keys is not None:  # swap-remove: the scope's last key takes the freed slot
                 i = self._slot.pop(fk)
                 last = keys.pop()
-                if i < len(keys):  # the scope's last key takes the freed slot (see `scan`)
+                if i < len(keys):
                     keys[i] = last
                     self._slot[last] = i
                 elif not keys:
