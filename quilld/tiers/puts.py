@@ -3,7 +3,8 @@
 BEGIN reserves arena space and returns a handle; DATA writes a range; COMMIT
 checks that every byte arrived (and the CRC32C when given) and publishes the
 block atomically; ABORT or an expired lease gives the space back. Nothing is
-visible before COMMIT. A DATA payload that is being received straight into
+visible before COMMIT. PUT does all three at once for a block sent whole in
+one command with its CRC32C (`put_whole`): no handle, one reply. A DATA payload that is being received straight into
 the block holds a writer count, so the space is never reused under it.
 
 An in-place put (`in_place`, the shared-memory path) is filled by a same-host
@@ -188,6 +189,32 @@ class TwoPhasePuts:
             store.publish(put.tag, put.key, put.block, bhash=put.bhash)
         store.scopes.drop(put.tag)  # the published key holds the scope now
         self.committed += 1
+
+    def put_whole(self, tag: bytes, key: bytes, tenant: str, value: bytes | Block, crc: int,
+                  bhash: int | bytes | None = None) -> bool:
+        """BEGIN, DATA and COMMIT in one step (PUT2PHASE PUT): `value` is the whole block, already
+        received (into a reserved arena block, or as bytes). Published only if its CRC32C is `crc`;
+        False, and nothing changed, when the key is already complete (idempotent success). A
+        reserved block this does not publish is the caller's to give back."""
+        store = self.store
+        if store.contains(tag, key):
+            return False
+        view = store.view(value) if value.__class__ is Block else memoryview(value)
+        actual = crc32c.crc32c(view)
+        if actual != crc:
+            raise ChecksumMismatch(f"put refused: crc32c is {actual}, the client said {crc}")
+        if value.__class__ is not Block or value.length <= store.inline_max:
+            stored: bytes | Block = bytes(view)  # small: kept inline (a reserved block is given back)
+            if len(stored) > store.inline_max:
+                stored = store.reserve(len(view), tenant)
+                store.write_view(stored)[:] = view
+                stored.crc = crc
+        else:
+            value.crc = crc  # verified above
+            stored = value
+        store.publish(tag, key, stored, bhash=bhash)
+        self.committed += 1
+        return True
 
     def abort(self, put: Put) -> None:
         self._drop(put)

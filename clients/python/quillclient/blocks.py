@@ -35,14 +35,17 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import crc32c
-from quillwire.encode import as_readable
+from quillwire.encode import as_readable, pack_command
+from quillwire.reply import Bulk, ReplyError, Status
 
-from quillclient.errors import NoHandle, QuillConnectionError, QuillError
+from quillclient.errors import NoHandle, ProtocolError, QuillConnectionError, QuillError, QuillTimeout, from_wire
 
 if TYPE_CHECKING:
     from quillclient.client import QuillClient
 
 _MAX_PIPELINE = 128  # DATA commands per round trip within a lane
+_WINDOW = 128  # puts sent before their replies are read: those replies (under ~150 bytes a put,
+#                an error's text included) always fit the socket buffers, so neither side can stall
 
 
 def _is_exists(reply: Any) -> bool:
@@ -103,10 +106,9 @@ def put_blocks(client: QuillClient, items: Iterable | Mapping, chunk_size: int, 
 
 def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], chunk_size: int,
                parallelism: int, lease_ms: int | None) -> None:
-    lease = ("LEASE", lease_ms) if lease_ms is not None else ()
-    if sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size and _put_at_once(
-            client, blocks, lo, hi, stored, lease):
+    if sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size and _put_whole(client, blocks, lo, hi, stored):
         return
+    lease = ("LEASE", lease_ms) if lease_ms is not None else ()
     replies = client._pipeline([("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease)
                                 for i in range(lo, hi)])
     handles: dict[int, bytes] = {}
@@ -121,7 +123,7 @@ def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
         raise error
     if not handles:
         return
-    if sum(blocks[i][1].nbytes for i in handles) <= chunk_size:
+    if all(blocks[i][1].nbytes <= chunk_size for i in handles):
         _put_small(client, blocks, handles, stored, chunk_size, parallelism)
         return
     try:
@@ -132,60 +134,94 @@ def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
     _commit(client, blocks, handles, crcs, stored)
 
 
-def _put_at_once(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], lease: tuple) -> bool:
-    """A round of at most chunk_size bytes in ONE round trip: handles chosen here (`HANDLE`), so
-    every BEGIN, DATA and COMMIT goes in one pipeline. A key already complete answers BEGIN with
-    `+EXISTS` and its DATA and COMMIT with NOHANDLE (its payload read and dropped by the server).
+def _put_whole(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool]) -> bool:
+    """A round of blocks of at most chunk_size each, one `PUT2PHASE PUT key CRC32C crc bytes` per
+    block (BEGIN, DATA and COMMIT at once: one command and one reply to parse instead of three),
+    pipelined on one raw socket, `_WINDOW` puts to a `sendmsg` batch (the blocks are the caller's
+    memory, never copied or joined), then their replies read. The server publishes a block only
+    whole and with the right CRC32C; a key already complete answers `+EXISTS` (not stored).
 
-    False when the connection was lost on the way (what went through is unknown): the handles
-    are aborted, the keys now present count as stored, and the caller goes the long way for the
-    rest (a BEGIN answered EXISTS then, for a key stored here, is one of ours).
+    False when the connection was lost on the way (what went through is unknown): the keys now
+    present count as stored, and the caller goes the long way for the rest.
     """
     order = list(range(lo, hi))
-    handles = {i: secrets.token_hex(12) for i in order}
-    crcs = {i: crc32c.crc32c(blocks[i][1]) for i in order}
-    commands: list[tuple] = []
-    for i in order:
-        key, data = blocks[i]
-        commands.append(("PUT2PHASE", "BEGIN", key, data.nbytes, *lease, "HANDLE", handles[i]))
-        if data.nbytes:
-            commands.append(("PUT2PHASE", "DATA", handles[i], 0, data))
-        commands.append(("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]))
     try:
-        replies = iter(client._pipeline(commands, idempotent=False))
+        replies = _raw_pipeline(client, [("PUT2PHASE", "PUT", blocks[i][0], "CRC32C", crc32c.crc32c(blocks[i][1]),
+                                          blocks[i][1]) for i in order])
     except QuillConnectionError:
-        _abort(client, handles.values())
         for i in order:
             stored[i] = client.exists(blocks[i][0])
         return all(stored[i] for i in order)
     error: Exception | None = None
-    still_open = []
-    for i in order:
-        begun = next(replies)
-        data = next(replies) if blocks[i][1].nbytes else None
-        committed = next(replies)
-        if _is_exists(begun):
-            continue  # complete already: kept, not stored (its DATA and COMMIT found no handle)
-        if isinstance(begun, Exception):
-            error = error or begun
-            continue
-        if isinstance(data, Exception):
-            error = error or data
-        if isinstance(committed, Exception):
-            error = error or committed
-            if not isinstance(committed, NoHandle):
-                still_open.append(handles[i])  # CHECKSUM and INCOMPLETE leave the put open
-        else:
+    for i, reply in zip(order, replies):
+        if isinstance(reply, Exception):
+            error = error or reply
+        elif not _is_exists(reply):
             stored[i] = True
     if error is not None:
-        _abort(client, still_open)
         raise error
     return True
 
 
+def _raw_pipeline(client: QuillClient, commands: list[tuple]) -> list:
+    """Replies to `commands` (errors as exception objects), pipelined on one raw socket, never
+    retried: `_WINDOW` commands packed into one `sendmsg` batch (large arguments stay the caller's
+    memory), then their replies read, then the next window."""
+
+    def request(conn) -> list:
+        out = []
+        for w in range(0, len(commands), _WINDOW):
+            part = commands[w:w + _WINDOW]
+            conn.send([piece for cmd in part for piece in pack_command(*cmd)])
+            out += [_reply(conn) for _ in part]
+        return out
+
+    return _on_raw_socket(client, request)
+
+
+def _reply(conn) -> Any:
+    """The next reply on a raw socket: a status as bytes, a bulk's payload dropped (BEGIN's
+    handle, known already), a server error as its typed exception object."""
+    event = conn.next_event()
+    if type(event) is Bulk:
+        if event.depth:
+            raise ProtocolError(f"unexpected array reply in a put pipeline: {event!r:.60}")
+        conn.skip_payload()
+        return b"HANDLE"
+    if type(event) is Status:
+        return bytes(event)
+    if isinstance(event, ReplyError):
+        return from_wire(event.message)
+    raise ProtocolError(f"unexpected reply in a put pipeline: {event!r:.60}")
+
+
+def _on_raw_socket(client: QuillClient, request):
+    """`request` on a pooled raw socket, never retried (a put pipeline is not idempotent)."""
+    pool = client._raw
+    conn = pool.acquire()
+    try:
+        result = request(conn)
+    except ProtocolError:
+        conn.close()
+        raise
+    except (BlockingIOError, TimeoutError) as e:  # SO_RCVTIMEO/SO_SNDTIMEO give EAGAIN
+        conn.close()
+        raise QuillTimeout(f"no reply within socket_timeout={client.config.socket_timeout}s") from e
+    except OSError as e:
+        conn.close()
+        pool.reset()  # the other idle sockets likely point at the same dead server
+        raise QuillConnectionError(f"connection to {client.config.host}:{client.config.port} lost: {e}") from e
+    except BaseException:
+        conn.close()  # e.g. KeyboardInterrupt mid-pipeline: the socket's state is unknown
+        raise
+    pool.release(conn)
+    return result
+
+
 def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], stored: list[bool],
                chunk_size: int, parallelism: int) -> None:
-    """A round of at most chunk_size bytes: every DATA then every COMMIT in one pipeline, on this thread.
+    """A round of blocks of at most chunk_size each: every DATA (a block whole) then every COMMIT in one
+    pipeline on one raw socket, on this thread.
 
     A connection keeps its commands in order, so each COMMIT follows its DATA. If the connection
     is lost, which COMMITs went through is unknown: keys now present count as stored, the others
@@ -196,7 +232,7 @@ def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], sto
     data = [("PUT2PHASE", "DATA", handles[i], 0, blocks[i][1]) for i in order if blocks[i][1].nbytes]
     commits = [("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]) for i in order]
     try:
-        replies = client._pipeline(data + commits, idempotent=False)
+        replies = _raw_pipeline(client, data + commits)
     except QuillConnectionError:
         pending = {}
         for i in order:

@@ -40,6 +40,11 @@ def large_target(c, args: list, index: int, length: int):
     if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
+    if name == b"put2phase" and index == 5 and bytes(args[1]).upper() == b"PUT":
+        if c.keyspace.contains(c.tag, bytes(args[2])):
+            return None  # complete already: the payload only passes through (answered EXISTS)
+        block = c.keyspace.reserve(length, c.user)
+        return block, c.keyspace.write_view(block)
     if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
         put = c.puts.get(bytes(args[2]), c.user)
         offset = parse_int(args[3])
@@ -127,6 +132,21 @@ def _put2phase_commit(c, args):
     return acked(store, OK) if store.unsynced else OK  # over a value on SSD: once its deletion is durable
 
 
+def _put2phase_put(c, args):
+    """PUT key CRC32C crc bytes: BEGIN, DATA and COMMIT of a whole block in one command."""
+    if len(args) != 6:
+        raise CommandError("wrong number of arguments for 'put2phase|put' command")
+    if bytes(args[3]).upper() != b"CRC32C":
+        raise CommandError("syntax error")
+    crc = parse_int(args[4])
+    if not 0 <= crc < 1 << 32:
+        raise CommandError("CRC32C must be an unsigned 32-bit integer")
+    if not c.puts.put_whole(c.tag, bytes(args[2]), c.user, args[5], crc):
+        return EXISTS  # the block received for it, if any, is given back by release_args
+    store = c.keyspace
+    return acked(store, OK) if store.unsynced else OK
+
+
 def _put2phase_abort(c, args):
     if len(args) != 3:
         raise CommandError("wrong number of arguments for 'put2phase|abort' command")
@@ -136,13 +156,13 @@ def _put2phase_abort(c, args):
 
 
 _PHASES = {b"BEGIN": _put2phase_begin, b"DATA": _put2phase_data,
-           b"COMMIT": _put2phase_commit, b"ABORT": _put2phase_abort}
+           b"COMMIT": _put2phase_commit, b"ABORT": _put2phase_abort, b"PUT": _put2phase_put}
 
 
 def cmd_put2phase(c, args):
     phase = _PHASES.get(bytes(args[1]).upper())
     if phase is None:
-        raise CommandError(f"unknown PUT2PHASE phase '{text(args[1])}' (expected BEGIN, DATA, COMMIT or ABORT)")
+        raise CommandError(f"unknown PUT2PHASE phase '{text(args[1])}' (expected BEGIN, DATA, COMMIT, ABORT or PUT)")
     return phase(c, args)
 
 
@@ -190,7 +210,7 @@ def cmd_locate(c, args):
 def register(t: CommandTable) -> None:
     t.add("put2phase", -3, WRITE, cmd_put2phase,
           "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] [HANDLE h] | DATA handle offset bytes | "
-          "COMMIT handle [CRC32C crc] | ABORT handle.", "quillcache", "0.1.0")
+          "COMMIT handle [CRC32C crc] | ABORT handle | PUT key CRC32C crc bytes (all three at once).", "quillcache", "0.1.0")
     t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
           "quillcache", "0.1.0", keys=(1, 1, 1))
     t.add("locate", -2, f"{READONLY} {FAST}", cmd_locate, "Lists every residency of each key in the caller's scope.",
