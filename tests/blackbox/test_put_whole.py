@@ -96,3 +96,44 @@ def test_put_blocks_over_tcp_stores_skips_and_refuses_as_before(node):
         assert all(qc.get(k) == v for k, v in many.items())
         info = qc.execute("INFO")
         assert info.get("put2phase_open", 0) == 0 and info.get("dram_reserved_blocks", 0) == 0
+
+
+def test_data_with_a_crc_commits_the_put(node):
+    r = redis.Redis(port=node.port)
+    for size in (10, 300_000):
+        data = os.urandom(size)
+        h = r.execute_command("PUT2PHASE", "BEGIN", f"dc:{size}", size)
+        assert r.execute_command("PUT2PHASE", "DATA", h, 0, data, "CRC32C", crc32c.crc32c(data)) == b"OK"
+        assert r.get(f"dc:{size}") == data
+        with pytest.raises(redis.ResponseError, match="NOHANDLE"):  # committed: the handle is gone
+            r.execute_command("PUT2PHASE", "COMMIT", h)
+
+
+def test_data_with_a_wrong_crc_leaves_the_put_open_and_unpublished(node):
+    r = redis.Redis(port=node.port)
+    data = os.urandom(300_000)
+    h = r.execute_command("PUT2PHASE", "BEGIN", "dc:bad", len(data))
+    with pytest.raises(redis.ResponseError, match="CHECKSUM"):
+        r.execute_command("PUT2PHASE", "DATA", h, 0, data, "CRC32C", crc32c.crc32c(data) ^ 1)
+    assert r.exists("dc:bad") == 0
+    with pytest.raises(redis.ResponseError, match="INCOMPLETE"):  # half the bytes, then a commit
+        h2 = r.execute_command("PUT2PHASE", "BEGIN", "dc:half", 20)
+        r.execute_command("PUT2PHASE", "DATA", h2, 0, b"x" * 10, "CRC32C", 0)
+    with pytest.raises(redis.ResponseError, match="syntax"):
+        r.execute_command("PUT2PHASE", "DATA", h, 0, data, "CRC", 1)
+    assert r.execute_command("PUT2PHASE", "COMMIT", h, "CRC32C", crc32c.crc32c(data)) == b"OK"  # still open
+    assert r.get("dc:bad") == data
+    assert r.execute_command("PUT2PHASE", "ABORT", h2) == b"OK"
+    assert _reserved(r) == 0
+
+
+def test_put_blocks_of_a_round_over_chunk_size_stores_every_block(node):
+    from quillclient import QuillClient
+
+    with QuillClient("127.0.0.1", node.port, shared_memory="off", chunk_size=100_000) as qc:
+        qc.put("big:old", b"old")
+        blocks = {f"big:{i}": os.urandom(n) for i, n in enumerate([0, 90_000, 100_000, 250_000, 7])}
+        assert qc.put_blocks({"big:old": os.urandom(5), **blocks}) == [False] + [True] * len(blocks)
+        assert qc.get("big:old") == b"old" and all(qc.get(k) == v for k, v in blocks.items())
+        info = qc.execute("INFO")
+        assert info.get("put2phase_open", 0) == 0 and info.get("dram_reserved_blocks", 0) == 0

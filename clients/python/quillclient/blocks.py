@@ -220,19 +220,17 @@ def _on_raw_socket(client: QuillClient, request):
 
 def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], stored: list[bool],
                chunk_size: int, parallelism: int) -> None:
-    """A round of blocks of at most chunk_size each: every DATA (a block whole) then every COMMIT in one
-    pipeline on one raw socket, on this thread.
-
-    A connection keeps its commands in order, so each COMMIT follows its DATA. If the connection
-    is lost, which COMMITs went through is unknown: keys now present count as stored, the others
-    go the long way (DATA again, then COMMIT).
+    """A round of blocks of at most chunk_size each: one `PUT2PHASE DATA handle 0 bytes CRC32C crc` per
+    block (its whole bytes, then its COMMIT), pipelined on one raw socket, on this thread. If the
+    connection is lost, which COMMITs went through is unknown: keys now present count as stored, the
+    others go the long way (DATA again, then COMMIT).
     """
     order = list(handles)
     crcs = {i: crc32c.crc32c(blocks[i][1]) for i in order}
-    data = [("PUT2PHASE", "DATA", handles[i], 0, blocks[i][1]) for i in order if blocks[i][1].nbytes]
-    commits = [("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]) for i in order]
+    commands = [("PUT2PHASE", "DATA", handles[i], 0, blocks[i][1], "CRC32C", crcs[i]) if blocks[i][1].nbytes
+                else ("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crcs[i]) for i in order]
     try:
-        replies = _raw_pipeline(client, data + commits)
+        replies = _raw_pipeline(client, commands)
     except QuillConnectionError:
         pending = {}
         for i in order:
@@ -248,8 +246,7 @@ def _put_small(client: QuillClient, blocks: list, handles: dict[int, bytes], sto
             raise
         _commit(client, blocks, pending, crcs, stored)
         return
-    error = next((r for r in replies[:len(data)] if isinstance(r, Exception)), None)
-    _settle(client, order, handles, replies[len(data):], stored, error)
+    _settle(client, order, handles, replies, stored, None)
 
 
 def _send_data(client: QuillClient, blocks: list, handles: dict[int, bytes], chunk_size: int,

@@ -100,32 +100,45 @@ def _put2phase_begin(c, args):
 
 
 def _put2phase_data(c, args):
-    if len(args) != 5:
+    """DATA handle offset bytes [CRC32C crc]: with the CRC, the put is committed right after
+    (DATA and COMMIT in one command, for a block sent whole)."""
+    if len(args) not in (5, 7):
         raise CommandError("wrong number of arguments for 'put2phase|data' command")
+    crc = _crc_option(args, 5)
     payload = args[4]
     puts = c.puts
     if type(payload) is IntoBlock:
-        dead = payload.put.dead
+        put, dead = payload.put, payload.put.dead
         puts.close_writer(payload, complete=True)
         payload.put = None
         if dead:
             raise NoHandle("PUT2PHASE handle expired or was aborted while its DATA was arriving")
+    else:
+        put = puts.get(bytes(args[2]), c.user)
+        puts.write(put, parse_int(args[3]), payload)
+    if crc is None:
         return OK
-    put = puts.get(bytes(args[2]), c.user)
-    puts.write(put, parse_int(args[3]), payload)
-    return OK
+    puts.commit(puts.get(put.handle, c.user), crc)
+    store = c.keyspace
+    return acked(store, OK) if store.unsynced else OK
+
+
+def _crc_option(args, i: int) -> int | None:
+    """`CRC32C crc` at args[i], or None when the command ends before it."""
+    if len(args) <= i:
+        return None
+    if bytes(args[i]).upper() != b"CRC32C":
+        raise CommandError("syntax error")
+    crc = parse_int(args[i + 1])
+    if not 0 <= crc < 1 << 32:
+        raise CommandError("CRC32C must be an unsigned 32-bit integer")
+    return crc
 
 
 def _put2phase_commit(c, args):
     if len(args) not in (3, 5):
         raise CommandError("wrong number of arguments for 'put2phase|commit' command")
-    crc = None
-    if len(args) == 5:
-        if bytes(args[3]).upper() != b"CRC32C":
-            raise CommandError("syntax error")
-        crc = parse_int(args[4])
-        if not 0 <= crc < 1 << 32:
-            raise CommandError("CRC32C must be an unsigned 32-bit integer")
+    crc = _crc_option(args, 3)
     puts = c.puts
     puts.commit(puts.get(bytes(args[2]), c.user), crc)
     store = c.keyspace
@@ -136,11 +149,7 @@ def _put2phase_put(c, args):
     """PUT key CRC32C crc bytes: BEGIN, DATA and COMMIT of a whole block in one command."""
     if len(args) != 6:
         raise CommandError("wrong number of arguments for 'put2phase|put' command")
-    if bytes(args[3]).upper() != b"CRC32C":
-        raise CommandError("syntax error")
-    crc = parse_int(args[4])
-    if not 0 <= crc < 1 << 32:
-        raise CommandError("CRC32C must be an unsigned 32-bit integer")
+    crc = _crc_option(args, 3)
     if not c.puts.put_whole(c.tag, bytes(args[2]), c.user, args[5], crc):
         return EXISTS  # the block received for it, if any, is given back by release_args
     store = c.keyspace
@@ -209,7 +218,7 @@ def cmd_locate(c, args):
 
 def register(t: CommandTable) -> None:
     t.add("put2phase", -3, WRITE, cmd_put2phase,
-          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] [HANDLE h] | DATA handle offset bytes | "
+          "Two-phase block put: BEGIN key nbytes [LEASE ms] [HASH blockhash] [SHM] [HANDLE h] | DATA handle offset bytes [CRC32C crc] (then COMMIT) | "
           "COMMIT handle [CRC32C crc] | ABORT handle | PUT key CRC32C crc bytes (all three at once).", "quillcache", "0.1.0")
     t.add("getblk", -2, f"{READONLY} {FAST}", cmd_getblk, "Returns a block's bytes: GETBLK key [LOCAL].",
           "quillcache", "0.1.0", keys=(1, 1, 1))
