@@ -1,26 +1,28 @@
-"""put_blocks: many blocks through PUT2PHASE, their DATA chunks in parallel.
+"""put_blocks over TCP: many blocks, pipelined on one raw socket, every CRC32C checked by quilld.
 
-A round reserves space for a group of blocks (`put_round_bytes` at most):
+A round groups blocks up to `put_round_bytes`. The cost to cut is quilld's work per command
+(parsing, dispatch, a reply), so each block takes as few commands as its guarantees allow, sent
+back to back in `sendmsg` windows of `_WINDOW` commands (the blocks are the caller's memory,
+never copied or joined), the window's replies read before the next one goes:
 
-1. BEGIN for every block, pipelined. `+EXISTS` means the key is already
-   complete in this scope: that block is skipped (reported as not stored).
-2. DATA: each block is cut into `chunk_size` pieces and the pieces are spread
-   over `parallelism` lanes by bytes; a lane is a thread that pipelines its
-   pieces on one pooled connection (small pieces share a round trip, a large
-   one goes alone). Pieces are memoryviews of the caller's data, sent as they
-   are. The CRC32C of each block is computed meanwhile on the same threads.
-3. COMMIT with the CRC32C, pipelined: the server checks every byte arrived and
-   the checksum, then publishes each block whole.
+- a round of at most `chunk_size` bytes: one `PUT2PHASE PUT key CRC32C crc bytes` per block
+  (BEGIN, DATA and COMMIT at once). `+EXISTS` means the key is already complete: that block is
+  skipped (reported as not stored);
+- a larger round whose blocks are each at most `chunk_size`: first BEGIN for every block,
+  pipelined (the space for the whole round is reserved before any byte goes: a reservation that
+  fails stores nothing of the round), then one `PUT2PHASE DATA handle 0 bytes CRC32C crc` per
+  block (its bytes, then its COMMIT);
+- a round with a larger block: BEGINs, then each block cut into `chunk_size` pieces spread over
+  `parallelism` lanes (threads pipelining on pooled connections, CRCs computed meanwhile), then
+  COMMIT with the CRC32C, pipelined.
 
-A round of at most `chunk_size` bytes in all (a single put, small blocks) skips
-the threads and goes in ONE round trip: the client chooses each put's handle
-(`PUT2PHASE BEGIN ... HANDLE h`), so every BEGIN, DATA and COMMIT is pipelined
-on the calling thread (one connection runs its commands in order).
+The server checks every byte arrived and the checksum, then publishes each block whole. On any
+failure the round's handles still open are aborted (best effort; a handle nobody aborts is
+reclaimed when its lease runs out) and the first error is raised. Blocks committed in earlier
+rounds stay, and so do blocks of the same round published by `PUT` before the failure.
 
-On any failure the round's handles still open are aborted (best effort; a
-handle nobody aborts is reclaimed when its lease runs out) and the first error
-is raised. Blocks committed in earlier rounds stay.
-
+A lost connection in a pipeline leaves unknown what went through: the keys now present count as
+stored, the rest go the long way (BEGIN for each first, then DATA and COMMIT).
 DATA is idempotent and retried after a lost connection like any read. BEGIN is
 retried too: a reply lost with the connection leaves a reservation behind until
 its lease runs out (`lease_ms`). A COMMIT whose reply was lost is re-sent; if the
