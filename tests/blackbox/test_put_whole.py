@@ -9,7 +9,6 @@ import socket
 import crc32c
 import pytest
 import redis
-
 from conftest import start_quilld, stop_process, wait_until
 
 

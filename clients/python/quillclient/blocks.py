@@ -31,7 +31,6 @@ handle is gone by then (the first one went through), the key's existence decides
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,14 @@ import crc32c
 from quillwire.encode import as_readable, pack_command
 from quillwire.reply import Bulk, ReplyError, Status
 
-from quillclient.errors import NoHandle, ProtocolError, QuillConnectionError, QuillError, QuillTimeout, from_wire
+from quillclient.errors import (
+    NoHandle,
+    ProtocolError,
+    QuillConnectionError,
+    QuillError,
+    QuillTimeout,
+    from_wire,
+)
 
 if TYPE_CHECKING:
     from quillclient.client import QuillClient
@@ -111,8 +117,11 @@ def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
     if sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size and _put_whole(client, blocks, lo, hi, stored):
         return
     lease = ("LEASE", lease_ms) if lease_ms is not None else ()
-    replies = client._pipeline([("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease)
-                                for i in range(lo, hi)])
+    begins = [("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease) for i in range(lo, hi)]
+    try:
+        replies = _raw_pipeline(client, begins, take_bulks=True)
+    except QuillConnectionError:  # BEGIN again, with redis-py's retries (a lost reply's space is leased)
+        replies = client._pipeline(begins)
     handles: dict[int, bytes] = {}
     error: Exception | None = None
     for i, reply in zip(range(lo, hi), replies):
@@ -165,7 +174,7 @@ def _put_whole(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
     return True
 
 
-def _raw_pipeline(client: QuillClient, commands: list[tuple]) -> list:
+def _raw_pipeline(client: QuillClient, commands: list[tuple], take_bulks: bool = False) -> list:
     """Replies to `commands` (errors as exception objects), pipelined on one raw socket, never
     retried: `_WINDOW` commands packed into one `sendmsg` batch (large arguments stay the caller's
     memory), then their replies read, then the next window."""
@@ -175,21 +184,24 @@ def _raw_pipeline(client: QuillClient, commands: list[tuple]) -> list:
         for w in range(0, len(commands), _WINDOW):
             part = commands[w:w + _WINDOW]
             conn.send([piece for cmd in part for piece in pack_command(*cmd)])
-            out += [_reply(conn) for _ in part]
+            out += [_reply(conn, take_bulks) for _ in part]
         return out
 
     return _on_raw_socket(client, request)
 
 
-def _reply(conn) -> Any:
-    """The next reply on a raw socket: a status as bytes, a bulk's payload dropped (BEGIN's
-    handle, known already), a server error as its typed exception object."""
+def _reply(conn, take_bulk: bool = False) -> Any:
+    """The next reply on a raw socket: a status as bytes, a bulk as bytes (`take_bulk`: BEGIN's
+    handle) or else dropped, a server error as its typed exception object."""
     event = conn.next_event()
     if type(event) is Bulk:
         if event.depth:
             raise ProtocolError(f"unexpected array reply in a put pipeline: {event!r:.60}")
+        if take_bulk and event.length <= 64:
+            conn.reader.take()
+            return bytes(conn.next_event())
         conn.skip_payload()
-        return b"HANDLE"
+        return b"BULK"
     if type(event) is Status:
         return bytes(event)
     if isinstance(event, ReplyError):
