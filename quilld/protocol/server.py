@@ -38,6 +38,11 @@ RECV_BUFFER = 256 * 1024
 # One receive buffer serves every connection: the loop calls get_buffer() and then
 # buffer_updated() back to back, and buffer_updated() consumes the bytes before returning.
 _shared_rbuf = memoryview(bytearray(RECV_BUFFER))
+# Right after a large payload, the next read is this small: it takes the next command's header
+# and little more, so a next large payload lands straight in its arena block instead of being
+# copied there from the receive buffer (up to RECV_BUFFER bytes of it otherwise).
+AFTER_LARGE_READ = 8 * 1024
+_after_large_rbuf = _shared_rbuf[:AFTER_LARGE_READ]
 SENDFILE_MIN = 64 * 1024  # a peer's reply block at least this large leaves the arena by sendfile
 SENT_HOLD = 2.0  # seconds a block sent by sendfile stays pinned at most when its peer sends nothing more
 ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
@@ -103,6 +108,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._sent_pins: list[Callable[[], None]] = []  # blocks sent by sendfile: held until the peer reads on
         self._sent_at = 0.0  # when the last of them was sent
         self._large = False  # the command being parsed carries a large bulk
+        self._after_large = False  # the last read completed a large payload: read small next
         self._waiting: tuple[LargeBulk, float] | None = None  # a large bulk waiting for arena space
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
@@ -129,16 +135,19 @@ class RespConnection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.parser.receiving:
             return self.parser.sink_view()
-        return self._rbuf
+        return _after_large_rbuf if self._after_large else self._rbuf
 
     def buffer_updated(self, nbytes: int) -> None:
         self.clients.net_in += nbytes
         if self._sent_pins:  # a peer sends its next command only once it has read our last reply
             self._release_sent()
-        if self.parser.receiving:
-            self.parser.sink_advance(nbytes)
+        parser = self.parser
+        if parser.receiving:
+            parser.sink_advance(nbytes)
+            self._after_large = not parser.receiving
         else:
-            self.parser.feed(self._rbuf[:nbytes])
+            self._after_large = False
+            parser.feed(self._rbuf[:nbytes])
         self._process()
 
     def connection_lost(self, exc: Exception | None) -> None:

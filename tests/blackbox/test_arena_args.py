@@ -68,3 +68,16 @@ def test_slowlog_records_an_arena_payload_by_size(quilld):
         assert entries and entries[0]["command"] == b"SET slow (1048576 bytes received into the arena)", entries
     finally:
         r.config_set("slowlog-log-slower-than", 10000)
+
+
+def test_large_and_small_payloads_pipelined_back_to_back_land_whole(quilld):
+    """After a large payload the server reads small (the next header, then straight into the next
+    block): every mix of sizes, sent in one pipeline, must still land byte for byte."""
+    r = quilld.client()
+    sizes = [MiB, 10, 300 * 1024, 16 * 1024, 16 * 1024 + 1, 3, 2 * MiB + 7, 8 * 1024, 70_000, MiB]
+    values = {f"mix{i}": bytes([65 + i]) * n for i, n in enumerate(sizes)}
+    pipe = r.pipeline(transaction=False)
+    for k, v in values.items():
+        pipe.set(k, v)
+    assert pipe.execute() == [True] * len(values)
+    assert r.mget(list(values)) == list(values.values())
