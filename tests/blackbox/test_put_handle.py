@@ -1,5 +1,6 @@
-"""PUT2PHASE BEGIN ... HANDLE h: a handle the client chose, so BEGIN, DATA and COMMIT go in one
-pipeline (quillclient's put_blocks does so for a round that fits in one chunk)."""
+"""PUT2PHASE BEGIN ... HANDLE h: a handle the client chose, so BEGIN, DATA and COMMIT can go in
+one pipeline (for clients that want it; quillclient's put_blocks now sends PUT2PHASE PUT per
+block instead, see test_put_whole.py)."""
 
 from __future__ import annotations
 
