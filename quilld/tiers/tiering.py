@@ -375,10 +375,7 @@ class Tiering:
             try:
                 await self._run(self.ssd.commit, [it for _, _, it in items])
             except SsdFailure as e:
-                for _, block, it in items:
-                    self.ssd.release_extent(it.extent)
-                    self.store.unpin(block)
-                self._failed(e)
+                self._give_back(items, e)
                 return False
             moved = self._settle(items)
         finally:
@@ -442,12 +439,17 @@ class Tiering:
         try:
             await self._run(self.ssd.write_blocks, [it for _, _, it in items])
         except SsdFailure as e:
-            for _, block, it in items:
-                self.ssd.release_extent(it.extent)
-                self.store.unpin(block)
-            self._failed(e)
+            self._give_back(items, e)
             return False
         return True
+
+    def _give_back(self, items: list[tuple[bytes, Block, PendingWrite]], e: SsdFailure) -> None:
+        """A batch failed to write or commit: its SSD extents are freed, its DRAM blocks unpinned
+        (they stay in DRAM), and the tier is marked failed."""
+        for _, block, it in items:
+            self.ssd.release_extent(it.extent)
+            self.store.unpin(block)
+        self._failed(e)
 
     def _settle(self, items: list[tuple[bytes, Block, PendingWrite]]) -> int:
         """Publish the written blocks on SSD and free their DRAM; returns the bytes moved.
