@@ -53,7 +53,7 @@ from quillwire.reply import ProtocolError as WireProtocolError
 from quillclient.config import ClientConfig
 from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
                                 QuillTimeout, from_wire)
-from quillclient.zerocopy import MISS, _kernel_timeouts
+from quillclient.zerocopy import MISS, _kernel_timeouts, setting_up
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
@@ -108,7 +108,7 @@ class ShmConnection:
         self.deferred: list[int] = []  # leases to release with the next command (see release)
         self.deferred_bytes = 0
         self.generation = generation
-        try:
+        with setting_up(self, f"no reply from {path} within the timeout", f"connecting to {path}"):
             self.sock.settimeout(cfg.connect_timeout)
             self.sock.connect(path)
             _kernel_timeouts(self.sock, cfg.socket_timeout)
@@ -126,15 +126,6 @@ class ShmConnection:
             finally:
                 for fd in fds:
                     os.close(fd)
-        except (BlockingIOError, TimeoutError) as e:
-            self.close()
-            raise QuillTimeout(f"no reply from {path} within the timeout") from e
-        except OSError as e:
-            self.close()
-            raise QuillConnectionError(f"connecting to {path}: {e}") from e
-        except BaseException:
-            self.close()
-            raise
 
     def _reply_with_fds(self) -> tuple[Any, list[int]]:
         fds: list[int] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from contextlib import contextmanager
 from typing import Any, Callable, Sequence, TypeVar
 
 from quillwire.encode import as_readable, pack_command
@@ -66,6 +67,23 @@ def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
         sock.settimeout(seconds)
 
 
+@contextmanager
+def setting_up(conn: Any, timed_out: str, failed: str):
+    """Around a new connection's setup: on any failure `conn` is closed, a timeout raises
+    QuillTimeout(`timed_out`) and another socket error QuillConnectionError(`failed: error`)."""
+    try:
+        yield
+    except (BlockingIOError, TimeoutError) as e:
+        conn.close()
+        raise QuillTimeout(timed_out) from e
+    except OSError as e:
+        conn.close()
+        raise QuillConnectionError(f"{failed}: {e}") from e
+    except BaseException:
+        conn.close()
+        raise
+
+
 class RawConnection:
     """One socket speaking RESP2, set up with the client's AUTH and SCOPE."""
 
@@ -84,17 +102,9 @@ class RawConnection:
         self.reader = ReplyReader(large_bulk=0)  # every bulk announced: its payload goes where we say
         self.broken = False
         self.generation = generation
-        try:
+        with setting_up(self, f"no reply to AUTH/SCOPE within socket_timeout={cfg.socket_timeout}s",
+                        f"setting up a connection to {cfg.host}:{cfg.port}"):
             self._handshake(cfg.handshake())
-        except (BlockingIOError, TimeoutError) as e:
-            self.close()
-            raise QuillTimeout(f"no reply to AUTH/SCOPE within socket_timeout={cfg.socket_timeout}s") from e
-        except OSError as e:
-            self.close()
-            raise QuillConnectionError(f"setting up a connection to {cfg.host}:{cfg.port}: {e}") from e
-        except BaseException:
-            self.close()
-            raise
 
     def _handshake(self, commands: list[tuple]) -> None:
         if not commands:
