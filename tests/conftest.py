@@ -363,3 +363,12 @@ def wait_held(r, nbytes: int, timeout: float = 30.0) -> int:
     held = wait_until(lambda: r.info("tiers")["dram_held_bytes"] >= nbytes, timeout=timeout)
     assert held, f"dram_held_bytes never reached {nbytes}: {r.info('tiers')}"
     return r.info("tiers")["dram_held_bytes"]
+
+
+@pytest.fixture
+def nodes():
+    """A list a test appends the quilld it starts to; each is stopped (by PID) at the end."""
+    started = []
+    yield started
+    for q in started:
+        stop_process(q.proc)

@@ -17,14 +17,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 
 import numpy as np
 import pytest
 import redis
 
-from conftest import ROOT, ssd_node, start_quilld, stop_process, tiers_of, wait_until
+from conftest import ROOT, ssd_node, start_quilld, tiers_of, wait_until
 from quillclient import NotFound, QuillClient, QuillConnectionError, QuillError, shm
 
 MiB = 1 << 20
@@ -35,14 +34,6 @@ def sock_dir():
     d = tempfile.mkdtemp(prefix="qs", dir="/tmp")  # unix socket paths must stay under 108 bytes
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for q in started:
-        stop_process(q.proc)
 
 
 def _node(tmp_path, sock_dir, nodes, *extra, env=None):

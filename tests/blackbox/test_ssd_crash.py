@@ -20,23 +20,14 @@ import random
 import signal
 import time
 
-import pytest
 import redis
 
-from conftest import ssd_node, stop_process, tiers_of, wait_until
+from conftest import ssd_node, tiers_of, wait_until
 
 KiB = 1024
 SIZE = 256 * KiB
 KEYS = [f"k{i:02d}" for i in range(48)]
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 8, 30.0
-
-
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for q in started:
-        stop_process(q.proc)
 
 
 class Model:

@@ -31,14 +31,6 @@ def until(predicate, timeout, what):
     assert wait_until(predicate, timeout=timeout), f"timed out after {timeout} s waiting for {what}"
 
 
-@pytest.fixture
-def nodes():
-    started = []
-    yield started
-    for q in started:
-        stop_process(q.proc)
-
-
 def test_blocks_seen_on_ssd_survive_sigkill_at_random_moments(tmp_path, nodes):
     ssd_dir = tmp_path / "ssd"
     rng = random.Random(2026)
