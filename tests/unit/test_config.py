@@ -308,6 +308,7 @@ def test_integers_are_accepted_for_float_keys(tmp_path):
     ({"server": {"proto_max_bulk_len": 0}}, "proto_max_bulk_len"),
     ({"blocks": {"default_lease_ms": 0}}, "lease"),
     ({"blocks": {"default_lease_ms": 5000, "max_lease_ms": 1000}}, "lease"),
+    ({"ssd": {"flush_progress_s": 0}}, "ssd.flush_progress_s must be positive"),
 ])
 def test_validation_errors(overrides, words):
     with pytest.raises(ConfigError) as info:
