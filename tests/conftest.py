@@ -125,6 +125,15 @@ def tiers_of(r, key) -> set[str]:
     return out
 
 
+def spill_to_ssd(r, values: dict, settled, timeout: float = 30) -> None:
+    """SET every value of `values`, then wait until each key of `settled` is on SSD only (the
+    demoter takes DRAM down to its low watermark, oldest first)."""
+    for k, v in values.items():
+        r.set(k, v)
+    assert wait_until(lambda: all(tiers_of(r, k) == {"ssd"} for k in settled), timeout=timeout), \
+        f"blocks were not demoted to SSD within {timeout} s"
+
+
 @pytest.fixture
 def quilld_factory(tmp_path):
     started: list[Quilld] = []

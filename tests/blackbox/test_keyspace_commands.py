@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from conftest import same_reply, ssd_node, stop_process, tiers_of, wait_until
+from conftest import same_reply, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_until
 from test_compat import run_script, split_replies
 
 pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
@@ -276,10 +276,7 @@ def test_expire_rename_copy_of_ssd_only_values_bring_them_back_and_no_crash_undo
     try:
         r = redis.Redis(port=q.port, socket_timeout=20)
         keys = [f"v{i}" for i in range(48)]
-        for k in keys:
-            r.set(k, _value(k))
-        assert wait_until(lambda: all(tiers_of(r, k) == {"ssd"} for k in keys[:8]), timeout=30), \
-            "blocks were not demoted to SSD"
+        spill_to_ssd(r, {k: _value(k) for k in keys}, keys[:8])
         # EXPIRE: the value comes back to DRAM, its SSD copy goes, the TTL holds
         assert r.expire("v0", 1000) == 1
         assert tiers_of(r, "v0") == {"dram"} and 990 <= r.ttl("v0") <= 1000

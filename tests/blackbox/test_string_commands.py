@@ -23,7 +23,7 @@ import time
 
 import pytest
 import redis
-from conftest import require_tool, same_reply, ssd_node, stop_process, tiers_of, wait_held, wait_until
+from conftest import require_tool, same_reply, spill_to_ssd, ssd_node, stop_process, wait_held, wait_until
 from test_compat import run_script
 
 pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
@@ -353,10 +353,7 @@ def test_ssd_only_values_are_read_back_and_no_acknowledged_change_is_undone_by_a
     try:
         r = redis.Redis(port=q.port, socket_timeout=20)
         keys = [f"v{i}" for i in range(48)]
-        for k in keys:
-            r.set(k, _value(k))
-        assert wait_until(lambda: all(tiers_of(r, k) == {"ssd"} for k in keys[:10]), timeout=30), \
-            "blocks were not demoted to SSD"
+        spill_to_ssd(r, {k: _value(k) for k in keys}, keys[:10])
         assert r.getrange("v0", 1000, 1999) == _value("v0")[1000:2000]
         assert r.strlen("v1") == 256 * KiB and r.getbit("v1", 8) == (_value("v1")[1] >> 7) & 1
         assert r.bitcount("v1", 0, 99) == sum(b.bit_count() for b in _value("v1")[:100])
