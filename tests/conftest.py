@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -381,3 +383,15 @@ def nodes():
     yield started
     for q in started:
         stop_process(q.proc)
+
+
+def http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+         timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """One HTTP request to 127.0.0.1:`port`: (status, headers, body), an error status included."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, dict(e.headers), e.read()

@@ -12,12 +12,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, stop_process, wait_held, wait_port, wait_until
+from conftest import ROOT, free_port, http, stop_process, wait_held, wait_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,13 +27,7 @@ FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_
 
 
 def http_get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, dict(e.headers), e.read()
+    return http(port, "GET", path, headers=headers, timeout=HTTP_TIMEOUT)
 
 
 def get_json(port: int, path: str, headers: dict | None = None) -> dict:
@@ -244,14 +236,7 @@ def test_sigterm_with_reply_in_flight(quilld):
 
 
 def http_post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, dict(e.headers), e.read()
+    return http(port, "POST", path, body, {"Content-Type": "application/json", **(headers or {})}, HTTP_TIMEOUT)
 
 
 MALFORMED_BODIES = [

@@ -17,13 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, free_port, stop_process, wait_port, wait_until
+from conftest import http as conftest_http
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -117,14 +116,8 @@ class Page(HTMLParser):
 
 def http(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> tuple:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, dict(e.headers), e.read()
+    return conftest_http(port, method, path, data, {"Content-Type": "application/json", **(headers or {})},
+                         HTTP_TIMEOUT)
 
 
 def admin_json(port: int, path: str, body: dict | None = None, headers: dict | None = None) -> dict:
