@@ -367,8 +367,17 @@ def test_metrics_histograms_move_and_engines_are_labelled(quilld_factory, tmp_pa
     status, _, body = http_post(q.admin_port, "/v1/route", json.dumps({"model": "m", "blocks": [1, 2, 3, 4],
                                                                        "acquire": True}).encode())
     assert status == 200 and json.loads(body)["engine"] == "vllm-0"
-    stats = get_json(q.admin_port, "/v1/stats")
-    fams = families(q.admin_port)
+    # the demoter may still be finishing a batch (batches are pipelined): take the metrics between
+    # two /v1/stats reads that agree on the SSD tier's counts, so both describe the same moment
+    seen: list = []
+
+    def steady() -> bool:
+        before = get_json(q.admin_port, "/v1/stats")
+        seen[:] = [families(q.admin_port), get_json(q.admin_port, "/v1/stats")]
+        keys = ("demote_batches", "demotions", "ssd_reads", "promotions")
+        return all(before["tiers"]["ssd"][k] == seen[1]["tiers"]["ssd"][k] for k in keys)
+    assert wait_until(steady, 20)
+    fams, stats = seen
 
     ssd = stats["tiers"]["ssd"]
     assert sample(fams, "quilld_demotion_batch_duration_seconds", "_count") == ssd["demote_batches"] >= 1
