@@ -35,17 +35,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP `port` (any address), from /proc/net/tcp{,6}."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(cols[9])
+    return inodes
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a shell's children run the server in some tests)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def listens(proc: subprocess.Popen, port: int) -> bool:
+    """Whether `proc` (or a child of it) holds the listening socket on `port`. A port from
+    free_port() is free only when chosen: another test's server can take it before `proc`
+    binds it, and a bare connect would then reach that server instead."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    for pid in _process_tree(proc.pid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+class PortTaken(RuntimeError):
+    """The process could not bind its port: another process took it after free_port() chose it."""
+
+
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = START_TIMEOUT) -> None:
+    """Wait until `proc` itself listens on `port` (not merely anybody: see listens())."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if _listening_inodes(port):
+                raise PortTaken(f"process exited with {proc.returncode}: port {port} was taken by another process")
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {port} after {timeout}s")
+        if listens(proc, port):
+            return
+        time.sleep(0.05)
+    other = " (another process listens there)" if _listening_inodes(port) else ""
+    raise TimeoutError(f"the process did not listen on {port} after {timeout}s{other}")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> int:
@@ -86,30 +145,42 @@ class Quilld:
         return stop_process(self.proc)
 
 
+PORT_ATTEMPTS = 3  # fresh ports when another process took the chosen one first
+
+
+def _port_taken(e: Exception, log: str) -> bool:
+    return isinstance(e, PortTaken) or "the port is in use" in log or "Address already in use" in log
+
+
 def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True) -> Quilld:
-    port = free_port()
-    admin_port = free_port() if admin else 0
-    log_path = tmp_path / f"quilld-{port}.log"
-    args = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port),
-            "--admin-port", str(admin_port), *extra]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     full_env["PYTHONPATH"] = str(ROOT)
     full_env.update(env or {})
     passwords = {"--requirepass", "--users-file"} & set(extra) or \
         {"QUILLD_SECURITY_REQUIREPASS", "QUILLD_SECURITY_USERS_FILE"} & set(env or {})
-    if admin_port and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
-        full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
-    q = Quilld(port, admin_port, proc, log_path, args, full_env.get("QUILLD_ADMIN_TOKEN", ""))
-    try:
-        wait_port(port, proc)
-        if admin_port:
-            wait_port(admin_port, proc)
-    except Exception:
-        stop_process(proc)
-        raise RuntimeError(f"quilld did not start:\n{log_path.read_text(errors='replace')}")
-    return q
+    for attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        admin_port = free_port() if admin else 0
+        log_path = tmp_path / f"quilld-{port}.log"
+        args = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port),
+                "--admin-port", str(admin_port), *extra]
+        if admin_port and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
+            full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+        q = Quilld(port, admin_port, proc, log_path, args, full_env.get("QUILLD_ADMIN_TOKEN", ""))
+        try:
+            wait_port(port, proc)
+            if admin_port:
+                wait_port(admin_port, proc)
+            return q
+        except Exception as e:
+            stop_process(proc)
+            text = log_path.read_text(errors="replace")
+            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
+                continue
+            raise RuntimeError(f"quilld did not start ({e}):\n{text}") from None
+    raise AssertionError("unreachable")
 
 
 def ssd_node(tmp_path: Path, ssd_dir: Path, dram: str = "8MiB", ssd_size: str = "128MiB", **env) -> Quilld:
@@ -220,16 +291,23 @@ def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1
     """A real redis-server on a free port (no persistence, one database); (port, process).
     `bind` must include 127.0.0.1: the start is waited for there."""
     binary = require_tool("redis-server")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", *bind, "--save", "", "--appendonly", "no",
-                             "--databases", "1", "--dir", str(tmp_path), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port, proc)
-    except Exception:
-        stop_process(proc)
-        raise
-    return port, proc
+    for attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        log_path = tmp_path / f"redis-{port}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([binary, "--port", str(port), "--bind", *bind, "--save", "", "--appendonly",
+                                     "no", "--databases", "1", "--dir", str(tmp_path), *extra],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_port(port, proc)
+            return port, proc
+        except Exception as e:
+            stop_process(proc)
+            text = log_path.read_text(errors="replace")
+            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
+                continue
+            raise RuntimeError(f"redis-server did not start ({e}):\n{text[-2000:]}") from None
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture
