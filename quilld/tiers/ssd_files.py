@@ -25,6 +25,9 @@ O_DIRECT where the file system allows it (`open_segments` probes it with one ali
 in a scratch file; tmpfs before Linux 6.6 refuses O_DIRECT at open): the payload moves from
 DRAM to the device without the page cache. Otherwise both descriptors are the plain ones
 (`io_mode` says which, and why).
+One process at a time owns the directory: `open_segments` takes an exclusive flock on
+LOCK_FILE (released when the files close or the process ends), so a second quilld
+pointed at the same directory is refused instead of writing over the first's blocks.
 Reads, scrubs and COMMITTED marks use the plain descriptor: a scrub or mark is a whole
 page, so the page cache never reads before it writes, and the kernel writes such a
 cached page back (and drops it) before a later O_DIRECT write to the same range.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import bisect
 import enum
 import errno
+import fcntl
 import mmap
 import os
 import uuid
@@ -56,6 +60,7 @@ LEGACY_CHECKPOINT = "checkpoint"  # format 1 kept one file of this name
 KEY_FILE = "tier-v3.key"  # the key of a format 3 tier
 OLDER_KEY_FILES = ("tier.key",)  # format 2's: such a tier starts empty (see the module docstring)
 PROBE_FILE = "direct-io.probe"
+LOCK_FILE = "LOCK"  # flocked by the process that owns the directory; holds its pid
 KEEP_CHECKPOINTS = 2
 PROGRESS_EVERY = 10_000  # blocks verified between progress callbacks
 ZERO_PAGE = bytes(PAGE)
@@ -129,6 +134,7 @@ class TierFiles:
         self.key = b""  # the tier's secret key (KEY_FILE)
         self.checkpoints: list[int] = []  # checkpoints known good, oldest first
         self._sync = sync
+        self._lock_fd = -1
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -138,6 +144,23 @@ class TierFiles:
             os.close(fd)
         self.fds = []
         self.dfds = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def _lock(self) -> None:
+        """Own the directory, or raise ConfigError naming the process that does."""
+        fd = os.open(self.path(LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"ssd.dir {self.directory} is in use by another quilld (pid {owner}); "
+                              "two processes on one SSD tier would overwrite each other's blocks") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+        self._lock_fd = fd
 
     @property
     def direct(self) -> bool:
@@ -168,6 +191,7 @@ class TierFiles:
         """Open (or create) every segment; with `direct`, also with O_DIRECT for block
         writes where the file system allows it (`io_mode` says whether it did)."""
         os.makedirs(self.directory, exist_ok=True)
+        self._lock()
         names = os.listdir(self.directory)
         for name in names:
             if name == PROBE_FILE or name.endswith(".tmp") and name.startswith(("seg-", CHECKPOINT_PREFIX, KEY_FILE)):

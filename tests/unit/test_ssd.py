@@ -112,7 +112,7 @@ def wal_files(path):
 def test_write_publish_read_is_byte_identical(tmp_path):
     tier, report = open_tier(tmp_path, fsync=True)
     assert report.recovered == 0 and report.path == "fresh" and sorted(os.listdir(tmp_path)) == [
-        "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "tier-v3.key", "wal-000001.log"]
+        "LOCK", "seg-00000.dat", "seg-00001.dat", "seg-00002.dat", "seg-00003.dat", "tier-v3.key", "wal-000001.log"]
     rng = random.Random(1)
     sizes = [0, 1, PAGE, PAGE + 1, 100_000]  # a head page, then the payload in whole pages
     items = [(A, b"k%d" % i, rng.randbytes(n)) for i, n in enumerate(sizes)]
