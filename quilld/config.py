@@ -107,6 +107,7 @@ class SecurityConfig:
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
     map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
+    enable_debug_command: str = "no"  # DEBUG: no, yes, or local (unix socket and 127.0.0.1/::1 only), as redis 7
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ SHM_SLOTS = 65536  # lease slots of the shared-memory lease table, for all conne
 
 
 TRANSFERS = ("auto", "tcp", "rdma")
+DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,9 @@ class Config:
         if sec.auth_throttle_after < 0 or sec.auth_throttle_window_ms <= 0 or sec.auth_delay_max_ms <= 0:
             raise ConfigError("security: auth_throttle_after must be >= 0, auth_throttle_window_ms and "
                               "auth_delay_max_ms positive")
+        if sec.enable_debug_command not in DEBUG_COMMAND_MODES:
+            raise ConfigError(f"security.enable_debug_command must be one of {', '.join(DEBUG_COMMAND_MODES)}, "
+                              f"got {sec.enable_debug_command!r}")
         if not 0 <= d.maxmemory <= d.size:
             raise ConfigError(f"dram.maxmemory must be within 0..dram.size ({d.size}), got {d.maxmemory}")
         if not 0 <= d.inline_max <= 64 * KiB:
