@@ -61,6 +61,7 @@ class ServerConfig:
     proto_max_bulk_len: int = 512 * MiB
     client_output_high_water: int = 64 * MiB
     payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
+    space_wait_ms: int = 5_000  # a write (or an SSD read) short of arena room held by readers or puts waits this long, then -OOM
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
     timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
@@ -150,6 +151,7 @@ class ClusterConfig:
     indirect_probes: int = 3
     suspicion_mult: int = 4
     push_pull_interval_ms: int = 10_000
+    seed_warning_ms: int = 10_000  # alone this long with seeds configured: warn that none answers
     transfer: str = "auto"  # auto, tcp or rdma
     keep_fetched: bool = True  # keep a local copy of blocks fetched from peers
     pool_reads: bool = True  # GET, MGET and EXISTS see the whole pool (a local miss asks the peers); false: local only
@@ -237,6 +239,8 @@ class Config:
             raise ConfigError(f"server.shm_lease_ms must be positive and server.shm_max_leases within 1..{SHM_SLOTS}")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
+        if s.space_wait_ms < 0:
+            raise ConfigError("server.space_wait_ms must be 0 or more")
         if self.security.max_scopes_per_tenant < 1:
             raise ConfigError("security.max_scopes_per_tenant must be at least 1")
         if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:
@@ -265,7 +269,8 @@ class Config:
         passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:
             raise ConfigError(f"cluster.transfer must be one of {', '.join(TRANSFERS)}, got {c.transfer!r}")
-        if min(c.probe_interval_ms, c.probe_timeout_ms, c.push_pull_interval_ms) <= 0 or c.indirect_probes < 0 \
+        if min(c.probe_interval_ms, c.probe_timeout_ms, c.push_pull_interval_ms, c.seed_warning_ms) <= 0 \
+                or c.indirect_probes < 0 \
                 or c.suspicion_mult < 1 or c.probe_timeout_ms >= c.probe_interval_ms:
             raise ConfigError("cluster: intervals must be positive, probe_timeout_ms < probe_interval_ms, "
                               "indirect_probes >= 0, suspicion_mult >= 1")

@@ -29,7 +29,7 @@ advertised host is resolved once at start; seeds may be names (resolved at
 start when possible; TCP connects resolve them anyway).
 
 Seeds that do not answer are said so: while a node with seeds is alone (no
-other live member), a WARNING after `SEED_WARN_AFTER` seconds names each seed
+other live member), a WARNING after `cluster.seed_warning_ms` (10 s) names each seed
 and what went wrong with it (refused, timed out, failed authentication...),
 repeated at most every `SEED_WARN_EVERY` seconds while it lasts; an INFO line
 once contact is made after such a warning.
@@ -61,7 +61,6 @@ MAX_INBOUND_SYNCS = 16  # push/pulls we serve at once; more connections are clos
 MIN_SLEEP = 0.001  # seconds: the ticker never spins
 BIND_ATTEMPTS = 8  # port 0: tries at finding a number free for both UDP and TCP
 SKEW_LOG_INTERVAL = 60.0  # seconds between two warnings about packets stamped outside the replay window
-SEED_WARN_AFTER = 10.0  # seconds alone, with seeds configured, before warning that none answers
 SEED_WARN_EVERY = 60.0  # seconds between two such warnings while the node stays alone
 _LEN = struct.Struct(">I")
 
@@ -373,7 +372,7 @@ class Gossip:
             return
         if self._alone_since is None:
             self._alone_since = now
-        if now - self._alone_since < SEED_WARN_AFTER or (
+        if now - self._alone_since < self.cfg.seed_warning_ms / 1000 or (
                 self._seeds_warned_at is not None and now - self._seeds_warned_at < SEED_WARN_EVERY):
             return
         self._seeds_warned_at = now

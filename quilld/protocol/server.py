@@ -45,7 +45,6 @@ AFTER_LARGE_READ = 8 * 1024
 _after_large_rbuf = _shared_rbuf[:AFTER_LARGE_READ]
 SENDFILE_MIN = 64 * 1024  # a peer's reply block at least this large leaves the arena by sendfile
 SENT_HOLD = 2.0  # seconds a block sent by sendfile stays pinned at most when its peer sends nothing more
-ARENA_WAIT = 5.0  # seconds a large put waits (reading paused) for pinned or reserved space to free up
 ARENA_RETRY = 0.01
 log = logging.getLogger("quilld.protocol")
 
@@ -387,7 +386,7 @@ class RespConnection(asyncio.BufferedProtocol):
             out.append(data[sent:])
 
     async def _retry_when_space(self, item: list):
-        deadline = time.monotonic() + ARENA_WAIT
+        deadline = time.monotonic() + self.ctx.cfg.server.space_wait_ms / 1000
         keyspace, dispatch = self.ctx.keyspace, self.ctx.table.dispatch
         while True:
             await self.ctx.space_freed(ARENA_RETRY)
@@ -436,13 +435,13 @@ class RespConnection(asyncio.BufferedProtocol):
 
         When the arena is full only because blocks are pinned by readers or held by
         puts in progress, reading pauses and the reservation is retried until
-        ARENA_WAIT has passed; False means "waiting".
+        server.space_wait_ms has passed; False means "waiting".
         """
         self._large = True
         try:
             where = self._large_target(self.session, item.args, item.index, item.length)
         except OutOfMemory as e:
-            deadline = deadline or time.monotonic() + ARENA_WAIT
+            deadline = deadline or time.monotonic() + self.ctx.cfg.server.space_wait_ms / 1000
             if self.ctx.keyspace.space_may_free() and time.monotonic() < deadline:
                 self._waiting = (item, deadline)
                 self.transport.pause_reading()

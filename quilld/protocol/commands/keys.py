@@ -42,7 +42,6 @@ ULONG_MAX = (1 << 64) - 1
 EMBSTR_MAX = 44  # OBJ_ENCODING_EMBSTR_SIZE_LIMIT: redis keeps shorter strings in one allocation
 SCAN_COUNT = 10  # SCAN's default COUNT
 BRING_BACK_TRIES = 8  # reads of an SSD-only value back into DRAM (or waits for room) before giving up
-ARENA_WAIT = 5.0  # seconds a command on an SSD-only value waits for arena room
 
 # MEMORY USAGE's estimate of what a key costs beyond its value's bytes: the key's bytes
 # object, its slots in the LRU dict and the scope's key array, and the value's object
@@ -67,15 +66,15 @@ def _in_dram(c, key: bytes, fn: Callable, *a):
     """`fn(*a)` once `key`'s value is in DRAM: a value kept only on SSD is read back first."""
     store = c.keyspace
     if store.lower and store.below_only(c.tag, key):
-        return Pending(_brought_back(store, c.tag, key, c.ctx.space_freed, fn, a))
+        return Pending(_brought_back(store, c.tag, key, c.ctx.space_freed, c.ctx.cfg.server.space_wait_ms, fn, a))
     return fn(*a)
 
 
-async def _brought_back(store, tag: bytes, key: bytes, space_freed, fn: Callable, a: tuple):
+async def _brought_back(store, tag: bytes, key: bytes, space_freed, wait_ms: int, fn: Callable, a: tuple):
     """Read the value back, then run the command; while the arena is full of blocks the
     SSD tier is about to take (COPY needs room for its copy), wait for room, as the server
     shell does for a command that found none."""
-    deadline, moved = time.monotonic() + ARENA_WAIT, 0
+    deadline, moved = time.monotonic() + wait_ms / 1000, 0
     while True:
         await store.bring_back(tag, key, space_freed)
         if store.below_only(tag, key):  # demoted again before its turn came
