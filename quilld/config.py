@@ -61,7 +61,7 @@ class ServerConfig:
     proto_max_bulk_len: int = 512 * MiB
     client_output_high_water: int = 64 * MiB
     payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
-    space_wait_ms: int = 5_000  # a write (or an SSD read) short of arena room held by readers or puts waits this long, then -OOM
+    space_wait_ms: int = 5_000  # a write short of arena room held by readers or puts waits this long, then -OOM
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
     timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
