@@ -86,6 +86,22 @@ def make_buffer(kind: str, size: int):
     raise AssertionError(kind)
 
 
+def test_a_host_port_or_option_given_beside_a_config_is_not_ignored(ref, server):
+    from quillclient import ClientConfig
+    cfg = ClientConfig(shared_memory="off", socket_timeout=7)
+    c = QuillClient("127.0.0.1", server.port, config=cfg)  # the config's port (7379) was used, silently
+    try:
+        assert (c.config.port, c.config.shared_memory, c.config.socket_timeout) == (server.port, "off", 7)
+        c.put_blocks({"beside": b"v" * 100})
+        assert ref.get("beside") == b"v" * 100
+    finally:
+        c.close()
+    assert QuillClient(config=cfg, socket_timeout=3).config.socket_timeout == 3
+    assert QuillClient().config.port == 7379
+    with pytest.raises(TypeError, match="bogus"):
+        QuillClient(config=cfg, bogus=1)
+
+
 # -- get_into -----------------------------------------------------------------
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, MiB, 16 * MiB + 3, 64 * MiB])

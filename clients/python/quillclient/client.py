@@ -87,16 +87,19 @@ def _text(value: Any) -> Any:
 
 
 class QuillClient:
-    """A thread-safe client for one quilld. Options are `ClientConfig` fields.
+    """A thread-safe client for one quilld. Options are `ClientConfig` fields; with `config`,
+    a host, port or option also given overrides that field of it.
 
     >>> c = QuillClient("127.0.0.1", 7379, password="...", scope=("llama-3-8b", "llama3-tok"))
     >>> c.put_blocks({"blk:0": data0, "blk:1": data1})
     >>> n = c.get_into("blk:0", buffer)
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 7379, *, config: ClientConfig | None = None,
+    def __init__(self, host: str | None = None, port: int | None = None, *, config: ClientConfig | None = None,
                  **options: Any) -> None:
-        cfg = config if config is not None else ClientConfig(host=host, port=port, **options)
+        given = {**({"host": host} if host is not None else {}), **({"port": port} if port is not None else {}),
+                 **options}
+        cfg = replace(config, **given) if config is not None else ClientConfig(**given)
         self.config = cfg
         self._pool = redis.BlockingConnectionPool(
             max_connections=cfg.max_connections, timeout=cfg.pool_timeout,
