@@ -10,6 +10,11 @@
 # script wraps that one line in `catch` in a copy of the checkout's
 # tests/support/server.tcl, leaving the checkout itself untouched. Needs tclsh
 # (Debian: tcl) and redis-cli. Logs: $OUT/<unit>.log (OUT defaults to a temp dir).
+#
+# The suite's own server config (tests/assets/default.conf) sets `enable-debug-command yes`;
+# in external mode quilld's config applies instead, so quilld is started here with
+# security.enable_debug_command = yes to match (its default is "no", as redis's).
+# DEBUG_COMMAND=no runs the suite without DEBUG, as a quilld with the default config would.
 set -euo pipefail
 REDIS=${1:?usage: redis_suite.sh REDIS_CHECKOUT [unit ...]}
 shift
@@ -21,7 +26,7 @@ WORK=$(mktemp -d)
 cp -r "$REDIS/tests" "$WORK/tests"
 sed -i 's/^    r function flush$/    catch {r function flush}/' "$WORK/tests/support/server.tcl"
 PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-(cd "$ROOT" && PYTHONPATH="$ROOT" exec python3 -m quilld --port "$PORT" --admin-port 0 --dram 256MiB \
+(cd "$ROOT" && QUILLD_SECURITY_ENABLE_DEBUG_COMMAND=${DEBUG_COMMAND:-yes} PYTHONPATH="$ROOT" exec python3 -m quilld --port "$PORT" --admin-port 0 --dram 256MiB \
     --log-level warning) > "$OUT/quilld.log" 2>&1 &
 QPID=$!
 trap 'kill $QPID 2>/dev/null; rm -rf "$WORK"' EXIT

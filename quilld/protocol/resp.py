@@ -594,6 +594,19 @@ class Raw(bytes):
     """Already-encoded reply bytes, written as they are."""
 
 
+class BigNumber(bytes):
+    """A big number's decimal digits (RESP3 `(`), a bulk string in RESP2."""
+
+
+class Attribute(dict):
+    """An attribute frame (RESP3 `|`): metadata sent before a reply, never a reply itself.
+    RESP2 has no attributes: nothing is sent to a RESP2 client."""
+
+
+class Push(tuple):
+    """An out-of-band push frame (RESP3 `>`); in RESP2, an array (as redis sends pub/sub messages)."""
+
+
 class WithFds:
     """A reply to be sent with open file descriptors attached (SCM_RIGHTS over a unix socket):
     SHM ATTACH's. The codec does not encode it (it is not bytes on a wire): the server shell
@@ -628,7 +641,8 @@ def encode(value: Any, resp3: bool, out: list) -> None:
     bytes -> bulk; Status -> simple string; int -> integer; None -> null;
     list/tuple -> array; dict -> map; set -> set; float -> double;
     bool -> boolean; Verbatim -> verbatim text; QuillError -> error;
-    Raw -> as is; Pinned -> bulk header, the view, CRLF.
+    BigNumber -> big number; Attribute -> attribute frame (nothing in RESP2);
+    Push -> push frame; Raw -> as is; Pinned -> bulk header, the view, CRLF.
     """
     t = type(value)
     if t is bytes or t is bytearray:
@@ -670,6 +684,18 @@ def encode(value: Any, resp3: bool, out: list) -> None:
             out.append(b"=%d\r\ntxt:%b\r\n" % (len(value) + 4, value))
         else:
             out.append(b"$%d\r\n%b\r\n" % (len(value), value))
+    elif t is BigNumber:
+        out.append(b"(%b\r\n" % value if resp3 else b"$%d\r\n%b\r\n" % (len(value), value))
+    elif t is Attribute:
+        if resp3:
+            out.append(b"|%d\r\n" % len(value))
+            for k, v in value.items():
+                encode(k, resp3, out)
+                encode(v, resp3, out)
+    elif t is Push:
+        out.append((b">%d\r\n" if resp3 else b"*%d\r\n") % len(value))
+        for item in value:
+            encode(item, resp3, out)
     elif t is Pinned:
         out.append(b"$%d\r\n" % len(value.view))
         out.append(value.view)

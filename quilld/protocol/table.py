@@ -50,6 +50,10 @@ WRITE = "write"
 READONLY = "readonly"
 FAST = "fast"
 ADMIN = "admin"
+PROTECTED = "protected"  # runs only where its setting allows it (redis's CMD_PROTECTED): see protected_refusal
+# a protected command -> its key in the config's security section (redis's name: dashes, `enable-...`)
+PROTECTED_BY = {"debug": "enable_debug_command"}
+LOCAL_ADDRESSES = ("127.0.0.1", "::1")  # redis's islocalClient(): these two exactly, or the unix socket
 
 # the orders redis lists them in (server.c addReplyFlagsForCommand, acl.c ACLCommandCategories, ...)
 COMMAND_FLAGS = ("write", "readonly", "denyoom", "module", "admin", "pubsub", "noscript", "blocking", "loading",
@@ -322,7 +326,7 @@ class CommandTable:
             self.stats.setdefault(c.name, [0, 0, 0, 0, 0, None])
         for spelling in (name.encode(), name.upper().encode()):
             self._fast.pop(spelling, None)
-        if not cmd.subcommands and NOAUTH not in cmd.flags:
+        if not cmd.subcommands and NOAUTH not in cmd.flags and PROTECTED not in cmd.flags:
             mask = self._mask(cmd)
             for spelling in (name.encode(), name.upper().encode()):
                 self._fast[spelling] = (handler, arity, name, self.stats[name], mask)
@@ -489,6 +493,10 @@ class CommandTable:
             if (arity > 0 and n != arity) or n < -arity:
                 return self._rejected(sub, CommandError(f"wrong number of arguments for '{sub.name}' command"))
             cmd = sub
+        if PROTECTED in cmd.flags:
+            refusal = protected_refusal(client, cmd.name)
+            if refusal is not None:
+                return self._rejected(cmd, refusal)
         if not client.authenticated and NOAUTH not in cmd.flags:
             return self._rejected(cmd, NoAuth("Authentication required."))
         client.last_cmd = cmd.name
@@ -499,6 +507,21 @@ class CommandTable:
         finally:
             if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags):
                 self.monitor(client, cmd, args)
+
+
+def protected_refusal(client: Any, name: str) -> CommandError | None:
+    """None when `client` may run protected command `name`, else redis's refusal (server.c
+    processCommand, allowProtectedAction): its setting is "yes", or "local" and the client is on
+    the unix socket or comes from 127.0.0.1 or ::1."""
+    key = PROTECTED_BY[name]
+    setting = getattr(client.ctx.cfg.security, key)
+    if setting == "yes" or (setting == "local" and (
+            client.unix or client.addr.rpartition(":")[0] in LOCAL_ADDRESSES)):
+        return None
+    option = key.replace("_", "-")
+    return CommandError(f"{name.upper()} command not allowed. If the {option} option is set to \"local\", "
+                        "you can run it from a local connection, otherwise you need to set this option in the "
+                        "configuration file, and then restart the server.")
 
 
 def unknown_command(args: list) -> CommandError:

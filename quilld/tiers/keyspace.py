@@ -92,6 +92,7 @@ class Keyspace(ValueParts, Renames, TierMoves):
         self.on_free: Any = None  # called when arena space is given back (wakes writers waiting for it)
         self.ttls = Expiry()  # TTLs and their heap (expiry.py)
         self.expires = self.ttls.at  # full key -> when it expires: read here with no call in between
+        self.active_expire = True  # False: the sweep reclaims nothing, only reads do (DEBUG SET-ACTIVE-EXPIRE 0)
         self.per_scope: Counter[bytes] = Counter()
         # the keys of each scope that was ever enumerated (KEYS, SCAN, RANDOMKEY), in arrays laid
         # out by scope_keys.py; `_added`/`_removed` keep them up to date through these two names
@@ -511,7 +512,10 @@ class Keyspace(ValueParts, Renames, TierMoves):
         return self.expires.pop(tag + key, None) is not None
 
     def sweep_expired(self, limit: int = 1000) -> int:
-        """Remove up to `limit` keys whose time has come (called periodically)."""
+        """Remove up to `limit` keys whose time has come (called periodically); none while
+        `active_expire` is off (then an expired key stays, counted, until something reads it)."""
+        if not self.active_expire:
+            return 0
         due, now, n = self.ttls.next_due, now_ms(), 0
         while n < limit:
             fk = due(now)

@@ -505,6 +505,23 @@ def test_sweep_expired(store, tag):
     check_accounting(store)
 
 
+def test_sweep_off_leaves_expired_keys_to_reads(store, tag):
+    """active_expire off (DEBUG SET-ACTIVE-EXPIRE 0): the sweep reclaims nothing; an expired key
+    stays counted until a read reclaims it; switched back on, the sweep takes the rest."""
+    for i in range(3):
+        put(store, tag, b"k%d" % i, b"v")
+        store.set_expire(tag, b"k%d" % i, now_ms() - 1)
+    store.active_expire = False
+    assert store.sweep_expired() == 0
+    assert store.keys_in(tag) == 3
+    assert store.lookup(tag, b"k0") is None
+    assert store.keys_in(tag) == 2
+    store.active_expire = True
+    assert store.sweep_expired() == 2
+    assert store.keys_in(tag) == 0
+    check_accounting(store)
+
+
 def test_overwrite_clears_ttl_unless_kept(store, tag):
     put(store, tag, b"k", b"v")
     store.set_expire(tag, b"k", now_ms() + 10_000)

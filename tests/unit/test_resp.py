@@ -30,7 +30,10 @@ from quilld.protocol.resp import (
     OK,
     UNAUTH_BULK_LEN,
     UNAUTH_MULTIBULK_LEN,
+    Attribute,
+    BigNumber,
     LargeBulk,
+    Push,
     Raw,
     RespParser,
     Status,
@@ -611,6 +614,12 @@ def enc(value, resp3: bool) -> bytes:
      b"*3\r\n$1\r\na\r\n*2\r\n:1\r\n*2\r\n$-1\r\n+OK\r\n*1\r\n:1\r\n",
      b"*3\r\n$1\r\na\r\n*2\r\n:1\r\n*2\r\n_\r\n+OK\r\n*1\r\n#t\r\n"),
     (Raw(b"+already\r\n"), b"+already\r\n", b"+already\r\n"),
+    (BigNumber(b"1234567999999999999999999999999999999"), b"$37\r\n1234567999999999999999999999999999999\r\n",
+     b"(1234567999999999999999999999999999999\r\n"),
+    (Attribute({b"key-popularity": [b"key:123", 90]}), b"",
+     b"|1\r\n$14\r\nkey-popularity\r\n*2\r\n$7\r\nkey:123\r\n:90\r\n"),
+    (Push((b"server-cpu-usage", 42)), b"*2\r\n$16\r\nserver-cpu-usage\r\n:42\r\n",
+     b">2\r\n$16\r\nserver-cpu-usage\r\n:42\r\n"),
 ])
 def test_encode_resp2_and_resp3(value, resp2, resp3):
     assert enc(value, False) == resp2

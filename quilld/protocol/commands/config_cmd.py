@@ -256,6 +256,7 @@ REFUSED: dict[str, tuple[Getter, str]] = {
     "io-threads": (lambda ctx: "1", ""),
     "daemonize": (lambda ctx: "no", ""),
     "cluster-enabled": (lambda ctx: "no", ""),
+    "enable-debug-command": (lambda ctx: ctx.cfg.security.enable_debug_command, ""),
 }
 
 

@@ -205,6 +205,12 @@ SERVER = {
         "Listen for all requests received by the server in real time", "1.0.0", "server",
         flags="admin noscript loading stale",
     ),
+    "debug": D(
+        "A container for debugging commands", "1.0.0", "server",
+        complexity="Depends on subcommand.",
+        flags="admin noscript loading stale",
+        doc_flags="syscmd",
+    ),
     "slowlog": D(
         "A container for slow log commands", "2.2.12", "server",
         complexity="Depends on subcommand.",
