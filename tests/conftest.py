@@ -7,6 +7,7 @@ stopped by PID (SIGTERM, then SIGKILL after a bound) when the test ends.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,10 +30,38 @@ STOP_TIMEOUT = 10.0
 ADMIN_TOKEN = "conftest-admin-token"  # given to a node with passwords and an admin port (quilld requires one)
 
 
+# The servers tests start listen on ports below the kernel's ephemeral range (32768-60999 by
+# default, where every client connection takes its source port, on any address), each xdist
+# worker in its own slice, and no port is handed out twice in a worker: a port bind(0) chose
+# could be taken, before the server bound it, by another worker's server or by a connection's
+# source port (seen in CI: "the port is in use" on 192.0.2.2, and a wait_port that reached
+# another worker's server).
+PORT_RANGE = (20000, 32000)
+_given_ports: set[int] = set()
+_port_rng = random.Random(os.urandom(8))  # apart from tests that seed `random`
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing is bound to on any address, in this worker's slice of PORT_RANGE."""
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    index = int(worker) % count if worker.isdigit() else 0
+    span = (PORT_RANGE[1] - PORT_RANGE[0]) // count
+    first, offset = PORT_RANGE[0] + index * span, _port_rng.randrange(span)
+    for attempt in range(2):
+        for i in range(span):
+            port = first + (offset + i) % span
+            if port in _given_ports:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))  # conflicts with a socket on any address, TIME_WAIT included
+                except OSError:
+                    continue
+            _given_ports.add(port)
+            return port
+        _given_ports.clear()  # every port of the slice handed out once: hand them out again
+    raise RuntimeError(f"no free port in {first}-{first + span - 1}")
 
 
 def _listening_inodes(port: int) -> set[str]:
