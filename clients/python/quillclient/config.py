@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import platform
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 MiB = 1024 * 1024
+# CPUs that keep loads in order (TSO): there the generation check alone catches a stale
+# shared-memory copy; elsewhere (ARM, POWER...) each copy's CRC32C is checked too, by default.
+ORDERED_LOADS = ("x86_64", "amd64", "i386", "i686")
+
+
+def loads_may_reorder() -> bool:
+    return platform.machine().lower() not in ORDERED_LOADS
 
 
 class Scope(NamedTuple):
@@ -55,9 +63,11 @@ class ClientConfig:
     # The shared-memory path (quillclient.shm) for a quilld on this host: "auto" uses it when the
     # server offers it to this user and falls back to TCP otherwise (client.transport and
     # client.shm_unavailable_reason say which and why); "require" raises instead of falling back;
-    # "off" never tries. verify_crc: check each shared-memory copy's CRC32C too (costs a pass).
+    # "off" never tries. verify_crc: check each shared-memory copy's CRC32C too (costs a pass);
+    # on by default where the CPU may reorder loads (anything but x86), where the generation
+    # check alone could miss a copy that overlapped the reuse of its block.
     shared_memory: str = "auto"
-    verify_crc: bool = False
+    verify_crc: bool = field(default_factory=loads_may_reorder)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

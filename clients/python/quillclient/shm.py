@@ -16,7 +16,8 @@ client reads the key again over TCP and counts it (`stale_reads`). A stale copy
 is never returned as good data. This relies on x86-64's ordering of loads (TSO:
 the copy's loads are not performed after the generation's load); see quilld's
 tiers/leases.py. With `verify_crc` the CRC32C of each copy is checked as well
-(a mismatch also reads again over TCP, counted in `crc_rereads`).
+(a mismatch also reads again over TCP, counted in `crc_rereads`); it is on by
+default on any other CPU, where the generation check alone is not enough.
 
 Leases are released after the copy with `SHM RELEASE slot ...`, never waited for
 (its reply is read in front of the next reply on that connection), so a read is
