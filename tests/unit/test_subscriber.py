@@ -20,6 +20,7 @@ import pytest
 import vllm_schema as vllm
 import zmq
 import zmq.asyncio
+from conftest import free_port
 
 from quilld.index import subscriber as subscriber_mod
 from quilld.index.engines import FeedStats
@@ -28,14 +29,6 @@ from quilld.index.subscriber import KvEventSubscriber
 
 ENGINE = "engine-a"
 TEST_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def until(cond: Callable[[], bool], timeout: float = 15.0) -> None:
