@@ -271,9 +271,10 @@ class Cluster:
         return None
 
     async def _fetch_from(self, peer: str, addr: tuple[str, int], scope: IdentityScope,
-                          key: bytes) -> tuple[Any, bytearray | None] | None:
-        """`key` from `peer`, verified: (arena block, None) or (None, buffer of an inline-sized value);
-        None when the peer does not have it. Raises QuillError when it failed (counted); whatever
+                          key: bytes) -> tuple[Any, bytearray | None, int] | None:
+        """`key` from `peer`, verified: (arena block, None, expiry) or (None, buffer of an inline-sized
+        value, expiry), the expiry being when the key expires there (unix ms) or -1; None when the
+        peer does not have it. Raises QuillError when it failed (counted); whatever
         it reserved is given back on every way out but success, cancellation included."""
         store = self.keyspace
         block = None
@@ -292,7 +293,8 @@ class Cluster:
 
         t0 = time.perf_counter()
         try:
-            crc, view = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key, target)
+            crc, view, expires = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key,
+                                                                  target)
         except QuillError as e:
             if block is not None:
                 store.discard(block)
@@ -320,7 +322,7 @@ class Cluster:
         elapsed = time.perf_counter() - t0  # request to verified
         self.stats["peer_fetch_usec"] += int(elapsed * 1e6)
         self.observe_fetch(elapsed)
-        return block, buf
+        return block, buf, expires
 
     # -- pool reads (GET, MGET, EXISTS) -----------------------------------------------
     async def pool_read(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
@@ -396,15 +398,20 @@ class Cluster:
             raise unexpected
         return None if winner is None else self._deliver(tag, key, *winner)
 
-    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None) -> bytes | Pinned:
+    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None, expires: int) -> bytes | Pinned:
+        """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does."""
         store = self.keyspace
         if block is None:
             value = bytes(buf or b"")
             if self.cfg.keep_fetched:
                 store.publish(tag, key, value)
+                if expires >= 0:
+                    store.set_expire(tag, key, expires)
             return value
         if self.cfg.keep_fetched:
             store.publish(tag, key, block)
+            if expires >= 0:
+                store.set_expire(tag, key, expires)
             return store.pinned(block)
         return Pinned(store.view(block), lambda: store.discard(block))
 

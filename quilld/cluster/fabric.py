@@ -53,15 +53,15 @@ class RdmaInfo:
 
 
 Target = Callable[[int], memoryview]
-Fetched = tuple[int | None, memoryview | None]
+Fetched = tuple[int | None, memoryview | None, int]  # (crc32c, view, expires at: unix ms or -1)
 
 
 class Transfer(Protocol):
     """One way of reading a peer's block into memory that `target(length)` names.
 
-    Returns (crc32c the peer computed, the view written) or (None, None) when
-    the peer no longer has the key; raises QuillError (PeerError) on failure.
-    The caller verifies the CRC.
+    Returns (crc32c the peer computed, the view written, when the key expires
+    there: unix ms, or -1) or (None, None, -1) when the peer no longer has the
+    key; raises QuillError (PeerError) on failure. The caller verifies the CRC.
     """
 
     name: str

@@ -166,8 +166,9 @@ class PeerConnection:
                     return
                 if type(event) is not Bulk:
                     break
-                # only the payload of `*2 :crc $len payload` goes anywhere: checked before it arrives
-                if not (event.depth == 1 and event.count == 2 and event.index == 1
+                # only the payload of `*2 :crc $len payload` (`*3`: `:pxat` after it) goes anywhere:
+                # checked before it arrives
+                if not (event.depth == 1 and event.count in (2, 3) and event.index == 1
                         and type(event.items[0]) is int):
                     raise ValueError(f"unexpected reply: {event!r}")
                 self._view = self._target(event.length)
@@ -211,12 +212,13 @@ class PeerConnection:
             raise
 
     async def fetch_into(self, args: tuple, target: Callable[[int], memoryview],
-                         timeout: float = CALL_TIMEOUT) -> tuple[int | None, memoryview | None]:
-        """Send a command answered with `*2 :crc $len payload` (or a nil / an error).
+                         timeout: float = CALL_TIMEOUT) -> tuple[int | None, memoryview | None, int]:
+        """Send a command answered with `*2 :crc $len payload`, or `*3 :crc $len payload :pxat`
+        (PEERGET ... PXAT), or a nil / an error.
 
         `target(length)` names the memory the payload is received into.
-        Returns (crc, view) or (None, None) for a nil reply; raises PeerError on
-        a broken connection and QuillError for an error reply.
+        Returns (crc, view, pxat: -1 when the reply has none) or (None, None, -1) for a nil
+        reply; raises PeerError on a broken connection and QuillError for an error reply.
         """
         if self.transport is None:
             await self.connect()
@@ -230,14 +232,15 @@ class PeerConnection:
             self.close()
             raise
         if event is None:
-            return None, None
+            return None, None, -1
         if isinstance(event, ReplyError):
             self.close()
             raise QuillError(event.message)
-        if view is None or type(event) is not list or event[1] is not view:
+        if view is None or type(event) is not list or event[1] is not view or (
+                len(event) == 3 and type(event[2]) is not int):
             self.close()
             raise PeerError(f"peer {self.host}:{self.port}: fetch failed: unexpected reply {event!r:.60}")
-        return event[0], view
+        return event[0], view, event[2] if len(event) == 3 else -1
 
 
 class PeerPool:

@@ -337,16 +337,16 @@ class RdmaTransfer:
         conn = await self.pool.acquire(*addr)
         try:
             reply = _checked(await conn.call("PEERGET", scope.tenant, scope.model, scope.tokenizer,
-                                             scope.adapter, key, "RDMA", self.min_bytes))
+                                             scope.adapter, key, "RDMA", self.min_bytes, "PXAT"))
             if reply is None:
-                result: Fetched = (None, None)
+                result: Fetched = (None, None, -1)
             elif _is_inline(reply):
                 view = target(len(reply[1]))
                 view[:] = reply[1]
-                result = (reply[0], view)
+                result = (reply[0], view, reply[2])
                 self.stats["rdma_inline_replies"] += 1
             elif _is_lease(reply):
-                crc, length, raddr, rkey, lease = reply
+                crc, length, raddr, rkey, lease, pxat = reply
                 try:
                     view = target(length)
                     await self._read(cqp, view, raddr, rkey)
@@ -357,7 +357,7 @@ class RdmaTransfer:
                         pass
                     raise
                 _checked(await conn.call("PEERRELEASE", lease))
-                result = (crc, view)
+                result = (crc, view, pxat)
                 self.stats["rdma_reads"] += 1
                 self.stats["rdma_read_bytes"] += length
             else:
@@ -525,10 +525,10 @@ def _checked(reply: Any) -> Any:
     return reply
 
 
-def _is_inline(r: Any) -> bool:
-    return type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is bytes
+def _is_inline(r: Any) -> bool:  # [crc, bytes, pxat]
+    return type(r) is list and len(r) == 3 and type(r[0]) is int and type(r[1]) is bytes and type(r[2]) is int
 
 
-def _is_lease(r: Any) -> bool:
-    return (type(r) is list and len(r) == 5 and all(type(x) is int for x in r)
+def _is_lease(r: Any) -> bool:  # [crc, length, remote address, rkey, lease, pxat]
+    return (type(r) is list and len(r) == 6 and all(type(x) is int for x in r)
             and 0 < r[1] <= MAX_READ_BYTES and r[2] > 0)

@@ -186,7 +186,7 @@ class TcpTransfer:
         conn = await self.pool.acquire(*addr)
         try:
             result = await conn.fetch_into(
-                ("PEERGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, key), target)
+                ("PEERGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, key, "PXAT"), target)
         except QuillError:
             self.pool.release(conn)  # a no-op: peer_client closed it, and the pool keeps no closed one
             raise

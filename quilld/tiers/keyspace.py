@@ -242,23 +242,25 @@ class Keyspace(ValueParts, Renames, TierMoves):
             out.append((self.lower_tier.tier, below.length, None))
         return out
 
-    def peer_copy(self, tag: bytes, key: bytes) -> list | Pending | None:
-        """`[crc32c, bytes | Pinned]` of this node's copy, for a peer; None when there is none."""
+    def peer_copy(self, tag: bytes, key: bytes, with_expiry: bool = False) -> list | Pending | None:
+        """`[crc32c, bytes | Pinned]` of this node's copy, for a peer; None when there is none.
+        `with_expiry` adds when it expires (unix ms), or -1."""
         value = self.lookup(tag, key)
         if value is None:
             return None
+        tail = [self.expires.get(tag + key, -1)] if with_expiry else []
         if value.__class__ is Block:
             pinned = self.pinned(value)
             if value.crc is None:  # published blocks never change: compute once, serve many
                 value.crc = crc32c.crc32c(pinned.view)
-            return [value.crc, pinned]
+            return [value.crc, pinned, *tail]
         if value.__class__ is bytes:
-            return [crc32c.crc32c(value), value]
-        return Pending(self._lower_copy(value))
+            return [crc32c.crc32c(value), value, *tail]
+        return Pending(self._lower_copy(value, tail))  # only on the lower tier, so no TTL (see set_ttl)
 
-    async def _lower_copy(self, entry: Any) -> list:
+    async def _lower_copy(self, entry: Any, tail: list) -> list:
         data = await self.lower_tier.read_bytes(entry)  # verified against entry.crc
-        return [entry.crc, data]
+        return [entry.crc, data, *tail]
 
     def lease_extent(self, tag: bytes, key: bytes, min_bytes: int) -> tuple[int, int, int, Pinned] | None:
         """(crc32c, arena offset, length, pin) of an arena block of at least `min_bytes`, for a

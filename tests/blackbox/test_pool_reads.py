@@ -171,6 +171,26 @@ def test_pool_reads_false_keeps_get_mget_exists_local(cluster):
     assert b.get("big") == big  # and keeps a copy
 
 
+def test_a_copy_read_from_a_peer_expires_with_the_holders(cluster):
+    cluster.start("a")
+    cluster.start("b", ["a"])
+    a, b = cluster.client("a"), cluster.client("b")
+    until(lambda: members(b) == {"a": "alive", "b": "alive"}, 15, "two members")
+    big, small = os.urandom(MiB), b"inline value"
+    a.set("big", big, px=4000)
+    a.set("small", small, px=4000)
+    a.set("forever", big)
+    until(lambda: "a" in holders(b, "big") and "a" in holders(b, "forever"), 10, "b's directory to list a's blocks")
+    assert b.get("big") == big and b.get("small") == small and b.get("forever") == big  # read and kept
+    for key in ("big", "small"):
+        assert b.pexpiretime(key) == a.pexpiretime(key) > 0, key  # the holder's expiry, to the ms
+    assert b.pexpiretime("forever") == -1
+    until(lambda: a.get("big") is None and a.get("small") is None, 15, "a's copies to expire")
+    a.delete("forever")  # so that b's own copy is all that could answer for it
+    assert b.get("big") is None and b.get("small") is None, "b's copies outlived the holder's TTL"
+    assert b.get("forever") == big
+
+
 def test_a_holder_killed_is_a_miss_on_get_never_an_error(cluster):
     cluster.start("a")
     cluster.start("b", ["a"])

@@ -10,6 +10,7 @@ into the memory `target(length)` names, as the real transfers do.
 from __future__ import annotations
 
 import asyncio
+import time
 import random
 
 import crc32c
@@ -45,7 +46,8 @@ class Peers:
     """Stands in for the network (Transfers.fetch_into) and nothing else.
 
     `answers[peer]` is what that peer does: ("ok", payload) sends the payload with its
-    CRC32C; ("badcrc", payload) sends it with a wrong CRC; ("break", payload) receives
+    CRC32C (("ok", payload, at): and that it expires at unix ms `at` there); ("badcrc", payload)
+    sends it with a wrong CRC; ("break", payload) receives
     half of it, then the connection breaks (PeerError); ("nil-after-target", payload)
     names the memory, then answers nil (an RDMA attempt fell back to TCP and the key was
     gone meanwhile); None answers nil; an exception instance is raised before any byte.
@@ -64,20 +66,20 @@ class Peers:
         await asyncio.sleep(0)
         answer = self.answers[peer]
         if answer is None:
-            return None, None
+            return None, None, -1
         if isinstance(answer, Exception):
             raise answer
-        how, payload = answer
+        how, payload, *at = answer
         view = target(len(payload))
         if how == "nil-after-target":
-            return None, None
+            return None, None, -1
         if how == "break":
             half = len(payload) // 2
             view[:half] = payload[:half]
             raise PeerError("peer closed the connection mid-transfer")
         view[:] = payload
         crc = crc32c.crc32c(payload)
-        return (crc ^ 1 if how == "badcrc" else crc), view
+        return (crc ^ 1 if how == "badcrc" else crc), view, (at[0] if at else -1)
 
 
 def make_cluster(answers: dict, holders: dict[str, CacheTier], keep: bool = True, pages: int = 16):
@@ -133,6 +135,20 @@ def test_inline_sized_value_is_returned_as_bytes_and_kept():
     got = run(cluster.fetch(SCOPE, tag, KEY))
     assert type(got) is bytes and got == payload
     assert ks.get(tag, KEY) == payload and ks.arena.used == 0
+    check_nothing_held(ks)
+
+
+@pytest.mark.parametrize("size", [100, 3 * PAGE + 11])
+def test_a_kept_copy_expires_when_the_holders_copy_does(size):
+    at = int(time.time() * 1000) + 60_000
+    payload = data(size, 4)
+    cluster, ks, tag = make_cluster({"n2": ("ok", payload, at)}, {"n2": CacheTier.DRAM})
+    got = run(cluster.fetch(SCOPE, tag, KEY))
+    if type(got) is Pinned:
+        got.release()
+    assert ks.expire_time(tag, KEY) == at and 0 < ks.ttl_ms(tag, KEY) <= 60_000
+    ks.set_expire(tag, KEY, int(time.time() * 1000) - 1)  # its time comes: gone here too
+    assert ks.get(tag, KEY) is None
     check_nothing_held(ks)
 
 

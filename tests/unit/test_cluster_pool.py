@@ -61,12 +61,12 @@ class Peers:
             self.cancelled.append(peer)
             raise
         if what is None:
-            return None, None
+            return None, None, -1
         if isinstance(what, Exception):
             raise what
         view = target(len(what))
         view[:] = what
-        return crc32c.crc32c(what), view
+        return crc32c.crc32c(what), view, -1
 
     def peer_gone(self, peer) -> None:
         pass

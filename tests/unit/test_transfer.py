@@ -18,6 +18,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 import types
 from collections import Counter
 from pathlib import Path
@@ -396,10 +397,10 @@ def test_tcp_transfer_over_a_real_connection():
                 while data := await reader.read(65536):
                     parser.feed(data)
                     while (cmd := parser.gets()) is not False:
-                        assert cmd[:5] == [b"PEERGET", b"acme", b"llama", b"tok", b""]
-                        if cmd[5] == b"hit":
-                            writer.write(b"*2\r\n:%d\r\n$%d\r\n%b\r\n" % (crc32c.crc32c(payload), len(payload),
-                                                                          payload))
+                        assert cmd[:5] == [b"PEERGET", b"acme", b"llama", b"tok", b""] and cmd[6:] == [b"PXAT"]
+                        if cmd[5] == b"hit":  # with the key's expiry, as PXAT asks
+                            writer.write(b"*3\r\n:%d\r\n$%d\r\n%b\r\n:1234\r\n" % (
+                                crc32c.crc32c(payload), len(payload), payload))
                         elif cmd[5] == b"miss":
                             writer.write(b"$-1\r\n")
                         else:
@@ -414,13 +415,13 @@ def test_tcp_transfer_over_a_real_connection():
         pool = PeerPool()
         tcp = TcpTransfer(pool)
         buf = bytearray(len(payload))
-        crc, view = await tcp.fetch_into("p2", addr, SCOPE, b"hit", lambda n: memoryview(buf)[:n])
-        assert crc == crc32c.crc32c(payload) and bytes(buf) == payload
-        assert await tcp.fetch_into("p2", addr, SCOPE, b"miss", lambda n: memoryview(bytearray(n))) == (None, None)
+        crc, view, expires = await tcp.fetch_into("p2", addr, SCOPE, b"hit", lambda n: memoryview(buf)[:n])
+        assert crc == crc32c.crc32c(payload) and bytes(buf) == payload and expires == 1234
+        assert await tcp.fetch_into("p2", addr, SCOPE, b"miss", lambda n: memoryview(bytearray(n))) == (None, None, -1)
         with pytest.raises(QuillError, match="NOPERM node-to-node command"):
             await tcp.fetch_into("p2", addr, SCOPE, b"err", lambda n: memoryview(bytearray(n)))
         assert len(accepted) == 1  # one connection, back in the pool after each reply
-        assert await tcp.fetch_into("p2", addr, SCOPE, b"miss", lambda n: memoryview(bytearray(n))) == (None, None)
+        assert await tcp.fetch_into("p2", addr, SCOPE, b"miss", lambda n: memoryview(bytearray(n))) == (None, None, -1)
         assert len(accepted) == 2  # peer_client closes a connection after an error reply; the next call reconnects
         pool.close()
         while len(finished) < len(accepted):  # the handlers see EOF and close their side
@@ -590,8 +591,8 @@ def test_rdma_read_lands_in_the_arena_and_releases_the_lease():
     p = Pair()
     data = os.urandom(5 * PAGE + 123)
     p.put(b"big", data)
-    crc, view = p.fetch(b"big")
-    assert bytes(view) == data and crc == crc32c.crc32c(data)
+    crc, view, expires = p.fetch(b"big")
+    assert bytes(view) == data and crc == crc32c.crc32c(data) and expires == -1
     assert p.client_store.arena.view(p.blocks[0].handle, len(data)).tobytes() == data  # straight into the block
     assert p.calls == [b"PEERRDMA", b"PEERGET", b"PEERRELEASE"]
     assert p.server_store.active_pins == 0 and len(p.server_rdma.leases) == 0
@@ -605,9 +606,13 @@ def test_small_and_missing_values_come_inline():
     p = Pair(client_inline=8 * PAGE)
     p.put(b"tiny", b"x" * 100)  # inline bytes on the server
     p.put(b"mid", b"y" * (2 * PAGE))  # an arena block, but under this client's inline_max
-    assert bytes(p.fetch(b"tiny")[1]) == b"x" * 100
-    assert bytes(p.fetch(b"mid")[1]) == b"y" * (2 * PAGE)
-    assert p.fetch(b"nope") == (None, None)
+    at = int(time.time() * 1000) + 60_000
+    p.server_store.set_expire(p.server_store.scopes.tag(SCOPE), b"mid", at)
+    _, view, expires = p.fetch(b"tiny")
+    assert bytes(view) == b"x" * 100 and expires == -1
+    _, view, expires = p.fetch(b"mid")
+    assert bytes(view) == b"y" * (2 * PAGE) and expires == at  # the expiry comes with the bytes
+    assert p.fetch(b"nope") == (None, None, -1)
     assert b"PEERRELEASE" not in p.calls and p.server_store.active_pins == 0
     assert p.rdma.stats["rdma_inline_replies"] == 2
 
@@ -717,7 +722,7 @@ def test_a_lease_is_released_only_by_its_connection():
     p = Pair()
     p.put(b"big", os.urandom(2 * PAGE))
     reply = cmd_peerget(p.session, [b"PEERGET", b"acme", b"llama", b"tok", b"", b"big", b"RDMA", b"257"])
-    crc, length, raddr, rkey, lease = reply
+    crc, length, raddr, rkey, lease = reply  # without PXAT: no expiry in the reply
     assert (length, rkey) == (2 * PAGE, p.server_dev.rkey)
     assert p.server_store.active_pins == 1
     other = session(p.ctx, peer=True)

@@ -490,6 +490,7 @@ class CannedServer:
 
 PEER_PAYLOAD = bytes(range(256)) * 12  # 3072 bytes
 PEER_HIT = b"*2\r\n:77\r\n$%d\r\n%b\r\n" % (len(PEER_PAYLOAD), PEER_PAYLOAD)
+PEER_HIT_PXAT = b"*3\r\n:77\r\n$%d\r\n%b\r\n:1700000000123\r\n" % (len(PEER_PAYLOAD), PEER_PAYLOAD)
 
 
 def peer_fetch(replies: list[bytes | None], step: int = 1 << 20, fetches: int = 1):
@@ -523,10 +524,12 @@ def peer_fetch(replies: list[bytes | None], step: int = 1 << 20, fetches: int = 
         server.close()
 
 
+@pytest.mark.parametrize("reply, expires", [(PEER_HIT, -1), (PEER_HIT_PXAT, 1700000000123)], ids=["plain", "pxat"])
 @pytest.mark.parametrize("step", [1, 5, 1 << 20])
-def test_peer_fetch_into_receives_into_the_target(step):
-    [((crc, view), asked, closed)] = peer_fetch([PEER_HIT], step)
+def test_peer_fetch_into_receives_into_the_target(step, reply, expires):
+    [((crc, view, pxat), asked, closed)] = peer_fetch([reply], step)
     assert crc == 77 and bytes(view) == PEER_PAYLOAD and asked == [len(PEER_PAYLOAD)] and not closed
+    assert pxat == expires
 
 
 def test_peer_fetch_into_nil_and_error_replies():
@@ -535,7 +538,7 @@ def test_peer_fetch_into_nil_and_error_replies():
 
     (nil, asked1, closed1), (err, asked2, closed2), (hit, _, _) = peer_fetch(
         [b"$-1\r\n", b"-NOPERM node-to-node command\r\n", PEER_HIT], fetches=3)
-    assert nil == (None, None) and asked1 == [] and not closed1
+    assert nil == (None, None, -1) and asked1 == [] and not closed1
     assert type(err) is QuillError and not isinstance(err, PeerError)
     assert err.message == "NOPERM node-to-node command" and asked2 == [] and closed2
     assert hit[0] == 77 and bytes(hit[1]) == PEER_PAYLOAD  # a new connection after the error
@@ -543,7 +546,9 @@ def test_peer_fetch_into_nil_and_error_replies():
 
 @pytest.mark.parametrize("reply, target_called", [
     (b"$5\r\nhello\r\n", False),  # a bare bulk
-    (b"*3\r\n:1\r\n$1\r\nx\r\n$1\r\ny\r\n", False),  # three elements
+    (b"*3\r\n:1\r\n$1\r\nx\r\n$1\r\ny\r\n", True),  # a third element that is not the expiry
+    (b"*3\r\n:1\r\n$1\r\nx\r\n+OK\r\n", True),  # ... nor an integer
+    (b"*4\r\n:1\r\n$1\r\nx\r\n:1\r\n:2\r\n", False),  # four elements
     (b"*2\r\n$1\r\nx\r\n$1\r\ny\r\n", False),  # no CRC first
     (b"*2\r\n:1\r\n-ERR inside\r\n", False),
     (b"+OK\r\n", False),

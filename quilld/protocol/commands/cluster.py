@@ -90,31 +90,40 @@ def _scope_of(args) -> IdentityScope:
     return IdentityScope(text(args[1]), text(args[2]), text(args[3]), text(args[4]))
 
 
+PEERGET_SYNTAX = "syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes] [PXAT]"
+
+
 def cmd_peerget(c, args):
-    """PEERGET tenant model tokenizer adapter key [RDMA min_bytes]: [crc32c, bytes] of this node's copy, or nil.
+    """PEERGET tenant model tokenizer adapter key [RDMA min_bytes] [PXAT]: [crc32c, bytes] of this
+    node's copy, or nil.
 
     With RDMA, a block of at least min_bytes is leased for an RDMA READ instead (cluster/rdma.py):
-    `[crc32c, length, remote_addr, rkey, lease]`.
+    `[crc32c, length, remote_addr, rkey, lease]`. With PXAT, each reply ends with one more
+    integer: when the key expires (unix ms), or -1, so a copy kept by the peer expires with it.
     """
-    if len(args) not in (6, 8):
-        raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
-    if len(args) == 8:
+    opts = list(args[6:])
+    pxat = bool(opts) and bytes(opts[-1]).upper() == b"PXAT"
+    if pxat:
+        opts.pop()
+    if len(opts) not in (0, 2) or (opts and bytes(opts[0]).upper() != b"RDMA"):
+        raise CommandError(PEERGET_SYNTAX)
+    if opts:
         rdma = _rdma(c)
-        if bytes(args[6]).upper() != b"RDMA":
-            raise CommandError("syntax: PEERGET tenant model tokenizer adapter key [RDMA min_bytes]")
-        min_bytes = parse_int(args[7])
+        min_bytes = parse_int(opts[1])
     cluster = _peer(c)
     tag = c.ctx.scopes.tag(_scope_of(args))
-    if len(args) == 8:
-        extent = c.keyspace.lease_extent(tag, bytes(args[5]), min_bytes)
+    key = bytes(args[5])
+    if opts:
+        extent = c.keyspace.lease_extent(tag, key, min_bytes)
         if extent is not None:
             cluster.stats["peer_gets_served"] += 1
             crc, offset, length, pinned = extent
             lease = rdma.leases.grant(c.id, pinned.release)
             rdma.stats["rdma_leases_granted"] += 1
-            return [crc, length, rdma.device.base + offset, rdma.device.rkey, lease]
+            reply = [crc, length, rdma.device.base + offset, rdma.device.rkey, lease]
+            return reply + [c.keyspace.expire_time(tag, key)] if pxat else reply
     cluster.stats["peer_gets_served"] += 1
-    return c.keyspace.peer_copy(tag, args[5])
+    return c.keyspace.peer_copy(tag, key, with_expiry=pxat)
 
 
 def _rdma(c) -> RdmaTransfer:

@@ -140,6 +140,7 @@ QUILLCACHE = {
         args=(
             A("tenant", "string"), A("model", "string"), A("tokenizer", "string"), A("adapter", "string"),
             A("key", "key", key_spec=0), A("min-bytes", "integer", token="RDMA", flags="optional"),
+            A("pxat", "pure-token", token="PXAT", flags="optional"),
         ),
     ),
     "peerrdma": D(
