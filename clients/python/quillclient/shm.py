@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import crc32c
 from quillwire.encode import pack_command
@@ -53,15 +53,13 @@ from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
 from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
-                                QuillTimeout, from_wire)
-from quillclient.zerocopy import MISS, _kernel_timeouts, setting_up
+                                from_wire)
+from quillclient.zerocopy import MISS, RawPool, _kernel_timeouts, setting_up
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
 DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
-
-T = TypeVar("T")
 
 
 def local_boot_id() -> bytes:
@@ -219,82 +217,28 @@ class Mappings:
             return self.current
 
 
-class ShmPool:
-    """Idle unix-socket connections (LIFO), thread-safe, like zerocopy.RawPool."""
+class ShmPool(RawPool):
+    """Idle unix-socket connections (LIFO), thread-safe: zerocopy.RawPool over ShmConnection."""
 
     def __init__(self, cfg: ClientConfig, path: str) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.path = path
         self.mappings = Mappings()
-        self._idle: list[ShmConnection] = []
-        self._lock = threading.Lock()
-        self._generation = 0
-        self._closed = False
         self.stale_reads = 0  # copies whose lease ended while copying: read again over TCP
         self.crc_rereads = 0  # copies whose CRC32C did not match (verify_crc): read again over TCP
 
-    def acquire(self) -> ShmConnection:
-        with self._lock:
-            if self._closed:
-                raise QuillError("the client is closed")
-            if self._idle:
-                return self._idle.pop()
-            generation = self._generation
+    def _connect(self, generation: int) -> ShmConnection:
         return ShmConnection(self.cfg, self.path, self.mappings, generation)
 
-    def release(self, conn: ShmConnection) -> None:
-        if not conn.broken and conn.reader.idle:
-            with self._lock:
-                if not self._closed and conn.generation == self._generation and \
-                        len(self._idle) < self.cfg.max_idle_raw:
-                    self._idle.append(conn)
-                    return
-        conn.close()
+    def _where(self) -> str:
+        return self.path
 
     def reset(self) -> None:
         """Close every idle connection (one broke: the server is likely gone) and forget the
         mapping: a dead quilld's arena is unmapped once no connection in use still reads it, so
         its memory is not kept alive by this client."""
-        with self._lock:
-            self._generation += 1
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        super().reset()
         self.mappings.current = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self.reset()
-
-    def run(self, request: Callable[[ShmConnection], T]) -> T:
-        """Run `request` on a pooled connection; once more on a fresh one if the connection broke
-        (reads are idempotent). A server that is gone fails fast: connecting is refused."""
-        for attempt in (0, 1):
-            conn = self.acquire()
-            try:
-                result = request(conn)
-            except ProtocolError:
-                conn.close()
-                raise
-            except QuillError:
-                self.release(conn)
-                raise
-            except (BlockingIOError, TimeoutError) as e:
-                conn.close()
-                raise QuillTimeout(f"no reply within socket_timeout={self.cfg.socket_timeout}s") from e
-            except OSError as e:
-                conn.close()
-                self.reset()
-                if attempt:
-                    raise QuillConnectionError(f"connection to {self.path} lost: {e}") from e
-                continue
-            except BaseException:
-                conn.close()
-                raise
-            self.release(conn)
-            return result
-        raise AssertionError("unreachable")
 
 
 # -- reads ---------------------------------------------------------------------

@@ -229,7 +229,8 @@ class RawConnection:
 
 
 class RawPool:
-    """Idle raw sockets (LIFO), thread-safe; each is used by one thread at a time."""
+    """Idle raw sockets (LIFO), thread-safe; each is used by one thread at a time.
+    shm.ShmPool is the same pool over unix-socket connections (`_connect`, `_where`)."""
 
     def __init__(self, cfg: ClientConfig) -> None:
         self.cfg = cfg
@@ -246,10 +247,16 @@ class RawPool:
             if self._idle:
                 return self._idle.pop()
             generation = self._generation
-        conn = RawConnection(self.cfg, generation)
+        conn = self._connect(generation)
         with self._lock:
             self.created += 1
         return conn
+
+    def _connect(self, generation: int) -> Any:
+        return RawConnection(self.cfg, generation)
+
+    def _where(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.port}"
 
     def release(self, conn: RawConnection) -> None:
         if conn.broken or not conn.reader.idle:
@@ -297,7 +304,7 @@ class RawPool:
                 conn.close()
                 self.reset()
                 if attempt:
-                    raise QuillConnectionError(f"connection to {self.cfg.host}:{self.cfg.port} lost: {e}") from e
+                    raise QuillConnectionError(f"connection to {self._where()} lost: {e}") from e
                 continue
             except BaseException:
                 conn.close()  # e.g. KeyboardInterrupt mid-reply: the socket's state is unknown
