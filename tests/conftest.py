@@ -6,6 +6,7 @@ stopped by PID (SIGTERM, then SIGKILL after a bound) when the test ends.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -210,6 +212,30 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
                 continue
             raise RuntimeError(f"quilld did not start ({e}):\n{text}") from None
     raise AssertionError("unreachable")
+
+
+def takes_o_direct(path: Path) -> bool:
+    """Whether the file system under `path` takes O_DIRECT at open (tmpfs does from Linux 6.6);
+    what the SSD tier's probe should find there."""
+    probe = path / "probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as e:
+        assert e.errno == errno.EINVAL, e
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on /dev/shm (tmpfs), removed after the test."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    d = Path(tempfile.mkdtemp(prefix="quilld-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def ssd_node(tmp_path: Path, ssd_dir: Path, dram: str = "8MiB", ssd_size: str = "128MiB", **env) -> Quilld:

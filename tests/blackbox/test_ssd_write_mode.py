@@ -8,16 +8,11 @@ are checked through the SSD tier itself in tests/unit/test_ssd_direct.py."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
-from pathlib import Path
 
-import pytest
 import redis
 
-from conftest import ssd_node, stop_process, tiers_of, wait_until
+from conftest import ssd_node, stop_process, takes_o_direct, tiers_of, wait_until
 
 MiB = 1 << 20
 LENGTHS = [4097, 8191, 65_537, MiB + 1]
@@ -27,28 +22,9 @@ def value(i: int, n: int) -> bytes:
     return random.Random(i).randbytes(n)
 
 
-def tmpfs_takes_o_direct(path: Path) -> bool:
-    try:
-        fd = os.open(path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path / "probe")
-    return True
-
-
-@pytest.fixture
-def shm_ssd():
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
-    d = Path(tempfile.mkdtemp(prefix="quilld-ssd-bb-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def test_unaligned_values_round_trip_through_the_ssd_and_the_mode_is_reported(tmp_path, shm_ssd):
-    ssd_dir = shm_ssd / "ssd"
-    expected_mode = "direct" if tmpfs_takes_o_direct(shm_ssd) else \
+def test_unaligned_values_round_trip_through_the_ssd_and_the_mode_is_reported(tmp_path, shm_dir):
+    ssd_dir = shm_dir / "ssd"
+    expected_mode = "direct" if takes_o_direct(shm_dir) else \
         "buffered (O_DIRECT refused at open: Invalid argument)"
     keys = {f"u{i}-{n}": (i, n) for i, n in enumerate(LENGTHS * 6)}  # about 7 MiB through an 8 MiB arena
     q = ssd_node(tmp_path, ssd_dir, ssd_size="64MiB", QUILLD_SSD_SEGMENT_SIZE="16MiB", QUILLD_SSD_DIRECT_IO="true")

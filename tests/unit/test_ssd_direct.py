@@ -6,15 +6,13 @@ restart. Also: no stale bytes of the memory past a payload's end reach the disk.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import takes_o_direct
 
 from quilld.model import IdentityScope
 from quilld.tiers.ssd import PendingWrite, SsdTier, seg_name
@@ -24,28 +22,6 @@ A = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
 SEG = 1024 * PAGE  # 4 MiB segments
 MiB = 1 << 20
 LENGTHS = [1, 4095, 4096, 4097, MiB + 1, 0, 3 * PAGE]
-
-
-def direct_allowed(path: Path) -> bool:
-    """Whether this file system takes O_DIRECT at open (what the test expects of the tier)."""
-    probe = path / "probe"
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError as e:
-        assert e.errno == errno.EINVAL
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
-@pytest.fixture
-def shm_dir():
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
-    d = Path(tempfile.mkdtemp(prefix="quilld-ssd-test-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def aligned(data: bytes, tail: bytes = b"") -> memoryview:
@@ -110,7 +86,7 @@ def round_trip(path: Path, **kw) -> tuple[str, dict]:
 
 def test_unaligned_lengths_round_trip_on_this_disk(tmp_path):
     mode, _ = round_trip(tmp_path)
-    if direct_allowed(tmp_path):
+    if takes_o_direct(tmp_path):
         assert mode == "direct"
     else:
         assert mode.startswith("buffered (O_DIRECT refused")
@@ -120,7 +96,7 @@ def test_tmpfs_writes_direct_or_falls_back_and_says_why(shm_dir):
     """tmpfs takes O_DIRECT since Linux 6.6 (this machine's 6.18 does); older kernels refuse it
     at open, and the tier then writes buffered and says why. Either way every byte survives."""
     mode, _ = round_trip(shm_dir)
-    if direct_allowed(shm_dir):
+    if takes_o_direct(shm_dir):
         assert mode == "direct"
     else:
         assert mode == "buffered (O_DIRECT refused at open: Invalid argument)"
