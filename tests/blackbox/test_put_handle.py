@@ -10,22 +10,15 @@ import crc32c
 import pytest
 import redis
 
-from conftest import start_quilld, stop_process
 
 H1, H2 = "0123456789abcdef0123456789abcdef", "fedcba9876543210"
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    q = start_quilld(tmp_path_factory.mktemp("handle"), "--dram", "64MiB", admin=False)
-    try:
-        yield q
-    finally:
-        stop_process(q.proc)
+pytestmark = pytest.mark.shared_node  # one quilld for the module, emptied before each test
 
 
-def test_begin_data_commit_in_one_pipeline(node):
-    r = redis.Redis(port=node.port)
+def test_begin_data_commit_in_one_pipeline(quilld):
+    r = redis.Redis(port=quilld.port)
     data = os.urandom(200_000)
     p = r.pipeline(transaction=False)
     p.execute_command("PUT2PHASE", "BEGIN", "h:a", len(data), "HANDLE", H1)
@@ -35,8 +28,8 @@ def test_begin_data_commit_in_one_pipeline(node):
     assert r.get("h:a") == data
 
 
-def test_a_complete_key_answers_exists_and_its_data_finds_no_handle(node):
-    r = redis.Redis(port=node.port)
+def test_a_complete_key_answers_exists_and_its_data_finds_no_handle(quilld):
+    r = redis.Redis(port=quilld.port)
     r.set("h:b", b"kept")
     p = r.pipeline(transaction=False)
     p.execute_command("PUT2PHASE", "BEGIN", "h:b", 70_000, "HANDLE", H2)
@@ -49,8 +42,8 @@ def test_a_complete_key_answers_exists_and_its_data_finds_no_handle(node):
     assert r.info().get("dram_reserved_blocks", 0) == 0
 
 
-def test_a_handle_in_use_or_malformed_is_refused(node):
-    r = redis.Redis(port=node.port)
+def test_a_handle_in_use_or_malformed_is_refused(quilld):
+    r = redis.Redis(port=quilld.port)
     assert r.execute_command("PUT2PHASE", "BEGIN", "h:c", 10, "HANDLE", H2) == H2.encode()
     with pytest.raises(redis.ResponseError, match="in use"):
         r.execute_command("PUT2PHASE", "BEGIN", "h:d", 10, "HANDLE", H2)
@@ -60,10 +53,10 @@ def test_a_handle_in_use_or_malformed_is_refused(node):
     assert r.execute_command("PUT2PHASE", "ABORT", H2) in (b"OK", 1)
 
 
-def test_put_blocks_skips_complete_keys_in_its_one_round_trip(node):
+def test_put_blocks_skips_complete_keys_in_its_one_round_trip(quilld):
     from quillclient import QuillClient
 
-    with QuillClient("127.0.0.1", node.port, shared_memory="off") as qc:
+    with QuillClient("127.0.0.1", quilld.port, shared_memory="off") as qc:
         qc.put("h:old", b"old value")
         new = os.urandom(300_000)
         assert qc.put_blocks({"h:old": os.urandom(1000), "h:new": new, "h:empty": b""}) == [False, True, True]

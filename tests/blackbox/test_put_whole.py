@@ -9,16 +9,10 @@ import socket
 import crc32c
 import pytest
 import redis
-from conftest import start_quilld, stop_process, wait_until
+from conftest import wait_until
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    q = start_quilld(tmp_path_factory.mktemp("putwhole"), "--dram", "64MiB", admin=False)
-    try:
-        yield q
-    finally:
-        stop_process(q.proc)
+pytestmark = pytest.mark.shared_node  # one quilld for the module, emptied before each test
 
 
 def _put(r, key, data, crc=None):
@@ -30,8 +24,8 @@ def _reserved(r) -> int:
 
 
 @pytest.mark.parametrize("size", [0, 10, 20_000, 300_000])  # empty, inline, a received large bulk, an arena block
-def test_put_stores_the_block_whole(node, size):
-    r = redis.Redis(port=node.port)
+def test_put_stores_the_block_whole(quilld, size):
+    r = redis.Redis(port=quilld.port)
     data = os.urandom(size)
     assert _put(r, f"w:{size}", data) == b"OK"
     assert r.get(f"w:{size}") == data
@@ -39,8 +33,8 @@ def test_put_stores_the_block_whole(node, size):
 
 
 @pytest.mark.parametrize("size", [10, 300_000])
-def test_a_wrong_crc_stores_nothing(node, size):
-    r = redis.Redis(port=node.port)
+def test_a_wrong_crc_stores_nothing(quilld, size):
+    r = redis.Redis(port=quilld.port)
     data = os.urandom(size)
     with pytest.raises(redis.ResponseError, match="CHECKSUM"):
         _put(r, f"bad:{size}", data, crc=crc32c.crc32c(data) ^ 1)
@@ -49,16 +43,16 @@ def test_a_wrong_crc_stores_nothing(node, size):
 
 
 @pytest.mark.parametrize("size", [10, 300_000])
-def test_a_complete_key_answers_exists_and_keeps_its_value(node, size):
-    r = redis.Redis(port=node.port)
+def test_a_complete_key_answers_exists_and_keeps_its_value(quilld, size):
+    r = redis.Redis(port=quilld.port)
     r.set(f"kept:{size}", b"kept")
     assert _put(r, f"kept:{size}", os.urandom(size)) == b"EXISTS"
     assert r.get(f"kept:{size}") == b"kept"
     assert _reserved(r) == 0
 
 
-def test_malformed_puts_are_refused(node):
-    r = redis.Redis(port=node.port)
+def test_malformed_puts_are_refused(quilld):
+    r = redis.Redis(port=quilld.port)
     with pytest.raises(redis.ResponseError, match="syntax"):
         r.execute_command("PUT2PHASE", "PUT", "m:a", "CRC", 1, b"x")
     with pytest.raises(redis.ResponseError, match="wrong number"):
@@ -69,9 +63,9 @@ def test_malformed_puts_are_refused(node):
     assert _reserved(r) == 0
 
 
-def test_a_connection_lost_mid_payload_publishes_nothing_and_frees_the_block(node):
-    r = redis.Redis(port=node.port)
-    s = socket.create_connection(("127.0.0.1", node.port))
+def test_a_connection_lost_mid_payload_publishes_nothing_and_frees_the_block(quilld):
+    r = redis.Redis(port=quilld.port)
+    s = socket.create_connection(("127.0.0.1", quilld.port))
     s.sendall(b"*6\r\n$9\r\nPUT2PHASE\r\n$3\r\nPUT\r\n$6\r\ncut:me\r\n$6\r\nCRC32C\r\n$1\r\n0\r\n$500000\r\n"
               + b"x" * 100_000)
     s.close()
@@ -80,10 +74,10 @@ def test_a_connection_lost_mid_payload_publishes_nothing_and_frees_the_block(nod
     assert _reserved(r) == 0
 
 
-def test_put_blocks_over_tcp_stores_skips_and_refuses_as_before(node):
+def test_put_blocks_over_tcp_stores_skips_and_refuses_as_before(quilld):
     from quillclient import QuillClient
 
-    with QuillClient("127.0.0.1", node.port, shared_memory="off") as qc:
+    with QuillClient("127.0.0.1", quilld.port, shared_memory="off") as qc:
         qc.put("pb:old", b"old value")
         blocks = {f"pb:{i}": os.urandom(n) for i, n in enumerate([0, 5, 70_000, 1 << 20, 3_000])}
         assert qc.put_blocks({"pb:old": os.urandom(1000), **blocks}) == [False] + [True] * len(blocks)
@@ -97,8 +91,8 @@ def test_put_blocks_over_tcp_stores_skips_and_refuses_as_before(node):
         assert info.get("put2phase_open", 0) == 0 and info.get("dram_reserved_blocks", 0) == 0
 
 
-def test_data_with_a_crc_commits_the_put(node):
-    r = redis.Redis(port=node.port)
+def test_data_with_a_crc_commits_the_put(quilld):
+    r = redis.Redis(port=quilld.port)
     for size in (10, 300_000):
         data = os.urandom(size)
         h = r.execute_command("PUT2PHASE", "BEGIN", f"dc:{size}", size)
@@ -108,8 +102,8 @@ def test_data_with_a_crc_commits_the_put(node):
             r.execute_command("PUT2PHASE", "COMMIT", h)
 
 
-def test_data_with_a_wrong_crc_leaves_the_put_open_and_unpublished(node):
-    r = redis.Redis(port=node.port)
+def test_data_with_a_wrong_crc_leaves_the_put_open_and_unpublished(quilld):
+    r = redis.Redis(port=quilld.port)
     data = os.urandom(300_000)
     h = r.execute_command("PUT2PHASE", "BEGIN", "dc:bad", len(data))
     with pytest.raises(redis.ResponseError, match="CHECKSUM"):
@@ -126,10 +120,10 @@ def test_data_with_a_wrong_crc_leaves_the_put_open_and_unpublished(node):
     assert _reserved(r) == 0
 
 
-def test_put_blocks_of_a_round_over_chunk_size_stores_every_block(node):
+def test_put_blocks_of_a_round_over_chunk_size_stores_every_block(quilld):
     from quillclient import QuillClient
 
-    with QuillClient("127.0.0.1", node.port, shared_memory="off", chunk_size=100_000) as qc:
+    with QuillClient("127.0.0.1", quilld.port, shared_memory="off", chunk_size=100_000) as qc:
         qc.put("big:old", b"old")
         blocks = {f"big:{i}": os.urandom(n) for i, n in enumerate([0, 90_000, 100_000, 250_000, 7])}
         assert qc.put_blocks({"big:old": os.urandom(5), **blocks}) == [False] + [True] * len(blocks)
