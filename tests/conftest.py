@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,35 +184,46 @@ def _port_taken(e: Exception, log: str) -> bool:
     return isinstance(e, PortTaken) or "the port is in use" in log or "Address already in use" in log
 
 
+def start_listening(what: str, log_path: Callable[[int], Path], spawn: Callable[[list[int], Path], subprocess.Popen],
+                    nports: int = 1) -> tuple[subprocess.Popen, list[int], Path]:
+    """`spawn(ports, log)`: a process to listen on `nports` free ports, writing to `log`; wait
+    until it listens on each, and start it again on fresh ports (PORT_ATTEMPTS times in all) when
+    another process took one first. (process, ports, log)."""
+    for attempt in range(PORT_ATTEMPTS):
+        ports = [free_port() for _ in range(nports)]
+        log = log_path(ports[0])
+        proc = spawn(ports, log)
+        try:
+            for port in ports:
+                wait_port(port, proc)
+            return proc, ports, log
+        except Exception as e:
+            stop_process(proc)
+            text = log.read_text(errors="replace")
+            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
+                continue
+            raise RuntimeError(f"{what} did not start ({e}):\n{text}") from None
+    raise AssertionError("unreachable")
+
+
 def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True) -> Quilld:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     full_env["PYTHONPATH"] = str(ROOT)
     full_env.update(env or {})
     passwords = {"--requirepass", "--users-file"} & set(extra) or \
         {"QUILLD_SECURITY_REQUIREPASS", "QUILLD_SECURITY_USERS_FILE"} & set(env or {})
-    for attempt in range(PORT_ATTEMPTS):
-        port = free_port()
-        admin_port = free_port() if admin else 0
-        log_path = tmp_path / f"quilld-{port}.log"
-        args = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port),
-                "--admin-port", str(admin_port), *extra]
-        if admin_port and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
-            full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
-        q = Quilld(port, admin_port, proc, log_path, args, full_env.get("QUILLD_ADMIN_TOKEN", ""))
-        try:
-            wait_port(port, proc)
-            if admin_port:
-                wait_port(admin_port, proc)
-            return q
-        except Exception as e:
-            stop_process(proc)
-            text = log_path.read_text(errors="replace")
-            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
-                continue
-            raise RuntimeError(f"quilld did not start ({e}):\n{text}") from None
-    raise AssertionError("unreachable")
+    if admin and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
+        full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
+    argv: list[str] = []
+
+    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
+        argv[:] = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]),
+                   "--admin-port", str(ports[1] if admin else 0), *extra]
+        with open(log, "wb") as f:
+            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+
+    proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 1 + admin)
+    return Quilld(ports[0], ports[1] if admin else 0, proc, log, list(argv), full_env.get("QUILLD_ADMIN_TOKEN", ""))
 
 
 def takes_o_direct(path: Path) -> bool:
@@ -346,23 +358,15 @@ def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1
     """A real redis-server on a free port (no persistence, one database); (port, process).
     `bind` must include 127.0.0.1: the start is waited for there."""
     binary = require_tool("redis-server")
-    for attempt in range(PORT_ATTEMPTS):
-        port = free_port()
-        log_path = tmp_path / f"redis-{port}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([binary, "--port", str(port), "--bind", *bind, "--save", "", "--appendonly",
+
+    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            return subprocess.Popen([binary, "--port", str(ports[0]), "--bind", *bind, "--save", "", "--appendonly",
                                      "no", "--databases", "1", "--dir", str(tmp_path), *extra],
-                                    stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_port(port, proc)
-            return port, proc
-        except Exception as e:
-            stop_process(proc)
-            text = log_path.read_text(errors="replace")
-            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
-                continue
-            raise RuntimeError(f"redis-server did not start ({e}):\n{text[-2000:]}") from None
-    raise AssertionError("unreachable")
+                                    stdout=f, stderr=subprocess.STDOUT)
+
+    proc, ports, _ = start_listening("redis-server", lambda port: tmp_path / f"redis-{port}.log", spawn)
+    return ports[0], proc
 
 
 @pytest.fixture
