@@ -444,23 +444,20 @@ def print_mooncake(mc: dict, batch: int) -> None:
              "batch get": f"batch_get_into / get_many_into (x{batch})"}
     print("\nMooncake Store (TCP transport, P2PHANDSHAKE, MC_STORE_MEMCPY=0) vs quilld, both in one private "
           "network namespace, measured in turn; GB/s (median), single thread\n")
-    print("| block | Mooncake op / quilld op | Mooncake | quilld | quilld/Mooncake |")
-    print("|---|---|---:|---:|---:|")
-    for size in MOONCAKE_SIZES:
-        for op in ("put", "get", "batch put", "batch get"):
-            m, q = mc[("mooncake", size, op)], mc[("quilld", size, op)]
-            print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
-        m = mc[("mooncake", size, "put")]
-        for op, name in (("put one", "put_from / put_blocks (x1)"), ("raw put", "put_from / raw RESP SET")):
-            q = mc[("quilld", size, op)]
-            print(f"| {human(size)} | {name} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
+    def table(quilld: str, label: str, extra: tuple = ()) -> None:
+        """Per size, each op's Mooncake and `quilld` figures; `extra`: (quilld op, row name)
+        pairs set against Mooncake's put_from."""
+        print(f"| block | Mooncake op / quilld op | Mooncake | {label} | {label}/Mooncake |")
+        print("|---|---|---:|---:|---:|")
+        for size in MOONCAKE_SIZES:
+            rows = [(op, op, names[op]) for op in ("put", "get", "batch put", "batch get")]
+            for m_op, q_op, name in rows + [("put", op, name) for op, name in extra]:
+                m, q = mc[("mooncake", size, m_op)], mc[(quilld, size, q_op)]
+                print(f"| {human(size)} | {name} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
+
+    table("quilld", "quilld", (("put one", "put_from / put_blocks (x1)"), ("raw put", "put_from / raw RESP SET")))
     print("\nquilld over shared memory (same host, mapped arena) vs Mooncake Store's TCP transport, same run\n")
-    print("| block | Mooncake op / quilld op | Mooncake | quilld shm | quilld shm/Mooncake |")
-    print("|---|---|---:|---:|---:|")
-    for size in MOONCAKE_SIZES:
-        for op in ("put", "get", "batch put", "batch get"):
-            m, q = mc[("mooncake", size, op)], mc[("quilld-shm", size, op)]
-            print(f"| {human(size)} | {names[op]} | {m:.2f} | {q:.2f} | {q / m:.2f}x |")
+    table("quilld-shm", "quilld shm")
 
 
 def plot(path: str, gets: dict, puts: dict, mc: dict | None, batch: int, rounds: int) -> None:
