@@ -309,6 +309,9 @@ def test_integers_are_accepted_for_float_keys(tmp_path):
     ({"blocks": {"default_lease_ms": 0}}, "lease"),
     ({"blocks": {"default_lease_ms": 5000, "max_lease_ms": 1000}}, "lease"),
     ({"ssd": {"flush_progress_s": 0}}, "ssd.flush_progress_s must be positive"),
+    ({"server": {"space_wait_ms": -1}}, "server.space_wait_ms must be 0 or more"),
+    ({"cluster": {"seed_warning_ms": 0}}, "cluster: intervals must be positive"),
+    ({"security": {"enable_debug_command": "maybe"}}, "enable_debug_command"),
 ])
 def test_validation_errors(overrides, words):
     with pytest.raises(ConfigError) as info:
@@ -324,6 +327,7 @@ def test_validation_errors(overrides, words):
     {"dram": {"low_watermark": 0.01, "high_watermark": 1.0}},
     {"dram": {"size": "4KiB", "inline_max": 0}},
     {"dram": {"inline_max": "64KiB"}},
+    {"server": {"space_wait_ms": 0}},
 ])
 def test_validation_boundaries_accepted(overrides):
     load(environ={}, overrides=overrides)
