@@ -17,10 +17,11 @@ import pytest
 
 from conftest import cmd, wait_until
 
+# quilld's receive buffer, and what it reads right after a large payload
+from quilld.protocol.server import AFTER_LARGE_READ, RECV_BUFFER
+
 pytestmark = pytest.mark.timeout(60)
 
-RECV_BUFFER = 256 * 1024  # quilld's receive buffer (protocol/server.py RECV_BUFFER)
-AFTER_LARGE_READ = 8 * 1024  # and what it reads right after a large payload (AFTER_LARGE_READ)
 
 
 def read_replies(s: socket.socket, count: int, timeout: float = 20.0) -> bytes:
