@@ -250,6 +250,22 @@ def shm_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def run_quilld(*args: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """quilld with `args` (and `env` over a QUILLD_-free environment) run to its exit, for the
+    starts it refuses; its output captured as text. Fails the test if it does not exit in time."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    full.update(env or {}, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "quilld", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=full, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_process(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"quilld did not exit within {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def ssd_node(tmp_path: Path, ssd_dir: Path, dram: str = "8MiB", ssd_size: str = "128MiB", **env) -> Quilld:
     """A quilld with a small DRAM arena over an SSD tier in `ssd_dir` (32 MiB segments)."""
     return start_quilld(tmp_path, "--dram", dram, "--ssd-dir", str(ssd_dir), "--ssd-size", ssd_size,

@@ -23,15 +23,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, start_quilld, stop_process
+from conftest import ROOT, free_port, run_quilld, start_quilld, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,20 +143,6 @@ def test_ctrl_c_twice_while_flushing_stops_at_once_and_says_what_is_lost(tmp_pat
 
 
 # -- startup options ---------------------------------------------------------------------------
-
-def run_quilld(*args: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
-    full.update(env or {}, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "quilld", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT, env=full, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop_process(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"quilld did not exit within {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
 
 def test_an_unknown_log_level_is_refused_by_name():
     r = run_quilld("--log-level", "verbose")

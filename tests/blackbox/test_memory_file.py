@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import uuid
 
 import pytest
 
-from conftest import ROOT, start_quilld, stop_process
+from conftest import run_quilld, start_quilld, stop_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,10 +29,7 @@ def test_a_named_arena_file_is_private_used_refused_when_taken_and_removed_at_st
         assert r.set("k", value) and r.get("k") == value
         with open(path, "rb") as f:  # the value's bytes are in the file, as a same-host mapping sees them
             assert value in f.read()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
-        env.update(PYTHONPATH=str(ROOT), QUILLD_DRAM_MEMORY_FILE=path)
-        other = subprocess.run([sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0"],
-                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+        other = run_quilld("--port", "0", "--admin-port", "0", env={"QUILLD_DRAM_MEMORY_FILE": path})
         assert other.returncode == 1, (other.stdout, other.stderr)
         assert f"quilld: cannot start: dram.memory_file {path} already exists: another quilld's arena, " \
                "or one left by a quilld that was killed (remove it if so)" in other.stderr, other.stderr

@@ -9,22 +9,12 @@ quilld killed with -9 leaves nothing to remove by hand.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, ssd_node, stop_process
+from conftest import run_quilld, ssd_node, stop_process
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def second_quilld(ssd_dir) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
-    env.update(PYTHONPATH=str(ROOT), QUILLD_SSD_SEGMENT_SIZE="32MiB")
-    return subprocess.run([sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0", "--dram", "8MiB",
-                           "--ssd-dir", str(ssd_dir), "--ssd-size", "128MiB"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
 
 
 def test_a_second_quilld_on_the_same_ssd_dir_is_refused_and_the_first_keeps_its_blocks(tmp_path):
@@ -35,7 +25,8 @@ def test_a_second_quilld_on_the_same_ssd_dir_is_refused_and_the_first_keeps_its_
         values = {b"k%d" % i: os.urandom(64 * 1024) for i in range(400)}  # 25 MiB: most go to SSD
         for k, v in values.items():
             r.set(k, v)
-        other = second_quilld(ssd_dir)
+        other = run_quilld("--port", "0", "--admin-port", "0", "--dram", "8MiB", "--ssd-dir", str(ssd_dir),
+                           "--ssd-size", "128MiB", env={"QUILLD_SSD_SEGMENT_SIZE": "32MiB"})
         assert other.returncode == 2, (other.stdout, other.stderr)
         assert f"quilld: ssd.dir {ssd_dir} is in use by another quilld (pid {q.proc.pid}); two processes on " \
                "one SSD tier would overwrite each other's blocks" in other.stderr, other.stderr
