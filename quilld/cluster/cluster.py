@@ -401,19 +401,13 @@ class Cluster:
     def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None, expires: int) -> bytes | Pinned:
         """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does."""
         store = self.keyspace
-        if block is None:
-            value = bytes(buf or b"")
-            if self.cfg.keep_fetched:
-                store.publish(tag, key, value)
-                if expires >= 0:
-                    store.set_expire(tag, key, expires)
-            return value
-        if self.cfg.keep_fetched:
-            store.publish(tag, key, block)
-            if expires >= 0:
-                store.set_expire(tag, key, expires)
-            return store.pinned(block)
-        return Pinned(store.view(block), lambda: store.discard(block))
+        value = bytes(buf or b"") if block is None else block
+        if not self.cfg.keep_fetched:
+            return value if block is None else Pinned(store.view(block), lambda: store.discard(block))
+        store.publish(tag, key, value)
+        if expires >= 0:
+            store.set_expire(tag, key, expires)
+        return value if block is None else store.pinned(block)
 
     # -- reporting ------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
