@@ -34,8 +34,8 @@ from quilld.index.residency_feed import ResidencyFeed
 from quilld.protocol.clients import Clients
 from quilld.protocol.commands import build_table
 from quilld.protocol.commands.blocks import large_target, release_args
-from quilld.protocol.context import NodeContext
-from quilld.protocol.info import human
+from quilld.context.node_context import NodeContext
+from quilld.context.figures import human
 from quilld.protocol.server import RespConnection
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users

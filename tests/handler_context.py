@@ -11,7 +11,7 @@ from quilld.config import BlocksConfig, Config, DramConfig, SecurityConfig, Serv
 from quilld.index.control import ControlPlane
 from quilld.protocol.clients import Clients
 from quilld.protocol.commands import build_table
-from quilld.protocol.context import NodeContext
+from quilld.context.node_context import NodeContext
 from quilld.protocol.session import Session
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users

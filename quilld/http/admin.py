@@ -30,8 +30,8 @@ from quilld.index.route_request import RouteRequest
 from quilld.index.route_request import route as route_in_scope
 from quilld.index.router import Decision
 from quilld.model import CacheTier, IdentityScope
-from quilld.protocol.context import NodeContext
-from quilld.protocol.info import counters, tier_stats
+from quilld.context.node_context import NodeContext
+from quilld.context.figures import counters, tier_stats
 
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)

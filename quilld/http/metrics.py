@@ -39,8 +39,8 @@ from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
 from quilld.model import CacheTier
-from quilld.protocol.context import NodeContext
-from quilld.protocol.info import counters, tier_stats
+from quilld.context.node_context import NodeContext
+from quilld.context.figures import counters, tier_stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # no `_created` series (the start time of each histogram): not in the text format's spirit

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from quilld.errors import CommandError, OutOfMemory, ProtocolError, QuillError
 from quilld.model import Pending, Pinned
-from quilld.protocol.context import NodeContext
+from quilld.context.node_context import NodeContext
 from quilld.protocol.resp import OK, LargeBulk, RespParser, WithFds, encode, encode_error
 from quilld.protocol.session import Session
 

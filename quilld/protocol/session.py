@@ -1,7 +1,7 @@
 """Per-connection state that commands read and change (identity, protocol, name).
 
 A handler's `c` is its connection's Session: the node's shared parts are in
-`c.ctx` (context.py), and the ones every data command uses are also direct
+`c.ctx` (quilld/context/node_context.py), and the ones every data command uses are also direct
 attributes (`c.keyspace`, `c.puts`, `c.control`).
 
 Identity: the tenant is the logged-in user; the scope (model, tokenizer,
@@ -20,7 +20,7 @@ import time
 
 from quilld.errors import QuillError
 from quilld.model import IdentityScope
-from quilld.protocol.context import NodeContext
+from quilld.context.node_context import NodeContext
 
 _ids = itertools.count(1)
 

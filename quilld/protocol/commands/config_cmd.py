@@ -39,8 +39,9 @@ from quilld.protocol.commands.client import operator_only
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.config_params import PARAMS, P
 from quilld.protocol.commands.keys import glob_matcher
-from quilld.protocol.context import NodeContext, apply_maxmemory, slow_ns
-from quilld.protocol.info import HZ, reset_stats
+from quilld.context.node_context import NodeContext, apply_maxmemory, slow_ns
+from quilld.context.figures import reset_stats
+from quilld.protocol.info import HZ
 from quilld.protocol.resp import OK
 from quilld.protocol.table import CommandTable
 

@@ -29,7 +29,7 @@ from quilld.errors import CommandError, OutOfMemory
 from quilld.model import CacheTier, Pending
 from quilld.protocol.commands.common import parse_int
 from quilld.protocol.commands.strings import acked
-from quilld.protocol.info import human, rss_bytes
+from quilld.context.figures import human, rss_bytes
 from quilld.protocol.resp import OK, Status, Verbatim
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.scopes import TAG_LEN

@@ -18,13 +18,28 @@ from typing import Any, Awaitable, Callable, Protocol
 from quilld.cluster.cluster import Cluster
 from quilld.config import Config
 from quilld.index.control import ControlPlane
-from quilld.protocol.table import CommandTable
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
 from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.leases import LeaseTable
 from quilld.tiers.puts import TwoPhasePuts
 from quilld.tiers.tiering import Tiering
+
+
+class CommandFigures(Protocol):
+    """What the node's figures read of the RESP command table (protocol/table.py's
+    CommandTable): its commands and their call, error and latency counters."""
+
+    commands: dict[bytes, Any]
+    stats: dict[str, list]
+    errors: Any
+    error_replies: int
+
+    def latency_of(self, name: str) -> Any: ...
+
+    def reset_stats(self) -> None: ...
+
+    def set_timing(self, slow_ns: int) -> None: ...
 
 
 class Reporting(Protocol):
@@ -75,7 +90,7 @@ class NodeContext:
     scopes: ScopeRegistry
     users: Users
     control: ControlPlane
-    table: CommandTable
+    table: CommandFigures  # protocol/table.py CommandTable
     clients: Any  # protocol/clients.py Clients (set right after construction: it needs the context)
     tiering: Tiering | None = None
     cluster: Cluster | None = None  # set once the node has joined (cluster.gossip_port)
