@@ -166,6 +166,8 @@ class GatewayConfig:
     chunk_chars: int = 256  # prompt characters per block when no tokenizer is configured
     max_attempts: int = 3
     recorded_blocks: int = 1_000_000  # per engine without KV events: the gateway's own record of its cache
+    session_max: int = 100_000  # session-affinity entries (gateway and ROUTE sessions); the least recently used go
+    session_idle_s: float = 1800.0  # a session unused this long forgets its engine
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
@@ -301,6 +303,9 @@ class Config:
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:
             raise ConfigError("gateway: timeouts, chunk_chars, max_attempts and recorded_blocks must be positive")
+        if g.session_max < 1 or not 0 < g.session_idle_s < float("inf"):
+            raise ConfigError(f"gateway: session_max must be at least 1 and session_idle_s a positive number of "
+                              f"seconds, got {g.session_max} and {g.session_idle_s}")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:

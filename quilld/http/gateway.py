@@ -39,6 +39,11 @@ connection (a plain body is cut short by closing it). A client that goes away
 cancels the handler, which closes the upstream response: the engine sees the
 request go.
 
+Sessions. `x-quillcache-session` keeps a conversation on the engine its last
+request went to (the control plane's `SessionAffinity`, shared with ROUTE's
+`session`): per tenant, at most `gateway.session_max` of them, each forgotten
+`gateway.session_idle_s` after its last use; an id over 256 bytes is a 400.
+
 Residency. When the engine's first body byte of a 2xx answer arrives, it has
 prefilled the prompt: the prompt's blocks are recorded as in that engine's
 HBM, unless the engine publishes KV events (they stay the authority).
@@ -70,6 +75,7 @@ from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, ans
                                           upstream_headers, upstream_url)
 from quilld.http.perimeter import loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
+from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.router import Candidate, Decision
 from quilld.index.router import choose as choose_engine
 from quilld.model import CacheTier, IdentityScope
@@ -218,8 +224,11 @@ class Gateway:
         if adapter:
             raw = json.dumps(body | {"model": adapter}).encode()
         session = request.headers.get(SESSION_HEADER) or None
-        if session is not None:
-            session = f"{tenant}\0{session}"  # sessions of different tenants never meet
+        if session is not None:  # kept per tenant by the control plane: tenants' sessions never meet
+            try:
+                check_session_id(session)
+            except SessionIdTooLong as e:
+                raise bad_request(f"{SESSION_HEADER}: {e.message}", SESSION_HEADER, "session_id_too_long") from None
         return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
                       f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session)
 

@@ -340,6 +340,11 @@ class Figures(Collector):
         yield _gauge("kv_subscriptions", "Engines followed over ZMQ KV events.", ctl.subscriptions)
         yield _gauge("engine_residencies", "(scope, block) entries in the residency index.", len(ctl.index))
         yield _counter("hot_prefix_lookups", "Routed requests counted by the hot-prefix sketch.", ctl.hot.total)
+        yield _gauge("sessions", "Sessions whose engine is remembered (ROUTE session, x-quillcache-session).",
+                     len(ctl.sessions))
+        yield _labelled(CounterMetricFamily, "session_evictions", "Sessions forgotten: table full (full) or "
+                        "unused for gateway.session_idle_s (idle).", ["reason"],
+                        [(["full"], ctl.sessions.evicted_full), (["idle"], ctl.sessions.evicted_idle)])
         yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
                         ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
         for key in FEED_COUNTERS:

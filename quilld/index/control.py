@@ -24,6 +24,7 @@ from typing import Any
 import xxhash
 
 from quilld.config import Config, EngineConfig
+from quilld.index.affinity import SessionAffinity, check_session_id
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings
@@ -73,7 +74,8 @@ class ControlPlane:
                                    active_request_weight=r.active_request_weight, temperature=r.temperature,
                                    storage_credit=r.storage_credit)
         self.idle_warning_s = r.kv_idle_warning_s
-        self.affinity: dict[str, str] = {}  # session id -> engine id
+        g = cfg.gateway
+        self.sessions = SessionAffinity(g.session_max, g.session_idle_s)  # (tenant, session) -> engine
         self.stats: Counter[str] = Counter()
         self.feeds: dict[str, FeedStats] = {e: FeedStats(self.stats) for e in self.engines.engines}
         self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under
@@ -200,15 +202,21 @@ class ControlPlane:
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
               session: str | None = None, acquire: bool = False) -> Decision:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
-        `acquire`, an in-flight lease on it (give it back with `engines.release`)."""
+        `acquire`, an in-flight lease on it (give it back with `engines.release`).
+
+        A `session` (of `scope`'s tenant) goes where its last request went while that engine
+        serves the model; an id over MAX_SESSION_ID_BYTES raises SessionIdTooLong first."""
         t0 = time.perf_counter()
+        if session:
+            check_session_id(session)
         engines = self.engines.ids_for_model(scope.model)
         if blocks:
             self.hot.add(hash_key(blocks[0]))
-        if session and self.affinity.get(session) in engines:
-            engines_considered = [self.affinity[session]]
-        else:
-            engines_considered = engines
+        engines_considered = engines
+        if session:
+            kept = self.sessions.get(scope.tenant, session)
+            if kept is not None and kept in engines:
+                engines_considered = [kept]
         engine_id, cost, candidates, plan = score(self.index, tag, blocks, engines_considered, self.pool,
                                                   self.engines.in_flight, decode_blocks, self.weights)
         if blocks and not any(map(_OVERLAP, candidates)):
@@ -221,7 +229,7 @@ class ControlPlane:
             return Decision(None, cost, candidates, plan)
         engine = self.engines.get(engine_id)
         if session:
-            self.affinity[session] = engine.id
+            self.sessions.put(scope.tenant, session, engine.id)
         return Decision(engine_id, cost, candidates, plan, engine.url,
                         self.engines.acquire(engine.id) if acquire else None)
 
@@ -256,8 +264,7 @@ class ControlPlane:
         self._grouped.pop(engine_id, None)
         self._whole.pop(engine_id, None)
         self.feeds.pop(engine_id, None)
-        for session in [s for s, e in self.affinity.items() if e == engine_id]:
-            del self.affinity[session]
+        self.sessions.forget_engine(engine_id)
         return self.index.clear_holder(engine_id)
 
     @property
@@ -293,6 +300,7 @@ class ControlPlane:
 
     def housekeeping(self) -> None:
         self.engines.expire()
+        self.sessions.sweep()
         now = time.monotonic()
         for sub in self._subscribers.values():
             sub.housekeeping(now, self.idle_warning_s)

@@ -287,6 +287,8 @@ def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("kv_zmq_duplicates", subs["duplicates"]),
             ("kv_events", ctl.stats["kv_events"]), ("kv_malformed", ctl.stats["kv_malformed"]),
             ("kv_zmq_gaps", subs["gaps"]), ("kv_zmq_missed", subs["missed"]), ("kv_zmq_restarts", subs["restarts"]),
+            ("sessions", len(ctl.sessions)), ("session_evictions_full", ctl.sessions.evicted_full),
+            ("session_evictions_idle", ctl.sessions.evicted_idle),
             ("hot_prefixes", top)] + _engine_feeds(ctx)
 
 

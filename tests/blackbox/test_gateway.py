@@ -270,6 +270,18 @@ def test_a_session_stays_on_its_engine_until_that_engine_fails(gateway):
     assert raw.headers["x-quillcache-engine"] == away
 
 
+def test_a_session_id_over_256_bytes_is_refused_before_any_engine_is_asked(gateway):
+    gw = gateway([("e1", "m", [])])
+    status, body = http_json(gw.port, "POST", "/v1/chat/completions", {"model": "m", "messages": chat("hi")},
+                             headers={"x-quillcache-session": "s" * 257})
+    assert status == 400 and body["error"]["code"] == "session_id_too_long"
+    assert body["error"]["param"] == "x-quillcache-session" and "at most 256" in body["error"]["message"]
+    assert gw.engines["e1"].stats()["requests"] == 0
+    status, _ = http_json(gw.port, "POST", "/v1/chat/completions", {"model": "m", "messages": chat("hi")},
+                          headers={"x-quillcache-session": "s" * 256})
+    assert status == 200 and gw.engines["e1"].stats()["requests"] == 1
+
+
 def test_a_stream_longer_than_the_lease_timeout_keeps_counting_in_flight(gateway):
     gw = gateway([("e1", "m", ["--chunks", "8", "--chunk-delay-ms", "500"])],
                  env={"QUILLD_ROUTER_LEASE_TIMEOUT_MS": "1500"})

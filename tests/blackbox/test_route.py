@@ -10,7 +10,7 @@ import pytest
 import redis
 import zmq
 
-from conftest import free_port, wait_until
+from conftest import free_port, http, wait_until
 
 ENGINES = """
 [[engines]]
@@ -277,3 +277,48 @@ def test_blocks_in_this_pool_are_credited_as_host_memory_and_fetched(routed):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", 1, "HASH", 2)
     with pytest.raises(redis.ResponseError, match="bad block hash"):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", "zz")
+
+
+# -- session affinity: per tenant, bounded (issue 19.4) ------------------------------------------
+
+
+def test_sessions_are_per_tenant_capped_in_length_and_bounded_in_number(quilld_factory, tmp_path):
+    conf = tmp_path / "engines.toml"
+    conf.write_text(ENGINES)
+    users = tmp_path / "users"
+    users.write_text("alice apw\nbob bpw\n")
+    q = quilld_factory("--config", str(conf), "--users-file", str(users),
+                       env={"QUILLD_GATEWAY_SESSION_MAX": "100"})
+    alice, bob = (q.client(protocol=2, decode_responses=False, username=u, password=p)
+                  for u, p in (("alice", "apw"), ("bob", "bpw")))
+    for r in (alice, bob):
+        assert r.execute_command("SCOPE", "m", "") == b"OK"
+    # e1 busy: alice's session goes to e2 and stays there once e1 is idle again
+    lease = route(alice, blocks=[1], acquire=1)["lease"]
+    assert route(alice, blocks=[1], session="chat-1")["engine"] == b"e2"
+    assert alice.execute_command("RELEASE", lease) == 1
+    assert route(alice, blocks=[1], session="chat-1")["engine"] == b"e2"
+    # bob's equal id is his own: with both idle, the tie goes to e1
+    assert route(bob, blocks=[1], session="chat-1")["engine"] == b"e1"
+    assert route(bob, blocks=[1])["engine"] == b"e1"
+
+    # an id over 256 bytes is refused, on every way in, and nothing of it is kept
+    with pytest.raises(redis.ResponseError, match="session id of 32768 bytes is too long"):
+        route(alice, blocks=[1], session="x" * 32768)
+    with pytest.raises(redis.ResponseError, match="too long"):
+        alice.execute_command("ROUTE", "HASHES", 1, 1, "SESSION", "y" * 257)
+    status, _, body = http(q.admin_port, "POST", "/v1/route",
+                           json.dumps({"model": "m", "blocks": [1], "session": "z" * 257}).encode(),
+                           {"Content-Type": "application/json", **q.admin_headers()})
+    assert status == 400 and b"too long" in body
+    info = alice.info("router")
+    assert info["sessions"] == 2 and info["session_evictions_full"] == 0
+
+    # 300 more sessions: the table keeps 100, the least recently used go (chat-1s among them)
+    for i in range(300):
+        route(bob, blocks=[1], session=f"s{i:04d}" + "x" * 250)
+    info = alice.info("router")
+    assert info["sessions"] == 100 and info["session_evictions_full"] == 202
+    metrics = http(q.admin_port, "GET", "/metrics", headers=q.admin_headers())[2].decode()
+    assert "quilld_sessions 100.0" in metrics
+    assert 'quilld_session_evictions_total{reason="full"} 202.0' in metrics

@@ -122,6 +122,6 @@ def test_a_cooling_engine_is_tried_only_when_no_other_is_left():
 
 def test_the_session_holds_on_the_first_attempt_only():
     gw = hot_and_cold()
-    gw.control.affinity["default\0s"] = "cold"
-    assert choose(gw, set(), request("default\0s")).engine.id == "cold"
-    assert choose(gw, {"cold"}, request("default\0s")).engine.id == "hot"
+    gw.control.sessions.put("default", "s", "cold")
+    assert choose(gw, set(), request("s")).engine.id == "cold"
+    assert choose(gw, {"cold"}, request("s")).engine.id == "hot"
