@@ -171,6 +171,17 @@ class GatewayConfig:
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
+# The attention kinds of a hybrid model's KV-cache groups, as ROUTE credits them (index/groups.py).
+GROUP_KINDS = ("full", "sliding_window", "mamba")
+MAX_KV_GROUPS = 64  # vLLM numbers a model's KV-cache groups from 0; a hybrid model has a handful
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One KV-cache group of a hybrid model, in vLLM's group order (its events' `group_idx`)."""
+
+    kind: str = "full"  # full, sliding_window or mamba
+    window_tokens: int = 0  # sliding_window: the window, in tokens (vLLM's sliding_window); 0 otherwise
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,9 @@ class EngineConfig:
     kv_events: str = ""  # vLLM's ZMQ publisher, e.g. tcp://10.0.0.5:5557; empty: no subscription
     replay: str = ""  # vLLM's ZMQ replay (ROUTER) endpoint; empty: a gap clears the engine
     block_size: int = 16
+    # the engine's KV-cache groups by kind, in vLLM's order; empty: a block counts while every group
+    # its events name holds it (index/groups.py)
+    groups: tuple[GroupConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -356,7 +370,31 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
         raise ConfigError(f"engine {e.id}: kind must be one of {', '.join(ENGINE_KINDS)}")
     if e.block_size <= 0:
         raise ConfigError(f"engine {e.id}: block_size must be positive")
+    if len(e.groups) > MAX_KV_GROUPS:
+        raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
+    for i, g in enumerate(e.groups):
+        where = f"engine {e.id}: groups[{i}]"
+        if g.kind not in GROUP_KINDS:
+            raise ConfigError(f"{where}.kind must be one of {', '.join(GROUP_KINDS)} (vLLM's full_attention and "
+                              f"mla_attention are full, sliding_window_mla is sliding_window), got {g.kind!r}")
+        if g.kind == "sliding_window" and g.window_tokens <= 0:
+            raise ConfigError(f"{where}: a sliding_window group needs window_tokens, its window in tokens "
+                              f"(vLLM's sliding_window, e.g. 4096), got {g.window_tokens}")
+        if g.kind != "sliding_window" and g.window_tokens:
+            raise ConfigError(f"{where}: window_tokens is for sliding_window groups only, not {g.kind}")
     return e
+
+
+def _group_from(data: Any, where: str) -> GroupConfig:
+    """One KV-cache group from a table of the config file or a JSON object."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: a group is a table such as {{kind = \"full\"}} or "
+                          f"{{kind = \"sliding_window\", window_tokens = 4096}}")
+    types = _types(GroupConfig)
+    unknown = set(data) - set(types)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (a group has kind and window_tokens)")
+    return GroupConfig(**{k: _coerce(where, k, types[k], v) for k, v in data.items()})
 
 
 def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
@@ -367,7 +405,14 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     unknown = set(data) - set(types)
     if unknown:
         raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}")
-    return validate_engine(EngineConfig(**{k: _coerce("engines", k, types[k], v) for k, v in data.items()}))
+    values = {k: _coerce("engines", k, types[k], v) for k, v in data.items() if k != "groups"}
+    if "groups" in data:
+        groups = data["groups"]
+        if not isinstance(groups, (list, tuple)):
+            raise ConfigError(f"{origin}: groups must be a list of tables, e.g. [{{kind = \"full\"}}, "
+                              "{kind = \"sliding_window\", window_tokens = 4096}, {kind = \"mamba\"}]")
+        values["groups"] = tuple(_group_from(g, f"{origin}: groups[{i}]") for i, g in enumerate(groups))
+    return validate_engine(EngineConfig(**values))
 
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
@@ -413,8 +458,10 @@ def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
 
 
 def _types(section_cls: type) -> dict[str, type]:
+    """Each field's scalar type (a field of another type, such as EngineConfig.groups, maps to None:
+    its caller reads it itself)."""
     hints = {"int": int, "float": float, "str": str, "bool": bool}
-    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in fields(section_cls)}
+    return {f.name: hints.get(f.type) if isinstance(f.type, str) else f.type for f in fields(section_cls)}
 
 
 def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -> Config:

@@ -77,8 +77,7 @@ from quilld.http.perimeter import loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.router import Candidate, Decision
-from quilld.index.router import choose as choose_engine
-from quilld.model import CacheTier, IdentityScope
+from quilld.model import IdentityScope
 from quilld.scopes import NO_SCOPE, ScopeLimit
 
 log = logging.getLogger("quilld.gateway")
@@ -272,10 +271,7 @@ class Gateway:
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
                       blocks: list[int]) -> Decision:
         """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan."""
-        ctl = self.control
-        plan = choose_engine(ctl.index, tag, blocks, [engine.id], ctl.pool, ctl.engines.in_flight, 0.0,
-                             ctl.weights).plan
-        return Decision(engine.id, c.cost, d.candidates, plan, engine.url)
+        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks), engine.url)
 
     def _record(self, choice: Choice) -> None:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
@@ -283,9 +279,8 @@ class Gateway:
             return  # its events are the authority, or it was removed or replaced meanwhile
         if choice.tag == NO_SCOPE:
             return
-        index, engine_id, tag = self.control.index, choice.engine.id, choice.tag
-        self.stats.counts["residencies_recorded"] += sum(index.put(tag, h, engine_id, CacheTier.HBM)
-                                                         for h in choice.blocks)
+        control, engine_id, tag = self.control, choice.engine.id, choice.tag
+        self.stats.counts["residencies_recorded"] += control.record(engine_id, tag, choice.blocks)
         # a bounded LRU of what was recorded: the engine evicts too, and nothing says what
         recorded = self._recorded.setdefault(engine_id, OrderedDict())
         for h in reversed(choice.blocks):  # leading blocks last: a prefix is forgotten from its tail
@@ -293,7 +288,7 @@ class Gateway:
             recorded.move_to_end((tag, h))
         while len(recorded) > self.cfg.recorded_blocks:
             (old_tag, old_h), _ = recorded.popitem(last=False)
-            index.remove(old_tag, old_h, engine_id, CacheTier.HBM)
+            control.unrecord(engine_id, old_tag, old_h)
             self.stats.counts["residencies_forgotten"] += 1
 
     # -- the request --------------------------------------------------------------

@@ -33,6 +33,7 @@ _U64 = (1 << 64) - 1
 _PACK = struct.Struct(">Q").pack  # an int hash's bytes form, as hash_key() makes it
 
 BlockHash = int | bytes
+_NONE: dict = {}  # the entries of a scope that has none (shared, never changed)
 
 
 def hash_key(block: BlockHash) -> bytes:
@@ -312,6 +313,10 @@ class ResidencyIndex:
                     break
             add(mask)
         return out
+
+    def entries(self, tag: bytes) -> dict[int | bytes, int]:
+        """The scope's entries, entry key -> mask (read them, never change them); empty when none."""
+        return self._entries.get(tag, _NONE)
 
     def has(self, key: bytes) -> bool:
         """Whether a stored key (scope tag + `hash_key` bytes) has any residency."""

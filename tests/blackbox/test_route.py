@@ -322,3 +322,29 @@ def test_sessions_are_per_tenant_capped_in_length_and_bounded_in_number(quilld_f
     metrics = http(q.admin_port, "GET", "/metrics", headers=q.admin_headers())[2].decode()
     assert "quilld_sessions 100.0" in metrics
     assert 'quilld_session_evictions_total{reason="full"} 202.0' in metrics
+
+
+def test_an_engine_registered_with_group_kinds_is_credited_as_vllm_would_hit(routed):
+    """Issue 18.8 over the admin API and KVEVENTS' JSON: a Mamba group keeping its state at the last
+    block of a prefill makes the whole prefix reusable."""
+    q, r = routed
+    headers = {"Content-Type": "application/json", **q.admin_headers()}
+
+    def post(path, body):
+        status, _, raw = http(q.admin_port, "POST", path, json.dumps(body).encode(), headers)
+        return status, json.loads(raw)
+
+    status, body = post("/v1/engines", {"id": "bad", "url": "http://127.0.0.1:9005", "model": "m",
+                                        "groups": [{"kind": "full"}, {"kind": "sliding_window"}]})
+    assert status == 400 and "a sliding_window group needs window_tokens" in body["error"]
+    status, body = post("/v1/engines", {"id": "e5", "url": "http://127.0.0.1:9005", "model": "m",
+                                        "groups": [{"kind": "full"}, {"kind": "mamba"}]})
+    assert status == 201 and body["groups"] == [{"kind": "full", "window_tokens": 0},
+                                                {"kind": "mamba", "window_tokens": 0}]
+    blocks = list(range(500, 508))
+    events = [stored(blocks) | {"group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+              stored(blocks[-1:]) | {"group_idx": 1, "kv_cache_spec_kind": "mamba"}]
+    assert r.execute_command("KVEVENTS", "e5", json.dumps({"events": events})) == 2
+    d = route(r, blocks=blocks + [9])
+    assert d["engine"] == b"e5" and d["plan"] == [b"hit:e5:hbm"] * 8 + [b"recompute"]
+    assert route(r, blocks=blocks[:7])["plan"] == [b"recompute"] * 7  # no state at block 6
