@@ -66,6 +66,23 @@ def test_a_sweep_forgets_at_most_its_share_per_call():
     assert table.sweep() + table.sweep() == 10_000 - 4096 and len(table) == 0
 
 
+def test_an_entry_costs_the_same_whatever_the_ids_length():
+    import tracemalloc
+
+    def cost(length: int) -> int:
+        table = SessionAffinity(10_000, 60.0, Clock())
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(2000):
+            table.put("t", f"{i:08d}".ljust(length, "x"), "e1")
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        return used
+
+    short, long = cost(8), cost(MAX_SESSION_ID_BYTES)
+    assert long < short * 1.1 and long < 2000 * 400  # the id itself is not kept
+
+
 def test_sessions_are_kept_per_tenant():
     table = SessionAffinity(10, 60.0, Clock())
     table.put("alice", "chat-1", "e1")
