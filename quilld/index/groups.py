@@ -19,8 +19,8 @@ prefix of L blocks is reusable when every group accepts it:
   (SlidingWindowManager's contiguous run);
 - mamba: the group holds block L-1, its state at the prefix's end (MambaManager).
 
-The hit is the longest L every group accepts (vLLM reaches it by letting the groups cut the
-candidate length in turn until none does; `longest_hit` finds the same L directly). A group
+The hit is the longest L every group accepts: as vLLM, `longest_hit` lets the groups cut the
+candidate length in turn, each to the longest it accepts, until none does. A group
 "holds" a block when it has it in any of the engine's tiers, or when a pool node has the
 block (a pool copy is the block as a whole). Each block of the hit is then credited by
 where the groups that need it have it: the slowest of their best tiers (HBM, then the
@@ -30,7 +30,8 @@ by the engine because of the block that ends the prefix, and is credited and pla
 that block. `HybridHoldings` keeps these engines' residencies, and puts a block in the index
 (for LOCATE and the counts) while any group holds it in a tier. What is not modelled: the
 last prompt token vLLM always recomputes, EAGLE's dropped block, fine-grained (sub-block)
-hits and groups of different block sizes.
+hits, groups of different block sizes, and that vLLM finds the GPU hit first and lets its
+offloading connector extend it (here the tiers of a block are pooled, as for any engine).
 
 **No kinds declared**: a block counts for ROUTE in a tier only while every KV-cache group
 the engine has named holds it in that tier (`GroupedHoldings`). A prefix whose blocks
