@@ -178,10 +178,13 @@ class NetnsCluster:
         return out
 
     def converged(self) -> bool:
-        """Every live node lists every live node alive and no other node alive."""
+        """Every live node lists every live node alive, and each other node it lists dead or left
+        (a suspect is neither: its residencies are still in the directory)."""
         want = {n.node_id for n in self.live()}
         for view in self.views().values():
             if isinstance(view, str) or {i for i, s in view.items() if s == "alive"} != want:
+                return False
+            if any(s not in ("dead", "left") for i, s in view.items() if i not in want):
                 return False
         return True
 
