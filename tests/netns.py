@@ -15,8 +15,9 @@ Names carry a per-run prefix (`quilltest-<run>-`, host link `qt<run>`) and each 
 (`RUN_DIR/<run>.lock`) while it lives, so two runs at once (two xdist workers, a bench) never
 meet, and a run that was killed (kill -9: nothing of it ran) is found by its free lock and torn
 down by the next `Topology`: the processes still in its namespaces killed, the namespaces
-deleted. Within a run, `destroy()` (also at interpreter exit) stops every process by PID, kills
-whatever else is inside the namespaces, and deletes them by name. Processes are started with
+deleted. Within a run, `destroy()` (also at interpreter exit, and on SIGTERM where that has its
+default action) stops every process by PID, kills whatever else is inside the namespaces, and
+deletes them by name. Processes are started with
 PR_SET_PDEATHSIG (SIGKILL), so they die with the thread that started them: start them from a
 thread that outlives them (the main thread), or pass die_with_parent=False.
 
@@ -40,6 +41,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,8 @@ CALLER_HOST = 254  # the caller's address in the subnet: .254; hosts get .1, .2,
 IP_TIMEOUT = 30.0  # one `ip` invocation
 STOP_TIMEOUT = 10.0  # SIGTERM to SIGKILL
 
+# iproute2's `ip`, also where PATH lacks the sbin directories (a non-login root shell may)
+IP = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.access(p, os.X_OK)), "")
 _RUN_RE = re.compile(rf"^{re.escape(PREFIX)}([0-9a-f]{{8}})-")
 _LINK_RE = re.compile(rf"^{re.escape(LINK_PREFIX)}([0-9a-f]{{8}})$")
 _CLONE_NEWNET = 0x40000000
@@ -71,8 +75,10 @@ class NetnsError(RuntimeError):
 
 def ip(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run `ip args...` (a batch on `stdin` with "-batch -"); NetnsError with its stderr on failure."""
+    if not IP:
+        raise NetnsUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)")
     try:
-        res = subprocess.run(["ip", *args], input=stdin, capture_output=True, text=True, timeout=IP_TIMEOUT)
+        res = subprocess.run([IP, *args], input=stdin, capture_output=True, text=True, timeout=IP_TIMEOUT)
     except FileNotFoundError:
         raise NetnsUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)") from None
     if check and res.returncode != 0:
@@ -81,17 +87,20 @@ def ip(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.C
     return res
 
 
-def require_netns() -> None:
-    """Raise NetnsUnavailable, saying why, unless this process can make network namespaces."""
-    if shutil.which("ip") is None:
+def require_netns(probe: bool = True) -> None:
+    """Raise NetnsUnavailable, saying why, unless this process can make network namespaces (with
+    `probe`, by making one: a first `ip netns add` on a machine also sets up /run/netns)."""
+    if not IP:
         raise NetnsUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)")
     if os.geteuid() != 0:
         raise NetnsUnavailable(f"network namespaces need root; this process runs as uid {os.geteuid()}")
-    probe = f"{PREFIX}probe{os.getpid()}"
-    res = ip("netns", "add", probe, check=False)
+    if not probe:
+        return
+    name = f"{PREFIX}probe{os.getpid()}"
+    res = ip("netns", "add", name, check=False)
     if res.returncode != 0:
         raise NetnsUnavailable(f"`ip netns add` fails here: {res.stderr.strip()}")
-    ip("netns", "del", probe, check=False)
+    ip("netns", "del", name, check=False)
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,9 @@ def cleanup_stale() -> list[str]:
     for link in os.listdir("/sys/class/net"):
         if m := _LINK_RE.match(link):
             runs.setdefault(m.group(1), [])
+    for lock in RUN_DIR.glob("*.lock"):
+        if re.fullmatch(r"[0-9a-f]{8}", lock.stem):
+            runs.setdefault(lock.stem, [])
     cleaned = []
     for run, spaces in sorted(runs.items()):
         lock = RUN_DIR / f"{run}.lock"
@@ -233,15 +245,17 @@ class Topology:
     _spaces: list[str] = field(default_factory=list)  # every namespace made, the switch first
 
     def __post_init__(self) -> None:
-        require_netns()
+        require_netns(probe=False)  # root and `ip`: said before anything is touched
         RUN_DIR.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(RUN_DIR / f"{self.run_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held for the run's life: it is not stale
         _live.append(self)
+        _on_sigterm_destroy()
         try:
             alloc = os.open(RUN_DIR / "alloc.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(alloc, fcntl.LOCK_EX)
+                require_netns()
                 cleanup_stale()
                 self.subnet = _free_subnet()
                 self._make_switch()  # its route claims the subnet before the lock is let go
@@ -359,7 +373,32 @@ class Topology:
 
 
 _live: list[Topology] = []
-atexit.register(lambda: [t.destroy() for t in list(_live)])
+
+
+def _destroy_live() -> None:
+    for t in list(_live):
+        t.destroy()
+
+
+atexit.register(_destroy_live)
+
+
+def _on_sigterm_destroy() -> None:
+    """A plain kill (SIGTERM) of this process, where it would die without cleaning up, tears the
+    live topologies down first and then dies of the signal as before. Only where SIGTERM has its
+    default action and from the main thread (where Python sets handlers); kill -9 is left to the
+    next run's cleanup_stale()."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _destroy_live()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def stop_all(procs: Iterable[subprocess.Popen], timeout: float = STOP_TIMEOUT) -> None:

@@ -100,7 +100,7 @@ def test_two_runs_at_once_are_apart_and_each_tears_down_only_its_own(topo):
 def test_destroy_stops_by_pid_then_kills_what_else_is_inside(topo):
     ours = topo.popen(topo.hosts[0], SLEEPER)
     # a process the run did not start (a grandchild, say) is found by namespace and killed too
-    stray = subprocess.Popen(["ip", "netns", "exec", topo.hosts[1].netns, *SLEEPER])
+    stray = subprocess.Popen([netns.IP, "netns", "exec", topo.hosts[1].netns, *SLEEPER])
     assert wait_until_in(topo, topo.hosts[1], stray.pid)
     run_id = topo.run_id
     topo.destroy()
@@ -141,6 +141,24 @@ def test_a_killed_run_is_cleaned_up_by_the_next(topo):
     assert gone(b, timeout=1) and not of_run(run_id) and f"{netns.LINK_PREFIX}{run_id}" not in links()
     assert not (netns.RUN_DIR / f"{run_id}.lock").exists()
     assert len(of_run(topo.run_id)) == 3  # the live run beside it is untouched
+
+
+def test_a_plain_kill_of_a_run_tears_its_topology_down_before_it_dies():
+    script = (f"import sys, time; sys.path.insert(0, {str(TESTS)!r}); import netns\n"
+              f"t = netns.Topology(2)\n"
+              f"a = t.popen(t.hosts[0], {SLEEPER!r}, die_with_parent=False)\n"
+              f"print(t.run_id, a.pid, flush=True)\n"
+              f"time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id, a = child.stdout.readline().split()
+        assert len(of_run(run_id)) == 3
+        child.terminate()
+        assert child.wait(30) == -signal.SIGTERM
+    finally:
+        child.kill()
+    assert gone(int(a), timeout=1) and not of_run(run_id) and f"{netns.LINK_PREFIX}{run_id}" not in links()
+    assert not (netns.RUN_DIR / f"{run_id}.lock").exists()
 
 
 def test_without_the_right_to_make_namespaces_it_says_why():
