@@ -322,6 +322,15 @@ class Topology:
     def add_hosts(self, count: int) -> list[Host]:
         return self._add_hosts(count)
 
+    def cut(self, host: Host) -> None:
+        """Unplug `host` from the bridge (its port down): what it sends and what is sent to it is
+        lost, with no reset, as when a machine or its link dies. Its processes keep running."""
+        ip("-n", self.switch, "link", "set", f"p{host.index}", "down")
+
+    def mend(self, host: Host) -> None:
+        """Plug `host` back in."""
+        ip("-n", self.switch, "link", "set", f"p{host.index}", "up")
+
     # -- running ----------------------------------------------------------------------------------
 
     def popen(self, host: Host, argv: Sequence[str], die_with_parent: bool = True, **kw) -> subprocess.Popen:

@@ -285,3 +285,37 @@ def test_an_engine_registered_on_one_node_is_routed_to_from_every_node(cluster):
     d = wait_routes_agree(list(cluster.nodes.values()), blocks, ["hit:vllm-2:hbm"] * 4 + ["recompute"],
                           "an engine registered on n0", timeout=5.0)
     assert d["engine"] == "vllm-2"
+
+
+def test_a_host_cut_off_the_network_is_a_miss_then_found_again_when_plugged_back(cluster, topo):
+    """Unlike kill -9 (the kernel resets its connections), a host whose link dies just stops
+    answering: reads from every other node are misses or served by a copy, never errors, and once
+    it is back its chunks are found again everywhere."""
+    cluster.start(6)
+    cluster.wait_converged()
+    nodes = list(cluster.nodes.values())
+    cut, others = nodes[3], [n for n in nodes if n is not nodes[3]]
+    rng = random.Random(6)
+    only, copied = rng.randbytes(CHUNK), rng.randbytes(CHUNK)
+    lmcache_put(cut.r, chunk_key("only"), only)
+    lmcache_put(cut.r, chunk_key("copied"), copied)
+    assert_found(nodes[4], chunk_key("copied"), copied, "read before the cut")
+    topo.cut(cut.host)
+    t0 = time.monotonic()
+    for node in others:  # at once, and on while the others find out
+        assert_gone(node, chunk_key("only"), "its holder cut off", exists_kv=False)
+        assert_found(node, chunk_key("copied"), copied, "a copy of a chunk of the cut host")
+    first_round = time.monotonic() - t0
+    deadline = time.monotonic() + 60
+    while any(n.members().get(cut.node_id) != "dead" for n in others):
+        assert time.monotonic() < deadline, f"the cut host is not declared dead: {cluster.views()}"
+        time.sleep(0.1)
+    declared = time.monotonic() - t0
+    for node in others:
+        assert_gone(node, chunk_key("only"), "its holder declared dead")
+        assert_found(node, chunk_key("copied"), copied, "a copy, its writer declared dead")
+    topo.mend(cut.host)
+    cluster.wait_converged()
+    for node in others:
+        assert_found(node, chunk_key("only"), only, "the chunk of a host plugged back in")
+    print(f"\nreads while cut: {first_round:.1f} s for {len(others)} nodes; dead everywhere {declared:.1f} s after the cut")

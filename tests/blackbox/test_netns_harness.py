@@ -74,6 +74,10 @@ def test_hosts_reach_each_other_and_the_caller_reaches_them(topo):
         assert s.getsockname()[0] == topo.caller_addr
     c = topo.add_host()
     assert c.addr == str(topo.subnet.network_address + 3) and connect_errno(topo, c, a.addr, 5000) == 0
+    topo.cut(c)  # unplugged: nothing answers, not even a reset
+    assert connect_errno(topo, c, a.addr, 5000) not in (0, errno.ECONNREFUSED)
+    topo.mend(c)
+    assert connect_errno(topo, c, a.addr, 5000) == 0
     # nothing leaves the bridge: a host has no route but its subnet's
     assert connect_errno(topo, c, "192.0.2.1", 80) == errno.ENETUNREACH
     assert topo.pids(a) == [server.pid]
