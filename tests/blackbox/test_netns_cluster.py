@@ -234,7 +234,7 @@ def test_twelve_hosts_share_chunks_route_alike_and_survive_three_kills(cluster):
 
     # two new nodes join; membership converges: 9 old and 2 new alive everywhere, the victims nowhere
     newcomers = cluster.start(2)
-    reconverged = cluster.wait_converged()
+    cluster.wait_converged()
     after_kill = time.monotonic() - t_kill
     live = cluster.live()
     assert len(live) == NODES - len(VICTIMS) + 2 and {n.node_id for n in newcomers} == {"n12", "n13"}
