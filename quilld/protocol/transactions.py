@@ -112,6 +112,12 @@ def unwatch(client: Any) -> None:
     client.cas_dirty = False
 
 
+def touch(client: Any, key: bytes) -> None:
+    """`key` of the client's scope counts as changed though the keyspace saw no change (redis
+    signals some commands that change nothing, as APPEND of nothing)."""
+    client.ctx.clients.watches.touched(client.tag + bytes(key))
+
+
 def multi_mem(client: Any) -> int:
     """CLIENT LIST's multi-mem: the queue's bytes and the watched keys, as redis counts them."""
     return client.multi_bytes + WATCHED_KEY_COST * len(client.watched or ())
