@@ -149,6 +149,8 @@ SCRIPTS = {
     "exec write touches other watchers": [
         *on(0, "WATCH k"), *on(1, "MULTI", "SET k 1", "EXEC"), *on(0, "MULTI", "GET k", "EXEC"),
     ],
+    "command info": on(0, "COMMAND INFO multi exec discard watch unwatch", "COMMAND DOCS multi exec discard watch",
+                       "COMMAND DOCS unwatch", "COMMAND GETKEYS WATCH a b c", "COMMAND GETKEYSANDFLAGS WATCH a"),
     "watch expiring key": [
         *on(0, "SET x v PX 100000", "WATCH x"), *on(1, "PEXPIRE x 100000"), *on(0, "MULTI", "PING", "EXEC"),
         *on(0, "WATCH x"), *on(0, "MULTI", "PING", "EXEC"),
