@@ -168,7 +168,8 @@ class Clients:
         if time.monotonic() >= until:
             self.unpause()
             return False
-        if mode == "all" or (cmd is not None and "write" in cmd.info_flags):
+        if mode == "all" or (cmd is not None and ("write" in cmd.info_flags or (
+                cmd.name == "exec" and _writes_queued(conn.session)))):
             self._held.add(conn)
             return True
         return False
@@ -239,6 +240,12 @@ class Clients:
     def reset_stats(self) -> None:
         self.stats.clear()
         self.commands_processed = self.net_in = self.net_out = 0
+
+
+def _writes_queued(session: Any) -> bool:
+    """Whether the transaction `session` would EXEC writes (held by CLIENT PAUSE WRITE, as redis's
+    EXEC is when its queue may replicate)."""
+    return any("write" in cmd.info_flags for cmd, _ in session.multi or ())
 
 
 _REPR = {0x5C: b"\\\\", 0x22: b'\\"', 0x0A: b"\\n", 0x0D: b"\\r", 0x09: b"\\t", 0x07: b"\\a", 0x08: b"\\b"}

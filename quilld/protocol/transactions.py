@@ -31,6 +31,13 @@ change, and redis has no such thing to count). A touch marks the watching sessio
 a null array. A key that had already expired (not yet reclaimed) when it was watched
 counts as changed only if it comes back to life; its reclaiming is no change. At EXEC a
 watched key that has expired since it was watched counts as changed (isWatchedKeyExpired).
+
+In a cluster the registry is also the directory's `touched` hook: every entry of a peer's
+replication log (a block that peer placed, moved between its tiers or removed) counts as a
+change of that key here, as soon as this node applies it. So a change on another node is
+seen where this node can know of it, conservatively (a demotion there counts too), and only
+once its log has arrived; values of at most `dram.inline_max` bytes are not logged, and a
+change to one on another node is never seen (README, "Transactions").
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ class Watches:
     def __init__(self) -> None:
         self.keys: dict[bytes, dict[int, Any]] = {}  # full key -> {session id: session}
         self.keyspace: Any = None  # whose `touched` hook this is while any key is watched
+        self.directory: Any = None  # ... and the cluster directory's (a peer's log changed a key)
 
     def watch(self, client: Any, keyspace: Any, tag: bytes, keys: list) -> None:
         """`client` watches `keys` of scope `tag` (a key watched already stays as it was)."""
@@ -147,6 +155,10 @@ class Watches:
         if self.keys and self.keyspace is None:
             self.keyspace = keyspace
             keyspace.touched = self.touched
+            cluster = client.ctx.cluster
+            if cluster is not None:
+                self.directory = cluster.directory
+                self.directory.touched = self.touched
 
     def unwatch(self, client: Any) -> None:
         watched, client.watched = client.watched, None
@@ -160,6 +172,9 @@ class Watches:
         if not keys and self.keyspace is not None:
             self.keyspace.touched = None
             self.keyspace = None
+            if self.directory is not None:
+                self.directory.touched = None
+                self.directory = None
 
     def touched(self, fk: bytes) -> None:
         """The keyspace changed `fk`: every session watching it will see its EXEC fail."""

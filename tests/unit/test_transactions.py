@@ -269,3 +269,44 @@ def test_put2phase_data_inside_multi_is_refused_and_lands_nowhere():
     assert out.startswith(b"+OK\r\n-ERR Command not allowed inside a transaction: PUT2PHASE BEGIN, DATA, COMMIT")
     assert b"-EXECABORT" in out
     assert out.endswith(b"\r\n") and b"-INCOMPLETE" in out.rsplit(b"-EXECABORT", 1)[1]  # the put got none of it
+
+
+def test_client_pause_write_holds_an_exec_of_writes_queued_before_it():
+    async def main():
+        ctx, a, ta = connect()
+        _, b, tb = connect(ctx)
+        feed(a, _cmd("MULTI") + _cmd("SET", "k", "v"))
+        feed(b, _cmd("CLIENT", "PAUSE", "100000", "WRITE"))
+        ta.out.clear()
+        feed(a, _cmd("EXEC"))
+        assert bytes(ta.out) == b""  # held, as redis holds an EXEC whose queue may replicate
+        _, c, tc = connect(ctx)
+        feed(c, _cmd("MULTI") + _cmd("GET", "k") + _cmd("EXEC"))
+        assert bytes(tc.out) == b"+OK\r\n+QUEUED\r\n*1\r\n$-1\r\n"  # reads only: runs during the pause
+        feed(b, _cmd("CLIENT", "UNPAUSE"))
+        assert await _until(lambda: ta.out)
+        assert bytes(ta.out) == b"*1\r\n+OK\r\n"
+
+    asyncio.run(main())
+
+
+def test_a_peer_log_entry_for_a_watched_key_counts_as_a_change():
+    """In a cluster, a block another node places, moves or removes (its replication log, applied
+    here by the directory) touches the key here: this node reads that copy on a local miss."""
+    from quilld.cluster.directory import Directory
+    from quilld.cluster.replog import PLACED, Entry
+
+    class Joined:  # what NodeContext.cluster offers WATCH: the directory
+        def __init__(self, directory):
+            self.directory = directory
+
+    joined = Joined(None)
+    ctx = make_context(cluster=joined)
+    directory = joined.directory = Directory(ctx.scopes, ctx.control.index)
+    w, _ = watching(ctx, b"blk")
+    assert directory.touched is not None
+    directory.apply("peer-1", [Entry(1, PLACED, w.scope, b"other", "dram", 10, b"")])
+    assert not w.cas_dirty
+    directory.apply("peer-1", [Entry(2, PLACED, w.scope, b"blk", "dram", 10, b"")])
+    assert w.cas_dirty
+    assert directory.touched is None  # nothing watched any more: the hook is off
