@@ -1,4 +1,4 @@
-"""Per-connection state that commands read and change (identity, protocol, name).
+"""Per-connection state that commands read and change (identity, protocol, name, transaction).
 
 A handler's `c` is its connection's Session: the node's shared parts are in
 `c.ctx` (quilld/context/node_context.py), and the ones every data command uses are also direct
@@ -11,6 +11,10 @@ adapter) is chosen by `SCOPE`, named in the login name
 chosen none holds `UNSCOPED` instead of the keyspace and the two-phase puts:
 every data command it runs is refused with `-NOSCOPE`, and no dispatcher check
 is paid by connections that did choose.
+
+Transaction: while in MULTI, `multi` holds the queued commands (None otherwise: the
+dispatcher's fast path checks that one attribute); the watched keys and whether one changed
+are here too. protocol/transactions.py keeps them; RESET and the connection's end drop them.
 """
 
 from __future__ import annotations
