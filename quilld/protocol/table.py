@@ -515,10 +515,10 @@ class CommandTable:
                 return self._rejected(client, cmd, refusal)
         if not client.authenticated and NOAUTH not in cmd.flags:
             return self._rejected(client, cmd, NoAuth("Authentication required."))
+        client.last_cmd = cmd.name
         if client.multi is not None and cmd.name not in RUN_IN_MULTI:
             refused = queue(client, cmd, args, client.ctx.runtime.client_query_buffer_limit)
             return QUEUED if refused is None else self._rejected(client, cmd, refused)
-        client.last_cmd = cmd.name
         return self._call(client, cmd, args)
 
     def _call(self, client: Any, cmd: Command, args: list) -> Any:

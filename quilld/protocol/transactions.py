@@ -197,9 +197,10 @@ class Watches:
         return any(not stale and self._stale(ks, fk, now) for fk, stale in (client.watched or {}).items())
 
     def clients_watching(self, sessions: Any) -> tuple[int, int]:
-        """(how many of `sessions` watch keys, how many keys they watch), for INFO."""
-        watching = [len(s.watched) for s in sessions if s.watched]
-        return len(watching), sum(watching)
+        """(how many of `sessions` watch keys, how many distinct keys they watch), for INFO
+        (redis 7.4's watching_clients and total_watched_keys)."""
+        watching = [s.watched for s in sessions if s.watched]
+        return len(watching), len(set().union(*watching))
 
     @staticmethod
     def _present(keyspace: Any, fk: bytes) -> bool:

@@ -98,7 +98,7 @@ def test_info_counts_watching_clients_and_their_keys(quilld):
     a.execute_command("WATCH", "x", "y", "z")
     b.execute_command("WATCH", "x")
     info = b.info("clients")
-    assert (info["watching_clients"], info["total_watched_keys"]) == (2, 4)
+    assert (info["watching_clients"], info["total_watched_keys"]) == (2, 3)  # distinct keys, as redis 7.4
     a.set("x", 1)  # touches both: each watches nothing more
     info = b.info("clients")
     assert (info["watching_clients"], info["total_watched_keys"]) == (0, 0)
