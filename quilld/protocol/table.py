@@ -36,6 +36,7 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from quilld.errors import CommandError, NoAuth, QuillError, echo
+from quilld.model import Pending
 from quilld.protocol.transactions import QUEUED, RUN_IN_MULTI, ExecAbort, end, queue
 
 Handler = Callable[[Any, list], Any]
@@ -524,10 +525,13 @@ class CommandTable:
     def _call(self, client: Any, cmd: Command, args: list) -> Any:
         st = self.stats[cmd.name]
         st[0] += 1
+        reply = None
         try:
-            return self._timed(client, st, cmd.handler, args)
+            reply = self._timed(client, st, cmd.handler, args)
+            return reply
         finally:
-            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags):
+            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags) and not (
+                    reply.__class__ is Pending and cmd.name == "exec"):  # a waiting EXEC: once its commands ran
                 self.monitor(client, cmd, args)
 
     def call(self, client: Any, cmd: Command, args: list) -> Any:

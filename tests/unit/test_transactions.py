@@ -310,3 +310,18 @@ def test_a_peer_log_entry_for_a_watched_key_counts_as_a_change():
     directory.apply("peer-1", [Entry(2, PLACED, w.scope, b"blk", "dram", 10, b"")])
     assert w.cas_dirty
     assert directory.touched is None  # nothing watched any more: the hook is off
+
+
+def test_monitor_sees_a_waiting_exec_after_the_commands_it_ran():
+    async def main():
+        ctx, a, ta = connect()
+        gate, _ = _gated(ctx)
+        _, m, tm = connect(ctx)
+        feed(m, b"MONITOR\r\n")
+        feed(a, _cmd("MULTI") + _cmd("SLOW") + _cmd("PING") + _cmd("EXEC"))
+        gate.set()
+        assert await _until(lambda: b'"EXEC"' in tm.out)
+        names = [line.split(b'"')[1] for line in bytes(tm.out).split(b"\r\n")[1:] if line]
+        assert names == [b"MULTI", b"SLOW", b"PING", b"EXEC"]  # as redis feeds them
+
+    asyncio.run(main())

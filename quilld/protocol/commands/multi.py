@@ -85,7 +85,7 @@ def cmd_exec(c, args):
     queued, c.multi = c.multi, None  # out of MULTI; each command's arguments are given back once it ran
     c.multi_bytes = 0
     unwatch(c)
-    return _Exec(c, queued).run()
+    return _Exec(c, queued, args).run()
 
 
 def _denied(message: str):
@@ -112,11 +112,12 @@ def _pins_of(reply, pins: list) -> None:
 class _Exec:
     """One EXEC's run of its queue."""
 
-    __slots__ = ("c", "queued", "replies", "protos", "resp3")
+    __slots__ = ("c", "queued", "args", "replies", "protos", "resp3")
 
-    def __init__(self, c, queued: list) -> None:
+    def __init__(self, c, queued: list, args: list) -> None:
         self.c = c
         self.queued = queued
+        self.args = args  # the EXEC's own, for MONITOR
         self.replies: list = []
         self.protos: list[bool] | None = None  # each reply's protocol, once a HELLO switched it
         self.resp3 = c.resp3
@@ -180,6 +181,9 @@ class _Exec:
             raise
         finally:
             c.ctx.clients.release_hold()
+            table = c.ctx.table
+            if table.monitor is not None:  # after its commands, as redis feeds a MONITOR
+                table.monitor(c, table.commands[b"exec"], self.args)
         return self._reply()
 
     async def _wait(self, cmd: Command, pending: Pending, deadline: float):
