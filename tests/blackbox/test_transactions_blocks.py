@@ -130,3 +130,22 @@ def test_a_demotion_to_ssd_is_no_change_and_an_exec_reading_the_ssd_holds_the_no
             assert p.execute() == [True]
     finally:
         stop_process(q.proc)
+
+
+def test_a_queue_holds_at_most_client_query_buffer_limit_bytes(quilld):
+    r = quilld.client()
+    r.config_set("client-query-buffer-limit", "1mb")
+    r.execute_command("MULTI")
+    arg = b"e" * 15_000  # under LARGE_BULK: held by the queue itself, not received into the arena
+    refused = None
+    for i in range(100):
+        try:
+            assert r.execute_command("ECHO", arg) == b"QUEUED"
+        except redis.ResponseError as e:
+            refused = (i, str(e))
+            break
+    assert refused is not None and 60 <= refused[0] <= 70, refused
+    assert "would hold more than 1048576 bytes (client-query-buffer-limit)" in refused[1]
+    with pytest.raises(redis.ResponseError, match="discarded because of previous errors"):
+        r.execute_command("EXEC")
+    assert r.ping()
