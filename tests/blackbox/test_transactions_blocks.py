@@ -111,7 +111,7 @@ def test_a_demotion_to_ssd_is_no_change_and_an_exec_reading_the_ssd_holds_the_no
         value = {f"c{i}": random.Random(i).randbytes(256 * KiB) for i in range(120)}
         first, later = list(value)[:40], list(value)[40:]
         spill_to_ssd(b, {k: value[k] for k in first}, [])
-        assert tiers_of(b, "c39") == {"dram"}
+        assert "dram" in tiers_of(b, "c39")
         with a.pipeline() as p:
             p.watch("c39")  # in DRAM now; the writes below push it down to SSD, its value unchanged
             spill_to_ssd(b, {k: value[k] for k in later}, ["c39"])
