@@ -8,6 +8,7 @@ fetch and LOCATE), and block hashes in the control plane's residency index
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 from quilld.cluster.replog import PLACED, Entry
 from quilld.index.residency import ResidencyIndex
@@ -23,11 +24,15 @@ class Directory:
         self.keys = ResidencyIndex(scopes)  # holders are peer node ids; entries are keys, not hashes
         self.blocks = blocks
         self.applied: Counter[str] = Counter()  # peer -> entries applied
+        # told of every key (scope tag + key) a peer's log places or removes, while keys are WATCHed
+        self.touched: Callable[[bytes], None] | None = None
 
     def apply(self, peer: str, entries: list[Entry]) -> None:
-        keys, blocks, tag_of = self.keys, self.blocks, self.scopes.tag
+        keys, blocks, tag_of, touched = self.keys, self.blocks, self.scopes.tag, self.touched
         for e in entries:
             tag = tag_of(e.scope)
+            if touched is not None:
+                touched(tag + e.key)
             for t in _LOCAL:
                 if e.op != PLACED or t.value != e.tier:
                     keys.remove(tag, e.key, peer, t)

@@ -60,6 +60,8 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
         "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their address kept failing
         "auth_throttle_refused": ctx.stats["auth_throttle_refused"],  # ... or refused outright
         "client_query_buffer_limit_disconnections": clients.stats["client_query_buffer_limit_disconnections"],
+        "exec_holds": clients.stats["exec_holds"],  # EXECs that held the node while a command waited (SSD, peer)
+        "exec_hold_timeouts": clients.stats["exec_hold_timeouts"],  # ... commands they cut off (server.exec_hold_ms)
         "internal_errors": ctx.stats["internal_errors"],  # commands answered "internal error" (a bug; logged)
         "guard_refusals": sum(refusals.values()),
         "identity_scopes": len(scopes) if tenant is None else scopes.scopes_of(tenant),

@@ -73,6 +73,8 @@ HELP = {
     "auth_throttled": "AUTH attempts answered late because their address kept failing.",
     "auth_throttle_refused": "AUTH attempts refused outright by the throttle.",
     "client_query_buffer_limit_disconnections": "Connections closed for an oversized query buffer.",
+    "exec_holds": "EXECs that held the node's other clients while a queued command waited (SSD, a peer).",
+    "exec_hold_timeouts": "Commands of such EXECs cut off after server.exec_hold_ms.",
     "internal_errors": "Commands answered 'internal error' (a bug, logged).",
     "guard_refusals": "Lookups refused because the key exists only in another identity scope.",
     "identity_scopes": "Identity scopes held.",

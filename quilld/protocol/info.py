@@ -98,9 +98,11 @@ def _clients(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
     mine = [conn for conn in clients.connections.values() if conn.session.user == session.user]
     max_in = max((conn.parser.query_bytes() for conn in mine), default=0)
     max_out = max((conn.transport.get_write_buffer_size() for conn in mine if conn.transport), default=0)
+    watching, watched = clients.watches.clients_watching(conn.session for conn in mine)
     return [("connected_clients", len(mine)), ("cluster_connections", 0), ("maxclients", clients.max_clients),
             ("client_recent_max_input_buffer", max_in), ("client_recent_max_output_buffer", max_out),
-            ("blocked_clients", 0), ("tracking_clients", 0), ("clients_in_timeout_table", 0)]
+            ("blocked_clients", 0), ("tracking_clients", 0), ("clients_in_timeout_table", 0),
+            ("watching_clients", watching), ("total_watched_keys", watched)]  # these two: redis 7.4's
 
 
 def _memory(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:

@@ -36,6 +36,8 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from quilld.errors import CommandError, NoAuth, QuillError, echo
+from quilld.model import Pending
+from quilld.protocol.transactions import QUEUED, RUN_IN_MULTI, ExecAbort, end, queue
 
 Handler = Callable[[Any, list], Any]
 log = logging.getLogger("quilld.protocol")
@@ -128,6 +130,7 @@ class Doc:
     getkeys: KeysOf | None = None  # keys and their flags when the specs cannot tell (SET ... GET)
     redact: Callable[[list], list[int]] | None = None  # arguments MONITOR and the slowlog never show
     sampled: bool | None = None  # timed one call in SAMPLE_EVERY; None: when redis calls it fast
+    multi: Callable[[list], str | None] | None = None  # why these arguments may not be queued by MULTI, or None
 
 
 @dataclass(frozen=True)
@@ -314,6 +317,9 @@ class CommandTable:
         self.observer: Any = None  # what on_slow feeds: the slowlog and latency events (commands/observe.py)
         self.monitor: Callable[[Any, Command, list], None] | None = None  # MONITOR's feed, while any
         self.time_all = False
+        # gives back what a command left of its arguments (a value received into the arena): for
+        # the queued commands of a transaction that ends without running them (commands/blocks.py's)
+        self.release_args: Callable[[Any, list], None] = lambda client, args: None
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
@@ -380,7 +386,7 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
-            if fast is not None and client.authenticated:
+            if fast is not None and client.authenticated and client.multi is None:
                 handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
@@ -426,9 +432,19 @@ class CommandTable:
         self.error_replies += 1
         self.errors[err.wire()[:32].split(" ", 1)[0] or "ERR"] += 1
 
-    def _rejected(self, cmd: Command | None, err: QuillError) -> QuillError:
+    def _rejected(self, client: Any, cmd: Command | None, err: QuillError) -> QuillError:
+        """A command refused before it ran: counted; inside MULTI the transaction is marked to
+        fail, and a refused EXEC ends it (redis's rejectCommand, flagTransaction, execCommandAbort)."""
         if cmd is not None:
             self.stats[cmd.name][3] += 1
+        if client.multi is not None:
+            client.multi_error = True
+        if cmd is not None and cmd.name == "exec":
+            end(client)
+            # redis quotes its own refusals (existence, arity, ...) without their `ERR`
+            err = ExecAbort(f"Transaction discarded because of: {err.message if err.prefix == 'ERR' else err.wire()}")
+            if self.monitor is not None:
+                self.monitor(client, cmd, [b"exec"])
         self.count_error(err)
         return err
 
@@ -479,34 +495,58 @@ class CommandTable:
         if cmd is None:
             cmd = self.commands.get(bytes(args[0]).lower())
             if cmd is None:
-                return self._rejected(None, unknown_command(args))
+                return self._rejected(client, None, unknown_command(args))
         n = len(args)
         arity = cmd.arity
         if (arity > 0 and n != arity) or n < -arity:
-            return self._rejected(cmd, CommandError(f"wrong number of arguments for '{cmd.name}' command"))
+            return self._rejected(client, cmd, CommandError(f"wrong number of arguments for '{cmd.name}' command"))
         if cmd.subcommands and n > 1:
             sub = cmd.subcommands.get(bytes(args[1]).lower())
             if sub is None:
-                return self._rejected(None, CommandError(
+                return self._rejected(client, None, CommandError(
                     f"unknown subcommand '{echo(args[1], 128)}'. Try {cmd.name.upper()} HELP."))
             arity = sub.arity
             if (arity > 0 and n != arity) or n < -arity:
-                return self._rejected(sub, CommandError(f"wrong number of arguments for '{sub.name}' command"))
+                return self._rejected(client, sub, CommandError(
+                    f"wrong number of arguments for '{sub.name}' command"))
             cmd = sub
         if PROTECTED in cmd.flags:
             refusal = protected_refusal(client, cmd.name)
             if refusal is not None:
-                return self._rejected(cmd, refusal)
+                return self._rejected(client, cmd, refusal)
         if not client.authenticated and NOAUTH not in cmd.flags:
-            return self._rejected(cmd, NoAuth("Authentication required."))
+            return self._rejected(client, cmd, NoAuth("Authentication required."))
         client.last_cmd = cmd.name
+        if client.multi is not None and cmd.name not in RUN_IN_MULTI:
+            refused = queue(client, cmd, args, client.ctx.runtime.client_query_buffer_limit)
+            return QUEUED if refused is None else self._rejected(client, cmd, refused)
+        return self._call(client, cmd, args)
+
+    def _call(self, client: Any, cmd: Command, args: list) -> Any:
         st = self.stats[cmd.name]
         st[0] += 1
+        reply = None
         try:
-            return self._timed(client, st, cmd.handler, args)
+            reply = self._timed(client, st, cmd.handler, args)
+            return reply
         finally:
-            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags):
+            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags) and not (
+                    reply.__class__ is Pending and cmd.name == "exec"):  # a waiting EXEC: once its commands ran
                 self.monitor(client, cmd, args)
+
+    def call(self, client: Any, cmd: Command, args: list) -> Any:
+        """Run a command checked already (one EXEC runs): counted, timed and monitored as any
+        call; its errors are returned, as dispatch returns them."""
+        try:
+            return self._call(client, cmd, args)
+        except QuillError as e:
+            self.failed(cmd.name, e)
+            return e
+        except Exception as e:  # a bug: answer it, keep the connection, log it once
+            client.ctx.stats["internal_errors"] += 1
+            err = self.internal_error(cmd.name, e)
+            self.failed(cmd.name, err)
+            return err
 
 
 def protected_refusal(client: Any, name: str) -> CommandError | None:

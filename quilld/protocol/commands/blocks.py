@@ -46,6 +46,8 @@ def large_target(c, args: list, index: int, length: int):
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
     if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
+        if c.multi is not None:
+            return None  # refused at queue time (never queued): nothing lands in the put
         put = c.puts.get(bytes(args[2]), c.user)
         offset = parse_int(args[3])
         view = c.puts.open_writer(put, offset, length)

@@ -20,6 +20,7 @@ from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
 from quilld.protocol.resp import OK, Raw, Status, Verbatim
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
+from quilld.protocol.transactions import multi_mem
 
 _SYNTAX = CommandError("syntax error")
 NO_REPLY = Raw(b"")  # CLIENT REPLY OFF and SKIP send nothing back
@@ -60,14 +61,18 @@ def client_line(conn, now: float, current: list | None = None) -> str:
     omem = transport.get_write_buffer_size() if transport is not None else 0
     sock = transport.get_extra_info("socket") if transport is not None else None
     fd = sock.fileno() if sock is not None else -1
-    flags = ("O" if s.monitor else "") + ("c" if s.closing else "") + ("e" if s.no_evict else "")
+    # redis's order (networking.c catClientInfoString): O x d c U e
+    flags = ("O" if s.monitor else "") + ("x" if s.multi is not None else "") + ("d" if s.cas_dirty else "") + (
+        "c" if s.closing else "") + ("U" if s.unix else "") + ("e" if s.no_evict else "")
+    mmem = multi_mem(s)
     reading = transport is not None and getattr(transport, "is_reading", lambda: True)()
     events = ("r" if reading else "") + ("w" if omem else "")
     name = (s.name or b"").decode("utf-8", "surrogateescape")
     return (f"id={s.id} addr={s.addr} laddr={s.laddr} fd={fd} name={name} age={int(now - s.created)} "
-            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub=0 psub=0 ssub=0 multi=-1 qbuf={qbuf} "
-            f"qbuf-free={qbuf_free} argv-mem={argv} multi-mem=0 rbs=0 rbp=0 obl=0 oll=0 omem={omem} "
-            f"tot-mem={qbuf + qbuf_free + argv + omem} events={events} cmd={s.last_cmd} user={s.user} redir=-1 "
+            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub=0 psub=0 ssub=0 "
+            f"multi={-1 if s.multi is None else len(s.multi)} qbuf={qbuf} "
+            f"qbuf-free={qbuf_free} argv-mem={argv} multi-mem={mmem} rbs=0 rbp=0 obl=0 oll=0 omem={omem} "
+            f"tot-mem={qbuf + qbuf_free + argv + mmem + omem} events={events} cmd={s.last_cmd} user={s.user} redir=-1 "
             f"resp={3 if s.resp3 else 2}\n")
 
 

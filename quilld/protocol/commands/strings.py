@@ -18,6 +18,7 @@ from quilld.protocol.commands.longdouble import (
 )
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
+from quilld.protocol.transactions import touch
 from quilld.tiers.block import Block
 from quilld.tiers.keyspace import now_ms
 
@@ -335,6 +336,8 @@ def cmd_append(c, args):
         return 0
     if size is not None and size + n > c.ctx.cfg.server.proto_max_bulk_len:
         raise _TOO_BIG
+    if n == 0:  # nothing changes, but redis counts it as a change of the key (WATCH)
+        touch(c, key)
 
     def write(view):
         if n:
