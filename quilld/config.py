@@ -102,9 +102,9 @@ class SecurityConfig:
     requirepass: str = ""
     users_file: str = ""  # lines of `user password [model=M] [tokenizer=T] [adapter=A]`; `#` starts a comment
     require_scope: bool = False  # data commands of a connection that chose no identity scope are refused (NOSCOPE)
-    auth_throttle_after: int = 10  # failed AUTHs from one address before its attempts are slowed; 0: never
-    auth_throttle_window_ms: int = 60_000  # an address with no failure for this long starts afresh
-    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused
+    auth_throttle_after: int = 10  # failed AUTHs for one user, or from one address, before its attempts wait; 0: never
+    auth_throttle_window_ms: int = 60_000  # a user or address with no failure for this long starts afresh
+    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt (right or wrong: none is refused)
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
     map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
@@ -145,7 +145,7 @@ DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
 class ClusterConfig:
     gossip_port: int = 0  # 0: single node, no gossip
     seeds: str = ""  # comma-separated host:port gossip addresses
-    secret: str = ""  # when set, gossip packets carry an HMAC-SHA256 under it
+    secret: str = ""  # gossip packets carry an HMAC-SHA256 under it; peers PEERAUTH with it (else the host's)
     probe_interval_ms: int = 500
     probe_timeout_ms: int = 200
     indirect_probes: int = 3

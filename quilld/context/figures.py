@@ -57,8 +57,10 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
         "keyspace_hits": hits,
         "keyspace_misses": misses,
         "auth_failures": ctx.stats["auth_failures"],
-        "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their address kept failing
-        "auth_throttle_refused": ctx.stats["auth_throttle_refused"],  # ... or refused outright
+        "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their user or address kept failing
+        "peerauth_failures": ctx.stats["peerauth_failures"],  # PEERAUTHs with a wrong cluster secret
+        "peerauth_throttled": ctx.stats["peerauth_throttled"],  # ... and those answered late
+        "cross_protocol_closed": ctx.stats["cross_protocol_closed"],  # HTTP requests sent to the RESP port
         "client_query_buffer_limit_disconnections": clients.stats["client_query_buffer_limit_disconnections"],
         "internal_errors": ctx.stats["internal_errors"],  # commands answered "internal error" (a bug; logged)
         "guard_refusals": sum(refusals.values()),

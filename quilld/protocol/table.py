@@ -58,6 +58,7 @@ _NO_REPLY = Raw(b"")
 ABORT = 2  # Session.closing: close at once, dropping every reply not sent yet (True: close once they are)
 
 NOAUTH = "noauth"  # may run before AUTH (AUTH, HELLO, QUIT)
+PEER = "peer"  # may run on a cluster peer's connection (PEERAUTH) whether it logged in or not
 WRITE = "write"
 READONLY = "readonly"
 FAST = "fast"
@@ -513,7 +514,7 @@ class CommandTable:
             refusal = protected_refusal(client, cmd.name)
             if refusal is not None:
                 return self._rejected(cmd, refusal)
-        if not client.authenticated and NOAUTH not in cmd.flags:
+        if not client.authenticated and NOAUTH not in cmd.flags and not (client.peer and PEER in cmd.flags):
             return self._rejected(cmd, NoAuth("Authentication required."))
         client.last_cmd = cmd.name
         st = self.stats[cmd.name]
