@@ -43,7 +43,7 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
     ks, puts, clients, scopes = ctx.keyspace, ctx.puts, ctx.clients, ctx.scopes
     st = ks.stats
     hits, misses = ks.lookups_of(tenant)
-    refusals = scopes.refusals_of(tenant)
+    refusals = scopes.refusals_of() if tenant is None else scopes.refusals_seen_by(tenant)
     out = {
         "total_connections_received": clients.stats["total_connections_received"],
         "total_commands_processed": clients.commands_processed,
