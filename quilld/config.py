@@ -312,6 +312,31 @@ class Config:
         return out
 
 
+# Descriptors kept for everything but RESP clients (server.max_clients is sized to fit the
+# limit around them: quilld/context/open_files.py). Redis keeps CONFIG_MIN_RESERVED_FDS (32) for
+# its listeners, log and event loop; quilld's base (listeners, log, event loop, the arena's and the
+# lease table's memory files) is 17 descriptors, so 32 covers it with room, plus what its parts open.
+RESERVED_FDS = 32
+SSD_FDS = 8  # the SSD tier's WAL, lock, directory, key and checkpoint files, beyond one per segment
+CLUSTER_PEERS_RESERVED = 16  # peers whose outgoing connections are counted in the reserve
+PEER_FDS = 16  # per peer: its follower, PeerPool's idle connections (8) and reads in flight
+ENGINE_FDS = 8  # per engine: its ZMQ KV-event and replay sockets and their share of the ZMQ context
+
+
+def reserved_fds(cfg: Config) -> int:
+    """Descriptors this configuration keeps for everything but RESP clients and HTTP listeners:
+    RESERVED_FDS, the SSD tier's files, the gossip sockets and connections to peers, the engines'
+    KV-event subscriptions. (RESP clients are `server.max_clients`, peers' connections to this node
+    among them; the HTTP listeners' own caps are counted by their module.)"""
+    n = RESERVED_FDS
+    if cfg.ssd.dir:
+        n += -(-cfg.ssd.size // cfg.ssd.segment_size) + SSD_FDS
+    if cfg.cluster.gossip_port:
+        n += 2 + CLUSTER_PEERS_RESERVED * PEER_FDS
+    n += ENGINE_FDS * len(cfg.engines)
+    return n
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (an IP literal, `localhost`, or a peer's address) is this machine's loopback:
     127.0.0.0/8, ::1 or an IPv4-mapped 127.x. `0.0.0.0`, `::`, `""` and other names are not."""
