@@ -72,6 +72,7 @@ class ServerConfig:
     unixsocketperm: int = 0o700  # the socket file's mode (octal, as redis's unixsocketperm)
     shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
     shm_max_leases: int = 4096  # leases one connection may hold at once (the table has SHM_SLOTS in all)
+    shm_max_leases_per_user: int = 0  # leases one user's connections may hold together; 0: SHM_SLOTS / map users
 
 
 @dataclass(frozen=True)
@@ -235,8 +236,14 @@ class Config:
                               "must be at least 0")
         if not 0 <= s.unixsocketperm <= 0o777:
             raise ConfigError(f"server.unixsocketperm must be an octal mode within 0..777, got {s.unixsocketperm:o}")
-        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS:
-            raise ConfigError(f"server.shm_lease_ms must be positive and server.shm_max_leases within 1..{SHM_SLOTS}")
+        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS or \
+                not 0 <= s.shm_max_leases_per_user <= SHM_SLOTS:
+            raise ConfigError(f"server.shm_lease_ms must be positive, server.shm_max_leases within 1..{SHM_SLOTS} "
+                              f"and server.shm_max_leases_per_user within 0..{SHM_SLOTS}")
+        if d.memory_file and map_user_names(self.security.map_users):
+            raise ConfigError("dram.memory_file cannot be shared with security.map_users: a named file cannot be "
+                              "sealed against resizing, and a client that truncated it would kill quilld (SIGBUS). "
+                              "Leave dram.memory_file empty (an anonymous, sealed arena) to map it")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if s.space_wait_ms < 0:
@@ -335,6 +342,17 @@ def reserved_fds(cfg: Config) -> int:
         n += 2 + CLUSTER_PEERS_RESERVED * PEER_FDS
     n += ENGINE_FDS * len(cfg.engines)
     return n
+
+
+def map_user_names(spec: str) -> frozenset[str]:
+    """security.map_users' names."""
+    return frozenset(u.strip() for u in spec.split(",") if u.strip())
+
+
+def shm_leases_per_user(cfg: Config) -> int:
+    """Leases of the shared-memory table one user may hold: server.shm_max_leases_per_user, or
+    (0) an equal share of the table per user allowed to map, so none can starve another."""
+    return cfg.server.shm_max_leases_per_user or SHM_SLOTS // max(1, len(map_user_names(cfg.security.map_users)))
 
 
 def is_loopback(host: str) -> bool:

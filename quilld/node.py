@@ -25,7 +25,7 @@ import time
 
 from quilld import __version__
 from quilld.cluster.cluster import Cluster
-from quilld.config import SHM_SLOTS, Config
+from quilld.config import SHM_SLOTS, Config, shm_leases_per_user
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
 from quilld.http.metrics import NodeMetrics
@@ -137,7 +137,8 @@ class Node:
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
-            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases)
+            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases,
+                                         shm_leases_per_user(cfg))
         self._unix: asyncio.AbstractServer | None = None
         self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
