@@ -89,10 +89,10 @@ class Clients:
             self.on_close(conn.session.id)
 
     def auth_changed(self, session: Any) -> None:
-        """The session logged in (or out): its parser's pre-AUTH limits follow."""
+        """The session logged in (or out), or became a cluster peer: its parser's pre-AUTH limits follow."""
         conn = self.connections.get(session.id)
         if conn is not None:
-            conn.parser.authenticated = session.authenticated
+            conn.parser.authenticated = session.authenticated or session.peer
 
     def watch_drain(self, conn: RespConnection) -> None:
         """Check `conn` again at the next housekeeping tick: its pinned replies are still being sent."""

@@ -87,6 +87,11 @@ def test_a_peer_is_no_operator_and_no_tenant(tmp_path):
                         cmd("CLIENT", "LIST"), cmd("SCOPE", "m", "t"), cmd("KEYS", "*"), cmd("DBSIZE")):
             s.sendall(command)
             assert read_lines(s, 1) == b"-NOAUTH Authentication required.\r\n", command
+        # a peer's commands are parsed as a logged-in client's, not under the pre-AUTH limits
+        # (10 arguments, 16 KiB): a long PEERRELEASE is answered, the connection kept
+        s.sendall(cmd("PEERRELEASE", *range(1, 40)) + cmd("PEERGET", "alice", "", "", "", "x" * 20000))
+        assert read_lines(s, 2) == (b"-ERR RDMA is not enabled on this node (see INFO cluster: "
+                                    b"cluster_rdma_unavailable_reason)\r\n$-1\r\n")
         s.close()
         assert operator.get("ops") == b"operator's" and alice.get("hers") == b"alice's block"
         assert operator.config_get("maxclients")["maxclients"] == "10000"

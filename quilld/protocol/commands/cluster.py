@@ -60,6 +60,7 @@ def cmd_peerauth(c, args, throttle: AuthThrottle):
             throttle.failed(c.ctx.cfg.security, PEER_KEY, client_ip(c), time.monotonic())
             raise WrongPass("invalid cluster secret")
         c.peer_login()
+        c.ctx.clients.auth_changed(c)  # a peer's commands are parsed as a logged-in client's
         cluster.stats["peer_connections"] += 1
         return OK
 
