@@ -1,4 +1,4 @@
-"""The AUTH throttle (protocol/commands/connection.py; issue 11 finding 12, issue 19 item 14) on an
+"""The AUTH throttle (context/auth_throttle.py, applied by protocol/commands/connection.py; issue 11 finding 12, issue 19 item 14) on an
 injected clock, and AUTH/HELLO/PEERAUTH through the dispatcher: failures counted per user name and
 per address, delays that grow with them, a window that forgets, and a right password that is never
 refused, wherever the guesses come from."""
@@ -15,7 +15,7 @@ from handler_context import make_context, session
 from quilld.config import SecurityConfig
 from quilld.errors import WrongPass
 from quilld.model import Pending
-from quilld.protocol.commands.connection import AUTH_DELAY_FIRST, AuthThrottle
+from quilld.context.auth_throttle import AUTH_DELAY_FIRST, AuthThrottle
 from quilld.protocol.resp import OK
 
 CFG = SecurityConfig(requirepass="pw", auth_throttle_after=3, auth_throttle_window_ms=10_000,

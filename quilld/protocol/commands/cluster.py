@@ -21,7 +21,8 @@ from quilld.cluster.replog import Behind as LogBehind
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope, Pending
 from quilld.protocol.commands.common import parse_int, text
-from quilld.protocol.commands.connection import AuthThrottle, after_throttle, client_ip
+from quilld.context.auth_throttle import AuthThrottle
+from quilld.protocol.commands.connection import after_throttle, client_ip
 from quilld.protocol.resp import OK
 from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, CommandTable
 

@@ -1,6 +1,7 @@
 """Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, SCOPE (CLIENT and RESET: client.py).
 
-Password guessing is slowed per user and per client address (`AuthThrottle`): once a user
+Password guessing is slowed per user and per client address (`AuthThrottle`, the node's:
+context/auth_throttle.py, which the gateway's API keys may share): once a user
 name, or an address, has failed `security.auth_throttle_after` times within
 `auth_throttle_window_ms`, each further AUTH (or HELLO ... AUTH) naming that user or coming
 from that address is checked only after a delay that doubles with every failure, up to
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
-from quilld.config import SecurityConfig
+from quilld.context.auth_throttle import AuthThrottle
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass, echo
 from quilld.model import IdentityScope, Pending
 from quilld.protocol.commands.common import parse_int, text
@@ -31,8 +31,6 @@ from quilld.security import LoginError, split_login
 
 _SYNTAX = CommandError("syntax error")
 _WRONGPASS = "invalid username-password pair or user is disabled."
-AUTH_THROTTLE_KEYS = 65536  # user names, and addresses, whose failures are remembered (oldest forgotten first)
-AUTH_DELAY_FIRST = 0.05  # seconds: the first throttled attempt's delay; each failure doubles it
 
 
 class NoProto(QuillError):
@@ -49,73 +47,6 @@ def cmd_ping(c, args):
 
 def cmd_echo(c, args):
     return bytes(args[1])
-
-
-class _Failures:
-    __slots__ = ("count", "last")
-
-    def __init__(self) -> None:
-        self.count = 0  # failures within the window
-        self.last = 0.0  # when the last one happened
-
-
-class _FailureLog:
-    """Failures per key (a user name, or an address), the oldest key forgotten first past
-    AUTH_THROTTLE_KEYS, and each key once it has been quiet for a whole window."""
-
-    def __init__(self) -> None:
-        self._by_key: OrderedDict[Any, _Failures] = OrderedDict()
-
-    def count(self, cfg: SecurityConfig, key: Any, now: float) -> int:
-        f = self._by_key.get(key)
-        if f is None:
-            return 0
-        if now - f.last > cfg.auth_throttle_window_ms / 1000:
-            del self._by_key[key]  # quiet for a whole window: starts afresh
-            return 0
-        return f.count
-
-    def failed(self, cfg: SecurityConfig, key: Any, now: float) -> None:
-        if not self.count(cfg, key, now):
-            self._by_key.pop(key, None)
-            if len(self._by_key) >= AUTH_THROTTLE_KEYS:
-                self._by_key.popitem(last=False)
-            f = self._by_key[key] = _Failures()
-        else:
-            f = self._by_key[key]
-            self._by_key.move_to_end(key)
-        f.count += 1
-        f.last = now
-
-    def slowed(self, after: int) -> int:
-        return sum(1 for f in self._by_key.values() if f.count >= after)
-
-
-class AuthThrottle:
-    """Failed attempts per user name and per client address, and how long the next one waits."""
-
-    def __init__(self) -> None:
-        self._users = _FailureLog()
-        self._addrs = _FailureLog()
-
-    def wait(self, cfg: SecurityConfig, user: bytes, addr: str, now: float) -> float:
-        """Seconds an attempt for `user` from `addr` waits before it is checked (0: at once): the
-        longer of the two keys' delays, at most auth_delay_max_ms. Never a refusal."""
-        after = cfg.auth_throttle_after
-        if not after:
-            return 0.0
-        n = max(self._users.count(cfg, user, now), self._addrs.count(cfg, addr, now))
-        if n < after:
-            return 0.0
-        return min(cfg.auth_delay_max_ms / 1000, AUTH_DELAY_FIRST * 2.0 ** min(n - after, 32))
-
-    def failed(self, cfg: SecurityConfig, user: bytes, addr: str, now: float) -> None:
-        self._users.failed(cfg, user, now)
-        self._addrs.failed(cfg, addr, now)
-
-    def throttled(self, cfg: SecurityConfig) -> int:
-        """User names and addresses whose attempts are slowed now (for tests)."""
-        return self._users.slowed(cfg.auth_throttle_after) + self._addrs.slowed(cfg.auth_throttle_after)
 
 
 def client_ip(c) -> str:
@@ -280,10 +211,9 @@ def cmd_scope(c, args):
 def register(t: CommandTable) -> None:
     t.add("ping", -1, FAST, cmd_ping, "Returns the server's liveliness response.", "connection")
     t.add("echo", 2, FAST, cmd_echo, "Returns the given string.", "connection")
-    throttle = AuthThrottle()  # one per node (one table per node)
-    t.add("auth", -2, f"{NOAUTH} {FAST}", lambda c, args: cmd_auth(c, args, throttle),
+    t.add("auth", -2, f"{NOAUTH} {FAST}", lambda c, args: cmd_auth(c, args, c.ctx.auth_throttle),
           "Authenticates the connection.", "connection")
-    t.add("hello", -1, f"{NOAUTH} {FAST}", lambda c, args: cmd_hello(c, args, throttle),
+    t.add("hello", -1, f"{NOAUTH} {FAST}", lambda c, args: cmd_hello(c, args, c.ctx.auth_throttle),
           "Handshakes with the server.", "connection", "6.0.0")
     t.add("select", 2, FAST, cmd_select, "Changes the selected database.", "connection")
     t.add("quit", -1, f"{NOAUTH} {FAST}", cmd_quit, "Closes the connection.", "connection")
