@@ -73,6 +73,7 @@ class ServerConfig:
     unixsocketperm: int = 0o700  # the socket file's mode (octal, as redis's unixsocketperm)
     shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
     shm_max_leases: int = 4096  # leases one connection may hold at once (the table has SHM_SLOTS in all)
+    shm_max_leases_per_user: int = 0  # leases one user's connections may hold together; 0: SHM_SLOTS / map users
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ class SecurityConfig:
     requirepass: str = ""
     users_file: str = ""  # lines of `user password [model=M] [tokenizer=T] [adapter=A]`; `#` starts a comment
     require_scope: bool = False  # data commands of a connection that chose no identity scope are refused (NOSCOPE)
-    auth_throttle_after: int = 10  # failed AUTHs from one address before its attempts are slowed; 0: never
-    auth_throttle_window_ms: int = 60_000  # an address with no failure for this long starts afresh
-    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused
+    auth_throttle_after: int = 10  # failed AUTHs for one user, or from one address, before its attempts wait; 0: never
+    auth_throttle_window_ms: int = 60_000  # a user or address with no failure for this long starts afresh
+    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt (right or wrong: none is refused)
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
     map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
@@ -146,7 +147,7 @@ DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
 class ClusterConfig:
     gossip_port: int = 0  # 0: single node, no gossip
     seeds: str = ""  # comma-separated host:port gossip addresses
-    secret: str = ""  # when set, gossip packets carry an HMAC-SHA256 under it
+    secret: str = ""  # gossip packets carry an HMAC-SHA256 under it; peers PEERAUTH with it (else the host's)
     probe_interval_ms: int = 500
     probe_timeout_ms: int = 200
     indirect_probes: int = 3
@@ -252,8 +253,14 @@ class Config:
                               "must be at least 0")
         if not 0 <= s.unixsocketperm <= 0o777:
             raise ConfigError(f"server.unixsocketperm must be an octal mode within 0..777, got {s.unixsocketperm:o}")
-        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS:
-            raise ConfigError(f"server.shm_lease_ms must be positive and server.shm_max_leases within 1..{SHM_SLOTS}")
+        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS or \
+                not 0 <= s.shm_max_leases_per_user <= SHM_SLOTS:
+            raise ConfigError(f"server.shm_lease_ms must be positive, server.shm_max_leases within 1..{SHM_SLOTS} "
+                              f"and server.shm_max_leases_per_user within 0..{SHM_SLOTS}")
+        if d.memory_file and map_user_names(self.security.map_users):
+            raise ConfigError("dram.memory_file cannot be shared with security.map_users: a named file cannot be "
+                              "sealed against resizing, and a client that truncated it would kill quilld (SIGBUS). "
+                              "Leave dram.memory_file empty (an anonymous, sealed arena) to map it")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if s.space_wait_ms < 0:
@@ -332,6 +339,42 @@ class Config:
             if out[section][key]:
                 out[section][key] = "***"
         return out
+
+
+# Descriptors kept for everything but RESP clients (server.max_clients is sized to fit the
+# limit around them: quilld/context/open_files.py). Redis keeps CONFIG_MIN_RESERVED_FDS (32) for
+# its listeners, log and event loop; quilld's base (listeners, log, event loop, the arena's and the
+# lease table's memory files) is 17 descriptors, so 32 covers it with room, plus what its parts open.
+RESERVED_FDS = 32
+SSD_FDS = 8  # the SSD tier's WAL, lock, directory, key and checkpoint files, beyond one per segment
+CLUSTER_PEERS_RESERVED = 16  # peers whose outgoing connections are counted in the reserve
+PEER_FDS = 16  # per peer: its follower, PeerPool's idle connections (8) and reads in flight
+ENGINE_FDS = 8  # per engine: its ZMQ KV-event and replay sockets and their share of the ZMQ context
+
+
+def reserved_fds(cfg: Config) -> int:
+    """Descriptors this configuration keeps for everything but RESP clients and HTTP listeners:
+    RESERVED_FDS, the SSD tier's files, the gossip sockets and connections to peers, the engines'
+    KV-event subscriptions. (RESP clients are `server.max_clients`, peers' connections to this node
+    among them; the HTTP listeners' own caps are counted by their module.)"""
+    n = RESERVED_FDS
+    if cfg.ssd.dir:
+        n += -(-cfg.ssd.size // cfg.ssd.segment_size) + SSD_FDS
+    if cfg.cluster.gossip_port:
+        n += 2 + CLUSTER_PEERS_RESERVED * PEER_FDS
+    n += ENGINE_FDS * len(cfg.engines)
+    return n
+
+
+def map_user_names(spec: str) -> frozenset[str]:
+    """security.map_users' names."""
+    return frozenset(u.strip() for u in spec.split(",") if u.strip())
+
+
+def shm_leases_per_user(cfg: Config) -> int:
+    """Leases of the shared-memory table one user may hold: server.shm_max_leases_per_user, or
+    (0) an equal share of the table per user allowed to map, so none can starve another."""
+    return cfg.server.shm_max_leases_per_user or SHM_SLOTS // max(1, len(map_user_names(cfg.security.map_users)))
 
 
 def is_loopback(host: str) -> bool:

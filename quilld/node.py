@@ -25,7 +25,7 @@ import time
 
 from quilld import __version__
 from quilld.cluster.cluster import Cluster
-from quilld.config import SHM_SLOTS, Config
+from quilld.config import SHM_SLOTS, Config, shm_leases_per_user
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
 from quilld.http.metrics import NodeMetrics
@@ -36,6 +36,8 @@ from quilld.protocol.commands import build_table
 from quilld.protocol.commands.blocks import large_target, release_args
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import human
+from quilld.context.open_files import fit_open_files
+from quilld.errors import ConfigError
 from quilld.protocol.server import RespConnection
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
@@ -135,7 +137,8 @@ class Node:
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
-            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases)
+            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases,
+                                         shm_leases_per_user(cfg))
         self._unix: asyncio.AbstractServer | None = None
         self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
@@ -168,6 +171,7 @@ class Node:
     async def start(self) -> None:
         ctx, s = self.ctx, self.cfg.server
         loop = asyncio.get_running_loop()
+        self._fit_open_files()
         if ctx.tiering is not None:
             self.phase = "recovering the SSD tier"
             # recovery completes before anything is served; shielded, so a stop meanwhile can wait for it
@@ -208,6 +212,19 @@ class Node:
                  __version__, ctx.node_id, s.bind, ctx.port, f" and {s.unixsocket}" if self._unix else "",
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
+
+    def _fit_open_files(self) -> None:
+        """Raise the descriptor limit to fit maxclients, or lower maxclients to fit it (one line
+        says which), before anything opens a file (context/open_files.py)."""
+        clients = self.ctx.clients
+        fit = fit_open_files(self.cfg, clients.max_clients)
+        if fit.maxclients < 1:
+            raise ConfigError(f"the open files limit ('ulimit -n') of {fit.soft} is not enough for quilld to start: "
+                              f"it needs at least {fit.needed - fit.asked + 1}, and {fit.needed} for maxclients "
+                              f"{fit.asked} ({fit.error})")
+        clients.max_clients = fit.maxclients
+        if fit.message:
+            (log.warning if fit.maxclients < fit.asked else log.info)(fit.message)
 
     async def stop(self) -> None:
         """Stop accepting, drain replies in flight, close clients, stop admin, free memory.

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from quilld.cluster.cluster import Cluster
 from quilld.config import Config
+from quilld.context.auth_throttle import AuthThrottle
 from quilld.index.control import ControlPlane
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
@@ -103,6 +104,7 @@ class NodeContext:
     # returns when arena space is next freed, or after `timeout` seconds
     space_freed: Callable[[float], Awaitable[None]] = _no_wait
     stats: Counter[str] = field(default_factory=Counter)  # node-wide cold counters (auth_failures, ...)
+    auth_throttle: AuthThrottle = field(default_factory=AuthThrottle)  # failed logins per user and address
     started: float = field(default_factory=time.time)
     runtime: Runtime = field(default_factory=Runtime)  # replaced from cfg in __post_init__
     run_id: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO run_id: this start of the node

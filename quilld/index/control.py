@@ -297,9 +297,9 @@ class ControlPlane:
                                                   self.engines.in_flight, decode_blocks, self.weights, None,
                                                   self._hybrid)
         if blocks and not any(map(_OVERLAP, candidates)):
-            other = self.index.held_elsewhere(tag, blocks[0])
-            if other is not None:
-                self.scopes.refused(tag, other)
+            others = self.index.held_elsewhere(tag, blocks[0])
+            if others:
+                self.scopes.refused(tag, others)
         self.stats["routes"] += 1
         self.observe_route(time.perf_counter() - t0)
         if engine_id is None:

@@ -323,17 +323,15 @@ class ResidencyIndex:
         entries = self._entries.get(key[:TAG_LEN])
         return entries is not None and entry_key(key[TAG_LEN:]) in entries
 
-    def held_elsewhere(self, tag: bytes, block: BlockHash) -> bytes | None:
-        """A scope tag other than `tag` with a residency of `block`, or None.
+    def held_elsewhere(self, tag: bytes, block: BlockHash) -> list[bytes]:
+        """Every scope tag other than `tag` with a residency of `block` (the guard counts the
+        closest of them: scopes.refused).
 
         Looks only at scopes that have entries (engines' and pools' scopes), never at
         every scope clients have named.
         """
         key = entry_key(block)
-        for other, entries in self._entries.items():
-            if other != tag and key in entries:
-                return other
-        return None
+        return [other for other, entries in self._entries.items() if other != tag and key in entries]
 
     def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
         """For each block, every (holder, tier) that has it."""

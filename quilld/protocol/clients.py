@@ -11,6 +11,7 @@ command waits for the disk or a peer: until it ends, no other connection runs a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # for annotations only: server.py imports this module
 
 
 DENIED = f"-DENIED {PROTECTED_MODE_REFUSAL}\r\n".encode()  # redis 7's protected-mode refusal, in quilld's words
+FULL_RELOG = 60.0  # seconds between two log lines about clients refused at maxclients
+log = logging.getLogger("quilld.protocol")
 
 
 class Clients:
@@ -47,6 +50,8 @@ class Clients:
         self.watches = Watches()  # WATCH: the node's watched keys
         self.exclusive: Any = None  # the session of an EXEC holding the node (see hold_for), or None
         self._exec_held: set[RespConnection] = set()  # connections waiting for that hold's end
+        self._full_logged = float("-inf")  # when a refusal at maxclients was last logged
+        self._full_since = 0  # refusals at maxclients since then
 
     def opened(self, conn: RespConnection) -> bool:
         """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
@@ -54,6 +59,7 @@ class Clients:
         refusal = None
         if len(self.connections) >= self.max_clients:
             refusal = b"-ERR max number of clients reached\r\n"
+            self._refused_full()
         elif not conn.session.unix:  # a unix socket's peer is on this host: loopback, as redis counts it
             peer = conn.transport.get_extra_info("peername")
             if protected_mode_refuses(conn.ctx.cfg.server, conn.ctx.users.required, peer[0] if peer else None):
@@ -68,6 +74,17 @@ class Clients:
         self.stats["total_connections_received"] += 1
         return True
 
+    def _refused_full(self) -> None:
+        """One log line a minute at most while clients are refused at maxclients (INFO stats counts
+        each one in rejected_connections)."""
+        self._full_since += 1
+        now = time.monotonic()
+        if now - self._full_logged >= FULL_RELOG:
+            log.warning("max number of clients reached (maxclients %d): refusing new connections with "
+                        "'-ERR max number of clients reached' (%d refused since the last such line)",
+                        self.max_clients, self._full_since)
+            self._full_logged, self._full_since = now, 0
+
     def closed(self, conn: RespConnection) -> None:
         self.monitor_off(conn.session)
         self._held.discard(conn)
@@ -80,10 +97,10 @@ class Clients:
             self.on_close(conn.session.id)
 
     def auth_changed(self, session: Any) -> None:
-        """The session logged in (or out): its parser's pre-AUTH limits follow."""
+        """The session logged in (or out), or became a cluster peer: its parser's pre-AUTH limits follow."""
         conn = self.connections.get(session.id)
         if conn is not None:
-            conn.parser.authenticated = session.authenticated
+            conn.parser.authenticated = session.authenticated or session.peer
 
     def watch_drain(self, conn: RespConnection) -> None:
         """Check `conn` again at the next housekeeping tick: its pinned replies are still being sent."""

@@ -274,7 +274,8 @@ def _shm(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("shm_attaches", ctx.stats["shm_attaches"]), ("shm_attaches_refused", ctx.stats["shm_attach_refused"]),
             ("shm_leases_live", leases.live), ("shm_leases_granted", leases.granted),
             ("shm_leases_released", leases.released), ("shm_leases_expired", leases.expired),
-            ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots)]
+            ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots),
+            ("shm_lease_slots_per_user", leases.max_per_user), ("shm_leases_refused_user", leases.refused_user)]
 
 
 def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:

@@ -39,6 +39,7 @@ from quilld.model import Pending, Pinned
 from quilld.context.node_context import NodeContext
 from quilld.protocol.resp import OK, LargeBulk, RespParser, WithFds, encode, encode_error
 from quilld.protocol.session import Session
+from quilld.protocol.table import ABORT
 
 RECV_BUFFER = 256 * 1024
 # One receive buffer serves every connection: the loop calls get_buffer() and then
@@ -237,6 +238,12 @@ class RespConnection(asyncio.BufferedProtocol):
         if ncmds:
             self.clients.commands_processed += ncmds
             session.last_active = time.monotonic()
+        if session.closing == ABORT:  # an HTTP request on the RESP port (table.py): nothing more is sent
+            self._held = []
+            for release in pins:
+                release()
+            self.transport.abort()
+            return
         if out:
             if self._more_input and not pins and not session.closing:
                 if not self._held:

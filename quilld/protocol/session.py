@@ -76,7 +76,7 @@ class Session:
         self.last_cmd = "NULL"
         self.closing = False  # QUIT: close once the reply is written
         self.qbuf = 0
-        self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
+        self.peer = False  # a cluster peer (PEERAUTH): may run the node-to-node commands (table.PEER)
         self.reply_mode = 0  # CLIENT REPLY: 0 on, 1 off, 3 skip the next command's reply (2: skipping it)
         self.monitor = False  # MONITOR: the connection receives the commands its user runs
         self.no_evict = False  # CLIENT NO-EVICT (a flag only: quilld never evicts clients)
@@ -120,10 +120,9 @@ class Session:
         self.authenticated = True
 
     def peer_login(self) -> None:
-        """A cluster peer (PEERAUTH): it names the scope of each key it reads or follows."""
+        """A cluster peer (PEERAUTH): it may run the node-to-node commands, which name the scope
+        of each key they read. Nothing else changes: no user is logged in, the operator least."""
         self.peer = True
-        self.authenticated = True
-        self.keyspace, self.puts = self.ctx.keyspace, self.ctx.puts
 
     def reset(self) -> None:
         """RESET: the state of a new connection (its id, addresses and age kept): RESP2, no name,

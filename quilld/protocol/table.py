@@ -18,6 +18,13 @@ threshold is under `TIME_ALL_BELOW_US`, when every call is timed. While a
 client MONITORs, the fast path is off: every call goes through the checked
 path, which feeds the monitors.
 
+A command named `POST` or `Host:` is an HTTP request sent to the RESP port (a web page
+in a local browser can send one: cross-protocol scripting). As redis does, the connection is
+closed at once, with nothing after it run and no reply (not even those of the commands
+before it that were not sent yet, as redis drops them), and a warning is logged (at most
+once a minute, `CROSS_PROTOCOL_RELOG`). The check costs the fast path nothing: neither name
+is a command.
+
 A handler that raises anything but a QuillError is a bug, never the client's
 fault: the dispatcher answers `-ERR internal error ...`, keeps the connection,
 and logs the traceback once per place it was raised (never the arguments).
@@ -37,6 +44,7 @@ from typing import Any, Callable, Mapping
 
 from quilld.errors import CommandError, NoAuth, QuillError, echo
 from quilld.model import Pending
+from quilld.protocol.resp import Raw
 from quilld.protocol.transactions import QUEUED, RUN_IN_MULTI, ExecAbort, end, queue
 
 Handler = Callable[[Any, list], Any]
@@ -46,8 +54,13 @@ FAILURE_RELOG = 60.0  # seconds between the one-line reminders of a failure seen
 _clock = time.perf_counter_ns
 SAMPLE_EVERY = 64  # the fast path times one call in this many (a power of two)
 TIME_ALL_BELOW_US = 1000  # a slowlog threshold under this (microseconds) has every call timed
+HTTP_NAMES = (b"post", b"host:")  # redis's processCommand: an HTTP request's method line or Host header
+CROSS_PROTOCOL_RELOG = 60.0  # seconds between two warnings of HTTP sent to the RESP port (redis: 60)
+_NO_REPLY = Raw(b"")
+ABORT = 2  # Session.closing: close at once, dropping every reply not sent yet (True: close once they are)
 
 NOAUTH = "noauth"  # may run before AUTH (AUTH, HELLO, QUIT)
+PEER = "peer"  # may run on a cluster peer's connection (PEERAUTH) whether it logged in or not
 WRITE = "write"
 READONLY = "readonly"
 FAST = "fast"
@@ -320,6 +333,7 @@ class CommandTable:
         # gives back what a command left of its arguments (a value received into the arena): for
         # the queued commands of a transaction that ends without running them (commands/blocks.py's)
         self.release_args: Callable[[Any, list], None] = lambda client, args: None
+        self._cross_logged = float("-inf")  # when an HTTP request on the RESP port was last logged
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
@@ -493,8 +507,11 @@ class CommandTable:
         """Existence, arity and auth checks in redis's order, then the handler (timed)."""
         cmd = self.commands.get(args[0])
         if cmd is None:
-            cmd = self.commands.get(bytes(args[0]).lower())
+            name = bytes(args[0]).lower()
+            cmd = self.commands.get(name)
             if cmd is None:
+                if name in HTTP_NAMES:
+                    return self._cross_protocol(client)
                 return self._rejected(client, None, unknown_command(args))
         n = len(args)
         arity = cmd.arity
@@ -514,7 +531,7 @@ class CommandTable:
             refusal = protected_refusal(client, cmd.name)
             if refusal is not None:
                 return self._rejected(client, cmd, refusal)
-        if not client.authenticated and NOAUTH not in cmd.flags:
+        if not client.authenticated and NOAUTH not in cmd.flags and not (client.peer and PEER in cmd.flags):
             return self._rejected(client, cmd, NoAuth("Authentication required."))
         client.last_cmd = cmd.name
         if client.multi is not None and cmd.name not in RUN_IN_MULTI:
@@ -547,6 +564,20 @@ class CommandTable:
             err = self.internal_error(cmd.name, e)
             self.failed(cmd.name, err)
             return err
+
+
+    def _cross_protocol(self, client: Any) -> Any:
+        """An HTTP request on the RESP port (redis's securityWarningCommand): the connection is
+        closed without a reply, nothing after it runs; a warning once a minute at most."""
+        client.closing = ABORT
+        client.ctx.stats["cross_protocol_closed"] += 1
+        now = time.monotonic()
+        if now - self._cross_logged >= CROSS_PROTOCOL_RELOG:
+            self._cross_logged = now
+            log.warning("Possible SECURITY ATTACK detected. It looks like somebody is sending POST or Host: "
+                        "commands to the RESP port (client %s). This is likely due to an attacker attempting to "
+                        "use Cross Protocol Scripting to compromise this quilld. Connection aborted.", client.addr)
+        return _NO_REPLY
 
 
 def protected_refusal(client: Any, name: str) -> CommandError | None:

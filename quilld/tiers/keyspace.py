@@ -187,15 +187,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
                 return  # one identity only: a miss is a miss
             self._track_owners()
         owner = self._owners.get(bytes(key))
-        if owner is None:
-            return
-        if owner.__class__ is bytes:
-            if owner != tag:
-                self.scopes.refused(tag, owner)
-            return
-        other = next((t for t in owner if t != tag), None)
-        if other is not None:
-            self.scopes.refused(tag, other)
+        if owner is not None and owner != tag:
+            self.scopes.refused(tag, owner)  # one tag, or the set of them: the closest one is counted
 
     def contains(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key

@@ -41,6 +41,7 @@ from quilld.protocol.commands.config_params import PARAMS, P
 from quilld.protocol.commands.keys import glob_matcher
 from quilld.context.node_context import NodeContext, apply_maxmemory, slow_ns
 from quilld.context.figures import reset_stats
+from quilld.context.open_files import fit_open_files
 from quilld.protocol.info import HZ
 from quilld.protocol.resp import OK
 from quilld.protocol.table import CommandTable
@@ -185,7 +186,15 @@ def _set_loglevel(ctx: NodeContext, value: str) -> None:
 
 
 def _set_maxclients(ctx: NodeContext, value: str) -> None:
-    ctx.clients.max_clients = int(value)
+    """As redis's updateMaxclients: more clients than now first raise the descriptor limit to fit
+    them; a value it cannot fit is refused with the number that would fit."""
+    n = int(value)
+    if n > ctx.clients.max_clients:
+        fit = fit_open_files(ctx.cfg, n)
+        if fit.maxclients < n:
+            raise Failed("The operating system is not able to handle the specified number of clients, "
+                         f"try with {fit.maxclients}")
+    ctx.clients.max_clients = n
 
 
 def _percentiles(ctx: NodeContext) -> str:
