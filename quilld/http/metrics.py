@@ -20,6 +20,13 @@ Two kinds of metric:
   `SAMPLE_EVERY`) and every call of the others, so the histogram counts timed
   calls, and `quilld_commands_total` counts every call.
 
+Names follow Prometheus's rules (`promtool check metrics` is clean, and a test
+keeps it so): base units (seconds, bytes), the unit last, `_total` once, at the
+end of a counter. INFO keeps redis-style names (`ssd_fsync_total_ms`); a figure
+kept in other units is renamed and scaled on its way out (`metric_name`): `_ms`
+and `_usec` become `_seconds`, sizes get `_bytes`, a Unix time
+`_timestamp_seconds` (README "Metrics and the status page" lists the renames).
+
 One registry per node, never prometheus-client's global one: tests run
 several nodes in one process.
 """
@@ -132,6 +139,13 @@ SSD_HELP = {
     "ssd_last_checkpoint": "Unix time of the last checkpoint (0: none).",
     "ssd_demotions": "Blocks written from DRAM to SSD.", "ssd_demoted_bytes": "Bytes written from DRAM to SSD.",
     "ssd_promotions": "Blocks read back from SSD and kept in DRAM.", "ssd_reads": "Blocks read from SSD.",
+    "ssd_fsync_last_ms": "Duration of the SSD tier's last fsync, in seconds.",
+    "ssd_fsync_avg_ms": "Mean duration of the SSD tier's fsyncs, in seconds.",
+    "ssd_fsync_max_ms": "Longest fsync of the SSD tier, in seconds.",
+    "ssd_fsync_total_ms": "Time the SSD tier spent in fsync, in seconds.",
+    "ssd_write_total_ms": "Time the SSD tier spent writing blocks, in seconds.",
+    "ssd_demote_usec": "Time with at least one demotion batch in flight, in seconds.",
+    "recovery_ms": "Duration of the SSD tier's recovery at start, in seconds.",
 }
 # the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter.
 # A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py
@@ -161,6 +175,9 @@ CLUSTER_HELP = {
     "cluster_members_alive": "Members alive.", "cluster_members_suspect": "Members suspected of failure.",
     "cluster_peer_fetches": "Blocks fetched from peers.", "cluster_peer_fetch_bytes": "Bytes fetched from peers.",
     "cluster_peers_declared_dead": "Peers declared dead (events).", "cluster_peers_left": "Peers that left (events).",
+    "cluster_peer_fetch_usec": "Time spent in peer fetches, in seconds.",
+    "cluster_follow_max_idle_ms": "Longest time since a followed peer's log last said anything, in seconds.",
+    "cluster_gossip_bytes_in": "Gossip bytes received.", "cluster_gossip_bytes_out": "Gossip bytes sent.",
 }
 NOT_METRICS = {"cluster_gossip_port"}
 # a counter of the cluster's INFO whose name a gauge took first (peers declared dead / left, as events)
@@ -169,13 +186,37 @@ GATEWAY_GAUGES = ("gateway_in_flight", "gateway_engines_cooling", "gateway_ttft_
 GATEWAY_HELP = {
     "gateway_requests": "Completion requests received by the gateway.",
     "gateway_in_flight": "Completion requests being served.",
-    "gateway_ttft_slo_ms": "The gateway's default TTFT budget (ms).",
+    "gateway_ttft_slo_ms": "The gateway's default TTFT budget, in seconds.",
     "gateway_slo_counted": "Requests counted for goodput.",
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
 }
 GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
 TIERS = tuple(t.value for t in CacheTier)
+
+# Figures whose INFO name lacks their unit, or carries it in the middle: their metric's name. Names
+# ending in _ms or _usec need no entry: metric_name turns them into seconds.
+RENAMES = {
+    "dram_capacity": "dram_capacity_bytes", "dram_used": "dram_used_bytes",
+    "dram_used_arena": "dram_used_arena_bytes", "dram_used_inline": "dram_used_inline_bytes",
+    "dram_largest_free": "dram_largest_free_bytes", "dram_inline_max": "dram_inline_max_bytes",
+    "ssd_capacity": "ssd_capacity_bytes", "ssd_used": "ssd_used_bytes",
+    "ssd_last_checkpoint": "ssd_last_checkpoint_timestamp_seconds",
+    "ssd_fsync_total_ms": "ssd_fsync_seconds", "ssd_write_total_ms": "ssd_write_seconds",  # counters: + _total
+    "recovery_ms": "recovery_duration_seconds",
+    "cluster_gossip_bytes_in": "cluster_gossip_received_bytes", "cluster_gossip_bytes_out": "cluster_gossip_sent_bytes",
+}
+UNIT_SCALES = (("_ms", "_seconds", 1_000), ("_usec", "_seconds", 1_000_000))
+
+
+def metric_name(figure: str) -> tuple[str, float]:
+    """A figure's metric name (without `quilld_` and a counter's `_total`) and what to divide its
+    value by to have it in the metric's base unit."""
+    name = RENAMES.get(figure, figure)
+    for suffix, unit, per in UNIT_SCALES:
+        if figure.endswith(suffix):
+            return (name if figure in RENAMES else figure.removesuffix(suffix) + unit), per
+    return name, 1
 
 
 def _ignore(seconds: float) -> None:
@@ -249,6 +290,11 @@ def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zer
     def text(name: str) -> str:
         return helps.get(name) or f"{label}: {name.replace('_', ' ')} (INFO)."
 
+    def metric(name: str, value: float) -> Metric:
+        exposed, per = metric_name(name)
+        make = _gauge if name in gauges else _counter
+        return make(exposed, text(name), value / per if per != 1 else value)
+
     for name, value in figures or ():
         if not _number(value) or name in NOT_METRICS or name in GATEWAY_FROM_HISTOGRAM:
             continue
@@ -257,13 +303,10 @@ def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zer
             if name in seen:
                 continue
         seen.add(name)
-        yield _gauge(name, text(name), value) if name in gauges else _counter(name, text(name), value)
-    for name in gauges:
+        yield metric(name, value)
+    for name in (*gauges, *zero_counters):
         if name not in seen:
-            yield _gauge(name, text(name), 0)
-    for name in zero_counters:
-        if name not in seen:
-            yield _counter(name, text(name), 0)
+            yield metric(name, 0)
 
 
 def _ssd_name(key: str) -> str:
@@ -286,7 +329,7 @@ class Figures(Collector):
         yield _gauge("max_clients", "Most client connections accepted at once.", node.cfg.server.max_clients)
         for name, value in tier_stats(node).items():
             if name.startswith("dram_"):
-                yield _gauge(name, DRAM_HELP.get(name, f"DRAM tier: {name} (INFO tiers)."), value)
+                yield _gauge(metric_name(name)[0], DRAM_HELP.get(name, f"DRAM tier: {name} (INFO tiers)."), value)
         yield from self._tenants()
         yield from self._router()
         yield from self._ssd()
