@@ -78,6 +78,9 @@ class ServerConfig:
 class AdminConfig:
     port: int = 7380  # 0 disables the admin HTTP API
     token: str = ""  # when set, every admin request needs `Authorization: Bearer <token>`
+    max_connections: int = 64  # open at once; more are answered 503 (also capped by the descriptor limit)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 10_000  # a request's body within this once its head has arrived
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ class GatewayConfig:
     chunk_chars: int = 256  # prompt characters per block when no tokenizer is configured
     max_attempts: int = 3
     recorded_blocks: int = 1_000_000  # per engine without KV events: the gateway's own record of its cache
+    max_connections: int = 512  # client connections open at once; more are answered 503 (and see admin's)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 60_000  # a request's body (up to 64 MiB) within this once its head has arrived
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
@@ -301,6 +307,10 @@ class Config:
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:
             raise ConfigError("gateway: timeouts, chunk_chars, max_attempts and recorded_blocks must be positive")
+        for name, section in (("admin", self.admin), ("gateway", g)):
+            if min(section.max_connections, section.header_timeout_ms, section.body_timeout_ms) <= 0:
+                raise ConfigError(f"{name}.max_connections, {name}.header_timeout_ms and {name}.body_timeout_ms "
+                                  "must be positive")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:

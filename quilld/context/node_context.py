@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from quilld.cluster.cluster import Cluster
 from quilld.config import Config
+from quilld.context.listeners import LISTENERS, ListenerFigures
 from quilld.index.control import ControlPlane
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
@@ -107,6 +108,9 @@ class NodeContext:
     runtime: Runtime = field(default_factory=Runtime)  # replaced from cfg in __post_init__
     run_id: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO run_id: this start of the node
     replid: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO master_replid
+    # each HTTP listener's perimeter figures (connections, timeouts, malformed and refused requests)
+    listeners: dict[str, ListenerFigures] = field(
+        default_factory=lambda: {name: ListenerFigures() for name in LISTENERS})
 
     def __post_init__(self) -> None:
         self.runtime = Runtime.from_config(self.cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import time
 from importlib import resources
 from typing import Any
@@ -22,6 +23,8 @@ from quilld import __version__
 from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
+from quilld.context.listeners import http_budget, soft_nofile
+from quilld.http.listener import Listener
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import loopback_only, parse_json
 from quilld.index.events import decode_json
@@ -32,6 +35,8 @@ from quilld.index.router import Decision
 from quilld.model import CacheTier, IdentityScope
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import counters, tier_stats
+
+log = logging.getLogger("quilld.http")
 
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
@@ -264,14 +269,29 @@ def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Appl
 
 
 class AdminServer:
+    """The admin app on its port, behind listener.py's cap and deadlines (`admin.*`)."""
+
     def __init__(self, node: NodeContext, metrics: NodeMetrics | None = None) -> None:
-        self._runner = web.AppRunner(build_app(node, metrics), access_log=None)
+        self.node = node
+        self._app = build_app(node, metrics)
+        self._listener: Listener | None = None
 
     async def start(self, host: str, port: int) -> int:
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        cfg = self.node.cfg.admin
+        budget = http_budget(self.node.cfg, soft_nofile())
+        if budget.admin < cfg.max_connections:
+            log.warning("admin API: at most %d connections (admin.max_connections is %d): the HTTP listeners "
+                        "hold at most a quarter of the descriptor limit (%d)", budget.admin, cfg.max_connections,
+                        budget.nofile)
+        self._listener = Listener("admin", "admin API", self._app, self.node.listeners["admin"], budget.admin,
+                                  cfg.header_timeout_ms / 1000, cfg.body_timeout_ms / 1000, _answer)
+        return await self._listener.start(host, port)
 
     async def stop(self) -> None:
-        await self._runner.cleanup()
+        if self._listener is not None:
+            await self._listener.stop()
+
+
+def _answer(status: int, message: str, code: str) -> web.Response:
+    """The admin API's own error response (listener.py's refusals)."""
+    return _json_error(status, message)

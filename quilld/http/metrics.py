@@ -336,6 +336,7 @@ class Figures(Collector):
         cluster = node.cluster
         yield from _section(cluster.info() if cluster is not None else None, CLUSTER_GAUGES, CLUSTER_COUNTERS,
                             "Cluster", CLUSTER_HELP, CLUSTER_EVENTS)
+        yield from self._listeners()
         gateway = node.gateway
         yield _gauge("gateway_enabled", "1 when this node runs the OpenAI-compatible gateway.",
                      int(gateway is not None))
@@ -356,6 +357,28 @@ class Figures(Collector):
                 yield _counter(name, HELP.get(name, f"{name} (INFO stats)."), value)
         yield _labelled(CounterMetricFamily, "guard_refusals_by_reason", "Refused cross-scope lookups by reason.",
                         ["reason"], reasons)
+
+    def _listeners(self) -> Iterator[Metric]:
+        """The HTTP ports' perimeters (listener.py), per listener: admin, gateway (at zero while off)."""
+        rows = self.node.listeners
+        yield _labelled(GaugeMetricFamily, "http_connections", "HTTP connections open, per listener.", ["listener"],
+                        [([n], f.open) for n, f in rows.items()])
+        yield _labelled(GaugeMetricFamily, "http_max_connections", "HTTP connections a listener takes at once "
+                        "(its max_connections within the HTTP share of the descriptor limit; 0: off).",
+                        ["listener"], [([n], f.max_connections) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_connections_refused", "HTTP connections refused at the "
+                        "listener's cap (answered 503).", ["listener"], [([n], f.refused) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_header_timeouts", "HTTP connections cut off for not sending a "
+                        "complete request head in time.", ["listener"],
+                        [([n], f.header_timeouts) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_body_timeouts", "HTTP requests answered 408 for not sending "
+                        "their body in time.", ["listener"], [([n], f.body_timeouts) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_malformed_requests", "HTTP requests that could not be parsed, "
+                        "per kind (answered 400, logged once per kind).", ["listener", "kind"],
+                        [([n, k], v) for n, f in rows.items() for k, v in f.malformed.items()])
+        yield _labelled(CounterMetricFamily, "http_requests_refused", "HTTP requests refused by the perimeter, "
+                        "per reason (protected mode, a wrong token, a foreign origin or host, a body not JSON).",
+                        ["listener", "reason"], [([n, r], v) for n, f in rows.items() for r, v in f.refusals.items()])
 
     def _tenants(self) -> Iterator[Metric]:
         """Per tenant (/v1/stats tenants): clients, scopes, lookups, the guard's refusals."""

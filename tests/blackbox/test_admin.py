@@ -283,7 +283,8 @@ SETTINGS = {"quilld_build_info", "quilld_max_clients", "quilld_dram_capacity_byt
             "quilld_cluster_enabled",
             "quilld_cluster_members", "quilld_cluster_members_alive", "quilld_gateway_enabled",
             "quilld_connections_received",  # the fixture's readiness probe connects once
-            "quilld_identity_scopes"}  # the default scope, held by the SSD tier's recovery
+            "quilld_identity_scopes",  # the default scope, held by the SSD tier's recovery
+            "quilld_http_max_connections", "quilld_http_connections"}  # the scrape's own connection
 
 
 def families(port: int, headers: dict | None = None) -> dict:
