@@ -64,6 +64,7 @@ class ServerConfig:
     space_wait_ms: int = 5_000  # a write short of arena room held by readers or puts waits this long, then -OOM
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
+    allowed_hosts: str = ""  # comma-separated host names the HTTP ports answer to besides IPs, localhost, hostname
     timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
     slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
     slowlog_max_len: int = 128  # entries SLOWLOG keeps

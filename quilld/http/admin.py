@@ -23,10 +23,10 @@ from quilld import __version__
 from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
-from quilld.context.listeners import http_budget, soft_nofile
+from quilld.context.listeners import ListenerFigures, http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
-from quilld.http.perimeter import loopback_only, parse_json
+from quilld.http.perimeter import from_this_origin, loopback_only, parse_json
 from quilld.index.events import decode_json
 from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
@@ -238,7 +238,7 @@ ROUTES = [
 ]
 
 
-def _bearer_middleware(token: str):
+def _bearer_middleware(token: str, figures: ListenerFigures):
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -247,6 +247,7 @@ def _bearer_middleware(token: str):
             return await handler(request)  # the status page holds no data: it asks for the token to fetch any
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, expected):
+            figures.refusals["token"] += 1
             return web.json_response({"error": "missing or wrong bearer token"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -255,10 +256,17 @@ def _bearer_middleware(token: str):
 
 
 def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Application:
-    """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own."""
-    middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m))]
+    """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own.
+
+    Its perimeter, in order: protected mode, the bearer token, what a web page may send
+    (perimeter.py); listener.py puts its own first (the cap, the deadlines)."""
+    figures = node.listeners["admin"]
+    middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m),
+                                 figures)]
     if node.cfg.admin.token:
-        middlewares.append(_bearer_middleware(node.cfg.admin.token))
+        middlewares.append(_bearer_middleware(node.cfg.admin.token, figures))
+    middlewares.append(from_this_origin(node.cfg.server, figures, _answer,
+                                        credential=lambda: bool(node.cfg.admin.token), json_writes=True))
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
     app[METRICS] = metrics if metrics is not None else NodeMetrics(node)

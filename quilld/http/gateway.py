@@ -70,7 +70,7 @@ from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, ans
                                           upstream_headers, upstream_url)
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
-from quilld.http.perimeter import loopback_only
+from quilld.http.perimeter import from_this_origin, loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.router import Candidate, Decision
 from quilld.index.router import choose as choose_engine
@@ -555,9 +555,13 @@ def _answer(status: int, message: str, code: str) -> web.Response:
 
 def build_app(gateway: Gateway) -> web.Application:
     node = gateway.node
-    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule)
-    app = web.Application(client_max_size=MAX_BODY,
-                          middlewares=[loopback_only(node.cfg.server, lambda: node.users.required, _refused)])
+    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule);
+    # with no password, nothing a web page elsewhere made a browser send (perimeter.py)
+    figures = node.listeners["gateway"]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[
+        loopback_only(node.cfg.server, lambda: node.users.required, _refused, figures),
+        from_this_origin(node.cfg.server, figures, _answer, credential=lambda: node.users.required,
+                         json_writes=False)])
     app[GATEWAY] = gateway
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
