@@ -5,6 +5,12 @@ Routes live in one table; the node is kept in a typed AppKey. With
 config refuses to start a node whose clients need passwords without one. With
 no password at all, protected mode admits loopback peers only (perimeter.py).
 A body that is not JSON, or nests too deeply, is answered 400.
+
+Health. `/livez` and `/readyz` are an orchestrator's probes: no token, not
+protected mode's, and they say nothing but a status (and, for readiness, why
+not: starting, stopping, degraded). The admin API listens before the SSD tier
+recovers (node.py), so they answer then: alive, not ready. `/healthz` is the
+operator's (token): the node id, version, phase and SSD error; 503 unless ok.
 """
 
 from __future__ import annotations
@@ -43,14 +49,48 @@ METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
 STATUS_PAGE: web.AppKey[bytes] = web.AppKey("status_page", bytes)
 
 
-async def healthz(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    body = {"status": "ok", "node_id": node.node_id, "version": __version__}
+SERVING = "serving"
+
+
+def not_ready(node: NodeContext) -> list[str]:
+    """Why the node should not be sent traffic now (empty: it is ready): it is starting (which
+    step), stopping, or degraded (its SSD tier failed: it serves from DRAM only, and loses what
+    it evicts)."""
+    reasons = []
+    if node.phase != SERVING:
+        reasons.append(node.phase if node.phase == "stopping" else f"starting: {node.phase}")
     tiering = node.tiering
     if tiering is not None and tiering.ssd.failed:
-        # still serving from DRAM, so still healthy enough to take traffic: say what broke
-        body.update(status="degraded", ssd_error=tiering.ssd.failed)
-    return web.json_response(body)
+        reasons.append("degraded: the SSD tier failed")
+    return reasons
+
+
+async def livez(request: web.Request) -> web.Response:
+    """GET /livez: the process answers (an orchestrator's liveness probe). No token, nothing else said."""
+    return web.json_response({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """GET /readyz: 200 when the node serves and nothing is degraded, 503 with the reasons otherwise
+    (an orchestrator's readiness probe). No token: the reasons name states, never a node's data."""
+    reasons = not_ready(request.app[NODE])
+    body = {"status": "not ready", "reasons": reasons} if reasons else {"status": "ready"}
+    return web.json_response(body, status=503 if reasons else 200, headers={"Cache-Control": "no-store"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz: the operator's view (token): ok, starting, stopping or degraded with the error; 503 unless ok."""
+    node = request.app[NODE]
+    body: dict[str, Any] = {"status": "ok", "node_id": node.node_id, "version": __version__, "phase": node.phase,
+                            "reasons": not_ready(node)}
+    tiering = node.tiering
+    if node.phase != SERVING:
+        body["status"] = "stopping" if node.phase == "stopping" else "starting"
+    elif tiering is not None and tiering.ssd.failed:
+        body["status"] = "degraded"  # still serving from DRAM: say what broke
+    if tiering is not None and tiering.ssd.failed:
+        body["ssd_error"] = tiering.ssd.failed
+    return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -223,6 +263,8 @@ async def nodes(request: web.Request) -> web.Response:
 
 ROUTES = [
     ("GET", "/", status_page),
+    ("GET", "/livez", livez),
+    ("GET", "/readyz", readyz),
     ("GET", "/healthz", healthz),
     ("GET", "/v1/stats", stats),
     ("GET", "/v1/clients", clients),
@@ -238,12 +280,29 @@ ROUTES = [
 ]
 
 
+# routes anyone who reaches the port may ask, whatever protected mode and the token say: an
+# orchestrator's probes (they say nothing of the node's data)
+PROBES = frozenset({"/livez", "/readyz"})
+# what answers while the node starts (the other routes answer 503 until it serves)
+WHILE_STARTING = PROBES | {"/", "/healthz"}
+
+
+@web.middleware
+async def _started(request: web.Request, handler):
+    """Until the node serves (the SSD tier may still be recovering), only WHILE_STARTING answers."""
+    node = request.app[NODE]
+    if node.phase != SERVING and node.phase != "stopping" and request.path not in WHILE_STARTING:
+        return web.json_response({"error": f"the node is starting ({node.phase}): try again"}, status=503,
+                                 headers={"Retry-After": "1"})
+    return await handler(request)
+
+
 def _bearer_middleware(token: str, figures: ListenerFigures):
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.method == "GET" and request.path == "/":
+        if (request.method == "GET" and request.path == "/") or request.path in PROBES:
             return await handler(request)  # the status page holds no data: it asks for the token to fetch any
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, expected):
@@ -259,14 +318,17 @@ def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Appl
     """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own.
 
     Its perimeter, in order: protected mode, the bearer token, what a web page may send
-    (perimeter.py); listener.py puts its own first (the cap, the deadlines)."""
+    (perimeter.py), and nothing but WHILE_STARTING until the node serves; listener.py puts
+    its own first (the cap, the deadlines). The probes (PROBES) pass them all."""
     figures = node.listeners["admin"]
     middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m),
-                                 figures)]
+                                 figures, PROBES)]
     if node.cfg.admin.token:
         middlewares.append(_bearer_middleware(node.cfg.admin.token, figures))
     middlewares.append(from_this_origin(node.cfg.server, figures, _answer,
-                                        credential=lambda: bool(node.cfg.admin.token), json_writes=True))
+                                        credential=lambda: bool(node.cfg.admin.token), json_writes=True,
+                                        open_paths=PROBES))
+    middlewares.append(_started)
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
     app[METRICS] = metrics if metrics is not None else NodeMetrics(node)

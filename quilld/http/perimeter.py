@@ -55,11 +55,15 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def loopback_only(server: ServerConfig, passwords: Callable[[], bool],
-                  refuse: Callable[[str], web.StreamResponse], figures: ListenerFigures | None = None):
-    """An aiohttp middleware applying protected mode; `refuse(message)` is the app's 403 answer."""
+                  refuse: Callable[[str], web.StreamResponse], figures: ListenerFigures | None = None,
+                  open_paths: frozenset[str] = frozenset()):
+    """An aiohttp middleware applying protected mode; `refuse(message)` is the app's 403 answer;
+    `open_paths` (the admin API's probes) say nothing and are answered to anyone."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in open_paths:
+            return await handler(request)
         transport = request.transport
         peer = transport.get_extra_info("peername") if transport is not None else None
         if protected_mode_refuses(server, passwords(), peer[0] if peer else None):
@@ -116,12 +120,12 @@ def _is_json(content_type: str) -> bool:
 
 
 def from_this_origin(server: ServerConfig, figures: ListenerFigures, refuse: Refuse, *,
-                     credential: Callable[[], bool], json_writes: bool):
+                     credential: Callable[[], bool], json_writes: bool, open_paths: frozenset[str] = frozenset()):
     """An aiohttp middleware refusing what a web page elsewhere made a browser send (see above).
 
     `credential()`: whether the port has a credential in force (then reads are not checked, nor,
     unless `json_writes`, writes); `json_writes`: the admin API's rules for state-changing requests,
-    checked always, a JSON body included."""
+    checked always, a JSON body included; `open_paths`: GETs that say nothing (probes), not checked."""
     names = own_host_names(server)
 
     def refused(status: int, reason: str, message: str) -> web.StreamResponse:
@@ -131,7 +135,7 @@ def from_this_origin(server: ServerConfig, figures: ListenerFigures, refuse: Ref
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         writes = request.method in STATE_CHANGING
-        if not (json_writes and writes) and credential():
+        if (not (json_writes and writes) and credential()) or (request.path in open_paths and not writes):
             return await handler(request)
         host = request.headers.get("Host", "")
         if host and not is_own_host(host, names):
