@@ -309,7 +309,7 @@ class Node:
         ssd = ctx.tiering
         return {"port": ctx.port, "admin_port": ctx.admin_port,
                 "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
-                "clients": len(ctx.clients.connections)}
+                "clients": len(ctx.clients.connections), "started": int(ctx.started)}
 
     # -- arena space ----------------------------------------------------------
     def _space_freed(self) -> None:

@@ -30,6 +30,7 @@ from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
 from quilld.context.listeners import ListenerFigures, http_budget, soft_nofile
+from quilld.http.history import History
 from quilld.http.listener import Listener
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import from_this_origin, loopback_only, parse_json
@@ -47,6 +48,7 @@ log = logging.getLogger("quilld.http")
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
 STATUS_PAGE: web.AppKey[bytes] = web.AppKey("status_page", bytes)
+HISTORY: web.AppKey[History] = web.AppKey("history", History)
 
 
 SERVING = "serving"
@@ -149,12 +151,14 @@ async def _body(request: web.Request) -> Any:
 
 
 async def list_engines(request: web.Request) -> web.Response:
-    control = request.app[NODE].control
+    """GET /v1/engines: the engines registered on this node (`node`: engines are per node for now)."""
+    node = request.app[NODE]
+    control = node.control
     index = control.index
-    return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id],
-                                                                   "feed": control.feed_view(e.id),
-                                                                   "blocks": _blocks_of(index, e.id)}
-                                          for e in control.engines.engines.values()]})
+    return web.json_response({"node": node.node_id, "engines": [
+        dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id], "feed": control.feed_view(e.id),
+                                 "blocks": _blocks_of(index, e.id), "node": node.node_id}
+        for e in control.engines.engines.values()]})
 
 
 def _blocks_of(index: ResidencyIndex, holder: str) -> dict[str, int]:
@@ -244,21 +248,45 @@ def _holders_of(index: ResidencyIndex, key: bytes) -> list[dict[str, str]]:
     return [{"holder": h, "tier": t.value} for h, t in sorted(held)]
 
 
+def _own_figures(node: NodeContext) -> dict[str, Any]:
+    """What this node advertises of itself, read now (gossip's copy of it may be a second old)."""
+    ks, ssd = node.keyspace, node.tiering
+    return {"dram_used": ks.used, "dram_capacity": ks.capacity, "ssd_used": ssd.used if ssd else 0,
+            "ssd_capacity": ssd.capacity if ssd else 0, "clients": len(node.clients.connections),
+            "version": __version__, "started": int(node.started)}
+
+
 async def nodes(request: web.Request) -> web.Response:
-    """The cluster's members as this node sees them; outside a cluster, the node itself."""
+    """The cluster's members as this node sees them; outside a cluster, the node itself.
+
+    Each member's figures are what it last gossiped: `current` says whether they are (it is
+    alive), `state_s` how long it has been in its state (for a dead one: how old its figures
+    are), `uptime_s` how long it has run (from the start time it gossips)."""
     node = request.app[NODE]
+    now = time.time()
     if node.cluster is None:
         ks = node.keyspace
         meta = standalone_meta(node.cfg.server.bind, node.port, node.admin_port, ks.used, ks.capacity)
-        return web.json_response({"node_id": node.node_id, "nodes": [
-            {"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
-             "following": False, **meta}]})
-    out = []
-    for m in node.cluster.members():
-        out.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
-                    "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": m.node_id == node.node_id,
-                    "following": m.node_id in node.cluster.followers, **(m.meta or {})})
-    return web.json_response({"node_id": node.node_id, "nodes": out})
+        members = [{"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
+                    "following": False, "state_s": round(now - node.started, 1), **meta, **_own_figures(node)}]
+    else:
+        cluster, members = node.cluster, []
+        for m in cluster.members():
+            me = m.node_id == node.node_id
+            members.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
+                            "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": me,
+                            "following": m.node_id in cluster.followers, "state_s": round(cluster.state_age(m), 1),
+                            **(m.meta or {}), **(_own_figures(node) if me else {})})
+    for m in members:
+        m["current"] = m["state"] == "alive"
+        if "started" in m:
+            m["uptime_s"] = max(0, round(now - m["started"]))
+    return web.json_response({"node_id": node.node_id, "nodes": members})
+
+
+async def history(request: web.Request) -> web.Response:
+    """GET /v1/history: the last minutes, a point per interval (history.py), for the status page."""
+    return web.json_response(request.app[HISTORY].series())
 
 
 ROUTES = [
@@ -277,6 +305,7 @@ ROUTES = [
     ("POST", "/v1/kv-events", kv_events),
     ("GET", "/v1/hot", hot),
     ("GET", "/v1/nodes", nodes),
+    ("GET", "/v1/history", history),
 ]
 
 
@@ -331,7 +360,8 @@ def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Appl
     middlewares.append(_started)
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
-    app[METRICS] = metrics if metrics is not None else NodeMetrics(node)
+    app[METRICS] = metrics = metrics if metrics is not None else NodeMetrics(node)
+    app[HISTORY] = History(node, metrics.commands, metrics.peer_fetch, metrics.route)
     app[STATUS_PAGE] = resources.files(__package__).joinpath("status.html").read_bytes()
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
@@ -355,9 +385,12 @@ class AdminServer:
                         budget.nofile)
         self._listener = Listener("admin", "admin API", self._app, self.node.listeners["admin"], budget.admin,
                                   cfg.header_timeout_ms / 1000, cfg.body_timeout_ms / 1000, _answer)
-        return await self._listener.start(host, port)
+        port = await self._listener.start(host, port)
+        self._app[HISTORY].start()
+        return port
 
     async def stop(self) -> None:
+        await self._app[HISTORY].stop()
         if self._listener is not None:
             await self._listener.stop()
 

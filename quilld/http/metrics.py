@@ -38,10 +38,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from quilld import __version__
+from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
@@ -52,8 +53,6 @@ from quilld.context.figures import counters, tier_stats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # no `_created` series (the start time of each histogram): not in the text format's spirit
 
-COMMAND_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                   0.1, 0.25, 0.5, 1.0)
 PEER_FETCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                       5.0, 10.0)
 SSD_READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -249,7 +248,8 @@ class NodeMetrics:
                                "engine).", ROUTE_BUCKETS)
         self.gateway_ttft = ttft_histogram(reg)
         reg.register(Figures(node))
-        reg.register(CommandLatency(node))
+        self.commands = CommandLatency(node)
+        reg.register(self.commands)
         ProcessCollector(namespace="quilld", registry=reg)
         node.control.observe_route = self.route.observe
         if node.tiering is not None:
@@ -428,68 +428,6 @@ class Figures(Collector):
         tiering = self.node.tiering
         figures = [(_ssd_name(k), v) for k, v in tiering.info()] if tiering is not None else None
         yield from _section(figures, SSD_GAUGES, tuple(_ssd_name(k) for k in SSD_COUNTERS), "SSD tier", SSD_HELP)
-
-
-class CommandLatency(Collector):
-    """Per command family (the table's `group`): calls, errors, and the dispatcher's latency buckets.
-
-    The dispatcher keeps, per command, its calls, the calls it timed and a histogram of
-    their durations in buckets 16 per power of two (`CommandTable.latency_of`); each of
-    those is put in the first Prometheus bucket whose bound is at least its top (so a bound
-    is at most 6% generous). The families are those of the table, at zero from the start.
-    """
-
-    def __init__(self, node: NodeContext) -> None:
-        self.table = node.table
-        self._family: dict[str, str] = {}  # command name (`client|list`) -> its family
-        for cmd in self.table.commands.values():
-            self._family[cmd.name] = cmd.group
-            for sub in cmd.subcommands.values():
-                self._family[sub.name] = cmd.group
-        self._bounds_ns = [int(b * 1e9) for b in COMMAND_BUCKETS]
-        self._slot: dict[int, int] = {}  # a dispatcher bucket's top (ns) -> index of its Prometheus bucket
-
-    def _slot_of(self, top: int) -> int:
-        slot = self._slot.get(top)
-        if slot is None:
-            slot = self._slot[top] = next((i for i, b in enumerate(self._bounds_ns) if top <= b),
-                                          len(self._bounds_ns))
-        return slot
-
-    def collect(self) -> Iterator[Metric]:
-        families = sorted(set(self._family.values()))
-        calls = dict.fromkeys(families, 0)
-        errors = {(f, kind): 0 for f in families for kind in ("rejected", "failed")}
-        buckets = {f: [0] * (len(COMMAND_BUCKETS) + 1) for f in families}
-        sums = dict.fromkeys(families, 0)
-        for name, st in self.table.stats.items():
-            family = self._family.get(name)
-            if family is None:
-                continue
-            calls[family] += st[0]
-            errors[(family, "rejected")] += st[3]
-            errors[(family, "failed")] += st[4]
-            sums[family] += st[1]
-            counts = buckets[family]
-            for top, n in self.table.latency_of(name):
-                counts[self._slot_of(top)] += n
-        yield _labelled(CounterMetricFamily, "commands", "Commands run, per command family (exact).", ["family"],
-                        [([f], n) for f, n in calls.items()])
-        yield _labelled(CounterMetricFamily, "command_errors", "Commands answered with an error, per family: "
-                        "rejected by the dispatcher's checks or failed in their handler.", ["family", "kind"],
-                        [([f, k], n) for (f, k), n in errors.items()])
-        hist = HistogramMetricFamily("quilld_command_duration_seconds", "Time a command ran on the event loop, "
-                                     "per family (timed calls: a sample of fast commands such as GET and SET, "
-                                     "every call of the others; a reply that waits on SSD or a peer is timed "
-                                     "until it starts waiting).", labels=["family"])
-        bounds = [repr(b) for b in COMMAND_BUCKETS] + ["+Inf"]
-        for family in families:
-            running, rows = 0, []
-            for bound, n in zip(bounds, buckets[family]):
-                running += n
-                rows.append((bound, running))
-            hist.add_metric([family], rows, sums[family] / 1e9)
-        yield hist
 
 
 def tenant_stats(node: NodeContext) -> dict[str, dict[str, int]]:
