@@ -475,6 +475,7 @@ def test_the_grafana_dashboard_loads_and_names_only_metrics_a_node_has(quilld):
     assert board["title"] and board["panels"]
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 9
+    panel_exprs = list(exprs)
     exprs += [v["definition"] for v in board["templating"]["list"] if v["type"] == "query"]
     fams = families(quilld.admin_port)
     exposed = sample_names(fams)
@@ -484,8 +485,17 @@ def test_the_grafana_dashboard_loads_and_names_only_metrics_a_node_has(quilld):
             types[n] = f.type
     titles = " ".join(p["title"].lower() for p in board["panels"])
     for wanted in ("ops/s", "latency", "dram", "ssd", "demotion", "promotion", "peer fetch", "route", "kv events",
-                   "guard", "ttft"):
+                   "guard", "ttft", "cluster membership", "hit ratio", "ssd health", "http perimeter"):
         assert wanted in titles, (wanted, titles)
+    # the node picker lists node ids (issue 18.7); the instances of the nodes picked are what panels select
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["node"]["definition"] == "label_values(quilld_build_info, node_id)"
+    assert variables["node"].get("hide", 0) == 0 and variables["instance"]["hide"] == 2
+    assert variables["instance"]["definition"] == 'label_values(quilld_build_info{node_id=~"$node"}, instance)'
+    for expr in panel_exprs:
+        assert 'instance=~"$instance"' in expr, expr
+    legends = [t["legendFormat"] for p in board["panels"] for t in p.get("targets", [])]
+    assert not [legend for legend in legends if "{{instance}}" in legend], legends  # series named by node id
     for expr in exprs:
         names = set(re.findall(r"\bquilld_[a-z0-9_]+", expr))
         assert names, expr

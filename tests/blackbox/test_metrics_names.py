@@ -3,6 +3,9 @@
 and promoting, a cluster of two with a peer fetch, a gateway in front of a fake engine, an
 engine with KV events and routes, command errors. Figures INFO keeps in milliseconds or
 microseconds are exposed in seconds, sizes in bytes, each under its renamed metric.
+
+The Grafana dashboard (issue 18, item 7): promtool parses every query, and a real
+Prometheus scraping two nodes answers each of them; its node picker lists node ids.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 
 import pytest
 from conftest import ROOT, free_port, http, stop_process, wait_port, wait_until
@@ -122,3 +126,88 @@ def test_promtool_finds_nothing_in_a_busy_nodes_scrape(quilld_factory, engine, t
     assert value("quilld_ssd_fsync_max_seconds") == pytest.approx(persistence["ssd_fsync_max_ms"] / 1000)
     assert value("quilld_ssd_demote_seconds") > 0 and fams["quilld_ssd_demote_seconds"].type == "counter"
     assert value("quilld_cluster_gossip_received_bytes") > 0
+
+
+DASHBOARD = ROOT / "conf" / "grafana-quilld.json"
+
+
+def test_every_query_of_the_dashboard_is_promql_promtool_accepts(tmp_path):
+    """The dashboard's queries (conf/grafana-quilld.json), Grafana's variables given values, as recording
+    rules: `promtool check rules` parses each (a typo, a bad `by`, a vector matching that cannot work)."""
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 40
+    rules = ["groups:", "  - name: dashboard", "    rules:"]
+    for i, expr in enumerate(exprs):
+        concrete = expr.replace("$__rate_interval", "1m").replace("$instance", ".*").replace("$node", ".*")
+        assert "$" not in concrete, expr
+        rules += [f"      - record: dashboard:query_{i}", f"        expr: {json.dumps(concrete)}"]
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text("\n".join(rules) + "\n")
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, timeout=60)
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+    assert f"SUCCESS: {len(exprs)} rules found" in done.stdout.decode(), done.stdout.decode()
+
+
+def prometheus() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        pytest.fail("prometheus is not installed: .ci/run installs it (apt-get install prometheus)")
+    return path
+
+
+def test_a_real_prometheus_answers_every_dashboard_query_and_picks_nodes_by_id(quilld_factory, tmp_path):
+    """Prometheus (Debian's) scrapes two nodes each second; every query of the dashboard is asked of it:
+    each evaluates, the node picker lists node ids, and the per-node panels name their series by node id."""
+    gossip = free_port()
+    a = quilld_factory("--node-id", "alpha", "--gossip-port", str(gossip), "--dram", "64MiB", "--ssd-dir",
+                       str(tmp_path / "ssd"), "--ssd-size", "256MiB", env=FAST_GOSSIP)
+    b = quilld_factory("--node-id", "beta", "--gossip-port", str(free_port()), "--seeds", f"127.0.0.1:{gossip}",
+                       "--dram", "64MiB", env=FAST_GOSSIP)
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: quilld\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{a.admin_port}', '127.0.0.1:{b.admin_port}']\n")
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        prom = subprocess.Popen([prometheus(), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, prom, 60)
+
+        def query(expr: str) -> dict:
+            status, _, body = http(port, "GET", "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+            return json.loads(body)
+
+        def scraped() -> bool:  # both nodes, several scrapes each: rates over 5 s have their samples
+            got = query("count_over_time(quilld_build_info[10s])")
+            return len(got["data"]["result"]) == 2 and all(float(r["value"][1]) >= 4 for r in got["data"]["result"])
+
+        ra, rb = a.client(), b.client()
+        for i in range(24):
+            ra.set(f"k{i}", os.urandom(MiB))
+            assert ra.get(f"k{i}") is not None and ra.get("missing") is None
+            rb.get(f"k{i}")  # a pool read
+        assert wait_until(scraped, 60), (tmp_path / "prometheus.log").read_text()[-2000:]
+        board = json.loads(DASHBOARD.read_text())
+        picker = {v["name"]: v for v in board["templating"]["list"]}["node"]["definition"]
+        metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", picker).groups()
+        ids = {r["metric"][label] for r in query(f"count by ({label}) ({metric})")["data"]["result"]}
+        assert ids == {"alpha", "beta"}  # node ids, not admin addresses
+        answered = {}
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                expr = target["expr"].replace("$__rate_interval", "5s").replace("$instance", ".*")
+                got = query(expr)
+                assert got["status"] == "success", (panel["title"], expr, got)
+                answered[(panel["title"], target["legendFormat"])] = got["data"]["result"]
+        for key in (("DRAM use", "used {{node_id}}"), ("Cluster membership", "alive seen by {{node_id}}"),
+                    ("Hit ratio", "keyspace {{node_id}}"), ("SSD health", "failed {{node_id}}"),
+                    ("HTTP connections", "cap {{listener}}")):
+            assert answered[key], key
+        assert {r["metric"]["node_id"] for r in answered[("DRAM use", "used {{node_id}}")]} == {"alpha", "beta"}
+        alive = {r["metric"]["node_id"]: float(r["value"][1]) for r in answered[("Cluster membership",
+                                                                                 "alive seen by {{node_id}}")]}
+        assert alive == {"alpha": 2, "beta": 2}
+    finally:
+        stop_process(prom)
