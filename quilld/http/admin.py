@@ -106,6 +106,10 @@ async def stats(request: web.Request) -> web.Response:
         "clients": {"connected": len(node.clients.connections), "max": node.cfg.server.max_clients},
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
+        "http": {name: {"connections": f.open, "max_connections": f.max_connections, "refused": f.refused,
+                        "header_timeouts": f.header_timeouts, "body_timeouts": f.body_timeouts,
+                        "malformed": dict(f.malformed), "requests_refused": dict(f.refusals)}
+                 for name, f in node.listeners.items()},
         "tenants": tenant_stats(node),
         "engines": {e: node.control.feed_view(e) for e in node.control.engines.engines},
     })

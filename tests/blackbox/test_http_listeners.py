@@ -121,7 +121,11 @@ def test_slow_clients_on_http_ports_never_take_resp_clients_descriptors(tmp_path
         cut = per_listener(fams, "quilld_http_header_timeouts")
         assert refused["admin"] + refused["gateway"] + cut["admin"] + cut["gateway"] >= SLOW, (refused, cut)
         assert cut["admin"] >= 1 and cut["gateway"] >= 1 and refused["admin"] >= 1 and refused["gateway"] >= 1
-        assert http(q.admin_port, "GET", "/v1/stats", headers=BEARER)[0] == 200
+        status, _, body = http(q.admin_port, "GET", "/v1/stats", headers=BEARER)
+        assert status == 200
+        stats = json.loads(body)["http"]  # /v1/stats says the same
+        assert {n: stats[n]["refused"] for n in stats} == refused and {n: stats[n]["header_timeouts"]
+                                                                      for n in stats} == cut
         assert resp_pings(q.port) == 5
         log = q.log()
         assert "Traceback" not in log, log[-3000:]
