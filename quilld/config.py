@@ -65,6 +65,7 @@ class ServerConfig:
     exec_hold_ms: int = 1_000  # an EXEC whose commands wait (SSD, peers) holds the node's other clients this long at most
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
+    allowed_hosts: str = ""  # comma-separated host names the HTTP ports answer to besides IPs, localhost, hostname
     timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
     slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
     slowlog_max_len: int = 128  # entries SLOWLOG keeps
@@ -80,6 +81,9 @@ class ServerConfig:
 class AdminConfig:
     port: int = 7380  # 0 disables the admin HTTP API
     token: str = ""  # when set, every admin request needs `Authorization: Bearer <token>`
+    max_connections: int = 64  # open at once; more are answered 503 (also capped by the descriptor limit)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 10_000  # a request's body within this once its head has arrived
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,9 @@ class GatewayConfig:
     recorded_blocks: int = 1_000_000  # per engine without KV events: the gateway's own record of its cache
     session_max: int = 100_000  # session-affinity entries (gateway and ROUTE sessions); the least recently used go
     session_idle_s: float = 1800.0  # a session unused this long forgets its engine
+    max_connections: int = 512  # client connections open at once; more are answered 503 (and see admin's)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 60_000  # a request's body (up to 64 MiB) within this once its head has arrived
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
@@ -330,6 +337,10 @@ class Config:
         if g.session_max < 1 or not 0 < g.session_idle_s < float("inf"):
             raise ConfigError(f"gateway: session_max must be at least 1 and session_idle_s a positive number of "
                               f"seconds, got {g.session_max} and {g.session_idle_s}")
+        for name, section in (("admin", self.admin), ("gateway", g)):
+            if min(section.max_connections, section.header_timeout_ms, section.body_timeout_ms) <= 0:
+                raise ConfigError(f"{name}.max_connections, {name}.header_timeout_ms and {name}.body_timeout_ms "
+                                  "must be positive")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Builds a quilld node's parts and owns their start and stop order; nothing else.
 
-Start: SSD recovery (before anything is served), RESP listener, admin API,
-control plane (engine subscriptions), cluster, gateway, housekeeping.
+Start: admin API (its probes answer while the node starts; its other routes
+answer 503 until it serves), SSD recovery (before anything is served), RESP
+listener, control plane (engine subscriptions), cluster, gateway, housekeeping.
 Stop: stop accepting, leave the cluster, drain replies still being sent,
 close connections, stop housekeeping, gateway and admin API, stop the control
 plane, drop open puts, flush the SSD tier, release the arena.
@@ -148,7 +149,6 @@ class Node:
         self._recovery: asyncio.Future | None = None  # the SSD tier's start, once begun
         self._control_started = False
         self._stopped = False
-        self.phase = "not started"  # the start step under way, for the log of a stop during start
 
     # what tests and benches read off a running in-process node
     @property
@@ -167,11 +167,25 @@ class Node:
     def gateway_port(self) -> int:
         return self.ctx.gateway_port
 
+    @property
+    def phase(self) -> str:
+        """The start step under way (for the log of a stop during start), "serving", "stopping"."""
+        return self.ctx.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.ctx.phase = value
+
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         ctx, s = self.ctx, self.cfg.server
         loop = asyncio.get_running_loop()
         self._fit_open_files()
+        if self.cfg.admin.port:  # first, so that probes are answered while the SSD tier recovers (503: not ready)
+            self.phase = "opening the admin API"
+            self._admin = AdminServer(ctx, self.metrics)
+            async with _listening(ADMIN, s.bind, self.cfg.admin.port):
+                ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         if ctx.tiering is not None:
             self.phase = "recovering the SSD tier"
             # recovery completes before anything is served; shielded, so a stop meanwhile can wait for it
@@ -186,10 +200,6 @@ class Node:
         if s.unixsocket:
             self._unix = await _unix_listener(
                 s.unixsocket, s.unixsocketperm, lambda: RespConnection(ctx, large_target, release_args))
-        if self.cfg.admin.port:
-            self._admin = AdminServer(ctx, self.metrics)
-            async with _listening(ADMIN, s.bind, self.cfg.admin.port):
-                ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         self.phase = "subscribing to engines"
         self._control_started = True
         await ctx.control.start()
@@ -234,6 +244,7 @@ class Node:
         if self._stopped:
             return
         self._stopped = True
+        self.phase = "stopping"
         ctx = self.ctx
         if self._server is not None:
             self._server.close()
@@ -315,7 +326,7 @@ class Node:
         ssd = ctx.tiering
         return {"port": ctx.port, "admin_port": ctx.admin_port,
                 "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
-                "clients": len(ctx.clients.connections)}
+                "clients": len(ctx.clients.connections), "started": int(ctx.started)}
 
     # -- arena space ----------------------------------------------------------
     def _space_freed(self) -> None:

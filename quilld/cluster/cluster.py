@@ -223,6 +223,10 @@ class Cluster:
     def members(self) -> list:
         return self.gossip.members() if self.gossip is not None else []
 
+    def state_age(self, member: Any) -> float:
+        """Seconds since `member` (one of `members()`) last changed state, on gossip's clock."""
+        return max(0.0, time.monotonic() - member.since)
+
     def node_lines(self) -> list[str]:
         """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""
         return [node_line(m.node_id, m.state.name.lower(), m.incarnation, m.meta or {}, m.node_id == self.node_id)

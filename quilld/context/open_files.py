@@ -17,12 +17,13 @@ import resource
 from dataclasses import dataclass
 
 from quilld.config import Config, reserved_fds
+from quilld.context.listeners import http_budget
 
 
 def descriptors_besides_resp(cfg: Config, nofile: int) -> int:
     """Descriptors everything but RESP clients may hold under a limit of `nofile`: the one place
-    that adds up the reserve (config.reserved_fds) and, once they count theirs, the HTTP listeners'."""
-    return reserved_fds(cfg)
+    that adds up the reserve (config.reserved_fds) and the HTTP listeners' share (listeners.http_budget)."""
+    return reserved_fds(cfg) + http_budget(cfg, nofile).fds
 
 
 @dataclass(frozen=True)

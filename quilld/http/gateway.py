@@ -73,7 +73,9 @@ from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request
 from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
                                           upstream_headers, upstream_url)
-from quilld.http.perimeter import loopback_only
+from quilld.context.listeners import http_budget, soft_nofile
+from quilld.http.listener import Listener
+from quilld.http.perimeter import from_this_origin, loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.router import Candidate, Decision
@@ -128,8 +130,7 @@ class Gateway:
         self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
         self._rid = itertools.count(1)
         self.session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._listener: Listener | None = None
         self._handlers: set[asyncio.Task] = set()  # completion requests being served
         self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
         self._leases: set[str] = set()  # in-flight leases, renewed so a long stream keeps counting
@@ -139,33 +140,34 @@ class Gateway:
     # -- lifecycle ----------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
         c = self.cfg
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE),
+        cap = http_budget(self.node.cfg, soft_nofile()).gateway
+        if cap < c.max_connections:
+            log.warning("gateway: at most %d connections (gateway.max_connections is %d): the HTTP listeners "
+                        "hold at most a quarter of the descriptor limit", cap, c.max_connections)
+        self.session = aiohttp.ClientSession(  # at most as many connections to engines as from clients
+            connector=aiohttp.TCPConnector(limit=cap, keepalive_timeout=UPSTREAM_KEEPALIVE),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_ms / 1000),
             auto_decompress=False, skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
-        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT)
-        await self._runner.setup()
+        self._listener = Listener("gateway", "gateway", build_app(self), self.node.listeners["gateway"], cap,
+                                  c.header_timeout_ms / 1000, c.body_timeout_ms / 1000, _answer,
+                                  handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self._watch_task = asyncio.create_task(self._watchdog(), name="gateway-watchdog")
-        self._site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
-        await self._site.start()
-        bound = self._site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        bound = await self._listener.start(host, port)
         log.info("OpenAI-compatible gateway on %s:%d", host, bound)
         return bound
 
     async def stop(self) -> None:
         """Stop accepting, give open requests SHUTDOWN_TIMEOUT to end, cancel the rest, close the pool."""
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
+        if self._listener is not None:
+            await self._listener.stop_accepting()
         if self._handlers:
             _, late = await asyncio.wait(set(self._handlers), timeout=SHUTDOWN_TIMEOUT)
             for task in late:  # each closes its engine response and gives its engine's load back
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._listener is not None:
+            await self._listener.stop()
+            self._listener = None
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
@@ -550,11 +552,20 @@ def _refused(message: str) -> web.Response:
     return ApiError(403, message, "permission_error", "protected_mode").response()
 
 
+def _answer(status: int, message: str, code: str) -> web.Response:
+    """The gateway's own error response (listener.py's refusals), OpenAI-shaped."""
+    return ApiError(status, message, "invalid_request_error", code).response()
+
+
 def build_app(gateway: Gateway) -> web.Application:
     node = gateway.node
-    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule)
-    app = web.Application(client_max_size=MAX_BODY,
-                          middlewares=[loopback_only(node.cfg.server, lambda: node.users.required, _refused)])
+    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule);
+    # with no password, nothing a web page elsewhere made a browser send (perimeter.py)
+    figures = node.listeners["gateway"]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[
+        loopback_only(node.cfg.server, lambda: node.users.required, _refused, figures),
+        from_this_origin(node.cfg.server, figures, _answer, credential=lambda: node.users.required,
+                         json_writes=False)])
     app[GATEWAY] = gateway
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

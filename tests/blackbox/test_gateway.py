@@ -500,7 +500,7 @@ def test_a_client_disconnect_releases_the_engine_and_closes_the_upstream_request
     gw = gateway([("e1", "m", ["--delay-ms", "10000"])], env={"QUILLD_GATEWAY_TTFT_SLO_MS": "60000"})
     body = json.dumps({"model": "m", "messages": chat("hi"), "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the headers, long before any chunk
     assert gw.in_flight() == {"e1": 1} and gw.engines["e1"].stats()["open"] == 1
