@@ -108,7 +108,7 @@ class History:
             # connections refused: RESP (maxclients, protected mode), HTTP (caps, protected mode)
             "refused": c["rejected_connections"] + sum(f.refused + f.refusals["protected_mode"] for f in http),
             # failed credentials: AUTH (and its throttle), the admin token, gossip's HMAC
-            "auth_failures": c["auth_failures"] + c["auth_throttle_refused"] + sum(f.refusals["token"] for f in http)
+            "auth_failures": c["auth_failures"] + c["peerauth_failures"] + sum(f.refusals["token"] for f in http)
             + cluster.get("cluster_gossip_auth_failures", 0),
         }
         families = {f: (row.calls, row.rejected + row.failed, row.buckets)
