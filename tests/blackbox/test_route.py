@@ -10,7 +10,7 @@ import pytest
 import redis
 import zmq
 
-from conftest import free_port, wait_until
+from conftest import free_port, http, wait_until
 
 ENGINES = """
 [[engines]]
@@ -277,3 +277,36 @@ def test_blocks_in_this_pool_are_credited_as_host_memory_and_fetched(routed):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", 1, "HASH", 2)
     with pytest.raises(redis.ResponseError, match="bad block hash"):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", "zz")
+
+
+def test_only_the_operator_and_the_engines_own_tenant_send_its_kv_events(quilld_factory, tmp_path):
+    """Issue 19.12: a tenant's KVEVENTS for another tenant's engine rewrote that tenant's ROUTE
+    decision. Now only the operator (user default, the admin API) and the engine's tenant may."""
+    conf = tmp_path / "engines.toml"
+    conf.write_text('[[engines]]\nid = "a1"\nurl = "http://127.0.0.1:9001"\nmodel = "m"\ntenant = "alice"\n\n'
+                    '[[engines]]\nid = "a2"\nurl = "http://127.0.0.1:9002"\nmodel = "m"\ntenant = "alice"\n')
+    users = tmp_path / "users"
+    users.write_text("alice apw\nmallory mpw\n")
+    q = quilld_factory("--config", str(conf), "--users-file", str(users), "--requirepass", "opw")
+    base = f"redis://{{}}:{{}}@127.0.0.1:{q.port}"
+    alice, mallory, operator = (redis.Redis.from_url(base.format(u, p), protocol=2) for u, p in
+                                (("alice", "apw"), ("mallory", "mpw"), ("default", "opw")))
+    alice.execute_command("SCOPE", "m", "")
+    assert alice.execute_command("KVEVENTS", "a2", json.dumps({"events": [stored([1, 2, 3, 4])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # mallory can neither move alice's decision nor learn which engine ids exist
+    for engine in ("a1", "a2", "nope"):
+        with pytest.raises(redis.exceptions.NoPermissionError,
+                           match=f"user 'mallory' may not send KV events for engine '{engine}'"):
+            mallory.execute_command("KVEVENTS", engine, json.dumps({"events": [{"type": "all_blocks_cleared"}]}))
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # the operator may, over RESP and the admin API (bearer token); so may the engine's tenant
+    assert operator.execute_command("KVEVENTS", "a1", json.dumps({"events": [stored([1, 2, 3, 4, 5])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a1"
+    with pytest.raises(redis.ResponseError, match="no engine 'nope'"):
+        operator.execute_command("KVEVENTS", "nope", json.dumps({"events": []}))
+    status, _, body = http(q.admin_port, "POST", "/v1/kv-events?engine_id=a1",
+                           json.dumps({"events": [{"type": "all_blocks_cleared"}]}).encode(),
+                           {"Content-Type": "application/json", **q.admin_headers()})
+    assert status == 200 and json.loads(body)["applied"] == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a2"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from quilld.errors import CommandError, QuillError, echo
+from quilld.errors import CommandError, NoPerm, echo
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
 from quilld.protocol.resp import OK, Raw, Status, Verbatim
@@ -27,10 +27,6 @@ REPLY_ON, REPLY_OFF, REPLY_SKIP_NEXT = 0, 1, 3  # Session.reply_mode (2: the she
 CLIENT_TYPES = {b"normal": "normal", b"master": "master", b"slave": "replica", b"replica": "replica",
                 b"pubsub": "pubsub"}
 _EMPTY_BUFFER = bytearray().__sizeof__()
-
-
-class NoPerm(QuillError):
-    prefix = "NOPERM"
 
 
 def operator_only(c, name: str) -> None:

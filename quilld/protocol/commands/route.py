@@ -251,7 +251,7 @@ def cmd_release(c, args):
 def cmd_kvevents(c, args):
     control = c.control
     engine_id = text(args[1])
-    control.engines.get(engine_id)
+    control.engines.event_sender(engine_id, c.user)
     try:
         batch = decode_json(bytes(args[2]))
     except CommandError:
