@@ -198,9 +198,11 @@ def start_listening(what: str, log_path: Callable[[int], Path], spawn: Callable[
     raise AssertionError("unreachable")
 
 
-def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True) -> Quilld:
+def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True,
+                 tree: Path = ROOT) -> Quilld:
+    """A quilld of source tree `tree` (this one by default: a bench may compare another's)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
-    full_env["PYTHONPATH"] = str(ROOT)
+    full_env["PYTHONPATH"] = str(tree)
     full_env.update(env or {})
     passwords = {"--requirepass", "--users-file"} & set(extra) or \
         {"QUILLD_SECURITY_REQUIREPASS", "QUILLD_SECURITY_USERS_FILE"} & set(env or {})
@@ -212,7 +214,7 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
         argv[:] = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]),
                    "--admin-port", str(ports[1] if admin else 0), *extra]
         with open(log, "wb") as f:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=tree, env=full_env)
 
     proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 1 + admin)
     return Quilld(ports[0], ports[1] if admin else 0, proc, log, list(argv), full_env.get("QUILLD_ADMIN_TOKEN", ""))

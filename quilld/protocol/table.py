@@ -144,6 +144,7 @@ class Command:
     step: int = 0
     subcommands: dict[bytes, "Command"] = field(default_factory=dict)
     doc: Doc | None = None
+    arg_limit: int = 0  # bytes one argument may hold (0: proto-max-bulk-len); a longer one is refused unread
 
     @cached_property
     def _legacy(self) -> tuple[int, int, int, bool]:
@@ -317,10 +318,10 @@ class CommandTable:
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
-            subcommands: dict[bytes, Command] | None = None) -> Command:
+            subcommands: dict[bytes, Command] | None = None, arg_limit: int = 0) -> Command:
         subs = {k: self._described(s) for k, s in (subcommands or {}).items()}
         cmd = self._described(Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
-                                      keys[0], keys[1], keys[2], subs))
+                                      keys[0], keys[1], keys[2], subs, arg_limit=arg_limit))
         self.commands[name.encode()] = cmd
         for c in (cmd, *subs.values()):
             self.stats.setdefault(c.name, [0, 0, 0, 0, 0, None])

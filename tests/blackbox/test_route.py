@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import msgpack
@@ -10,7 +11,7 @@ import pytest
 import redis
 import zmq
 
-from conftest import free_port, http, wait_until
+from conftest import free_port, http, read_lines, wait_until
 
 ENGINES = """
 [[engines]]
@@ -28,6 +29,13 @@ id = "other"
 url = "http://127.0.0.1:9003"
 model = "not-m"
 """
+
+
+MiB = 1024 * 1024
+
+
+def read_reply_line(s: socket.socket) -> bytes:
+    return read_lines(s, 1).rstrip(b"\r\n")
 
 
 def stored(hashes, medium="GPU", lora=None):
@@ -310,3 +318,26 @@ def test_only_the_operator_and_the_engines_own_tenant_send_its_kv_events(quilld_
                            {"Content-Type": "application/json", **q.admin_headers()})
     assert status == 200 and json.loads(body)["applied"] == 1
     assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a2"
+
+
+def test_an_oversized_route_is_refused_before_it_is_read(routed):
+    """Issue 19.7: a 32 MiB ROUTE {json} was read whole, decoded and walked on the event loop
+    (other clients waited seconds) before "at most 65536 blocks". Its declared size alone now
+    refuses it: the bytes are dropped as they arrive, never held, never decoded."""
+    from quilld.index.route_request import MAX_REQUEST_BYTES
+
+    q, r = routed
+    size = MAX_REQUEST_BYTES + 1
+    before = r.info("stats")["total_net_input_bytes"]
+    with socket.create_connection(("127.0.0.1", q.port), timeout=30) as s:
+        head = b"*2\r\n$5\r\nROUTE\r\n$%d\r\n" % size
+        s.sendall(head + b'{"blocks": [' + b"1," * (MiB // 2))
+        sent = len(head) + 12 + MiB
+        assert wait_until(lambda: r.info("stats")["total_net_input_bytes"] >= before + sent, timeout=30)
+        (line,) = [c for c in r.client_list() if c["cmd"] != "client|list"]
+        assert int(line["qbuf"]) + int(line["argv-mem"]) < 64 * 1024, line  # nothing of the MiB is kept
+        s.sendall(b"1," * ((size - 12 - MiB) // 2) + b" " * ((size - 12 - MiB) % 2) + b"\r\n")
+        assert read_reply_line(s) == (f"-ERR ROUTE: an argument is at most {MAX_REQUEST_BYTES} bytes, this one is "
+                                      f"{size}: refused before it was read").encode()
+        s.sendall(b"PING\r\n")
+        assert read_reply_line(s) == b"+PONG"  # the connection goes on

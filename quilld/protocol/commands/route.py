@@ -6,19 +6,25 @@ arguments) and `ROUTE PACKED <n x 8 bytes, little-endian u64> [options]`; the op
 are BLOCK_SIZE s, DECODE_TOKENS t, SESSION id, ACQUIRE and COMPACT. The reply is the
 decision's map (a flat array on RESP2), written straight to RESP bytes; with COMPACT,
 a five-item array: engine, url, cost, lease and the plan as runs (step, count, ...).
+
+No argument may pass MAX_REQUEST_BYTES (the table's `arg_limit`: refused before it is
+read), and a request of more than LARGE_REQUEST bytes is decoded and checked in a worker
+thread while the event loop serves other clients; only the decision runs on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from itertools import groupby
 from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
-from quilld.index.route_request import (MAX_BLOCKS, RouteRequest, hashes_from_args, hashes_from_packed,
-                                        route)
+from quilld.index.route_request import (LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest,
+                                        hashes_from_args, hashes_from_packed, route)
 from quilld.index.router import Candidate, Decision, Step
+from quilld.model import Pending
 from quilld.protocol.commands.common import text
 from quilld.protocol.resp import Raw
 from quilld.protocol.table import CommandTable
@@ -125,12 +131,26 @@ def hashes_request(args: list) -> tuple[RouteRequest, bool] | None:
     return RouteRequest(blocks, block_size, decode, session, acquire), compact
 
 
-def cmd_route(c, args):
+def parse_request(args: list) -> tuple[RouteRequest, bool]:
+    """ROUTE's arguments, in any of its forms: the request and whether COMPACT was asked."""
     parsed = hashes_request(args)
     if parsed is None:
-        req, compact = RouteRequest.parse(route_fields(args)), False
-    else:
-        req, compact = parsed
+        return RouteRequest.parse(route_fields(args)), False
+    return parsed
+
+
+def cmd_route(c, args):
+    if sum(map(len, args)) > LARGE_REQUEST:  # decoded and walked off the event loop
+        return Pending(_route_large(c, args))
+    return _answer(c, *parse_request(args))
+
+
+async def _route_large(c, args: list):
+    req, compact = await asyncio.to_thread(parse_request, args)
+    return _answer(c, req, compact)
+
+
+def _answer(c, req: RouteRequest, compact: bool) -> Raw:
     d = route(c.control, c.scope, c.tag, req)
     return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
 
@@ -263,7 +283,7 @@ def cmd_kvevents(c, args):
 def register(t: CommandTable) -> None:
     t.add("route", -2, "", cmd_route, "Chooses the engine that recomputes the least: ROUTE {json} | key value... | "
           "HASHES n h1 ... hn [options] | PACKED <u64le bytes> [options]",
-          "quillcache", "0.1.0")
+          "quillcache", "0.1.0", arg_limit=MAX_REQUEST_BYTES)
     t.add("release", 2, "", cmd_release, "Ends an in-flight request taken with ROUTE ... ACQUIRE.",
           "quillcache", "0.1.0")
     t.add("kvevents", 3, "", cmd_kvevents, "Applies an engine's KV events: KVEVENTS engine-id <json batch>.",
