@@ -20,7 +20,7 @@ from quilld.index.events import Batch, Stored
 from quilld.index.route_request import LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest
 from quilld.index.router import Candidate, Decision, Step
 from quilld.model import CacheTier, Pending
-from quilld.protocol.commands.route import decision_reply, encode_compact, encode_decision
+from quilld.protocol.commands.route import MAX_EVENTS_BYTES, decision_reply, encode_compact, encode_decision
 from quilld.protocol.resp import Raw, encode
 
 ENGINES = ("e0", "e1", "e2", "e3")
@@ -223,4 +223,5 @@ def test_route_declares_the_size_of_its_arguments():
     before reading it (tests/blackbox/test_route.py sends one)."""
     table = make_context().table
     assert table.lookup(b"route").arg_limit == MAX_REQUEST_BYTES
+    assert table.lookup(b"kvevents").arg_limit == MAX_EVENTS_BYTES  # as POST /v1/kv-events's body
     assert len(json.dumps({"blocks": [U64] * MAX_BLOCKS})) < MAX_REQUEST_BYTES  # every block-hash request fits

@@ -29,6 +29,7 @@ from quilld.protocol.commands.common import text
 from quilld.protocol.resp import Raw
 from quilld.protocol.table import CommandTable
 
+MAX_EVENTS_BYTES = 1024 * 1024  # a KVEVENTS batch, as POST /v1/kv-events's body (aiohttp's client_max_size)
 OPTIONS = ("BLOCK_SIZE", "DECODE_TOKENS", "SESSION", "ACQUIRE", "COMPACT")
 _INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
 
@@ -287,4 +288,4 @@ def register(t: CommandTable) -> None:
     t.add("release", 2, "", cmd_release, "Ends an in-flight request taken with ROUTE ... ACQUIRE.",
           "quillcache", "0.1.0")
     t.add("kvevents", 3, "", cmd_kvevents, "Applies an engine's KV events: KVEVENTS engine-id <json batch>.",
-          "quillcache", "0.1.0")
+          "quillcache", "0.1.0", arg_limit=MAX_EVENTS_BYTES)
