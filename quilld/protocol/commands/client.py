@@ -18,7 +18,7 @@ import time
 from quilld.errors import CommandError, NoPerm, echo
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
-from quilld.protocol.resp import OK, Raw, Status, Verbatim
+from quilld.protocol.resp import OK, Raw, Status, Verbatim, array_header, bulk_header
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
 
 _SYNTAX = CommandError("syntax error")
@@ -41,7 +41,7 @@ def _connections(c):
 
 
 def _command_bytes(args: list) -> int:
-    return sum(len(b"$%d\r\n" % len(a)) + len(a) + 2 for a in args) + len(b"*%d\r\n" % len(args))
+    return sum(len(bulk_header(len(a))) + len(a) + 2 for a in args) + len(array_header(len(args)))
 
 
 def client_line(conn, now: float, current: list | None = None) -> str:
