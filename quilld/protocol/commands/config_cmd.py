@@ -4,8 +4,9 @@ Each parameter is one of three things for quilld:
 
 - applied (`APPLIED`): quilld uses it, and CONFIG SET changes it while the node runs:
   maxmemory (dram.maxmemory: eviction starts at dram.high_watermark of it and stops at
-  dram.low_watermark of it; at most the arena's size, which is fixed at start; 0 means the
-  whole arena), maxclients, timeout, slowlog-log-slower-than, slowlog-max-len,
+  dram.low_watermark of it; at most the arena's size, which is fixed at start; 0, the
+  default, means the whole arena, and CONFIG GET answers it as set, 0 included, as redis
+  does; INFO's maxmemory is the bytes in effect), maxclients, timeout, slowlog-log-slower-than, slowlog-max-len,
   latency-monitor-threshold, proto-max-bulk-len, client-query-buffer-limit, loglevel,
   latency-tracking-info-percentiles. CONFIG REWRITE writes those with a config key back
   to the config file (`CONFIG_KEYS`).
@@ -158,7 +159,7 @@ def _set_maxmemory(ctx: NodeContext, value: str) -> None:
     if n > capacity:
         raise Failed(f"maxmemory cannot exceed the DRAM arena ({capacity} bytes, dram.size), which is fixed "
                      f"when quilld starts")
-    apply_maxmemory(ctx, 0 if n == capacity else n)
+    apply_maxmemory(ctx, n)
 
 
 def _runtime(field: str) -> tuple[Getter, Setter]:
@@ -197,7 +198,7 @@ def _set_percentiles(ctx: NodeContext, value: str) -> None:
 
 
 APPLIED: dict[str, tuple[Getter, Setter]] = {
-    "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory or ctx.keyspace.capacity), _set_maxmemory),
+    "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory), _set_maxmemory),  # as set: 0 is "the whole arena"
     "maxclients": (lambda ctx: str(ctx.clients.max_clients), _set_maxclients),
     "timeout": _runtime("timeout"),
     "slowlog-log-slower-than": _runtime("slowlog_log_slower_than"),
