@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from plot import Panel, add_flag, save  # noqa: E402
 from procs import start_quilld  # noqa: E402
 
 ENGINES = "".join(f'[[engines]]\nid = "e{i}"\nurl = "http://127.0.0.1:{9000 + i}"\nmodel = "m"\n\n' for i in range(4))
@@ -102,6 +103,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", metavar="DIR", help="also run the quilld of this source tree, round by round")
+    add_flag(ap)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="quilld-route-hog-"))
     conf = tmp / "engines.toml"
@@ -119,6 +121,7 @@ def main() -> int:
                 for node_name, q in nodes.items():
                     results.setdefault((body_name, node_name), []).append(measure(q.port, body))
         med = statistics.median
+        worst_by: dict[str, list[float]] = {}
         print(f"{'request':<14} {'node':<10} {'its time':>9} {'PINGs':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
               f"  reply")
         for (body_name, node_name), runs in results.items():
@@ -128,9 +131,15 @@ def main() -> int:
                 stats.append((took, len(rtts), rtts[len(rtts) // 2] * 1e3,
                               rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))] * 1e3, rtts[-1] * 1e3))
             took, n, p50, p99, worst = (med(col) for col in zip(*stats))
+            worst_by.setdefault(node_name, []).append(worst)
             first = runs[-1][2].split(b"\r\n")[0][:50].decode(errors="replace")
             print(f"{body_name:<14} {node_name:<10} {took:>8.2f}s {int(n):>6} {p50:>8.2f} {p99:>8.2f} {worst:>8.1f}"
                   f"  {first}")
+        if args.plot:
+            panel = Panel("another client's slowest PING while the request arrives (median of rounds)",
+                          list(bodies), worst_by, "ms (log)", logy=True)
+            save(args.plot, [panel], "A huge ROUTE and everyone else (bench/route_hog_bench.py)",
+                 f"{args.rounds} rounds, each node in turn; a shared 2-core machine: compare bars, not runs")
     finally:
         for q in nodes.values():
             q.stop()

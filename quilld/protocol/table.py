@@ -381,7 +381,7 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
-            if fast is not None and client.authenticated:
+            if fast is not None and client.authenticated and client.perms is None:
                 handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
@@ -500,6 +500,10 @@ class CommandTable:
                 return self._rejected(cmd, refusal)
         if not client.authenticated and NOAUTH not in cmd.flags:
             return self._rejected(cmd, NoAuth("Authentication required."))
+        if client.perms is not None:  # the user's ACL restricts it (commands/acl_rules.py)
+            refusal = client.perms.refusal(cmd, args)
+            if refusal is not None:
+                return self._rejected(cmd, refusal)
         client.last_cmd = cmd.name
         st = self.stats[cmd.name]
         st[0] += 1

@@ -176,7 +176,7 @@ def _user_exists(c, name: bytes) -> bool:
     if c.user != "default":
         return False  # a tenant's view has no other users in it (as its CLIENT LIST has none)
     text = name.decode("utf-8", "surrogateescape")
-    return text == "default" or (users.required and text in getattr(users, "_passwords", {}))
+    return users.exists(text)
 
 
 def cmd_client_reply(c, args):

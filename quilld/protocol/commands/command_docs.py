@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from quilld.errors import CommandError
+from quilld.protocol.commands.catalogue import redis_only
 from quilld.protocol.commands.keys import glob_matcher
 from quilld.protocol.resp import OrderedSet, Raw, Status, encode
 from quilld.protocol.table import (ACL_CATEGORIES, ARG_FLAGS, KEY_FLAGS, Arg, Command, CommandTable, KeySpec,
@@ -185,7 +186,7 @@ def cmd_command_docs(c, args):
 
 def _keys(c, args, with_flags: bool):
     table, argv = _table(c), args[2:]
-    cmd = table.resolve(argv)
+    cmd = table.resolve(argv) or redis_only.resolve(argv)  # redis's others answer from their key specs
     if cmd is None:
         raise CommandError("Invalid command specified")
     if not cmd.has_keys:
