@@ -86,9 +86,10 @@ def test_a_user_acl_setuser_adds_logs_in_and_is_held_to_its_rules(quilld_factory
         replies[name] = out
         alice.close()
     assert replies["quilld"] == replies["redis"]
-    assert replies["quilld"][:4] == [b"+OK\r\n", b"$7\r\nalice's\r\n",
-                                     b"-NOPERM this user has no permissions to access one of the keys used as arguments\r\n",
-                                     b"-NOPERM this user has no permissions to run the 'del' command\r\n"]
+    assert replies["quilld"][:4] == [
+        b"+OK\r\n", b"$7\r\nalice's\r\n",
+        b"-NOPERM this user has no permissions to access one of the keys used as arguments\r\n",
+        b"-NOPERM this user has no permissions to run the 'del' command\r\n"]
     assert replies["quilld"][-1] == b""  # closed
     # alice is a tenant: her cache:1 was her own, the operator's is unchanged
     assert redis.Redis(port=q.port).get("cache:1") == b"operator's"

@@ -272,5 +272,6 @@ def test_route_stays_fast_during_full_rate_ingest(publisher, quilld_factory, tmp
     print(f"\n{total} events ({per_batch} a batch, {rounds} rounds) in {ingest:.2f} s; {len(waits)} ROUTEs "
           f"meanwhile: p99 {p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median "
           f"{statistics.median(waits) * 1000:.2f} ms")
-    assert len(waits) >= min_routes and p99 < bound, (f"ROUTE p99 {p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median "
-                                              f"{statistics.median(waits) * 1000:.2f} ms, ingest {ingest:.2f} s")
+    assert len(waits) >= min_routes and p99 < bound, (
+        f"ROUTE p99 {p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median {statistics.median(waits) * 1000:.2f} ms, "
+        f"ingest {ingest:.2f} s")

@@ -6,11 +6,12 @@ Each parameter is one of three things for quilld:
   maxmemory (dram.maxmemory: eviction starts at dram.high_watermark of it and stops at
   dram.low_watermark of it; at most the arena's size, which is fixed at start; 0, the
   default, means the whole arena, and CONFIG GET answers it as set, 0 included, as redis
-  does; INFO's maxmemory is the bytes in effect), maxclients, timeout, slowlog-log-slower-than, slowlog-max-len,
-  latency-monitor-threshold, proto-max-bulk-len, client-query-buffer-limit, loglevel,
-  latency-tracking-info-percentiles, requirepass (user default's password, as redis: ACL
-  SETUSER default resetpass >value; "" for nopass; kept until a restart, not rewritten). CONFIG REWRITE writes those with a config key back
-  to the config file (`CONFIG_KEYS`).
+  does; INFO's maxmemory is the bytes in effect), maxclients, timeout,
+  slowlog-log-slower-than, slowlog-max-len, latency-monitor-threshold, proto-max-bulk-len,
+  client-query-buffer-limit, loglevel, latency-tracking-info-percentiles, requirepass (user
+  default's password, as redis: ACL SETUSER default resetpass >value; "" for nopass; kept
+  until a restart, not rewritten). CONFIG REWRITE writes those with a config key back to
+  the config file (`CONFIG_KEYS`).
 - answered and kept (`REFUSED`): quilld has a value for it (port, bind, save, appendonly,
   maxmemory-policy, hz, ...) or lacks the feature it switches on (keyspace
   notifications, TLS, client eviction, active defrag); CONFIG GET answers quilld's value,
