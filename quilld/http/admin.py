@@ -34,6 +34,7 @@ from quilld.http.history import History
 from quilld.http.listener import Listener
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import from_this_origin, loopback_only, parse_json
+from quilld.index.engines import OPERATOR
 from quilld.index.events import decode_json
 from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
@@ -232,7 +233,7 @@ async def kv_events(request: web.Request) -> web.Response:
     try:
         batch = decode_json(raw)
         engine_id = batch.engine_id or request.query.get("engine_id", "")
-        node.control.engines.get(engine_id)
+        node.control.engines.event_sender(engine_id, OPERATOR)  # the admin API is the operator's
     except QuillError as e:
         node.control.stats["kv_malformed"] += 1
         return _json_error(400, e.message)

@@ -54,7 +54,7 @@ class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
                  "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm", "multi",
-                 "multi_error", "multi_bytes", "watched", "cas_dirty")
+                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms")
 
     def __init__(self, ctx: NodeContext, addr: str, laddr: str, unix: bool = False) -> None:
         self.ctx = ctx
@@ -72,6 +72,7 @@ class Session:
         self.resp3 = False
         self.user = "default"
         self.authenticated = not ctx.users.required
+        self.perms = _perms(ctx, "default")  # the user's ACL when it restricts anything (dispatcher checks it)
         self.created = self.last_active = time.monotonic()
         self.last_cmd = "NULL"
         self.closing = False  # QUIT: close once the reply is written
@@ -117,6 +118,7 @@ class Session:
             kept = self.scope._replace(tenant=user)
             self.set_scope(kept, capped=bool(kept.model or kept.tokenizer or kept.adapter), chosen=False)
         self.user = user
+        self.perms = _perms(self.ctx, user)
         self.authenticated = True
 
     def peer_login(self) -> None:
@@ -135,6 +137,7 @@ class Session:
         self.monitor = self.no_evict = self.peer = False
         self.user = "default"
         self.authenticated = not self.ctx.users.required
+        self.perms = _perms(self.ctx, "default")
         self.set_scope(IdentityScope(), capped=False, chosen=not self.ctx.cfg.security.require_scope)
         if self.ctx.cfg.security.require_scope:
             self.keyspace = self.puts = UNSCOPED
@@ -146,3 +149,10 @@ class Session:
         if self.tag:
             self.ctx.scopes.drop(self.tag)
             self.tag = b""
+
+
+def _perms(ctx: NodeContext, user: str):
+    """`user`'s ACL (commands/acl_rules.py) when it denies anything, else None: the dispatcher's
+    fast path serves a session whose `perms` is None without asking."""
+    acl = ctx.users.acl_of(user)
+    return acl if acl is not None and acl.restricted else None

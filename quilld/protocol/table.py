@@ -160,6 +160,7 @@ class Command:
     step: int = 0
     subcommands: dict[bytes, "Command"] = field(default_factory=dict)
     doc: Doc | None = None
+    arg_limit: int = 0  # bytes one argument may hold (0: proto-max-bulk-len); a longer one is refused unread
 
     @cached_property
     def _legacy(self) -> tuple[int, int, int, bool]:
@@ -337,10 +338,10 @@ class CommandTable:
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
-            subcommands: dict[bytes, Command] | None = None) -> Command:
+            subcommands: dict[bytes, Command] | None = None, arg_limit: int = 0) -> Command:
         subs = {k: self._described(s) for k, s in (subcommands or {}).items()}
         cmd = self._described(Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
-                                      keys[0], keys[1], keys[2], subs))
+                                      keys[0], keys[1], keys[2], subs, arg_limit=arg_limit))
         self.commands[name.encode()] = cmd
         for c in (cmd, *subs.values()):
             self.stats.setdefault(c.name, [0, 0, 0, 0, 0, None])
@@ -400,7 +401,7 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
-            if fast is not None and client.authenticated and client.multi is None:
+            if fast is not None and client.authenticated and client.multi is None and client.perms is None:
                 handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
@@ -533,6 +534,10 @@ class CommandTable:
                 return self._rejected(client, cmd, refusal)
         if not client.authenticated and NOAUTH not in cmd.flags and not (client.peer and PEER in cmd.flags):
             return self._rejected(client, cmd, NoAuth("Authentication required."))
+        if client.perms is not None:  # the user's ACL restricts it (commands/acl_rules.py)
+            refusal = client.perms.refusal(cmd, args)
+            if refusal is not None:
+                return self._rejected(client, cmd, refusal)
         client.last_cmd = cmd.name
         if client.multi is not None and cmd.name not in RUN_IN_MULTI:
             refused = queue(client, cmd, args, client.ctx.runtime.client_query_buffer_limit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import msgpack
@@ -10,7 +11,7 @@ import pytest
 import redis
 import zmq
 
-from conftest import free_port, http, wait_until
+from conftest import free_port, http, read_lines, wait_until
 
 ENGINES = """
 [[engines]]
@@ -28,6 +29,13 @@ id = "other"
 url = "http://127.0.0.1:9003"
 model = "not-m"
 """
+
+
+MiB = 1024 * 1024
+
+
+def read_reply_line(s: socket.socket) -> bytes:
+    return read_lines(s, 1).rstrip(b"\r\n")
 
 
 def stored(hashes, medium="GPU", lora=None):
@@ -348,3 +356,59 @@ def test_an_engine_registered_with_group_kinds_is_credited_as_vllm_would_hit(rou
     d = route(r, blocks=blocks + [9])
     assert d["engine"] == b"e5" and d["plan"] == [b"hit:e5:hbm"] * 8 + [b"recompute"]
     assert route(r, blocks=blocks[:7])["plan"] == [b"recompute"] * 7  # no state at block 6
+
+
+def test_only_the_operator_and_the_engines_own_tenant_send_its_kv_events(quilld_factory, tmp_path):
+    """Issue 19.12: a tenant's KVEVENTS for another tenant's engine rewrote that tenant's ROUTE
+    decision. Now only the operator (user default, the admin API) and the engine's tenant may."""
+    conf = tmp_path / "engines.toml"
+    conf.write_text('[[engines]]\nid = "a1"\nurl = "http://127.0.0.1:9001"\nmodel = "m"\ntenant = "alice"\n\n'
+                    '[[engines]]\nid = "a2"\nurl = "http://127.0.0.1:9002"\nmodel = "m"\ntenant = "alice"\n')
+    users = tmp_path / "users"
+    users.write_text("alice apw\nmallory mpw\n")
+    q = quilld_factory("--config", str(conf), "--users-file", str(users), "--requirepass", "opw")
+    base = f"redis://{{}}:{{}}@127.0.0.1:{q.port}"
+    alice, mallory, operator = (redis.Redis.from_url(base.format(u, p), protocol=2) for u, p in
+                                (("alice", "apw"), ("mallory", "mpw"), ("default", "opw")))
+    alice.execute_command("SCOPE", "m", "")
+    assert alice.execute_command("KVEVENTS", "a2", json.dumps({"events": [stored([1, 2, 3, 4])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # mallory can neither move alice's decision nor learn which engine ids exist
+    for engine in ("a1", "a2", "nope"):
+        with pytest.raises(redis.exceptions.NoPermissionError,
+                           match=f"user 'mallory' may not send KV events for engine '{engine}'"):
+            mallory.execute_command("KVEVENTS", engine, json.dumps({"events": [{"type": "all_blocks_cleared"}]}))
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # the operator may, over RESP and the admin API (bearer token); so may the engine's tenant
+    assert operator.execute_command("KVEVENTS", "a1", json.dumps({"events": [stored([1, 2, 3, 4, 5])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a1"
+    with pytest.raises(redis.ResponseError, match="no engine 'nope'"):
+        operator.execute_command("KVEVENTS", "nope", json.dumps({"events": []}))
+    status, _, body = http(q.admin_port, "POST", "/v1/kv-events?engine_id=a1",
+                           json.dumps({"events": [{"type": "all_blocks_cleared"}]}).encode(),
+                           {"Content-Type": "application/json", **q.admin_headers()})
+    assert status == 200 and json.loads(body)["applied"] == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a2"
+
+
+def test_an_oversized_route_is_refused_before_it_is_read(routed):
+    """Issue 19.7: a 32 MiB ROUTE {json} was read whole, decoded and walked on the event loop
+    (other clients waited seconds) before "at most 65536 blocks". Its declared size alone now
+    refuses it: the bytes are dropped as they arrive, never held, never decoded."""
+    from quilld.index.route_request import MAX_REQUEST_BYTES
+
+    q, r = routed
+    size = MAX_REQUEST_BYTES + 1
+    before = r.info("stats")["total_net_input_bytes"]
+    with socket.create_connection(("127.0.0.1", q.port), timeout=30) as s:
+        head = b"*2\r\n$5\r\nROUTE\r\n$%d\r\n" % size
+        s.sendall(head + b'{"blocks": [' + b"1," * (MiB // 2))
+        sent = len(head) + 12 + MiB
+        assert wait_until(lambda: r.info("stats")["total_net_input_bytes"] >= before + sent, timeout=30)
+        (line,) = [c for c in r.client_list() if c["cmd"] != "client|list"]
+        assert int(line["qbuf"]) + int(line["argv-mem"]) < 64 * 1024, line  # nothing of the MiB is kept
+        s.sendall(b"1," * ((size - 12 - MiB) // 2) + b" " * ((size - 12 - MiB) % 2) + b"\r\n")
+        assert read_reply_line(s) == (f"-ERR ROUTE: an argument is at most {MAX_REQUEST_BYTES} bytes, this one is "
+                                      f"{size}: refused before it was read").encode()
+        s.sendall(b"PING\r\n")
+        assert read_reply_line(s) == b"+PONG"  # the connection goes on

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import http, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_until
+from conftest import http, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -203,7 +203,7 @@ def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
     # a reader that asks and then does not read: the reply stays pinned in quilld's buffer
     s = socket.create_connection(("127.0.0.1", q.port))
     s.sendall(b"*2\r\n$3\r\nGET\r\n$6\r\npinned\r\n")
-    time.sleep(0.3)
+    wait_held(r, len(big))  # the reply is being sent: its block is pinned (an event, not a pause)
     for i in range(100):  # pressure: far more than the arena holds
         r.set(f"p{i}", value(f"p{i}", MiB))
     assert r.info("tiers")["dram_held_bytes"] >= len(big)  # still pinned by the unread reply

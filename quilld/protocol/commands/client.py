@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import time
 
-from quilld.errors import CommandError, QuillError, echo
+from quilld.errors import CommandError, NoPerm, echo
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
-from quilld.protocol.resp import OK, Raw, Status, Verbatim
+from quilld.protocol.resp import OK, Raw, Status, Verbatim, array_header, bulk_header
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
 from quilld.protocol.transactions import multi_mem
 
@@ -28,10 +28,6 @@ REPLY_ON, REPLY_OFF, REPLY_SKIP_NEXT = 0, 1, 3  # Session.reply_mode (2: the she
 CLIENT_TYPES = {b"normal": "normal", b"master": "master", b"slave": "replica", b"replica": "replica",
                 b"pubsub": "pubsub"}
 _EMPTY_BUFFER = bytearray().__sizeof__()
-
-
-class NoPerm(QuillError):
-    prefix = "NOPERM"
 
 
 def operator_only(c, name: str) -> None:
@@ -46,7 +42,7 @@ def _connections(c):
 
 
 def _command_bytes(args: list) -> int:
-    return sum(len(b"$%d\r\n" % len(a)) + len(a) + 2 for a in args) + len(b"*%d\r\n" % len(args))
+    return sum(len(bulk_header(len(a))) + len(a) + 2 for a in args) + len(array_header(len(args)))
 
 
 def client_line(conn, now: float, current: list | None = None) -> str:
@@ -185,7 +181,7 @@ def _user_exists(c, name: bytes) -> bool:
     if c.user != "default":
         return False  # a tenant's view has no other users in it (as its CLIENT LIST has none)
     text = name.decode("utf-8", "surrogateescape")
-    return text == "default" or (users.required and text in getattr(users, "_passwords", {}))
+    return users.exists(text)
 
 
 def cmd_client_reply(c, args):

@@ -80,9 +80,8 @@ def _authenticate(c, throttle: AuthThrottle, login: bytes, password: bytes) -> N
     if any, or raise WRONGPASS (counted, and remembered per user and per address)."""
     users = c.ctx.users
     user, fields = _login_user(login)
-    if not users.required:
-        if user != b"default":  # redis: the default user has nopass; nobody else exists
-            raise WrongPass(_WRONGPASS)
+    if not users.required and user == b"default":
+        pass  # redis: the default user has nopass (users ACL SETUSER added log in with their own)
     elif not _credentials_match(users, user, password):
         c.ctx.stats["auth_failures"] += 1
         throttle.failed(c.ctx.cfg.security, user, client_ip(c), time.monotonic())

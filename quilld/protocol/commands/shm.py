@@ -33,7 +33,7 @@ import functools
 import crc32c
 
 from quilld.config import map_user_names
-from quilld.errors import CommandError, OutOfMemory, QuillError
+from quilld.errors import CommandError, NoPerm, OutOfMemory, QuillError
 from quilld.model import Pending
 from quilld.protocol.commands.common import parse_int
 from quilld.protocol.resp import WithFds
@@ -41,10 +41,6 @@ from quilld.protocol.table import FAST, READONLY, CommandTable
 from quilld.tiers.block import Block
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-
-
-class NoPerm(QuillError):
-    prefix = "NOPERM"
 
 
 @functools.cache
