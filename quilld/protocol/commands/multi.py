@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from quilld.errors import CommandError, QuillError
 from quilld.model import Pending, Pinned
-from quilld.protocol.resp import OK, Raw, encode
+from quilld.protocol.resp import OK, Raw, array_header, encode
 from quilld.protocol.table import Command, CommandTable
 from quilld.protocol.transactions import ExecAbort, end, unwatch
 
@@ -153,7 +153,7 @@ class _Exec:
     def _reply(self):
         if self.protos is None:
             return self.replies
-        out = [b"*%d\r\n" % len(self.replies)]  # an array's header is the same in RESP2 and RESP3
+        out = [array_header(len(self.replies))]  # an array's header is the same in RESP2 and RESP3
         for reply, resp3 in zip(self.replies, self.protos):
             encode(reply, resp3, out)
         raw = Raw(b"".join(out))
