@@ -52,6 +52,7 @@ from quillwire.reply import NEED_DATA, ReplyError, ReplyReader, Status
 from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
+from quillclient.segments import Segments, crc_of, land, store
 from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
                                 from_wire)
 from quillclient.zerocopy import MISS, RawPool, _kernel_timeouts, setting_up
@@ -243,8 +244,9 @@ class ShmPool(RawPool):
 
 # -- reads ---------------------------------------------------------------------
 
-def _copy(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> tuple[int, int | None]:
-    """Land one SHM GET item in `view`: (length or MISS, the lease's slot or None).
+def _copy(conn: ShmConnection, item: Any, view: memoryview | Segments, verify: bool) -> tuple[int, int | None]:
+    """Land one SHM GET item in `view` (a buffer, or Segments to scatter it over): (length or MISS,
+    the lease's slot or None).
     Raises BufferTooSmall with nothing written."""
     if item is None:
         return MISS, None
@@ -252,28 +254,28 @@ def _copy(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> tup
         n = len(item)
         if n > len(view):
             raise BufferTooSmall(n, len(view))
-        view[:n] = item
+        land(view, item)
         return n, None
     if isinstance(item, ReplyError):
         raise from_wire(item.message)
     offset, n, _crc, slot, _gen = item
     if n > len(view):
         raise BufferTooSmall(n, len(view))
-    view[:n] = conn.mapping.arena[offset:offset + n]
+    land(view, conn.mapping.arena[offset:offset + n])
     return n, slot
 
 
-def _intact(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> str:
+def _intact(conn: ShmConnection, item: Any, view: memoryview | Segments, verify: bool) -> str:
     """After copying a leased block: "" when the copy is good, else why not ("stale", "crc")."""
     _offset, n, crc, slot, gen = item
     if conn.mapping.gens[slot] != gen:  # read after the copy: x86 TSO keeps the copy's loads before it
         return "stale"
-    if verify and crc32c.crc32c(view[:n]) != crc:
+    if verify and (view.crc32c(n) if isinstance(view, Segments) else crc32c.crc32c(view[:n])) != crc:
         return "crc"
     return ""
 
 
-def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify: bool,
+def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segments], verify: bool,
              reread: Callable[[int], int]) -> list[int | None]:
     """Per key its length, MISS, or None (too large for its view: nothing written; BufferTooSmall
     is raised at the end with every result). `reread(i)` reads key i again another way (TCP)."""
@@ -323,9 +325,10 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
 
 # -- writes --------------------------------------------------------------------
 
-def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview]], lease_ms: int | None,
+def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], lease_ms: int | None,
                round_bytes: int) -> list[bool]:
-    """Store each (key, data) in place: BEGIN ... SHM for a round, copy, COMMIT with CRC32C.
+    """Store each (key, data) in place: BEGIN ... SHM for a round, copy (Segments: each piece in
+    turn), COMMIT with CRC32C.
     Per block True if stored, False if the key was already complete."""
     stored = [False] * len(blocks)
     lease = ("LEASE", lease_ms) if lease_ms is not None else ()
@@ -365,9 +368,9 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
                 handles[i] = reply[0]
                 offset = reply[1]
                 data = blocks[i][1]
-                conn.mapping.arena[offset:offset + data.nbytes] = data
+                store(conn.mapping.arena[offset:offset + data.nbytes], data)
         if error is None and handles:
-            commits = [pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc32c.crc32c(blocks[i][1]))
+            commits = [pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc_of(blocks[i][1]))
                        for i in handles]
             conn.send([piece for cmd in commits for piece in cmd])
             for i in handles:
