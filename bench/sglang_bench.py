@@ -93,7 +93,7 @@ class NumpyHostPool:
 
     def get_data_page(self, index: int, flat: bool = True) -> np.ndarray:
         page = self._page(int(index))
-        return page.flatten() if flat else page  # flatten copies a strided (layer_first) page, as torch does
+        return page.reshape(-1) if flat else page  # as torch's flatten: a view, a copy if strided (layer_first)
 
     def get_dummy_flat_data_page(self) -> np.ndarray:
         return np.zeros(2 * LAYERS * self.page_size * HEADS * DIM, np.uint16)
@@ -325,7 +325,17 @@ def page_hashes(n: int, salt: str) -> list[str]:
     return [hashlib.sha256(f"{salt}:{i}".encode()).hexdigest() for i in range(n)]
 
 
-def run_size(size: int, args, port: int, file_dir: str, results: dict) -> None:
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process `pid` (quilld)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_size(size: int, args, port: int, file_dir: str, results: dict, quilld_pid: int) -> None:
     page_size = size // TOKEN_BYTES
     pages = args.pages
     pool, helper = host_pool(2 * pages * page_size, page_size, args.layout)
@@ -344,18 +354,21 @@ def run_size(size: int, args, port: int, file_dir: str, results: dict) -> None:
         for name in order if r % 2 == 0 else order[::-1]:
             ctl, write, read = sides[name]
             hashes = page_hashes(pages, f"{size}:{r}:{name}")
-            t0 = time.perf_counter()
+            server = quilld_pid if name == "quilld" else None
+            c0, s0, t0 = cpu_seconds(), server and cpu_seconds(server), time.perf_counter()
             assert write(ctl, hashes, src), f"{name}: a write failed"
-            t1 = time.perf_counter()
+            c1, s1, t1 = cpu_seconds(), server and cpu_seconds(server), time.perf_counter()
             hit = hit_query(ctl, hashes)
             got = read(ctl, hashes[:hit], dst)
-            t2 = time.perf_counter()
+            c2, s2, t2 = cpu_seconds(), server and cpu_seconds(server), time.perf_counter()
             assert hit == got == pages, f"{name}: {hit} hits, {got} read of {pages}"
             for i in range(pages):
                 if helper.page_bytes((pages + i) * page_size) != expected[i]:
                     raise SystemExit(f"{name}: page {i} of {size} bytes read back different")
             results.setdefault((size, name, "write"), []).append(pages * size / (t1 - t0) / MiB)
             results.setdefault((size, name, "read"), []).append(pages * size / (t2 - t1) / MiB)
+            results.setdefault((size, name, "write cpu"), []).append((c1 - c0 + ((s1 - s0) if server else 0)) / pages)
+            results.setdefault((size, name, "read cpu"), []).append((c2 - c1 + ((s2 - s1) if server else 0)) / pages)
             if name == "quilld":
                 quill.clear()
             else:
@@ -406,7 +419,7 @@ def main() -> None:
     before = loadavg()
     try:
         for size in sizes:
-            run_size(size, args, port, file_dir, results)
+            run_size(size, args, port, file_dir, results, proc.pid)
     finally:
         stop_process(proc)
         log.close()
@@ -418,14 +431,18 @@ def main() -> None:
     print(f"{what}; quilld {path} path over {'TCP' if args.tcp else 'shared memory'}; {args.layout}; "
           f"{args.pages} pages a repetition, {args.rounds} rounds, medians in MiB/s; "
           f"load average {before} before, {loadavg()} after")
-    print("| page | op | file | quilld | quilld/file |")
-    print("|---|---|---:|---:|---:|")
+    print("| page | op | file MiB/s | quilld MiB/s | quilld/file | file CPU ms/page | quilld CPU ms/page |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for size in sizes:
         for op in ("write", "read"):
             f = statistics.median(results[(size, "file", op)])
             q = statistics.median(results[(size, "quilld", op)])
+            fc = statistics.median(results[(size, "file", op + " cpu")]) * 1000
+            qc = statistics.median(results[(size, "quilld", op + " cpu")]) * 1000
             label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
-            print(f"| {label} | {op} | {f:.0f} | {q:.0f} | {q / f:.2f}x |")
+            print(f"| {label} | {op} | {f:.0f} | {q:.0f} | {q / f:.2f}x | {fc:.2f} | {qc:.2f} |")
+    print("(CPU: the bench process's user + system time, plus quilld's for quilld; a file's write-back "
+          "by the kernel's flusher threads is not counted)")
 
 
 if __name__ == "__main__":

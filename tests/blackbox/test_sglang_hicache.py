@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from quillclient import BufferTooSmall, QuillClient, WrongPass
+from quillclient import BufferTooSmall, QuillClient, QuillError, WrongPass
 
 from conftest import ROOT, wait_until
 
@@ -642,6 +642,20 @@ def test_sglang_v2_pages_are_deleted_when_their_kv_pages_cannot_be_stored(quilld
     assert working.batch_exists_v2(hashes, [PoolTransfer("draft")]).kv_hit_pages == 3
     assert store(failing) is True  # the KV pages are complete now (another engine's): kept, and the drafts too
     assert failing.client.exists_many(drafts) == [True] * 3
+
+
+def test_sglang_shared_memory_setting_decides_at_attach(quilld_factory, backends, caplog):
+    """`shared_memory`: "auto" falls back to TCP (and says why in SGLang's log), "require" fails
+    the attach where quilld offers no shared memory (here: no unix socket)."""
+    caplog.set_level("INFO", logger="quillclient.sglang")
+    q = quilld_factory("--dram", "64MiB", "--requirepass", json.loads(recipe("sglang-hicache"))["password"])
+    make = factory(q, backends)
+    assert make({"shared_memory": "auto"}).client.transport == "tcp"
+    assert "pages move over TCP (the server has no unix socket (server.unixsocket))" in caplog.text
+    with pytest.raises(QuillError, match="shared_memory='require' but the shared-memory path is unavailable"):
+        make({"shared_memory": "require"})
+    with pytest.raises(ValueError, match="shared_memory must be"):
+        make({"shared_memory": "yes"})
 
 
 def test_put_blocks_gathers_and_get_many_into_scatters(quilld_factory, sock_dir, transport):

@@ -196,9 +196,12 @@ class QuillHiCacheStorage(_Base):
                                   scope=(model, s.tokenizer, s.adapter) if model else None)
         try:
             self.client.ping()  # unreachable or refused: fail the attach now, not every page later
+            transport = self.client.transport  # decided now: "require" without shared memory fails the attach
         except BaseException:
             self.client.close()
             raise
+        log.info("QuillHiCacheStorage: pages move over %s%s", "shared memory" if transport == "shm" else "TCP",
+                 f" ({self.client.shm_unavailable_reason})" if transport == "tcp" else "")
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
         self._unpaired: OrderedDict[str, list[str]] = OrderedDict()  # page hash -> v2 objects stored before it
