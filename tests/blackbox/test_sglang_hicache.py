@@ -687,3 +687,31 @@ def test_put_blocks_gathers_and_get_many_into_scatters(quilld_factory, sock_dir,
         assert not small[0].any() and not small[1].any()
         assert c.put_blocks([("gathered", parts[3:])]) == [False]  # complete already: kept
         assert c.get("gathered") == whole.tobytes()
+
+
+def test_get_many_into_over_shared_memory_pipelines_batches_and_releases_every_lease(quilld_factory, sock_dir):
+    """get_many_into sends a batch's SHM GET before copying the one before it (an SGLang batch of
+    128 pages is two): every page lands, a miss or a too-small buffer in either batch is reported
+    as before, every lease is released, and the connection stays usable."""
+    from quillclient import shm
+
+    password = json.loads(recipe("sglang-hicache"))["password"]
+    q = start_node(quilld_factory, sock_dir, password)
+    n = 2 * shm.GET_BATCH + 5
+    rng = np.random.default_rng(9)
+    blocks = [rng.integers(0, 256, 20_000 + 97 * i, dtype=np.uint8) for i in range(n)]
+    with QuillClient("127.0.0.1", q.port, password=password, shared_memory="require") as c:
+        c.put_blocks([(f"p{i}", b) for i, b in enumerate(blocks) if i % 50 != 7])  # 7, 57, 107: misses
+        outs = [np.zeros(b.nbytes, np.uint8) for b in blocks]
+        got = c.get_many_into([f"p{i}" for i in range(n)], outs)
+        assert got == [-1 if i % 50 == 7 else b.nbytes for i, b in enumerate(blocks)]
+        assert all(np.array_equal(o, b) for i, (o, b) in enumerate(zip(outs, blocks)) if i % 50 != 7)
+        outs = [np.zeros(b.nbytes, np.uint8) for b in blocks]
+        outs[shm.GET_BATCH + 3] = np.zeros(10, np.uint8)  # too small, in the second batch
+        with pytest.raises(BufferTooSmall) as e:
+            c.get_many_into([f"p{i}" for i in range(n)], outs)
+        assert e.value.results[shm.GET_BATCH + 3] is None and e.value.results[-1] == blocks[-1].nbytes
+        assert np.array_equal(outs[-1], blocks[-1]) and not outs[shm.GET_BATCH + 3].any()
+        assert c.get_many_into(["p0"], [np.zeros(blocks[0].nbytes, np.uint8)]) == [blocks[0].nbytes]
+        with QuillClient("127.0.0.1", q.port, password=password, shared_memory="off") as tcp:
+            assert wait_until(lambda: tcp.execute("INFO", "shm").get("shm_leases_live") == 0, timeout=10)

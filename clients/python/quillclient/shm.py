@@ -183,7 +183,16 @@ class ShmConnection:
 
     def command(self, pieces: list) -> Any:
         """Send one command (after the RELEASEs owed) and return its reply."""
+        self.submit(pieces)
+        return self.result()
+
+    def submit(self, pieces: list) -> None:
+        """Send one command (behind the deferred RELEASEs) without waiting for its reply. Until
+        `result()` has read that reply, no other command may be sent (no `release` either)."""
         self.send(self.with_deferred(pieces))
+
+    def result(self) -> Any:
+        """The reply of the command `submit` sent, after the owed RELEASE replies in front of it."""
         while self.owed:
             self.owed -= 1
             self.next_reply()  # a RELEASE's count (or its error): nothing depends on it
@@ -285,9 +294,16 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segment
 
     def request(conn: ShmConnection) -> None:
         nonlocal too_small
-        for lo in range(0, len(keys), GET_BATCH):
-            hi = min(lo + GET_BATCH, len(keys))
-            items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
+        batches = [(lo, min(lo + GET_BATCH, len(keys))) for lo in range(0, len(keys), GET_BATCH)]
+        conn.submit(pack_command("SHM", "GET", *keys[:batches[0][1]]))
+        items = _reply(conn.result())
+        for b, (lo, hi) in enumerate(batches):
+            # The next batch's SHM GET goes out before this one is copied: its reply is on the way
+            # (the server answering on the other core) while we copy, so a batch waits once.
+            ahead = b + 1 < len(batches)
+            if ahead:
+                conn.submit(pack_command("SHM", "GET", *keys[hi:batches[b + 1][1]]))
+            in_flight = ahead
             slots: list[int] = []
             leased = 0
             try:
@@ -310,7 +326,17 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segment
                                 pool.stale_reads += 1
                             else:
                                 pool.crc_rereads += 1
+                if ahead:
+                    reply = conn.result()
+                    in_flight = False
+                    items = _reply(reply)
+            except BaseException:
+                if in_flight:  # a reply left unread: the connection goes, and its leases with it
+                    conn.close()
+                raise
             finally:
+                # released after the next batch's reply was read: a RELEASE must not come
+                # between a command and the reply `result` reads for it
                 if not conn.broken:
                     conn.release(slots, leased)
 
