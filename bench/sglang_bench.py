@@ -1,21 +1,23 @@
 """SGLang HiCache L3: quilld (`QuillHiCacheStorage`) against SGLang's own file backend, one run.
 
 Each round stores `--pages` pages (SGLang's STORAGE_BATCH_SIZE, 128: one controller batch) of
-every size, then reads them back, once through each backend, the order of the backends swapped
-every round, and prints the median MiB/s of writes and reads and quilld's ratio to the file
-backend. The calls are the ones SGLang 0.5.23's `CacheController` makes
+every size, then reads them back, through each of three sides in turn (the order rotated every
+round): SGLang's file backend, quilld on SGLang's generic path, quilld on the v1 path. It prints
+the median MiB/s of writes and reads, quilld's ratios to the file backend, and the CPU time a
+page cost. The calls are the ones SGLang 0.5.23's `CacheController` makes
 (`sglang/srt/managers/cache_controller.py`):
 
-- write, generic path (`_generic_page_set`): `get_data_page(host_index)` per page, then
-  `batch_set(hashes, pages)`; with `--v1` for quilld also `_page_set_zero_copy`:
-  `batch_set_v1(hashes, host_indices)` (the file backend has no v1 calls);
-- read (`_storage_hit_query`, then `_generic_page_get` / `_page_get_zero_copy`):
-  `batch_exists(hashes)`, then `batch_get(hashes, [get_dummy_flat_data_page() per page])` and
-  `set_from_flat_data_page(host_index, page)` per page, or `batch_get_v1(hashes, host_indices)`.
+- write: `_generic_page_set`, `get_data_page(host_index)` per page then `batch_set(hashes,
+  pages)`; or `_page_set_zero_copy`, `batch_set_v1(hashes, host_indices)` (the file backend has
+  no v1 calls: SGLang runs it on the generic path);
+- read: `_storage_hit_query` (`batch_exists(hashes)`), then `_generic_page_get`,
+  `batch_get(hashes, [get_dummy_flat_data_page() per page])` and
+  `set_from_flat_data_page(host_index, page)` per page; or `_page_get_zero_copy`,
+  `batch_get_v1(hashes, host_indices)`.
 
 Every read is checked byte for byte against what was written. Pages are MHA pages of 8 layers,
 4 KV heads of 128 in bfloat16 (16 KiB a token), `page_size` tokens each: 16 tokens for 256 KiB,
-48 for 768 KiB, 128 for 2 MiB, 512 for 8 MiB. Host pools are `--layout` (page_first).
+48 for 768 KiB, 128 for 2 MiB, 512 for 8 MiB. The host pool is `--layout` (page_first).
 
 With SGLang importable (its own virtual environment, see docs/connectors.md), the host pool is
 SGLang's `MHATokenToKVPoolHost` on CPU, the file backend is SGLang's `HiCacheFile`, and the write
@@ -29,7 +31,7 @@ temporary directory under /tmp), a local disk; reads come back from the page cac
 for SGLang.
 
     python bench/sglang_bench.py                       # 256 KiB, 768 KiB, 2 MiB, 8 MiB; 5 rounds
-    python bench/sglang_bench.py --v1 --layout layer_first --rounds 3
+    python bench/sglang_bench.py --layout layer_first --rounds 3
     /work/venvs/sglang/bin/python bench/sglang_bench.py  # with SGLang's own classes
 """
 
@@ -326,16 +328,25 @@ def page_hashes(n: int, salt: str) -> list[str]:
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system) of this process, or of process `pid` (quilld)."""
+    """CPU time of this process (every thread), or of process `pid`'s threads (quilld), from the
+    scheduler's nanosecond counters."""
     if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return time.process_time()
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+SIDES = ("file", "quilld generic", "quilld v1")
 
 
 def run_size(size: int, args, port: int, file_dir: str, results: dict, quilld_pid: int) -> None:
+    """One page size: every round, each side stores `pages` pages and reads them back."""
     page_size = size // TOKEN_BYTES
     pages = args.pages
     pool, helper = host_pool(2 * pages * page_size, page_size, args.layout)
@@ -343,18 +354,18 @@ def run_size(size: int, args, port: int, file_dir: str, results: dict, quilld_pi
     src = index_array(0, pages * page_size)  # written from the first half of the pool
     dst = index_array(pages * page_size, 2 * pages * page_size)  # read into the second half
     expected = [helper.page_bytes(i * page_size) for i in range(pages)]
-    quill = quill_backend(port, args.v1, args.tcp, pool)
-    if quill.client.transport != ("tcp" if args.tcp else "shm"):
-        raise SystemExit(f"quilld transport is {quill.client.transport}: {quill.client.shm_unavailable_reason}")
+    generic, v1 = quill_backend(port, False, args.tcp, pool), quill_backend(port, True, args.tcp, pool)
+    for backend in (generic, v1):
+        if backend.client.transport != ("tcp" if args.tcp else "shm"):
+            raise SystemExit(f"quilld transport is {backend.client.transport}: {backend.client.shm_unavailable_reason}")
     sides = {"file": (controller(file_backend(file_dir), pool, page_size), generic_set, generic_get),
-             "quilld": (controller(quill, pool, page_size), v1_set if args.v1 else generic_set,
-                        v1_get if args.v1 else generic_get)}
-    order = list(sides)
+             "quilld generic": (controller(generic, pool, page_size), generic_set, generic_get),
+             "quilld v1": (controller(v1, pool, page_size), v1_set, v1_get)}
     for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
+        for name in SIDES[r % 3:] + SIDES[:r % 3]:  # each side first, second and last in turn
             ctl, write, read = sides[name]
             hashes = page_hashes(pages, f"{size}:{r}:{name}")
-            server = quilld_pid if name == "quilld" else None
+            server = quilld_pid if name != "file" else None
             c0, s0, t0 = cpu_seconds(), server and cpu_seconds(server), time.perf_counter()
             assert write(ctl, hashes, src), f"{name}: a write failed"
             c1, s1, t1 = cpu_seconds(), server and cpu_seconds(server), time.perf_counter()
@@ -369,13 +380,14 @@ def run_size(size: int, args, port: int, file_dir: str, results: dict, quilld_pi
             results.setdefault((size, name, "read"), []).append(pages * size / (t2 - t1) / MiB)
             results.setdefault((size, name, "write cpu"), []).append((c1 - c0 + ((s1 - s0) if server else 0)) / pages)
             results.setdefault((size, name, "read cpu"), []).append((c2 - c1 + ((s2 - s1) if server else 0)) / pages)
-            if name == "quilld":
-                quill.clear()
+            if server:
+                generic.clear()
             else:
                 for f in os.listdir(file_dir):
                     os.remove(os.path.join(file_dir, f))
             pool_clear(helper, pages, page_size)
-    quill.close()
+    generic.close()
+    v1.close()
 
 
 def pool_clear(helper, pages: int, page_size: int) -> None:
@@ -402,13 +414,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pages", type=int, default=128, help="pages per repetition (SGLang's STORAGE_BATCH_SIZE)")
     ap.add_argument("--sizes", default="256K,768K,2M,8M", help="page sizes, e.g. 768K,2M")
-    ap.add_argument("--v1", action="store_true", help="quilld through interface_v1 (batch_set_v1 / batch_get_v1)")
     ap.add_argument("--layout", default="page_first", choices=["page_first", "layer_first"])
     ap.add_argument("--tcp", action="store_true", help="quilld over TCP instead of shared memory")
     ap.add_argument("--dir", default=None, help="the file backend's directory (default: a new one under /tmp)")
     ap.add_argument("--quilld-python", default=shutil.which("python3") if SGLANG else sys.executable,
                     help="the Python that runs quilld (SGLang's environment has not quilld's packages)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's intra-op threads (SGLang's page copies on both sides; more threads spin on a busy machine)")
     args = ap.parse_args()
+    if SGLANG:
+        torch.set_num_threads(args.torch_threads)
     sizes = [int(s[:-1]) * (KiB if s[-1] in "kK" else MiB) for s in args.sizes.split(",")]
     file_dir = tempfile.mkdtemp(prefix="hicache-file-", dir=args.dir or "/tmp")
     sock_dir = tempfile.mkdtemp(prefix="qb", dir="/tmp")
@@ -427,22 +442,19 @@ def main() -> None:
         shutil.rmtree(sock_dir, ignore_errors=True)
     what = "SGLang 0.5.23's own HiCacheFile, MHATokenToKVPoolHost and CacheController steps" if SGLANG else \
         "copies of SGLang 0.5.23's HiCacheFile I/O, host pool layout and CacheController steps (SGLang not importable)"
-    path = "interface_v1" if args.v1 else "generic"
-    print(f"{what}; quilld {path} path over {'TCP' if args.tcp else 'shared memory'}; {args.layout}; "
-          f"{args.pages} pages a repetition, {args.rounds} rounds, medians in MiB/s; "
+    print(f"{what}; quilld over {'TCP' if args.tcp else 'shared memory'}; {args.layout} host pool; "
+          f"{args.pages} pages a repetition, {args.rounds} rounds, medians; "
           f"load average {before} before, {loadavg()} after")
-    print("| page | op | file MiB/s | quilld MiB/s | quilld/file | file CPU ms/page | quilld CPU ms/page |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| page | op | file MiB/s | quilld generic | /file | quilld v1 | /file | CPU ms/page: file, generic, v1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for size in sizes:
+        label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
         for op in ("write", "read"):
-            f = statistics.median(results[(size, "file", op)])
-            q = statistics.median(results[(size, "quilld", op)])
-            fc = statistics.median(results[(size, "file", op + " cpu")]) * 1000
-            qc = statistics.median(results[(size, "quilld", op + " cpu")]) * 1000
-            label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
-            print(f"| {label} | {op} | {f:.0f} | {q:.0f} | {q / f:.2f}x | {fc:.2f} | {qc:.2f} |")
-    print("(CPU: the bench process's user + system time, plus quilld's for quilld; a file's write-back "
-          "by the kernel's flusher threads is not counted)")
+            f, g, v = (statistics.median(results[(size, side, op)]) for side in SIDES)
+            cpu = ", ".join(f"{statistics.median(results[(size, side, op + ' cpu')]) * 1000:.2f}" for side in SIDES)
+            print(f"| {label} | {op} | {f:.0f} | {g:.0f} | {g / f:.2f}x | {v:.0f} | {v / f:.2f}x | {cpu} |")
+    print("(CPU: the bench process's time, plus quilld's for quilld; the kernel's write-back of the file "
+          "backend's pages, by its flusher threads, is not counted)")
 
 
 if __name__ == "__main__":

@@ -307,8 +307,8 @@ def test_sglang_class_subclasses_sglangs_base_when_sglang_is_importable(tmp_path
 
 
 def test_sglang_generic_path_backup_and_prefetch(hicache_both):
-    hicache = hicache_both
-    writer, reader = hicache(), hicache()  # two engines of the same model and rank layout
+    generic = {"interface_v1": 0}
+    writer, reader = hicache_both(generic), hicache_both(generic)  # two engines of the same model and ranks
     tokens = list(range(50_000, 50_000 + 130 * PAGE))
     hashes = page_hashes(tokens)
     assert len(hashes) == 130 and all(len(h) == 64 for h in hashes)
@@ -540,7 +540,7 @@ def test_sglang_interface_v1_stores_every_layout_as_the_generic_page(hicache_bot
     pool_type = MLAHostPool if mla else HostPool
     src, dst, other = (pool_type(16, seed=s, layers=3, layout=layout) for s in (40, None, None))
     v1_writer, v1_reader = (hicache_both({"interface_v1": 1}, is_mla_model=mla) for _ in range(2))
-    generic = hicache_both(is_mla_model=mla)
+    generic = hicache_both({"interface_v1": 0}, is_mla_model=mla)
     v1_writer.register_mem_pool_host(src)
     v1_reader.register_mem_pool_host(dst)
     generic.register_mem_pool_host(other)
@@ -590,7 +590,7 @@ def test_sglang_refuses_a_layout_it_cannot_store_at_registration(hicache):
                                          r"get_page_buffer_meta refuses it \(ValueError: Unsupported layout"):
         v1.register_mem_pool_host(unified)
     assert v1.mem_pool_host is None
-    generic = hicache()
+    generic = hicache({"interface_v1": 0})
     with pytest.raises(ValueError, match=r"cannot store pool 'kv': HostPool \(layout 'page_unified'\) gives no "
                                          r"flat data page"):
         generic.register_mem_pool_host(unified)
@@ -614,7 +614,7 @@ def test_sglang_v2_pages_are_deleted_when_their_kv_pages_cannot_be_stored(quilld
     Draft pages another engine had stored are kept, and so are the ones whose KV page is in."""
     q = start_node(quilld_factory, sock_dir, json.loads(recipe("sglang-hicache"))["password"], dram="4MiB")
     make = factory(q, backends)
-    extra = {"interface_v1": 1} if v1 else {}
+    extra = {"interface_v1": int(v1)}
     big_kv = HostPool(3, seed=50, layers=256, heads=256)  # 8 MiB pages: larger than quilld's arena
     small_kv, draft = HostPool(3, seed=51), HostPool(3, seed=52, layers=1)
     failing, working, other = make(extra), make(extra), make(extra)
