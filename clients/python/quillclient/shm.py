@@ -29,7 +29,10 @@ stay pinned only while they are copied.
 
 Writes: `PUT2PHASE BEGIN key nbytes [LEASE ms] SHM` answers [handle, offset]; the
 client copies the block into its mapping at offset and commits with its CRC32C
-(mandatory for in-place puts; quilld checks it over the region).
+(mandatory for in-place puts; quilld checks it over the region). A round's BEGINs go
+in one send and their replies are all read before any byte is copied (a refusal stores
+nothing of the round); then COMMITs go out as blocks are copied, a window at a time, so
+quilld checks some blocks while the client copies the next ones.
 
 Every unix connection attaches itself, and the mapping it uses is the one its own
 ATTACH handed over (a quilld that restarted hands a new arena: it is mapped anew,
@@ -60,6 +63,7 @@ from quillclient.zerocopy import MISS, RawPool, _kernel_timeouts, setting_up
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
+COMMIT_WINDOW = 4 << 20  # bytes of blocks copied before their COMMITs go (a put round's replies are read at its end)
 DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
 
 
@@ -382,6 +386,7 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
             conn.next_reply()
         begun = [conn.next_reply() for _ in order]
         handles: dict[int, bytes] = {}
+        offsets: dict[int, int] = {}
         error: QuillError | None = None
         for i, reply in zip(order, begun):
             if isinstance(reply, ReplyError):
@@ -391,14 +396,22 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
                 else:
                     error = error or err
             elif type(reply) is list:
-                handles[i] = reply[0]
-                offset = reply[1]
-                data = blocks[i][1]
-                store(conn.mapping.arena[offset:offset + data.nbytes], data)
+                handles[i], offsets[i] = reply[0], reply[1]
         if error is None and handles:
-            commits = [pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc_of(blocks[i][1]))
-                       for i in handles]
-            conn.send([piece for cmd in commits for piece in cmd])
+            # Each block copied, then its COMMIT sent (COMMIT_WINDOW bytes of blocks at a time) before
+            # the next is copied: quilld checks one window's CRC32C on the other core meanwhile.
+            window: list = []
+            window_bytes = 0
+            for i in handles:
+                data = blocks[i][1]
+                store(conn.mapping.arena[offsets[i]:offsets[i] + data.nbytes], data)
+                window += pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc_of(data))
+                window_bytes += data.nbytes
+                if window_bytes >= COMMIT_WINDOW:
+                    conn.send(window)
+                    window, window_bytes = [], 0
+            if window:
+                conn.send(window)
             for i in handles:
                 reply = conn.next_reply()
                 if isinstance(reply, ReplyError):
