@@ -43,7 +43,7 @@ from quillwire.encode import pack_command
 from quillclient import blocks, segments, shm, zerocopy
 from quillclient.config import ClientConfig, Scope
 from quillclient.errors import AuthError, BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
-from quillclient.zerocopy import as_writable
+from quillclient.segments import as_writable
 
 T = TypeVar("T")
 
@@ -296,32 +296,9 @@ class QuillClient:
             raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
         pool = self._shm_pool()
         if pool is None:
-            return self._tcp_get_many(keys, views)
-        return shm.get_many(pool, keys, views, self.config.verify_crc,
-                            lambda i: self._tcp_get_many([keys[i]], [views[i]])[0])
-
-    def _tcp_get_many(self, keys: Sequence[str | bytes], views: list) -> list[int]:
-        """get_many_into over TCP; a Segments target is read into a staging buffer, then scattered."""
-        scattered = {i: v for i, v in enumerate(views) if isinstance(v, segments.Segments)}
-        if not scattered:
             return zerocopy.get_many_into(self._raw, keys, views)
-        staged = list(views)
-        for i, v in scattered.items():
-            staged[i] = memoryview(bytearray(v.nbytes))
-        try:
-            results = zerocopy.get_many_into(self._raw, keys, staged)
-        except BufferTooSmall as e:
-            self._scatter(scattered, staged, e.results)
-            raise
-        self._scatter(scattered, staged, results)
-        return results
-
-    @staticmethod
-    def _scatter(scattered: dict, staged: list, results: list) -> None:
-        for i, target in scattered.items():
-            n = results[i]
-            if n is not None and n > 0:
-                target.fill_from(staged[i][:n])
+        return shm.get_many(pool, keys, views, self.config.verify_crc,
+                            lambda i: zerocopy.get_many_into(self._raw, [keys[i]], [views[i]])[0])
 
     def delete(self, *keys: str | bytes) -> int:
         """Delete keys; the number that existed."""

@@ -7,9 +7,9 @@ a list of buffers (the first `len(b0)` bytes into b0, the next into b1, ...), so
 page is one object, written and read whole (one command, one CRC32C, never half stored).
 
 Over shared memory the pieces are copied straight between the caller's buffers and the
-arena; over TCP they are joined into one staging buffer for the put, and a read lands in
-one and is then copied out (one extra copy of the page, on a path that already copies
-through the socket).
+arena. Over TCP a read is received straight into the pieces (quillwire's ReplyReader
+scatters a payload over a list of buffers); a put joins them into one staging buffer
+first (one extra copy of the page, on a path that already copies through the socket).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from typing import Any
 import crc32c
 
 from quillwire.encode import as_readable
-
-from quillclient.zerocopy import as_writable
 
 
 class Segments:
@@ -88,6 +86,15 @@ def writable(buffer: Any) -> memoryview | Segments:
     if isinstance(buffer, (list, tuple)):
         return Segments([as_writable(b) for b in buffer])
     return as_writable(buffer)
+
+
+def as_writable(buffer: Any) -> memoryview:
+    """A flat writable byte view of `buffer`; TypeError for read-only objects."""
+    view = as_readable(buffer)
+    if view.readonly:
+        raise TypeError(f"{type(buffer).__name__} is read-only: get_into needs a writable buffer "
+                        "(bytearray, numpy array, mmap, memoryview)")
+    return view
 
 
 def crc_of(data: memoryview | Segments) -> int:
