@@ -321,6 +321,11 @@ def test_sglang_generic_path_backup_and_prefetch(hicache_both):
     assert other[:5] == hashes[:5] and other[5] != hashes[5]
     assert reader.batch_exists(other) == 5
     assert reader.batch_exists([]) == 0
+    # a hole: pages 0, 1 and 3 of a prompt stored, so 3 are stored but the first 2 lead
+    holed = page_hashes(list(range(900_000, 900_000 + 4 * PAGE)))
+    backup(writer, src, [holed[0], holed[1], holed[3]])
+    assert reader.batch_exists(holed) == 2 and reader.batch_exists(holed[1:]) == 1
+    assert reader.batch_exists(holed[2:]) == 0 and reader.batch_exists(holed[3:]) == 1
     # single-page calls; a miss is None / False
     page = dst.get_dummy_flat_data_page()
     assert reader.get(hashes[7], page) is page and np.array_equal(page, src.get_data_page(7 * PAGE))

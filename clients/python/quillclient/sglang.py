@@ -256,11 +256,20 @@ class QuillHiCacheStorage(_Base):
             return False
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many pages, from the first, are stored: one pipelined round of EXISTS."""
+        """How many pages, from the first, are stored. One `EXISTS` of every page counts them: all
+        or none answers it (the usual cases), and so does a count `c` whose first `c` pages are
+        all stored (the rest then are not: a stored prefix, as SGLang stores pages). Otherwise (a
+        hole) one pipelined EXISTS a page finds the first missing one."""
         if not keys:
             return 0
+        names = [self.page_key(k) for k in keys]
         try:
-            replies = self.client.exists_many([self.page_key(k) for k in keys])
+            stored = self.client.execute("EXISTS", *names, idempotent=True)
+            if stored in (0, len(names)):
+                return stored
+            if self.client.execute("EXISTS", *names[:stored], idempotent=True) == stored:
+                return stored
+            replies = self.client.exists_many(names)
         except QuillError as e:
             log.warning("quilld batch EXISTS failed: %s", e)
             return 0
