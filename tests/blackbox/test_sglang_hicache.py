@@ -15,7 +15,6 @@ both ways.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -24,14 +23,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-from quillclient import BufferTooSmall, QuillClient, QuillError, WrongPass
+from quillclient import QuillClient, QuillError, WrongPass
 
 from conftest import ROOT, wait_until
+from sglang_pools import PAGE, STORAGE_BATCH_SIZE, HostPool, MLAHostPool, PoolTransfer, StorageConfig, page_hashes
 
 DOC = ROOT / "docs" / "connectors.md"
 
@@ -43,156 +42,6 @@ def recipe(name: str) -> str:
     m = re.search(rf"<!-- recipe: {re.escape(name)} -->\s*```\w*\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert m, f"docs/connectors.md has no recipe {name!r}"
     return m.group(1)
-
-
-STORAGE_BATCH_SIZE = 128  # sglang/srt/mem_cache/hicache_storage.py: pages per batched storage call
-PAGE, SG_LAYERS, SG_HEADS, SG_DIM = 4, 2, 2, 8
-
-
-@dataclass
-class StorageConfig:
-    """The HiCacheStorageConfig fields a backend reads (SGLang 0.5.23)."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    attn_cp_rank: int = 0
-    attn_cp_size: int = 1
-    is_mla_model: bool = False
-    enable_storage_metrics: bool = False
-    is_page_first_layout: bool = True
-    model_name: str | None = "Qwen/Qwen3-8B"
-    extra_config: dict | None = None
-    dcp_size: int = 1
-    dcp_rank: int = 0
-    tp_lcm_size: int | None = None
-    should_split_heads: bool = False
-    dp_rank: int = 0
-    logical_page_size: int | None = None
-
-
-class HostPool:
-    """SGLang 0.5.23's MHATokenToKVPoolHost (mem_cache/pool_host/mha.py) over numpy, in one of its
-    layouts: the buffer's shape and the page methods HiCache storage uses, as SGLang writes them.
-    `page_unified` keeps SGLang's refusals (no flat page, no per-page buffers)."""
-
-    def __init__(self, pages: int, seed: int | None = None, layers: int = SG_LAYERS, layout: str = "page_first",
-                 page_size: int = PAGE, heads: int = SG_HEADS) -> None:
-        self.page_size, self.size, self.page_num, self.layer_num = page_size, pages * page_size, pages, layers
-        self.head_num, self.head_dim, self.layout = heads, SG_DIM, layout
-        shape = {"layer_first": (2, layers, self.size, heads, SG_DIM),
-                 "page_first": (2, self.size, layers, heads, SG_DIM),
-                 "page_first_direct": (2, pages, layers, page_size, heads, SG_DIM),
-                 "page_unified": (pages, 2 * layers * page_size * heads * SG_DIM)}[layout]
-        self.kv_buffer = np.zeros(shape, np.float16)
-        if seed is not None:
-            self.kv_buffer[:] = np.random.default_rng(seed).standard_normal(shape)
-
-    def _page(self, index: int) -> np.ndarray:
-        index = int(index)
-        if self.layout == "layer_first":
-            return self.kv_buffer[:, :, index:index + self.page_size]
-        if self.layout == "page_first":
-            return self.kv_buffer[:, index:index + self.page_size]
-        if self.layout == "page_first_direct":
-            return self.kv_buffer[:, index // self.page_size:index // self.page_size + 1]
-        raise ValueError(f"Unsupported layout: {self.layout}")
-
-    def get_data_page(self, index: int, flat: bool = True) -> np.ndarray:
-        return self._page(index).flatten() if flat else self._page(index)
-
-    def get_dummy_flat_data_page(self) -> np.ndarray:
-        return np.zeros(2 * self.layer_num * self.page_size * self.head_num * SG_DIM, np.float16)
-
-    def set_from_flat_data_page(self, index: int, data_page: np.ndarray) -> None:
-        page = self._page(index)
-        page[...] = data_page.reshape((2, self.layer_num, self.page_size, self.head_num, SG_DIM)
-                                      if self.layout == "layer_first" else page.shape)
-
-    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
-        """MHATokenToKVPoolHost.get_page_buffer_meta: K and V per page (per layer in layer_first)."""
-        assert len(indices) % self.page_size == 0
-        indices = indices.tolist()
-        item, base = self.kv_buffer.itemsize, self.kv_buffer.ctypes.data
-        row = self.head_num * SG_DIM * item
-        v_offset = self.layer_num * self.size * row
-        ptrs = []
-        if self.layout == "layer_first":
-            for index in range(0, len(indices), self.page_size):
-                for layer in range(self.layer_num):
-                    k = base + indices[index] * row + layer * self.size * row
-                    ptrs += [k, k + v_offset]
-            return ptrs, [item * self.page_size * self.head_num * SG_DIM] * len(ptrs)
-        if self.layout in ("page_first", "page_first_direct"):
-            for index in range(0, len(indices), self.page_size):
-                k = base + indices[index] * self.layer_num * row
-                ptrs += [k, k + v_offset]
-            return ptrs, [self.layer_num * item * self.page_size * self.head_num * SG_DIM] * len(ptrs)
-        raise ValueError(f"Unsupported layout: {self.layout}")
-
-    def page(self, index: int) -> np.ndarray:
-        """The page at host index `index` as the generic path stores it (a copy)."""
-        return self.get_data_page(index).copy()
-
-
-class MLAHostPool(HostPool):
-    """SGLang 0.5.23's MLATokenToKVPoolHost (mem_cache/pool_host/mla.py): one latent row a token
-    and layer, no V; layer_first and page_first."""
-
-    KV_DIM = 48
-
-    def __init__(self, pages: int, seed: int | None = None, layers: int = SG_LAYERS, layout: str = "page_first") -> None:
-        self.page_size, self.size, self.layer_num, self.layout = PAGE, pages * PAGE, layers, layout
-        shape = {"layer_first": (layers, self.size, 1, self.KV_DIM),
-                 "page_first": (self.size, layers, 1, self.KV_DIM)}[layout]
-        self.kv_buffer = np.zeros(shape, np.float16)
-        if seed is not None:
-            self.kv_buffer[:] = np.random.default_rng(seed).standard_normal(shape)
-
-    def _page(self, index: int) -> np.ndarray:
-        index = int(index)
-        if self.layout == "layer_first":
-            return self.kv_buffer[:, index:index + self.page_size]
-        return self.kv_buffer[index:index + self.page_size]
-
-    def get_dummy_flat_data_page(self) -> np.ndarray:
-        return np.zeros(self.layer_num * self.page_size * self.KV_DIM, np.float16)
-
-    def set_from_flat_data_page(self, index: int, data_page: np.ndarray) -> None:
-        page = self._page(index)
-        page[...] = data_page.reshape(page.shape)
-
-    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
-        """MLATokenToKVPoolHost.get_page_buffer_meta: one buffer a page, or one a layer (layer_first)."""
-        indices = indices.tolist()
-        item, base, row = self.kv_buffer.itemsize, self.kv_buffer.ctypes.data, self.KV_DIM * 2
-        ptrs = []
-        if self.layout == "layer_first":
-            for index in indices[::self.page_size]:
-                ptrs += [base + index * row + layer * self.size * row for layer in range(self.layer_num)]
-            return ptrs, [item * self.page_size * self.KV_DIM] * len(ptrs)
-        for index in indices[::self.page_size]:
-            ptrs.append(base + index * self.layer_num * row)
-        return ptrs, [self.layer_num * item * self.page_size * self.KV_DIM] * len(ptrs)
-
-
-def page_hashes(tokens: list[int], prior: str | None = None, extra_key: str | None = None,
-                cache_salt: str | None = None) -> list[str]:
-    """SGLang's page keys (mem_cache/utils.py get_storage_hash_str): SHA-256 of the prior digest and the
-    page's uint32 tokens, chained; a new chain starts from the request's namespace seed when it has
-    an extra key (LoRA and the like) or a cache salt (storage_namespace_seed), else from nothing."""
-    if prior is None and (extra_key, cache_salt) != (None, None):
-        seed = hashlib.sha256(b"sglang-cache-namespace-v1")
-        for part in (extra_key, cache_salt):
-            raw = None if part is None else part.encode()
-            seed.update(b"\x00" if raw is None else b"\x01" + len(raw).to_bytes(8, "little") + raw)
-        prior = seed.hexdigest()
-    out, digest = [], bytes.fromhex(prior) if prior else b""
-    for start in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
-        digest = hashlib.sha256(digest + np.asarray(tokens[start:start + PAGE], "<u4").tobytes()).digest()
-        out.append(digest.hex())
-    return out
 
 
 @pytest.fixture
@@ -406,21 +255,6 @@ def test_sglang_page_hashes_take_the_request_namespace(hicache):
     backend = hicache()
     backup(backend, HostPool(4, seed=12), salted)
     assert backend.batch_exists(salted) == 4 and backend.batch_exists(plain) == 0
-
-
-@dataclass
-class PoolTransfer:
-    """SGLang 0.5.23's PoolTransfer (mem_cache/hicache_storage.py), the fields a backend reads."""
-
-    name: str
-    host_indices: Any = None
-    device_indices: Any = None
-    keys: list[str] | None = None
-    hit_policy: str = "all_pages"
-    nodes_to_load: Any = None
-    indices_from_pool: str | None = None
-    block_pages: int = 0
-    group_pages: int = 0
 
 
 def spec_backup(backend, kv_pool: HostPool, draft_pool: HostPool, hashes: list[str], host_indices) -> None:
@@ -661,62 +495,3 @@ def test_sglang_shared_memory_setting_decides_at_attach(quilld_factory, backends
         make({"shared_memory": "require"})
     with pytest.raises(ValueError, match="shared_memory must be"):
         make({"shared_memory": "yes"})
-
-
-def test_put_blocks_gathers_and_get_many_into_scatters(quilld_factory, sock_dir, transport):
-    """The client calls the v1 path rests on: a list of buffers stored as one block (their
-    concatenation), and a block read into a list of buffers, over shared memory and over TCP."""
-    password = json.loads(recipe("sglang-hicache"))["password"]
-    q = start_node(quilld_factory, sock_dir, password)
-    mode = {"shm": "require", "tcp": "off"}[transport]
-    with QuillClient("127.0.0.1", q.port, password=password, shared_memory=mode, verify_crc=True) as c:
-        assert c.transport == transport
-        rng = np.random.default_rng(7)
-        parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 70_000, 1 << 20)]
-        whole = np.concatenate(parts)
-        assert c.put_blocks([("gathered", parts), ("whole", whole)]) == [True, True]
-        assert c.get("gathered") == whole.tobytes()
-        outs, plain, tiny = [np.zeros_like(p) for p in parts], np.zeros_like(whole), np.zeros(3, np.uint8)
-        assert c.get_many_into(["whole", "missing", "gathered"], [outs, tiny, plain]) == [whole.nbytes, -1,
-                                                                                         whole.nbytes]
-        assert all(np.array_equal(o, p) for o, p in zip(outs, parts)) and np.array_equal(plain, whole)
-        # a shorter block fills the buffers from the first; a longer one writes nothing
-        c.put("short", whole[:5000])
-        outs = [np.zeros_like(p) for p in parts]
-        assert c.get_many_into(["short"], [outs]) == [5000]
-        got = np.concatenate(outs)
-        assert np.array_equal(got[:5000], whole[:5000]) and not got[5000:].any()
-        small = (np.zeros(10, np.uint8), np.zeros(10, np.uint8))
-        with pytest.raises(BufferTooSmall):
-            c.get_many_into(["gathered"], [small])
-        assert not small[0].any() and not small[1].any()
-        assert c.put_blocks([("gathered", parts[3:])]) == [False]  # complete already: kept
-        assert c.get("gathered") == whole.tobytes()
-
-
-def test_get_many_into_over_shared_memory_pipelines_batches_and_releases_every_lease(quilld_factory, sock_dir):
-    """get_many_into sends a batch's SHM GET before copying the one before it (an SGLang batch of
-    128 pages is two): every page lands, a miss or a too-small buffer in either batch is reported
-    as before, every lease is released, and the connection stays usable."""
-    from quillclient import shm
-
-    password = json.loads(recipe("sglang-hicache"))["password"]
-    q = start_node(quilld_factory, sock_dir, password)
-    n = 2 * shm.GET_BATCH + 5
-    rng = np.random.default_rng(9)
-    blocks = [rng.integers(0, 256, 20_000 + 97 * i, dtype=np.uint8) for i in range(n)]
-    with QuillClient("127.0.0.1", q.port, password=password, shared_memory="require") as c:
-        c.put_blocks([(f"p{i}", b) for i, b in enumerate(blocks) if i % 50 != 7])  # 7, 57, 107: misses
-        outs = [np.zeros(b.nbytes, np.uint8) for b in blocks]
-        got = c.get_many_into([f"p{i}" for i in range(n)], outs)
-        assert got == [-1 if i % 50 == 7 else b.nbytes for i, b in enumerate(blocks)]
-        assert all(np.array_equal(o, b) for i, (o, b) in enumerate(zip(outs, blocks)) if i % 50 != 7)
-        outs = [np.zeros(b.nbytes, np.uint8) for b in blocks]
-        outs[shm.GET_BATCH + 3] = np.zeros(10, np.uint8)  # too small, in the second batch
-        with pytest.raises(BufferTooSmall) as e:
-            c.get_many_into([f"p{i}" for i in range(n)], outs)
-        assert e.value.results[shm.GET_BATCH + 3] is None and e.value.results[-1] == blocks[-1].nbytes
-        assert np.array_equal(outs[-1], blocks[-1]) and not outs[shm.GET_BATCH + 3].any()
-        assert c.get_many_into(["p0"], [np.zeros(blocks[0].nbytes, np.uint8)]) == [blocks[0].nbytes]
-        with QuillClient("127.0.0.1", q.port, password=password, shared_memory="off") as tcp:
-            assert wait_until(lambda: tcp.execute("INFO", "shm").get("shm_leases_live") == 0, timeout=10)
