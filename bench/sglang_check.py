@@ -18,6 +18,7 @@ layer_first, page_first_direct), on the generic and the v1 path, over shared mem
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -85,7 +86,7 @@ def one_case(port: int, recipe: dict, kind: str, layout: str, v1: bool, transpor
         except ValueError as e:
             return f"refused at registration: {e}"
         reader.register_mem_pool_host(dst)
-        hashes = [f"{kind}-{layout}-{v1}-{transport}-{i}".encode().hex().ljust(64, "0")[:64] for i in range(PAGES)]
+        hashes = [hashlib.sha256(f"{kind}-{layout}-{v1}-{transport}-{i}".encode()).hexdigest() for i in range(PAGES)]
         write = SimpleNamespace(storage_backend=writer, storage_host_pool=src, page_size=PAGE)
         read = SimpleNamespace(storage_backend=reader, storage_host_pool=dst, page_size=PAGE)
         src_indices = torch.arange(4 * PAGE, (4 + PAGES) * PAGE)
