@@ -130,6 +130,7 @@ class Node:
         self.feed = ResidencyFeed(control.index, node_id, scopes)
         keyspace.listener = self.feed
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
+        control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(
             cfg=cfg, node_id=node_id, keyspace=keyspace,
             puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms),
