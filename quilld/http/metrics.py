@@ -46,6 +46,7 @@ from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
+from quilld.index.pairing import REASONS
 from quilld.model import CacheTier
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import counters, tier_stats
@@ -415,6 +416,20 @@ class Figures(Collector):
                         [(["full"], ctl.sessions.evicted_full), (["idle"], ctl.sessions.evicted_idle)])
         yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
                         ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
+        loads = {e: ctl.engines.load(e) for e in engines}
+        yield _labelled(GaugeMetricFamily, "engine_prefills", "Requests prefilling per engine (prefill leases, and "
+                        "whole requests before their first byte).", ["engine"],
+                        [([e], load.prefills) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_prefill_tokens", "Uncached prompt tokens those requests still "
+                        "prefill, per engine.", ["engine"], [([e], load.prefill_tokens) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_decodes", "Requests decoding per engine (decode leases and whole "
+                        "requests).", ["engine"], [([e], load.decodes) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_info", "1 per engine: its role (prefill, decode, both) and the "
+                        "node it stores its KV through.", ["engine", "role", "kv_node"],
+                        [([e.id, e.role, e.locality or ctl.node_id], 1) for e in ctl.engines.engines.values()])
+        yield _labelled(CounterMetricFamily, "route_pairs", "Prefill-decode decisions (engines with roles), by "
+                        "reason: disaggregated (cost, always) or one engine (short, queue, never, no_prefill_engine).",
+                        ["reason"], [([r], ctl.stats[f"pair_{r}"]) for r in REASONS])
         for key in FEED_COUNTERS:
             yield _labelled(CounterMetricFamily, f"kv_engine_{key}", FEED_HELP.get(key, f"KV-event feed: {key}."),
                             ["engine"], [([e], v[key]) for e, v in views.items()])

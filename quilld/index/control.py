@@ -371,7 +371,7 @@ class ControlPlane:
         pair = decide(cands, blocks, block_tokens, self.pair_costs)
         if pair is None:
             raise NoDecodeEngine(model)
-        self.stats["routes_disaggregated" if pair.disaggregated else "routes_aggregated"] += 1
+        self.stats[f"pair_{pair.reason}"] += 1
         return pair
 
     def resident(self, tag: bytes, blocks: list) -> int:
