@@ -213,7 +213,7 @@ class Node:
                 await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"
-            self._gateway = Gateway(ctx, self.metrics.gateway_ttft)
+            self._gateway = Gateway(ctx, self.metrics.gateway_ttft, self.metrics.gateway_handoff)
             ctx.gateway = self._gateway
             async with _listening(GATEWAY, s.bind, self.cfg.gateway.port):
                 ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)

@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 from quilld import __version__
 from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
-from quilld.http.gateway_stats import GatewayStats, ttft_histogram
+from quilld.http.gateway_stats import GatewayStats, handoff_histogram, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
 from quilld.index.pairing import REASONS
 from quilld.model import CacheTier
@@ -193,7 +193,8 @@ GATEWAY_HELP = {
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
 }
-GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
+GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms",  # quilld_gateway_ttft_seconds
+                          "gateway_handoff_wait_p50_ms", "gateway_handoff_wait_p99_ms"}  # ..._handoff_wait_seconds
 TIERS = tuple(t.value for t in CacheTier)
 
 # Figures whose INFO name lacks their unit, or carries it in the middle: their metric's name. Names
@@ -250,6 +251,7 @@ class NodeMetrics:
         self.route = histogram("quilld_route_duration_seconds", "One routing decision (scoring every candidate "
                                "engine).", ROUTE_BUCKETS)
         self.gateway_ttft = ttft_histogram(reg)
+        self.gateway_handoff = handoff_histogram(reg)
         reg.register(Figures(node))
         self.commands = CommandLatency(node)
         reg.register(self.commands)
