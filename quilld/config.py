@@ -130,6 +130,7 @@ class RouterConfig:
     disagg_min_uncached_tokens: int = 512  # fewer uncached prompt tokens than this: prefilled on the decode engine
     prefill_us_per_token: float = 45.0  # an engine's prefill time per uncached token (and per token queued ahead)
     running_decode_penalty_us: float = 1500.0  # what each running decode adds to an engine's prefill step
+    decode_stall_weight: float = 1.0  # a running decode's stall by a prefill on its engine, against the request's wait
     transfer_us_per_mib: float = 55.0  # moving KV between nodes, per MiB (DRAM tier, where a prefill's KV lands)
     cross_node_us: float = 350.0  # once per transfer between two nodes
     handoff_us: float = 2000.0  # a disaggregated request's own overhead: a second request and the handoff check
@@ -307,7 +308,8 @@ class Config:
             raise ConfigError(f"router.disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
                               f"got {r.disaggregation!r}")
         if r.disagg_min_uncached_tokens < 0 or min(r.prefill_us_per_token, r.running_decode_penalty_us,
-                                                   r.transfer_us_per_mib, r.cross_node_us, r.handoff_us) < 0:
+                                                   r.decode_stall_weight, r.transfer_us_per_mib, r.cross_node_us,
+                                                   r.handoff_us) < 0:
             raise ConfigError("router: disagg_min_uncached_tokens and the prefill, decode, transfer and handoff "
                               "costs must be at least 0")
         ssd = self.ssd

@@ -110,7 +110,8 @@ class ControlPlane:
                                    storage_credit=r.storage_credit)
         self.idle_warning_s = r.kv_idle_warning_s
         self.pair_costs = PairCosts(r.disaggregation, r.disagg_min_uncached_tokens, r.prefill_us_per_token,
-                                    r.running_decode_penalty_us, r.transfer_us_per_mib, r.cross_node_us, r.handoff_us)
+                                    r.running_decode_penalty_us, r.decode_stall_weight, r.transfer_us_per_mib,
+                                    r.cross_node_us, r.handoff_us)
         self.node_id = cfg.server.node_id  # this node's id (node.py sets the derived one): an engine's default locality
         g = cfg.gateway
         self.sessions = SessionAffinity(g.session_max, g.session_idle_s)  # (tenant, session) -> engine

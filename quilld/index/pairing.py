@@ -6,15 +6,16 @@ decodes it, and whether the two are different engines (disaggregated: the prefil
 goes through this pool to the decode engine) or one engine does both, as without roles.
 DistServe's case for splitting them is that a prefill stalls the decodes batched with it;
 Dynamo's "conditional disaggregation" adds that a short uncached prompt, or a long prefill
-queue, is better prefilled on the decode engine itself. Both are decided here.
+queue, is better prefilled on the decode engine itself. Both are weighed here.
 
 Estimates are in microseconds, from the seed's cost model (`router.*`):
 
-- prefill on engine e: `prefill_us_per_token` x (tokens queued ahead of it on e + the
-  prompt's tokens e cannot reuse) + `running_decode_penalty_us` x the decodes running on
-  e (each one shares e's steps). The tokens e cannot reuse are (blocks - e's credit) x
-  tokens per block, the credit being the router's (a prefix block in e's HBM is worth 1,
-  in host memory 0.75, ...).
+- prefilling on engine e costs its wait and its harm: `prefill_us_per_token` x (tokens
+  queued ahead of it on e + the prompt's tokens e cannot reuse) + `running_decode_penalty_us`
+  x the decodes running on e (they share its steps), plus `decode_stall_weight` x those
+  decodes x the prefill's own time (each running decode waits while it runs). The tokens e
+  cannot reuse are (blocks - e's credit) x tokens per block, the credit being the router's
+  (a prefix block in e's HBM is worth 1, in host memory 0.75, ...).
 - moving the KV to decode engine d: the prefill's KV lands on the node the prefill
   engine stores through (its `locality`), in DRAM. On d's own node it costs nothing;
   otherwise the blocks d cannot reuse move: `transfer_us_per_mib` per MiB (the DRAM
@@ -22,21 +23,22 @@ Estimates are in microseconds, from the seed's cost model (`router.*`):
 
 The choice, given every candidate's router score and load:
 
-- the prefill engine P: of the prefill-capable engines (prefill, both), the one whose
-  prefill is estimated soonest: the most reusable prefix, then the shortest queue;
+- the prefill engine P: of the prefill-capable engines (prefill, both), the cheapest to
+  prefill on: the most reusable prefix, then the shortest queue (ties: the engine id);
 - the decode engine D: of the decode-capable engines (decode, both) other than P, the
   one with the fewest running decodes plus the KV's move to it (ties: the engine id);
 - the aggregated engine A: of the decode-capable engines, the router's pick (its cost:
   the least recompute, then the fewest requests in flight), as without roles.
 
-Then: `local_us` = A's prefill estimate (prefilling on the decode side), `remote_us` =
-P's + the move to D + `handoff_us` (a second request and the handoff check). The answer
-is one engine (A) when the prompt's uncached tokens on A are fewer than
-`disagg_min_uncached_tokens` ("short"), when no other engine can prefill
-("no_prefill_engine"), or when `remote_us` is not below `local_us` ("queue": the prefill
-side would be slower); otherwise the pair (P, D) ("cost"). `router.disaggregation`
-"always" answers the pair whenever there is one ("always"), "never" always A ("never").
-A model with no decode-capable engine has no answer (the caller's error).
+Then `local_us` = prefilling on A, `remote_us` = prefilling on P + the move to D +
+`handoff_us` (a second request and the handoff check). The answer is one engine (A) when
+the prompt's uncached tokens on A are fewer than `disagg_min_uncached_tokens` ("short"),
+when no other engine can prefill ("no_prefill_engine"), or when `remote_us` is not below
+`local_us` ("local_cheaper": the prefill side's queue, or the handoff, costs more than
+the decodes a local prefill stalls); otherwise the pair (P, D) ("remote_cheaper").
+`router.disaggregation` "always" answers the pair whenever there is one ("always"),
+"never" always A ("never"). A model with no decode-capable engine has no answer (the
+caller's error, NoDecodeEngine).
 
 Pure: the control plane gathers the candidates (router scores, leases, roles, nodes), so
 the decision works unchanged whatever the residencies come from.
@@ -52,7 +54,7 @@ from quilld.errors import CommandError
 from quilld.index.engines import Load
 
 MiB = 1 << 20
-REASONS = ("short", "queue", "cost", "always", "never", "no_prefill_engine")
+REASONS = ("short", "local_cheaper", "remote_cheaper", "always", "never", "no_prefill_engine")
 
 
 class PairCandidate(NamedTuple):
@@ -76,6 +78,7 @@ class PairCosts:
     min_uncached_tokens: int = 512
     prefill_us_per_token: float = 45.0
     running_decode_penalty_us: float = 1500.0
+    decode_stall_weight: float = 1.0
     transfer_us_per_mib: float = 55.0
     cross_node_us: float = 350.0
     handoff_us: float = 2000.0
@@ -88,7 +91,7 @@ class Pair:
     decode: str  # the engine that answers (and, aggregated, prefills too)
     prefill: str | None  # the engine that prefills when disaggregated; None otherwise
     reason: str  # one of REASONS
-    local_us: float  # estimated time to the first token prefilling on the aggregated engine
+    local_us: float  # the cost of prefilling on the aggregated engine (its wait and the decodes it stalls)
     remote_us: float | None  # ... disaggregated (prefill, KV move, handoff); None without a prefill engine
     transfer_us: float  # the KV's move from the prefill's node to the decode engine's node
     transfer_bytes: int  # what moves
@@ -113,10 +116,11 @@ class Pair:
 
 
 def prefill_us(c: PairCandidate, blocks: int, block_tokens: float, costs: PairCosts) -> float:
-    """When `c` would be done prefilling the request: its queue, then the tokens it cannot reuse."""
-    uncached = max(0.0, blocks - c.credit) * block_tokens
-    return (costs.prefill_us_per_token * (c.load.prefill_tokens + uncached)
-            + costs.running_decode_penalty_us * c.load.decodes)
+    """The cost of prefilling the request on `c`: its queue, the tokens it cannot reuse, its running
+    decodes' share of its steps, and those decodes' stall while it prefills."""
+    own = costs.prefill_us_per_token * max(0.0, blocks - c.credit) * block_tokens
+    return (costs.prefill_us_per_token * c.load.prefill_tokens + own
+            + c.load.decodes * (costs.running_decode_penalty_us + costs.decode_stall_weight * own))
 
 
 def transfer(src: PairCandidate, dst: PairCandidate, blocks: int, block_tokens: float,
@@ -170,10 +174,10 @@ def decide(candidates: Sequence[PairCandidate], blocks: int, block_tokens: float
     elif uncached < costs.min_uncached_tokens:
         reason = "short"
     elif remote >= local:
-        reason = "queue"
+        reason = "local_cheaper"
     else:
-        reason = "cost"
-    if reason in ("never", "short", "queue"):
+        reason = "remote_cheaper"
+    if reason in ("never", "short", "local_cheaper"):
         return Pair(agg.engine, None, reason, local, remote, move_us, move_bytes, uncached, agg.node, agg.node,
                     tuple(c.engine for _, _, c in ranked), agg_order)
     prefill_order = (p.engine, *(c.engine for _, _, c in ranked if c.engine != p.engine))
