@@ -24,7 +24,9 @@ proxy protocol (what the gateway sends, quilld/http/gateway_disagg.py):
 
 A block's KV is `kv_bytes(hash, n)`: deterministic, different for every hash. `GET /stats`
 adds prefills, decodes, aggregated, misrouted, blocks_written, loaded, recomputed,
-corrupt and the last kv_transfer_params received.
+corrupt and the last kv_transfer_params received; `POST /control` also takes write_kv (0:
+a prefill answers without writing its KV) and write_delay_ms (it writes that long after
+answering, as a connector storing asynchronously would).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class KvEngine(FakeEngine):
         self.kv = {"prefills": 0, "decodes": 0, "aggregated": 0, "misrouted": 0, "blocks_written": 0, "loaded": 0,
                    "recomputed": 0, "corrupt": 0}
         self.last_kv_params: dict | None = None
+        # POST /control: write_kv 0 answers a prefill without writing its KV; write_delay_ms writes it that
+        # long after answering (a connector that stores asynchronously)
+        self.settings.update(write_kv=1, write_delay_ms=0)
+        self._late: set[asyncio.Task] = set()
 
     def hashes(self, body: dict, chat: bool) -> list[int]:
         """The prompt's block hashes, as quilld's gateway derives them."""
@@ -124,12 +130,18 @@ class KvEngine(FakeEngine):
     async def _prefill(self, body: dict, chat: bool) -> web.Response:
         self.counts["requests"] += 1
         self.kv["prefills"] += 1
+        self.last = body
         if body.get("stream") or body.get("max_tokens") != 1:
             return web.json_response({"error": {"message": "a prefill request is one token, not streamed",
                                                 "type": "bad", "param": None, "code": None}}, status=400)
         await asyncio.sleep(self.settings["delay_ms"] / 1000)
         hashes = self.hashes(body, chat)
-        await asyncio.to_thread(self.write_blocks, hashes)
+        if self.settings["write_kv"] and self.settings["write_delay_ms"]:
+            task = asyncio.create_task(self._write_later(hashes, self.settings["write_delay_ms"] / 1000))
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
+        elif self.settings["write_kv"]:
+            await asyncio.to_thread(self.write_blocks, hashes)
         answer = self._whole(body, chat, "x")
         answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                         "remote_engine_id": self.name, "remote_block_ids": list(range(len(hashes))),
@@ -137,6 +149,10 @@ class KvEngine(FakeEngine):
                                         "remote_request_id": f"cmpl-{self.name}-{self.counts['requests']}"}
         self.counts["completed"] += 1
         return web.json_response(answer)
+
+    async def _write_later(self, hashes: list[int], delay: float) -> None:
+        await asyncio.sleep(delay)
+        await asyncio.to_thread(self.write_blocks, hashes)
 
     def _whole(self, body: dict, chat: bool, text: str) -> dict:
         out = super()._whole(body, chat, text)
