@@ -101,12 +101,12 @@ class SimEngine:
         self.prefills: list[Job] = []
         self.decodes: set[asyncio.Queue] = set()
         self.wake = asyncio.Event()
-        self.kv = aioredis.Redis(port=quilld_port)
+        # the scope in the user name: every pooled connection logs in to it (README "Identity scopes from a URL")
+        self.kv = aioredis.Redis(port=quilld_port, username=f"default~{MODEL}~bench", password="unused")
         self.stats = {"prefills": 0, "decodes": 0, "aggregated": 0, "kv_bytes_written": 0, "kv_bytes_read": 0,
                       "blocks_loaded": 0, "blocks_missing": 0}
 
     async def run(self) -> None:
-        await self.kv.execute_command("SCOPE", MODEL, "bench")
         while True:
             if self.prefills:
                 job = self.prefills.pop(0)

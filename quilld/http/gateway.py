@@ -257,10 +257,12 @@ class Gateway:
             d = self.control.route(scope, tag, blocks, req.decode_tokens / per_block,
                                    session=None if tried else req.session,  # a retry may leave it
                                    block_tokens=per_block)
-            for c in d.candidates:
+            split = not tried and d.pair is not None and d.pair.prefill is not None  # gateway_disagg.py orders
+            for c in d.candidates:                                                    # its engines itself
                 if c.engine not in ids:
                     continue
-                key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d.engine, c.cost, c.engine)
+                cooling = self.cooling.get(c.engine, 0.0) > now and not (split and c.engine == d.engine)
+                key = (cooling, c.engine != d.engine, c.cost, c.engine)
                 if best is None or key < best[0]:
                     best = (key, c, d, tag, blocks, per_block)
         if best is None:
