@@ -38,7 +38,7 @@ COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_mo
             "handoff_on_time", "handoff_late", "handoff_missing", "handoff_blocks", "handoff_blocks_late",
             "handoff_blocks_missing", "prefetches", "prefetch_blocks")
 # handoff waits (seconds): from the prefill's answer until its blocks are in the pool (or the wait ends)
-HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def ttft_histogram(registry: CollectorRegistry | None) -> Histogram:

@@ -196,3 +196,31 @@ def test_resident_counts_the_blocks_a_pool_node_holds_not_engines():
     assert control.resident(tag, [1, 2, 3, 4]) == 2
     other = control.scopes.tag(IdentityScope("someone-else", "m", "t", ""))
     assert other != tag and control.resident(other, [1, 2]) == 0  # another identity's copies never count
+
+
+# -- ROUTE's renderings of a pair ------------------------------------------------------------
+def test_the_reply_encoders_write_the_pair_as_the_generic_encoder_does():
+    import hiredis
+
+    from quilld.protocol.commands.route import decision_reply, encode_compact, encode_decision, pair_reply
+    from quilld.protocol.resp import encode
+
+    control, scope, tag = plane([eng("p", "prefill"), eng("d", "decode", locality="node-b")],
+                                disaggregation="always")
+    for acquire in (False, True):
+        d = control.route(scope, tag, list(range(1, 41)), acquire=acquire)
+        for resp3 in (False, True):
+            out: list = []
+            encode(decision_reply(d), resp3, out)
+            assert encode_decision(d, resp3) == b"".join(out)
+            reader = hiredis.Reader()
+            reader.feed(encode_compact(d, resp3))
+            compact = reader.gets()
+            assert len(compact) == 6 and compact[0] == b"d"
+            pair = compact[5] if resp3 else dict(zip(compact[5][::2], compact[5][1::2]))
+            want = pair_reply(d.pair)
+            assert pair[b"prefill"] == b"p" and pair[b"reason"] == b"always"
+            assert set(pair) == set(want)
+    plain, _, _ = plane([eng("a", "both")])
+    d = plain.route(scope, tag, [1, 2])
+    assert b"pair" not in decision_reply(d) and encode_compact(d, False).startswith(b"*5\r\n")
