@@ -41,6 +41,7 @@ four engines, started afresh for each setup and rate, on free loopback ports.
 
     python bench/disagg_bench.py                          # ~4 min: rates 5 10 ... 30, 10 s each
     python bench/disagg_bench.py --rates 6 12 --seconds 8
+    python bench/disagg_bench.py --plot disagg.png       # also the figure (the `bench` extra)
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from conftest import free_port, stop_process, wait_port  # noqa: E402
+from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 from quilld.index.control import chain_hashes  # noqa: E402
 from quilld.index.handoff import kv_key  # noqa: E402
@@ -391,6 +394,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=21)
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--serve-engines", help=argparse.SUPPRESS)
+    add_flag(p)
     args = p.parse_args()
     try:
         import uvloop
@@ -435,6 +439,25 @@ def main() -> None:
         for other in ("aggregated", "always"):
             if other in sustained and sustained[other]:
                 print(f"  auto / {other}: {sustained['auto'] / sustained[other]:.2f}x")
+    if args.plot:
+        plot(args.plot, {setup: [(r.rate, r.goodput(ttft, tpot)) for r in runs] for setup, runs in results.items()},
+             sustained, args)
+
+
+def plot(path: str, points: dict[str, list[tuple[float, float]]], sustained: dict[str, float],
+         args: argparse.Namespace) -> None:
+    """Goodput at each rate per setup, and the rate each keeps at 90% (as a multiple of aggregated's)."""
+    setups = list(points)
+    rates = [f"{r:g}/s" for r, _ in points[setups[0]]]
+    base = sustained.get("aggregated") or 0.0
+    panels = [Panel("goodput (TTFT and TPOT within their SLOs)", rates,
+                    {s: [g * 100 for _, g in points[s]] for s in setups}, "% of requests",
+                    bar_colors=list(COLORS[:len(setups)])),
+              Panel("rate kept at 90% goodput (vs aggregated)", setups, {"requests/s": [sustained[s] for s in setups]},
+                    "requests/s", [ratio(sustained[s], base) if base else "" for s in setups])]
+    save(path, panels, "4 engines: aggregated, 2 prefill + 2 decode always disaggregated, and decided per request",
+         f"fake engines (bench/disagg_bench.py's timing model); SLOs TTFT {args.ttft_slo_ms:g} ms, TPOT "
+         f"{args.tpot_slo_ms:g} ms; {args.seconds:g} s of arrivals per point; 2 shared cores (noisy)")
 
 
 def _ms(values: list[float], q: float) -> str:
