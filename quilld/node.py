@@ -130,6 +130,7 @@ class Node:
         self.feed = ResidencyFeed(control.index, node_id, scopes)
         keyspace.listener = self.feed
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
+        control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(
             cfg=cfg, node_id=node_id, keyspace=keyspace,
             puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms),
@@ -212,7 +213,7 @@ class Node:
                 await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"
-            self._gateway = Gateway(ctx, self.metrics.gateway_ttft)
+            self._gateway = Gateway(ctx, self.metrics.gateway_ttft, self.metrics.gateway_handoff)
             ctx.gateway = self._gateway
             async with _listening(GATEWAY, s.bind, self.cfg.gateway.port):
                 ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)

@@ -44,8 +44,9 @@ from prometheus_client.registry import Collector
 from quilld import __version__
 from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
-from quilld.http.gateway_stats import GatewayStats, ttft_histogram
+from quilld.http.gateway_stats import GatewayStats, handoff_histogram, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
+from quilld.index.pairing import REASONS
 from quilld.model import CacheTier
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import counters, tier_stats
@@ -193,7 +194,8 @@ GATEWAY_HELP = {
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
 }
-GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
+GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms",  # quilld_gateway_ttft_seconds
+                          "gateway_handoff_wait_p50_ms", "gateway_handoff_wait_p99_ms"}  # ..._handoff_wait_seconds
 TIERS = tuple(t.value for t in CacheTier)
 
 # Figures whose INFO name lacks their unit, or carries it in the middle: their metric's name. Names
@@ -250,6 +252,7 @@ class NodeMetrics:
         self.route = histogram("quilld_route_duration_seconds", "One routing decision (scoring every candidate "
                                "engine).", ROUTE_BUCKETS)
         self.gateway_ttft = ttft_histogram(reg)
+        self.gateway_handoff = handoff_histogram(reg)
         reg.register(Figures(node))
         self.commands = CommandLatency(node)
         reg.register(self.commands)
@@ -416,6 +419,20 @@ class Figures(Collector):
                         [(["full"], ctl.sessions.evicted_full), (["idle"], ctl.sessions.evicted_idle)])
         yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
                         ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
+        loads = {e: ctl.engines.load(e) for e in engines}
+        yield _labelled(GaugeMetricFamily, "engine_prefills", "Requests prefilling per engine (prefill leases, and "
+                        "whole requests before their first byte).", ["engine"],
+                        [([e], load.prefills) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_prefill_tokens", "Uncached prompt tokens those requests still "
+                        "prefill, per engine.", ["engine"], [([e], load.prefill_tokens) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_decodes", "Requests decoding per engine (decode leases and whole "
+                        "requests).", ["engine"], [([e], load.decodes) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_info", "1 per engine: its role (prefill, decode, both) and the "
+                        "node it stores its KV through.", ["engine", "role", "kv_node"],
+                        [([e.id, e.role, e.locality or ctl.node_id], 1) for e in ctl.engines.engines.values()])
+        yield _labelled(CounterMetricFamily, "route_pairs", "Prefill-decode decisions (engines with roles), by "
+                        "reason: disaggregated (cost, always) or one engine (short, queue, never, no_prefill_engine).",
+                        ["reason"], [([r], ctl.stats[f"pair_{r}"]) for r in REASONS])
         for key in FEED_COUNTERS:
             yield _labelled(CounterMetricFamily, f"kv_engine_{key}", FEED_HELP.get(key, f"KV-event feed: {key}."),
                             ["engine"], [([e], v[key]) for e, v in views.items()])

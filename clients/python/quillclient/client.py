@@ -378,10 +378,13 @@ class QuillClient:
         reply = _text(self._call(lambda: self._redis.execute_command(*args), idempotent=not acquire))
         if candidates:
             return reply
-        engine, url, cost, lease, runs = reply
+        engine, url, cost, lease, runs, *pair = reply
         plan = [step for step, n in zip(runs[::2], runs[1::2]) for _ in range(n)]
-        return {"engine": engine, "url": url, "cost": None if cost is None else float(cost), "lease": lease,
-                "plan": plan}
+        out = {"engine": engine, "url": url, "cost": None if cost is None else float(cost), "lease": lease,
+               "plan": plan}
+        if pair:  # the model's engines have roles: which prefills, which decodes (a map)
+            out["pair"] = pair[0] if isinstance(pair[0], dict) else dict(zip(pair[0][::2], pair[0][1::2]))
+        return out
 
     def release(self, lease: str) -> bool:
         """End a request taken with route(acquire=True); False for an unknown or expired lease."""
