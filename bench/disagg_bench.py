@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from conftest import free_port, stop_process, wait_port  # noqa: E402
+from procs import free_port, stop_process, wait_port  # noqa: E402
 from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 from quilld.index.control import chain_hashes  # noqa: E402
