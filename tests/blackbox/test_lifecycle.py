@@ -1,7 +1,7 @@
 """Issue 14, item 8: what an operator sees when quilld starts and stops.
 
 - A clean stop that flushes a large DRAM tier to SSD logs its progress (bytes and
-  blocks flushed, rate, % done) about every second, and the next start has every block.
+  values flushed, rate, % done) about every second, and the next start has every value.
 - A second Ctrl-C while flushing exits at once and says what was not flushed; the next
   start has exactly the blocks the message did not call lost (give or take the group
   commit it says was in flight).
@@ -73,8 +73,8 @@ def wait_for(q, pattern: str) -> re.Match:
         time.sleep(0.005)
 
 
-PROGRESS = re.compile(r"ssd tier: flushed ([\d.]+) MiB of ([\d.]+) MiB \((\d+)%\), (\d+) of (\d+) blocks, "
-                      r"(\d+) MB/s, (?:about \d+ s left|no block written yet)")
+PROGRESS = re.compile(r"ssd tier: flushed ([\d.]+) MiB of ([\d.]+) MiB \((\d+)%\), (\d+) of (\d+) values, "
+                      r"(\d+) MB/s, (?:about \d+ s left|nothing written yet)")
 
 
 def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
@@ -84,9 +84,9 @@ def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
     q.proc.send_signal(signal.SIGINT)
     assert q.proc.wait(WAIT) == 0, q.log()
     text = q.log()
-    assert f"ssd tier: flushing {VALUES} DRAM blocks ({VALUES}.0 MiB) to SSD; a second Ctrl-C (SIGINT) " \
+    assert f"ssd tier: flushing {VALUES} DRAM values ({VALUES}.0 MiB) to SSD; a second Ctrl-C (SIGINT) " \
            "stops at once without them" in text, text
-    end = re.search(r"ssd tier: flushed (\d+) blocks \(([\d.]+) MiB\) of DRAM in ([\d.]+) s, (\d+) MB/s", text)
+    end = re.search(r"ssd tier: flushed (\d+) values \(([\d.]+) MiB\) of DRAM in ([\d.]+) s, (\d+) MB/s", text)
     assert end and int(end[1]) == VALUES and float(end[2]) == VALUES, text
     took = float(end[3])
     lines = [m for m in PROGRESS.finditer(text)]
@@ -97,6 +97,7 @@ def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
     assert all(int(m[3]) == int(float(m[1]) * 100 / VALUES) or abs(int(m[3]) - float(m[1]) * 100 / VALUES) <= 1
                for m in lines), text
     assert all(int(m[6]) > 0 for m in lines if float(m[1]) > 0), text
+    assert "ssd tier: every key is on SSD: the next start has them all" in text
     assert text.rstrip().endswith("quilld stopped") and "Traceback" not in text, text
 
     again = ssd_node(tmp_path, ssd)
@@ -120,7 +121,7 @@ def test_ctrl_c_twice_while_flushing_stops_at_once_and_says_what_is_lost(tmp_pat
     assert q.proc.wait(WAIT) == 1, q.log()
     assert time.monotonic() - t0 < 5.0, "the second Ctrl-C did not stop it at once"
     text = q.log()
-    said = re.search(r"SIGINT received again while stopping: exiting now, without a clean stop: (\d+) blocks? "
+    said = re.search(r"SIGINT received again while stopping: exiting now, without a clean stop: (\d+) values? "
                      r"\(([\d.]+) MiB\) were not flushed to the SSD tier: they were only in DRAM and the next "
                      r"start will not have them(?:; (\d+) of them \(([\d.]+) MiB\) were being written and may "
                      r"survive)?$", text, re.M)

@@ -5,7 +5,7 @@ SSD, and shutdown followed by recovery.
 No daemon, no sockets: each test drives the policy's steps (`_demote_batch`, `read`,
 `_flush_deletes`) on its own event loop, bounded by TIMEOUT. Values of VAL bytes take
 exactly one DRAM page and SSD_BLOCK bytes on SSD: a head page (header and identity) and
-one payload page (block format 3).
+one payload page (block format 4; a small value takes one page, packed).
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ async def check_ssd(ks: Keyspace, t: Tiering) -> None:
     await settle_deletes(t)
     copies = dict(ks.lower)
     copies.update({fk: b.lower for fk, b in ks.data.items() if type(b) is Block and b.lower is not None})
+    copies.update(ks.small_copies)
     tag_of = ks.scopes.tag
     indexed = {tag_of(IdentityScope(*scope)) + key: e for (scope, key), e in t.ssd.entries.items()}
     assert indexed.keys() == copies.keys()
@@ -216,10 +217,10 @@ def test_overwrite_during_demotion_leaves_no_stale_ssd_copy(tmp_path, change):
             assert await read_back(ks, tag, b"k") == expected
             check_accounting(ks)
             await check_ssd(ks, t)
-        # after a restart only the newest value can come back (the inline one lives in DRAM only)
+        # after a restart only the newest value can come back (the clean stop wrote it to SSD)
         async with tiered(tmp_path) as (ks, t, tag):
-            assert t.report.recovered == (1 if change == "block" else 0)
-            assert await read_back(ks, tag, b"k") == (new_block if change == "block" else None)
+            assert t.report.recovered == (0 if change == "delete" else 1)
+            assert await read_back(ks, tag, b"k") == expected
             check_accounting(ks)
     run(body())
 
@@ -261,23 +262,76 @@ def test_pipelined_batches_commit_in_order_and_a_release_waits_for_its_own(tmp_p
     run(body())
 
 
-def test_values_with_a_ttl_and_inline_values_stay_in_dram(tmp_path):
+def test_values_with_a_ttl_and_inline_values_are_demoted_with_their_ttl(tmp_path):
+    """Issues 19.1 and 19.2: small values and values with a TTL move to SSD like any block
+    (before, the demoter skipped both, so DRAM filled with them); a small value takes one
+    page there; each keeps its TTL on SSD, across a restart, and expires there."""
+    soon = now_ms() + 60_000
+
     async def body():
         async with tiered(tmp_path) as (ks, t, tag):
-            plain, timed, small = data(2 * PAGE, 4), data(2 * PAGE, 5), data(100, 6)
+            plain, timed, small, small_timed = data(2 * PAGE, 4), data(2 * PAGE, 5), data(100, 6), data(28, 7)
             put(ks, tag, b"plain", plain)
             put(ks, tag, b"timed", timed)
-            ks.set_expire(tag, b"timed", now_ms() + 60_000)
+            ks.set_expire(tag, b"timed", soon)
             put(ks, tag, b"small", small)
+            put(ks, tag, b"small-timed", small_timed)
+            ks.set_expire(tag, b"small-timed", soon + 1)
+            assert ks.take_unsynced() is None  # no copy on SSD yet: nothing to wait for
             await demote_all(t)
-            assert list(ks.lower) == [tag + b"plain"]
-            assert type(ks.data[tag + b"timed"]) is Block and ks.data[tag + b"small"] == small
+            assert set(ks.lower) == {tag + k for k in (b"plain", b"timed", b"small", b"small-timed")}
+            assert ks.used == ks.inline_bytes == ks.arena.used == 0
             assert t._pick(everything=True) == []
-            assert 0 < ks.ttl_ms(tag, b"timed") <= 60_000
-            assert await read_back(ks, tag, b"timed") == timed
+            assert ks.lower[tag + b"small"].length == 100
+            assert t.used == 2 * SSD_BLOCK + 2 * PAGE + 2 * PAGE  # the small ones: one page each
+            assert (ks.lower[tag + b"timed"].expire, ks.lower[tag + b"small-timed"].expire) == (soon, soon + 1)
+            assert ks.expire_time(tag, b"timed") == soon and ks.expire_time(tag, b"small-timed") == soon + 1
+            # a small value comes back as bytes, keeping its SSD copy (so it leaves DRAM again for free)
             assert await read_back(ks, tag, b"small") == small
+            assert ks.data[tag + b"small"] == small and ks.small_copies[tag + b"small"] is t.ssd.lookup(SCOPE, b"small")
+            assert ks.arena.used == 0 and ks.used == 100
+            check_accounting(ks)
+            await check_ssd(ks, t)
+            writes = t.stats["demotions"]
+            await demote_all(t)
+            assert t.stats["demotions"] == writes and t.stats["demoted_clean"] == 1 and ks.used == 0
+            assert await read_back(ks, tag, b"timed") == timed
             assert await read_back(ks, tag, b"plain") == plain
             check_accounting(ks)
+            await check_ssd(ks, t)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == 4
+            assert ks.expire_time(tag, b"timed") == soon and ks.expire_time(tag, b"small-timed") == soon + 1
+            assert ks.expire_time(tag, b"plain") == -1 and ks.expire_time(tag, b"small") == -1
+            assert await read_back(ks, tag, b"small-timed") == small_timed
+            # expiring on SSD: the key goes, and so does its copy
+            ks.set_expire(tag, b"plain", now_ms() - 1)
+            await settle_deletes(t)
+            assert ks.get(tag, b"plain") is None and tag + b"plain" not in ks.lower
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"plain") is None
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_a_value_expired_while_the_node_was_down_is_not_adopted_and_its_copy_goes(tmp_path, monkeypatch):
+    deadline = now_ms() + 600_000
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            put(ks, tag, b"brief", data(2 * PAGE, 11))
+            put(ks, tag, b"small", b"s" * 10)
+            ks.set_expire(tag, b"brief", deadline)
+            ks.set_expire(tag, b"small", deadline)
+            put(ks, tag, b"lasting", b"l" * 10)
+        # the next start comes after the deadline: both expired while "the node was down"
+        monkeypatch.setattr("quilld.tiers.tiering.now_ms", lambda: deadline + 1)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == 3 and t.stats["ssd_expired_at_start"] == 2
+            assert set(ks.lower) == {tag + b"lasting"}
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"brief") is None and t.ssd.lookup(SCOPE, b"small") is None
             await check_ssd(ks, t)
     run(body())
 
@@ -342,7 +396,7 @@ def test_corrupt_ssd_block_reads_as_a_miss_and_is_counted(tmp_path, where):
             put(ks, tag, b"other", data(VAL, 10))
             await demote_all(t)
             entry = ks.lower[tag + b"k"]
-            offset = entry.offset + (payload_offset(SCOPE, b"k") + 1000 if where == "payload" else 20)
+            offset = entry.offset + (payload_offset(SCOPE, b"k", entry.length) + 1000 if where == "payload" else 20)
             with open(os.path.join(tmp_path, seg_name(entry.seg)), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
@@ -408,14 +462,15 @@ def test_stop_flushes_dram_blocks_and_a_new_tiering_recovers_them(tmp_path):
                 put(ks, tag, key, value)
             put(ks, tag, b"small", b"inline")
             assert not ks.lower
-        assert ks.arena.used == 0 and set(ks.lower) == {tag + k for k in blocks}
+        blocks[b"small"] = b"inline"  # inline values are flushed too (issue 18.1)
+        assert ks.arena.used == ks.used == 0 and set(ks.lower) == {tag + k for k in blocks}
+        assert t.not_kept == 0
         check_accounting(ks)
         async with tiered(tmp_path) as (ks, t, tag):
-            assert t.report.recovered == 3 and t.report.dropped_corrupt == 0
+            assert t.report.recovered == 4 and t.report.dropped_corrupt == 0
             assert set(ks.lower) == {tag + k for k in blocks}
             for key, value in blocks.items():
                 assert await read_back(ks, tag, key) == value
-            assert ks.get(tag, b"small") is None  # inline values live in DRAM only
             check_accounting(ks)
             await check_ssd(ks, t)
     run(body())
@@ -456,7 +511,7 @@ def test_random_sequence_keeps_values_and_accounting(tmp_path):
             for key in keys:
                 assert await read_back(ks, tag, key) == model.get(key)
         async with tiered(tmp_path, pages=64, ssd_pages=256) as (ks, t, tag):
-            survivors = {k: v for k, v in model.items() if len(v) > INLINE_MAX}
+            survivors = model  # a clean stop keeps inline values too
             assert {fk[len(tag):] for fk in ks.lower} == set(survivors)
             for key, value in survivors.items():
                 assert await read_back(ks, tag, key) == value

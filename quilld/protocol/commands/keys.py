@@ -120,7 +120,7 @@ def _expire(c, args, name: str, base_ms: int, seconds: bool):
         when *= 1000
     if when > LLONG_MAX - base_ms:
         raise CommandError(f"invalid expire time in '{name}' command")
-    return _in_dram(c, args[1], _set_expire, c, args[1], when + base_ms, flags)
+    return _set_expire(c, args[1], when + base_ms, flags)  # wherever the value is: the SSD tier keeps TTLs
 
 
 def _set_expire(c, key: bytes, when: int, flags: int):
@@ -161,7 +161,8 @@ def cmd_pexpireat(c, args):
 
 
 def cmd_persist(c, args):
-    return 1 if c.keyspace.persist(c.tag, args[1]) else 0
+    store = c.keyspace
+    return _reply(store, 1 if store.persist(c.tag, args[1]) else 0)  # an SSD copy's TTL goes durably first
 
 
 def cmd_expiretime(c, args):
