@@ -226,7 +226,10 @@ class Demotion:
             if store.data.get(fk) is not value or (block and (value.lower is not None
                                                               or value.state is not BlockState.RESIDENT)):
                 continue  # demoted clean, deleted or overwritten since it was picked
-            scope, key = tuple(store.scopes.scope_of(fk[:TAG_LEN])), fk[TAG_LEN:]
+            tag, key = fk[:TAG_LEN], fk[TAG_LEN:]
+            scope = self._scope_tuples.get(tag)
+            if scope is None:  # one tuple per scope, shared by its SSD entries (not one per value)
+                scope = self._scope_tuples[tag] = tuple(store.scopes.scope_of(tag))
             n = len(value)
             extent = ssd.allocate(scope, key, n)
             if extent is None:

@@ -120,6 +120,7 @@ class Tiering(Demotion, DurableChanges):
         self._inflight = 0  # DRAM bytes of the values in flight (written, not yet settled)
         self._busy_since: float | None = None  # when the demoter last went from idle to a batch in flight
         self._census_at = 0.0  # monotonic time of the last census
+        self._scope_tuples: dict[bytes, tuple] = {}  # scope tag -> its scope as the SSD tier keys it
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
@@ -129,6 +130,7 @@ class Tiering(Demotion, DurableChanges):
         self.observe_read: Callable[[float], None] = _ignore  # seconds of each verified read into DRAM
         self.observe_demotion: Callable[[float], None] = _ignore  # seconds of each demotion batch written
         store.lower_tier = self
+        store.scopes.on_release.append(lambda tag, scope: self._scope_tuples.pop(tag, None))
 
     # -- state -------------------------------------------------------------------
     @property
