@@ -9,6 +9,11 @@
   or environment), a port in use (naming the listener, its flag and its key), two
   listeners given one port.
 - `conf/quilld.toml` opens only the listeners of the quick start (RESP and admin API).
+- Issue 18.3: a start that cannot be right is refused with one line, as redis refuses an
+  unusable `dir`: an `ssd.dir` that cannot be created or written (before: an ERROR line
+  and a "degraded" node serving DRAM only), and a DRAM arena larger than the machine's
+  memory (before: `--dram 64GiB` on a 24 GiB machine was accepted silently). An arena
+  above 80 % of the memory available starts, with a warning.
 
 The flush is slowed to something a test can watch by a 1 MiB group commit (each batch
 pays its two fdatasyncs), 100 to 300 MB/s on these machines instead of 600+, and its
@@ -186,6 +191,46 @@ def test_two_listeners_on_one_port_are_refused():
     assert r.returncode == 2
     assert f"quilld: server.port and gateway.port are both {port}: each listener needs its own port" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-file"])
+def test_an_ssd_dir_that_cannot_be_created_refuses_the_start(tmp_path, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    ssd_dir = blocker / "ssd" if where == "under-a-file" else blocker
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", "8MiB", "--ssd-dir", str(ssd_dir),
+                   "--ssd-size", "64MiB")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    why = "Not a directory" if where == "under-a-file" else "File exists"
+    assert re.search(rf"^quilld: ssd\.dir {re.escape(str(ssd_dir))} cannot be used: {why}", r.stderr, re.M), r.stderr
+    assert "quilld ready" not in r.stdout and "Traceback" not in r.stderr
+
+
+def meminfo() -> tuple[int, int]:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def test_a_dram_arena_larger_than_the_machine_refuses_the_start():
+    total, _ = meminfo()
+    size = f"{total // (1 << 30) + 8}GiB"
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", size)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert re.search(r"^quilld: dram\.size [\d.]+ GiB \(--dram\) is larger than this machine's memory "
+                     r"\([\d.]+ GiB\): the arena could never be filled", r.stderr, re.M), r.stderr
+    assert "quilld ready" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_a_dram_arena_near_the_memory_available_starts_with_a_warning(tmp_path):
+    total, avail = meminfo()
+    size = (int(0.8 * avail) + min(total, avail + (1 << 30))) // 2  # above 80 % of available, within the total
+    q = start_quilld(tmp_path, "--dram", str(size // (1 << 20)) + "MiB", admin=False)
+    try:
+        assert q.client().ping()
+        assert re.search(r"WARNING quilld: dram\.size [\d.]+ GiB \(--dram\) is more than 80% of the memory "
+                         r"available now", q.log()), q.log()
+    finally:
+        assert stop_process(q.proc) == 0, q.log()
 
 
 def test_the_sample_config_opens_only_the_quick_start_listeners(tmp_path):

@@ -48,7 +48,7 @@ async def no_space_wait(timeout: float) -> None:
 
 @contextlib.asynccontextmanager
 async def tiered(ssd_dir, *, pages=32, high=1.0, low=0.9, ssd_pages=64, promote=True,
-                 group_commit=64 << 20):
+                 group_commit=64 << 20, maxmemory=0):
     """A started Tiering over a fresh keyspace; stopped (DRAM flushed, files closed) on exit.
 
     With `high` = 1.0 the background demoter never runs on its own (use cannot exceed the
@@ -56,7 +56,7 @@ async def tiered(ssd_dir, *, pages=32, high=1.0, low=0.9, ssd_pages=64, promote=
     """
     scopes = ScopeRegistry()
     ks = Keyspace(DramConfig(size=pages * PAGE, high_watermark=high, low_watermark=low,
-                             inline_max=INLINE_MAX), scopes)
+                             inline_max=INLINE_MAX, maxmemory=maxmemory), scopes)
     cfg = SsdConfig(dir=str(ssd_dir), size=ssd_pages * PAGE, segment_size=ssd_pages * PAGE,
                     promote_on_read=promote, group_commit_bytes=group_commit)
     tiering = Tiering(ks, cfg, no_space_wait, workers=2)
@@ -332,6 +332,38 @@ def test_a_value_expired_while_the_node_was_down_is_not_adopted_and_its_copy_goe
             assert set(ks.lower) == {tag + b"lasting"}
             await settle_deletes(t)
             assert t.ssd.lookup(SCOPE, b"brief") is None and t.ssd.lookup(SCOPE, b"small") is None
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_maxmemory_bounds_inline_values_and_blocks_with_a_working_ssd_tier(tmp_path):
+    """Issue 19.1: with an SSD tier, a write that would take used_memory past maxmemory gets
+    OutOfMemory before anything changes (the server retries it while the demoter frees
+    DRAM); before, inline values grew DRAM without bound."""
+    from quilld.errors import OutOfMemory
+
+    async def body():
+        async with tiered(tmp_path, pages=32, maxmemory=8 * PAGE) as (ks, t, tag):
+            assert ks.limit == 8 * PAGE and ks.high_bytes == 8 * PAGE  # high = 1.0: no background demotion
+            n = 0
+            with pytest.raises(OutOfMemory):
+                while True:
+                    ks.publish(tag, b"s%03d" % n, data(INLINE_MAX, n))
+                    n += 1
+            assert ks.used <= ks.limit and ks.used + INLINE_MAX > ks.limit
+            assert not ks.contains(tag, b"s%03d" % n)  # the refused write changed nothing
+            assert ks.space_may_free()  # so the server waits and retries
+            with pytest.raises(OutOfMemory):
+                ks.reserve(2 * PAGE)  # a block too: the arena has room, maxmemory does not
+            assert t._pressure  # the demoter was woken
+            await t._demote_batch()
+            assert ks.used <= ks.limit - PAGE
+            ks.publish(tag, b"s%03d" % n, data(INLINE_MAX, n))  # the retry goes through
+            check_accounting(ks)
+            for i in range(n + 1):
+                assert await read_back(ks, tag, b"s%03d" % i) == data(INLINE_MAX, i)
+                assert ks.used <= ks.limit
+            check_accounting(ks)
             await check_ssd(ks, t)
     run(body())
 
