@@ -4,13 +4,13 @@ Replies and error texts are redis 7.0.15's, in its order of checks. Everything
 happens inside the caller's identity scope (`c.tag`): KEYS, SCAN and RANDOMKEY
 see only its keys, RENAME and COPY never leave it (both names get the same tag).
 
-Values kept only on SSD: the SSD tier keeps no TTLs, and its copies are stored
-under their key. EXPIRE (and its siblings), RENAME and COPY of such a value
-therefore first read it back into DRAM (a deferred reply; the key then lives in
-DRAM as after a promoting GET), then run as for any DRAM value: EXPIRE and
-RENAME drop the SSD copy and answer once that deletion is durable, so a crash
-never brings the key back without its TTL or under its old name. A value with
-a TTL stays in DRAM (the demoter skips it).
+Values kept only on SSD: the SSD tier keeps TTLs, so EXPIRE (and its siblings)
+and PERSIST change one where it is, and answer once its copy's new TTL is durable
+(`_reply`), so a crash never brings the key back with its old TTL. Its copies are
+stored under their key: RENAME and COPY of such a value first read it back into
+DRAM (a deferred reply; the key then lives in DRAM as after a promoting GET), then
+run as for any DRAM value; RENAME drops the SSD copy and answers once that
+deletion is durable, so a crash never brings the key back under its old name.
 
 The SCAN cursor is described in `Keyspace.scan` (tiers/keyspace.py): each
 scope's keys sit in an array from which a removal swap-removes, so a key's
