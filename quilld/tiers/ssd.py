@@ -559,6 +559,10 @@ class SsdTier:
         payload CRC too (reading the whole tier; otherwise the CRC is checked on every
         read). `progress(done, total)` is called every PROGRESS_EVERY blocks verified.
         Ends with a fresh checkpoint unless nothing was replayed, dropped or damaged.
+
+        Raises ConfigError when the directory cannot be used at all (created, locked, its
+        segments or key created or opened): a start that cannot be right; SsdFailure for an
+        I/O error after that (the node may serve from DRAM only).
         """
         if self.files.fds or self._allocs:
             raise RuntimeError("recover() runs once per SsdTier")
