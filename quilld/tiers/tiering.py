@@ -71,7 +71,7 @@ from quilld.tiers.block import Block
 from quilld.tiers.demotion import Demotion, _mib
 from quilld.tiers.expiry import now_ms
 from quilld.tiers.keyspace import Keyspace
-from quilld.tiers.run_state import STOPPED, RunState
+from quilld.tiers.run_state import RUNNING, STOPPED, RunState
 from quilld.tiers.ssd import SsdEntry, SsdTier
 from quilld.tiers.ssd_changes import DurableChanges
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
@@ -452,10 +452,9 @@ class Tiering(Demotion, DurableChanges):
                     ("recovery_scan_reason", _info_text(r.scan_reason)),
                     ("recovery_ms", int(r.duration_s * 1000))]
         prev = self.previous_run
-        clean = -1 if prev is None or not prev.state else int(prev.state == STOPPED)
-        lost = 0 if prev is None else prev.not_kept if prev.state == STOPPED else prev.dram_only
-        out += [("last_run_stopped_cleanly", clean), ("last_run_lost_keys", lost),
-                ("dram_only_keys", self.dram_only())]
+        unclean = prev is not None and prev.state == RUNNING  # 0 too for a new directory, or one of an older quilld
+        lost = 0 if prev is None else prev.dram_only if unclean else prev.not_kept
+        out += [("last_run_unclean", int(unclean)), ("last_run_lost_keys", lost), ("dram_only_keys", self.dram_only())]
         stats = {"demote_usec": 0, "demoted_bytes": 0, **self.stats}
         if self._busy_since is not None:  # a batch in flight: its time so far counts too
             stats["demote_usec"] = stats.get("demote_usec", 0) + int((time.perf_counter() - self._busy_since) * 1e6)

@@ -49,8 +49,10 @@ def test_small_values_stay_within_maxmemory_with_an_ssd_tier(tmp_path, nodes):
     assert r.dbsize() == n and r.info("stats")["evicted_keys"] == 0  # nothing lost: demoted instead
     pers = r.info("persistence")
     assert pers["ssd_keys"] > n * 3 // 4 and pers["demotions"] > n * 3 // 4, pers
-    # RSS grows by the keys' books (index entries on both tiers, under 1 KiB a key), not by their values
-    assert grew < 40 * MiB + n * 1024, grew / MiB
+    # RSS grows by maxmemory's worth of values, the keys' books (index entries on both tiers, under
+    # 1 KiB a key) and the writes in flight (up to two batches' scratch pages), not by every value
+    # (160 MiB here: before, it grew by more than 190 MiB)
+    assert grew < LIMIT + 48 * MiB + n * 1024, grew / MiB
     for i in (0, 1, n // 2, n - 1):
         assert r.get(b"s%06d" % i) == (b"%06d" % i) * (size // 6) + b"..4", i
     assert tiers_of(r, b"s000001") == {"dram", "ssd"}  # promoted by the read, its SSD copy kept
