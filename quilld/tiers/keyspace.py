@@ -28,7 +28,8 @@ lives in `expires` wherever its value is; the lower tier keeps a copy's own
 (from the high watermark down to the low one); with one, the lower tier
 demotes from the high watermark in the background, and a write that would take
 `used` past `limit` gets OutOfMemory (the server retries it while the demoter
-frees DRAM, up to server.space_wait_ms) instead of growing DRAM without bound.
+frees DRAM, up to server.space_wait_ms) instead of growing DRAM without bound;
+a client's inline value may go 1/64 of `limit` past it (tier_moves.py `_admit`).
 
 This module keeps what every GET and SET goes through (`lookup`, `get`, `reserve`,
 `write_view`, `publish`, delete, eviction and the accounting behind them), so that path

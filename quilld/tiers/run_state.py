@@ -76,9 +76,12 @@ class RunState:
                 return True, (f"the previous run (pid {self.pid}) stopped cleanly at {_when(self.stopped)}, but "
                               f"{self.not_kept} keys it held only in DRAM could not be written to SSD and are lost")
             return False, f"the previous run (pid {self.pid}) stopped cleanly at {_when(self.stopped)}"
-        if self.census:
+        if self.census and self.dram_only:
             lost = (f"about {self.dram_only} keys it held only in DRAM were lost (census of "
                     f"{_when(self.census)}; keys written after it are not counted)")
+        elif self.census:
+            lost = (f"it held no key only in DRAM at its last census ({_when(self.census)}); keys written "
+                    "after it are lost")
         else:
             lost = "what it held only in DRAM was lost (it ended before its first census)"
         return True, (f"the previous run (pid {self.pid}, started {_when(self.started)}) did not stop cleanly "

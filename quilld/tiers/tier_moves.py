@@ -20,6 +20,8 @@ from quilld.errors import OutOfMemory
 from quilld.model import CacheTier
 from quilld.tiers.block import Block, BlockState, page_extent
 
+INLINE_SLACK_SHARE = 64  # a client's inline writes may take used_memory this share of maxmemory past it (1/64)
+
 
 class TierMoves:
     """Keyspace methods for moves between DRAM and the tier below (mixed into `Keyspace`)."""
@@ -117,12 +119,15 @@ class TierMoves:
         self.write_view(block)[:] = data
         self.promoted(fk, block, entry)
 
-    def make_room_inline(self, n: int) -> None:
-        """Room within `limit` for `n` more inline bytes while a lower tier works (a value read
-        back as bytes); raises OutOfMemory, as `reserve` does for a block."""
+    def make_room_inline(self, n: int, slack: int = 0) -> None:
+        """Room within `limit` (plus `slack`) for `n` more inline bytes while a lower tier works;
+        raises OutOfMemory, as `reserve` does for a block. Copies already below leave DRAM
+        first; past `limit` the demoter is woken (by `_evict_one`) in any case."""
         tier = self.lower_tier
         while tier.active and self.used + n > self.limit:
             if not self._evict_one():
+                if self.used + n <= self.limit + slack:
+                    return
                 raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
 
     def _small_below(self, fk: bytes) -> bool:
@@ -142,8 +147,12 @@ class TierMoves:
         return self.small_copies.get(fk) if self.small_copies else None
 
     def _admit(self, fk: bytes, n: int) -> None:
-        """Room within `limit` for an inline value of `n` bytes replacing `fk`'s, with a lower
-        tier: copies already below leave DRAM first; else OutOfMemory (the demoter is woken,
-        and the server retries the write while it frees DRAM)."""
+        """Room for a client's inline value of `n` bytes replacing `fk`'s, with a lower tier:
+        copies already below leave DRAM first, the demoter is woken past `limit`, and past
+        `limit` + INLINE_SLACK_SHARE of it the write gets OutOfMemory (the server retries it
+        while the demoter frees DRAM). The slack lets one command finish what it started: a
+        command with a large argument (MSET big small ...) cannot be run again once its
+        payload was taken, so its small values must not be refused right after the large one
+        took the last room; a flood of small writes is held at the slack."""
         old = self.data.get(fk)
-        self.make_room_inline(n - (len(old) if old.__class__ is bytes else 0))
+        self.make_room_inline(n - (len(old) if old.__class__ is bytes else 0), self.limit // INLINE_SLACK_SHARE)

@@ -3,7 +3,8 @@
 - 19.1: small values were never demoted nor evicted with an SSD tier on, so used_memory
   grew past maxmemory without bound (100k values of 4 KB with a 32 MiB limit: used_memory
   381 MiB, RSS 462 MB, 0 evictions). Now they go to SSD like blocks, and a write that
-  would take used_memory past maxmemory waits for the demoter.
+  would take used_memory past maxmemory (by more than 1/64 of it for an inline value, so
+  that one command can finish what it started) waits for the demoter.
 - 19.2: values with a TTL could neither move to SSD nor be evicted: one tenant's SET ... EX
   of blocks filled the arena and every other tenant's block write failed with OOM after
   5 s for as long as the TTLs lasted. Now they go to SSD with their TTL.
@@ -45,7 +46,8 @@ def test_small_values_stay_within_maxmemory_with_an_ssd_tier(tmp_path, nodes):
             peak = max(peak, r.info("memory")["used_memory"])
     mem = r.info("memory")
     grew = rss(q.proc.pid) - before
-    assert peak <= LIMIT and mem["used_memory"] <= LIMIT, (peak, mem["used_memory"])  # before: ~160 MiB
+    # within maxmemory, plus the 1/64 of it one command may take past it (before: ~160 MiB)
+    assert peak <= LIMIT + LIMIT // 64 and mem["used_memory"] <= LIMIT + LIMIT // 64, (peak, mem["used_memory"])
     assert r.dbsize() == n and r.info("stats")["evicted_keys"] == 0  # nothing lost: demoted instead
     pers = r.info("persistence")
     assert pers["ssd_keys"] > n * 3 // 4 and pers["demotions"] > n * 3 // 4, pers
