@@ -17,7 +17,6 @@ import random
 import re
 import signal
 
-import redis
 
 from conftest import ssd_node, start_quilld, stop_process, tiers_of, wait_until
 
