@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import conftest
+import procs
 from conftest import PortTaken, listens, start_quilld, start_redis, stop_process, wait_port
 
 LISTENER = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); " \
@@ -59,12 +60,12 @@ def test_a_process_that_cannot_bind_is_not_taken_for_started(squatter):
 @pytest.mark.parametrize("start", [start_quilld, start_redis], ids=["quilld", "redis-server"])
 def test_a_taken_port_is_retried_with_a_fresh_one(squatter, tmp_path, monkeypatch, start):
     port, _ = squatter
-    real, chosen = conftest.free_port, []
+    real, chosen = procs.free_port, []
 
     def first_the_taken_one() -> int:
         chosen.append(port if not chosen else real())
         return chosen[-1]
-    monkeypatch.setattr(conftest, "free_port", first_the_taken_one)
+    monkeypatch.setattr(procs, "free_port", first_the_taken_one)  # where start_quilld/start_redis take it
     server = start(tmp_path, admin=False) if start is start_quilld else start(tmp_path)
     proc = server.proc if start is start_quilld else server[1]
     served = server.port if start is start_quilld else server[0]
