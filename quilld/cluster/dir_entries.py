@@ -26,6 +26,7 @@ Pure data structures, no I/O.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ TIER_BIT = {t: 1 << i for i, t in enumerate(TIERS)} | {t.value: 1 << i for i, t 
 _NBYTES_BITS = 40
 _NBYTES_MAX = (1 << _NBYTES_BITS) - 1
 _HOLDER_SHIFT = 48  # an owner's stored value: holder number above the code
+_CODE_MASK = (1 << _HOLDER_SHIFT) - 1
 
 
 def scope_digest(tenant: str, model: str, tokenizer: str, adapter: str) -> bytes:
@@ -164,17 +166,93 @@ class HeldEntries:
         return had
 
 
+class _Run:
+    """One holder's blocks of one segment, packed: their 8-byte hashes back to back and a 16-bit
+    code each (tier bits above the position). A segment holds at most `group_blocks` blocks, so
+    a lookup scans a few hundred bytes; an entry costs its hash and two bytes, instead of a dict
+    slot, a bytes object and an int. Hashes of any other length (raw hashes: vLLM without int
+    block hashes) are kept in a small dict beside them."""
+
+    __slots__ = ("parts", "codes", "other")
+
+    def __init__(self) -> None:
+        self.parts = bytearray()
+        self.codes = array("H")
+        self.other: dict[bytes, int] | None = None
+
+    def find(self, part: bytes) -> int:
+        parts = self.parts
+        i = parts.find(part)
+        while i >= 0 and i & 7:
+            i = parts.find(part, i + 1)
+        return -1 if i < 0 else i >> 3
+
+    def get(self, part: bytes) -> int | None:
+        """The short code of `part`, or None."""
+        if len(part) != 8:
+            return None if self.other is None else self.other.get(part)
+        i = self.find(part)
+        return None if i < 0 else self.codes[i]
+
+    def set(self, part: bytes, short: int) -> int | None:
+        """Record `part`; its short code before, or None."""
+        if len(part) != 8:
+            if self.other is None:
+                self.other = {}
+            old = self.other.get(part)
+            self.other[part] = short
+            return old
+        i = self.find(part)
+        if i < 0:
+            self.parts += part
+            self.codes.append(short)
+            return None
+        old = self.codes[i]
+        self.codes[i] = short
+        return old
+
+    def pop(self, part: bytes) -> int | None:
+        if len(part) != 8:
+            return None if self.other is None else self.other.pop(part, None)
+        i = self.find(part)
+        if i < 0:
+            return None
+        old = self.codes[i]
+        del self.parts[i * 8:(i + 1) * 8]
+        del self.codes[i]
+        return old
+
+    def items(self) -> Iterator[tuple[bytes, int]]:
+        parts = self.parts
+        for i, c in enumerate(self.codes):
+            yield bytes(parts[i * 8:(i + 1) * 8]), c
+        if self.other:
+            yield from list(self.other.items())
+
+    def __len__(self) -> int:
+        return len(self.codes) + (len(self.other) if self.other else 0)
+
+
+def _short(code: int) -> int:
+    """A block's code in 16 bits: tiers (5) above its position in its segment (8)."""
+    return tiers_of(code) << 8 | nbytes_of(code) & 0xFF
+
+
+def _long(short: int) -> int:
+    return code_of(short >> 8, short & 0xFF)
+
+
 class OwnedEntries:
     """Every holder's entries for the buckets this node owns (the owner side).
 
-    Per bucket: keys (eid -> value) and block segments (shard -> hash part -> value),
-    a value being one int (holder number above the code) when one holder has the
-    entry, or a tuple of them. Holders are numbered locally.
+    Per bucket: keys (eid -> value, a value being one int, holder number above the code, when
+    one holder has the key, or a tuple of them) and block segments (shard -> holder number ->
+    `_Run`). Holders are numbered locally.
     """
 
     def __init__(self) -> None:
         self.keys: dict[int, dict[bytes, int | tuple]] = {}
-        self.segs: dict[int, dict[bytes, dict[bytes, int | tuple]]] = {}
+        self.segs: dict[int, dict[bytes, dict[int, _Run]]] = {}
         self.digests: dict[int, dict[int, list[int]]] = {}  # bucket -> holder no -> [count, xor]
         self.buckets_of: dict[int, set[int]] = {}  # holder no -> buckets it has entries in
         self.holders: list[str] = []
@@ -189,94 +267,100 @@ class OwnedEntries:
         return no
 
     # -- updates ---------------------------------------------------------------------
-    def _slot(self, kind: int, bucket: int, eid: bytes, shard: bytes, create: bool) -> tuple[dict | None, bytes]:
-        """The dict an entry's value lives in, and its key there."""
-        if kind == KEY:
-            d = self.keys.get(bucket)
-            if d is None and create:
-                d = self.keys[bucket] = {}
-            return d, eid
-        segs = self.segs.get(bucket)
-        if segs is None:
-            if not create:
-                return None, b""
-            segs = self.segs[bucket] = {}
-        seg = segs.get(shard)
-        if seg is None and create:
-            seg = segs[shard] = {}
-        return seg, eid[CTAG_LEN:]
-
     def put(self, holder: str, kind: int, eid: bytes, shard: bytes, bucket: int, code: int) -> None:
         no = self._no(holder)
-        d, k = self._slot(kind, bucket, eid, shard, True)
-        new = no << _HOLDER_SHIFT | code
-        value = d.get(k)
-        old_code = None
-        if value is None:
-            d[k] = new
-        elif value.__class__ is int:
-            if value >> _HOLDER_SHIFT == no:
-                old_code = value & ((1 << _HOLDER_SHIFT) - 1)
-                d[k] = new
-            else:
-                d[k] = (value, new)
-        else:
-            rest = [v for v in value if v >> _HOLDER_SHIFT != no]
-            if len(rest) != len(value):
-                old_code = next(v for v in value if v >> _HOLDER_SHIFT == no) & ((1 << _HOLDER_SHIFT) - 1)
-            d[k] = (*rest, new)
-        if old_code == code:
+        old = self._put_key(no, bucket, eid, code) if kind == KEY else self._put_block(no, bucket, eid, shard, code)
+        if old == code:
             return
         digest = self._digest(bucket, no)
-        if old_code is not None:
+        if old is not None:
             digest[0] -= 1
-            digest[1] ^= entry_hash(kind, eid, old_code)
+            digest[1] ^= entry_hash(kind, eid, old)
         else:
             self.entries += 1
         digest[0] += 1
         digest[1] ^= entry_hash(kind, eid, code)
 
+    def _put_key(self, no: int, bucket: int, eid: bytes, code: int) -> int | None:
+        d = self.keys.get(bucket)
+        if d is None:
+            d = self.keys[bucket] = {}
+        new = no << _HOLDER_SHIFT | code
+        value = d.get(eid)
+        if value is None:
+            d[eid] = new
+            return None
+        if value.__class__ is int:
+            if value >> _HOLDER_SHIFT == no:
+                d[eid] = new
+                return value & _CODE_MASK
+            d[eid] = (value, new)
+            return None
+        mine = [v for v in value if v >> _HOLDER_SHIFT == no]
+        d[eid] = (*(v for v in value if v >> _HOLDER_SHIFT != no), new)
+        return mine[0] & _CODE_MASK if mine else None
+
+    def _put_block(self, no: int, bucket: int, eid: bytes, shard: bytes, code: int) -> int | None:
+        segs = self.segs.get(bucket)
+        if segs is None:
+            segs = self.segs[bucket] = {}
+        runs = segs.get(shard)
+        if runs is None:
+            runs = segs[shard] = {}
+        run = runs.get(no)
+        if run is None:
+            run = runs[no] = _Run()
+        old = run.set(eid[CTAG_LEN:], _short(code))
+        return None if old is None else _long(old)
+
     def remove(self, holder: str, kind: int, eid: bytes, shard: bytes, bucket: int) -> bool:
         no = self.holder_no.get(holder)
         if no is None:
             return False
-        d, k = self._slot(kind, bucket, eid, shard, False)
-        if d is None:
+        old = self._remove_key(no, bucket, eid) if kind == KEY else self._remove_block(no, bucket, eid, shard)
+        if old is None:
             return False
-        value = d.get(k)
-        if value is None:
-            return False
-        if value.__class__ is int:
-            if value >> _HOLDER_SHIFT != no:
-                return False
-            del d[k]
-            old = value
-        else:
-            mine = [v for v in value if v >> _HOLDER_SHIFT == no]
-            if not mine:
-                return False
-            old = mine[0]
-            rest = tuple(v for v in value if v >> _HOLDER_SHIFT != no)
-            d[k] = rest[0] if len(rest) == 1 else rest
-        self._tidy(kind, bucket, shard, d)
         digest = self._digest(bucket, no)
         digest[0] -= 1
-        digest[1] ^= entry_hash(kind, eid, old & ((1 << _HOLDER_SHIFT) - 1))
+        digest[1] ^= entry_hash(kind, eid, old)
         self.entries -= 1
         if not digest[0]:
             self._forget_digest(bucket, no)
         return True
 
-    def _tidy(self, kind: int, bucket: int, shard: bytes, d: dict) -> None:
-        if d:
-            return
-        if kind == KEY:
-            del self.keys[bucket]
-        else:
-            segs = self.segs[bucket]
-            del segs[shard]
-            if not segs:
-                del self.segs[bucket]
+    def _remove_key(self, no: int, bucket: int, eid: bytes) -> int | None:
+        d = self.keys.get(bucket)
+        value = d.get(eid) if d is not None else None
+        if value is None:
+            return None
+        if value.__class__ is int:
+            if value >> _HOLDER_SHIFT != no:
+                return None
+            del d[eid]
+            if not d:
+                del self.keys[bucket]
+            return value & _CODE_MASK
+        mine = [v for v in value if v >> _HOLDER_SHIFT == no]
+        if not mine:
+            return None
+        rest = tuple(v for v in value if v >> _HOLDER_SHIFT != no)
+        d[eid] = rest[0] if len(rest) == 1 else rest
+        return mine[0] & _CODE_MASK
+
+    def _remove_block(self, no: int, bucket: int, eid: bytes, shard: bytes) -> int | None:
+        segs = self.segs.get(bucket)
+        runs = segs.get(shard) if segs is not None else None
+        run = runs.get(no) if runs is not None else None
+        old = run.pop(eid[CTAG_LEN:]) if run is not None else None
+        if old is None:
+            return None
+        if not run:
+            del runs[no]
+            if not runs:
+                del segs[shard]
+                if not segs:
+                    del self.segs[bucket]
+        return _long(old)
 
     def _digest(self, bucket: int, no: int) -> list[int]:
         per = self.digests.get(bucket)
@@ -317,10 +401,30 @@ class OwnedEntries:
         no = self.holder_no.get(holder)
         if no is None or no not in self.digests.get(bucket, {}):
             return 0
-        gone = [e for e in self._bucket_entries(bucket) if e[0] == holder]
-        for h, kind, eid, shard, code in gone:
-            self.remove(h, kind, eid, shard, bucket)
-        return len(gone)
+        n = self.digests[bucket][no][0]
+        d = self.keys.get(bucket)
+        if d is not None:
+            for eid, value in list(d.items()):
+                if value.__class__ is int:
+                    if value >> _HOLDER_SHIFT == no:
+                        del d[eid]
+                elif any(v >> _HOLDER_SHIFT == no for v in value):
+                    rest = tuple(v for v in value if v >> _HOLDER_SHIFT != no)
+                    d[eid] = rest[0] if len(rest) == 1 else rest
+            if not d:
+                del self.keys[bucket]
+        segs = self.segs.get(bucket)
+        if segs is not None:
+            for shard in [sh for sh, runs in segs.items() if no in runs]:
+                runs = segs[shard]
+                del runs[no]
+                if not runs:
+                    del segs[shard]
+            if not segs:
+                del self.segs[bucket]
+        self._forget_digest(bucket, no)
+        self.entries -= n
+        return n
 
     def drop_holders(self, holders: set[str]) -> int:
         """Forget every entry of these holders (dead nodes), in every bucket."""
@@ -342,10 +446,10 @@ class OwnedEntries:
 
     # -- reads ---------------------------------------------------------------------
     def _decode(self, value: int | tuple) -> list[tuple[str, int]]:
-        holders, mask = self.holders, (1 << _HOLDER_SHIFT) - 1
+        holders = self.holders
         if value.__class__ is int:
-            return [(holders[value >> _HOLDER_SHIFT], value & mask)]
-        return [(holders[v >> _HOLDER_SHIFT], v & mask) for v in value]
+            return [(holders[value >> _HOLDER_SHIFT], value & _CODE_MASK)]
+        return [(holders[v >> _HOLDER_SHIFT], v & _CODE_MASK) for v in value]
 
     def key_holders(self, bucket: int, eid: bytes) -> list[tuple[str, int]]:
         """(holder, code) of each holder of a key."""
@@ -356,13 +460,17 @@ class OwnedEntries:
     def segment(self, bucket: int, shard: bytes, parts: list[bytes]) -> list[list[tuple[str, int]]]:
         """(holder, code) of each block of one segment, for each hash part asked."""
         segs = self.segs.get(bucket)
-        seg = segs.get(shard) if segs is not None else None
-        if seg is None:
-            return [[] for _ in parts]
-        out = []
-        for p in parts:
-            value = seg.get(p)
-            out.append([] if value is None else self._decode(value))
+        runs = segs.get(shard) if segs is not None else None
+        out: list[list[tuple[str, int]]] = [[] for _ in parts]
+        if runs is None:
+            return out
+        holders = self.holders
+        for no, run in runs.items():
+            name = holders[no]
+            for j, p in enumerate(parts):
+                c = run.get(p)
+                if c is not None:
+                    out[j].append((name, _long(c)))
         return out
 
     def digest(self, holder: str, bucket: int) -> Digest:
@@ -373,24 +481,31 @@ class OwnedEntries:
     def holders_in(self, bucket: int) -> list[str]:
         return [self.holders[no] for no in self.digests.get(bucket, {})]
 
-    def _bucket_entries(self, bucket: int) -> Iterator[tuple[str, int, bytes, bytes, int]]:
-        """(holder, kind, eid, shard, code) of every entry in `bucket`."""
+    def _bucket_entries(self, bucket: int, only: int | None = None) -> Iterator[tuple[str, int, bytes, bytes, int]]:
+        """(holder, kind, eid, shard, code) of every entry in `bucket` (of holder number `only`)."""
         for eid, value in list(self.keys.get(bucket, {}).items()):
             for holder, code in self._decode(value):
-                yield holder, KEY, eid, key_shard(eid), code
-        for shard, seg in list(self.segs.get(bucket, {}).items()):
+                if only is None or self.holder_no[holder] == only:
+                    yield holder, KEY, eid, key_shard(eid), code
+        for shard, runs in list(self.segs.get(bucket, {}).items()):
             ctag = shard[1:1 + CTAG_LEN]
-            for part, value in list(seg.items()):
-                for holder, code in self._decode(value):
-                    yield holder, BLOCK, ctag + part, shard, code
+            for no, run in list(runs.items()):
+                if only is not None and no != only:
+                    continue
+                holder = self.holders[no]
+                for part, c in run.items():
+                    yield holder, BLOCK, ctag + part, shard, _long(c)
 
     def bucket_entries(self, bucket: int) -> list[tuple[str, Entry]]:
         return [(h, Entry(k, eid, shard, code)) for h, k, eid, shard, code in self._bucket_entries(bucket)]
 
     def entries_of(self, holder: str) -> list[tuple[int, Entry]]:
         """Every (bucket, entry) of `holder` (an engine moving home): a scan of its buckets."""
+        no = self.holder_no.get(holder)
+        if no is None:
+            return []
         return [(bucket, Entry(k, eid, shard, code)) for bucket in self.holder_buckets(holder)
-                for h, k, eid, shard, code in self._bucket_entries(bucket) if h == holder]
+                for h, k, eid, shard, code in self._bucket_entries(bucket, no)]
 
     def buckets(self) -> set[int]:
         return set(self.digests)

@@ -130,6 +130,7 @@ class Directory:
         self.stats: Counter[str] = Counter()
         self._pending: dict[str, float] | None = None  # a view waiting for the membership to settle
         self._pending_at = 0.0
+        self._pending_since = 0.0
         self._ready: set[str] = set()  # channels with something to send and nothing in flight
         self._timers: list[tuple[float, int, str, Any]] = []  # (when, tie, what, arg): retries, digests, drops
         self._tie = 0
@@ -142,9 +143,16 @@ class Directory:
     # -- membership --------------------------------------------------------------------
     def note_members(self, members: dict[str, float], now: float) -> None:
         """A new view of the live members; applied once it has not changed for
-        `membership_settle_s` (a burst of joins or deaths moves the buckets once)."""
-        self._pending = dict(members)
-        self._pending_at = now + self.s.membership_settle_s
+        `membership_settle_s` (a burst of joins or deaths moves the buckets once), and at most
+        four times that after the first change."""
+        members = dict(members)
+        members.setdefault(self.node_id, 1.0)
+        if members == (self._pending if self._pending is not None else self.members):
+            return
+        if self._pending is None:
+            self._pending_since = now
+        self._pending = members
+        self._pending_at = min(now + self.s.membership_settle_s, self._pending_since + 4 * self.s.membership_settle_s)
 
     def set_members(self, members: dict[str, float], now: float) -> None:
         """Apply a view of the live members (this node among them) now: move what it moves."""
@@ -178,17 +186,20 @@ class Directory:
                     self._ready.add(node)
                 self._timer(now + self.s.anti_entropy_s * (0.5 + self.rng.random()), "digest", node)
 
-    def restarted(self, node: str, now: float) -> None:
-        """`node` is a new process under an old name: what we sent it is gone, and what it held
-        as a holder is gone with its old process (it places anew)."""
+    def restarted(self, node: str, epoch: str, now: float) -> None:
+        """`node` is a new process (directory `epoch`) under an old name: what we sent it is gone,
+        and what its old process held as a holder is gone with it (unless the new one has already
+        sent its full sync, which replaced it)."""
         ch = self.channels.get(node)
         if ch is not None:
             ch.synced, ch.inflight, ch.retry_at = False, None, 0.0
             ch.queue.clear()
             if self._shares(node):
                 self._ready.add(node)
-        self.inbound.pop(node, None)
-        self.stats["holders_dropped"] += self.owned.drop_holders({node})
+        known = self.inbound.get(node)
+        if known is None or known[0] != epoch:
+            self.inbound.pop(node, None)
+            self.stats["holders_dropped"] += self.owned.drop_holders({node})
         self.stats["peer_restarts"] += 1
 
     def _moved(self, changed: np.ndarray, now: float, alone: bool, mine_before: set[int]) -> None:

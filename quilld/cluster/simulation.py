@@ -79,9 +79,10 @@ class Simulation:
         n = len(self.by_addr)
         addr = restart_of.addr if restart_of else (f"10.{n // 60000}.{n // 250 % 240}.{n % 250 + 1}", 7946)
         epoch = (restart_of.epoch + 1) if restart_of else 0
-        swim = Swim(node_id, addr, {"epoch": epoch}, clock=lambda: self.now, rng=random.Random(self.rng.random()),
-                    **self.swim_kw)
         directory = Directory(node_id, self.settings, rng=random.Random(self.rng.random()))
+        directory.epoch = f"{self.rng.getrandbits(64):016x}"  # seeded, so a run reproduces
+        swim = Swim(node_id, addr, {"epoch": directory.epoch}, clock=lambda: self.now,
+                    rng=random.Random(self.rng.random()), **self.swim_kw)
         node = SimNode(node_id, addr, swim, directory, {node_id: 1.0}, epoch)
         if restart_of is not None:  # what it held comes back (its SSD tier), and is placed anew
             node.keys, node.engines = restart_of.keys, restart_of.engines
@@ -206,9 +207,9 @@ class Simulation:
         seen = getattr(node, "_epochs", None)
         if seen is None:
             seen = node._epochs = {}
-        epoch = (member.meta or {}).get("epoch", 0)
+        epoch = (member.meta or {}).get("epoch", "")
         if seen.get(member.node_id, epoch) != epoch:
-            node.directory.restarted(member.node_id, self.now)
+            node.directory.restarted(member.node_id, epoch, self.now)
         seen[member.node_id] = epoch
 
     def _push_pull(self, src: str, dst: str | None) -> None:
@@ -423,10 +424,12 @@ def owned_bytes(owned: OwnedEntries) -> int:
             total += size(k) + size(v)
     for segs in owned.segs.values():
         total += size(segs)
-        for shard, seg in segs.items():
-            total += size(shard) + size(seg)
-            for k, v in seg.items():
-                total += size(k) + size(v)
+        for shard, runs in segs.items():
+            total += size(shard) + size(runs)
+            for no, run in runs.items():
+                total += size(no) + size(run) + size(run.parts) + size(run.codes)
+                if run.other:
+                    total += size(run.other) + sum(size(k) + size(v) for k, v in run.other.items())
     for per in owned.digests.values():
         total += size(per) + sum(size(v) + 2 * 32 for v in per.values())
     return total

@@ -199,3 +199,27 @@ def test_a_scope_digest_is_the_same_on_every_node_and_differs_per_scope() -> Non
     assert len({scope_digest(*s) for s in [("a", "m", "t", ""), ("b", "m", "t", ""), ("a", "m2", "t", ""),
                                            ("a", "m", "t2", ""), ("a", "m", "t", "lora")]}) == 5
     assert BLOCK != KEY
+
+
+def test_an_owner_packs_blocks_of_any_hash_width_and_gives_them_back() -> None:
+    from quilld.cluster.dir_entries import OwnedEntries, code_of
+    owned = OwnedEntries()
+    shard = block_shard(CTAG, b"g" * 8)
+    blocks = [b"a" * 8, b"b" * 32, b"c" * 8, b"d" * 16]  # vLLM's ints, and raw hashes of other sizes
+    for pos, h in enumerate(blocks):
+        owned.put("e1", BLOCK, CTAG + h, shard, 5, code_of(1, pos))
+    owned.put("e2", BLOCK, CTAG + blocks[2], shard, 5, code_of(2, 2))
+    got = owned.segment(5, shard, blocks + [b"z" * 8])
+    assert got == [[("e1", code_of(1, 0))], [("e1", code_of(1, 1))], [("e1", code_of(1, 2)), ("e2", code_of(2, 2))],
+                   [("e1", code_of(1, 3))], []]
+    assert sorted(e.eid for _, e in owned.entries_of("e1")) == sorted(CTAG + h for h in blocks)
+    assert owned.remove("e1", BLOCK, CTAG + blocks[1], shard, 5) and owned.entries == 4
+    assert owned.segment(5, shard, [blocks[1]]) == [[]]
+    assert owned.drop_holder_in("e1", 5) == 3 and owned.segment(5, shard, blocks) == [[], [], [("e2", code_of(2, 2))], []]
+
+
+def test_an_owned_entry_costs_far_less_than_a_fully_replicated_one_at_a_thousand_nodes() -> None:
+    from quilld.cluster.sim_scenarios import dense_entry_bytes
+    got = dense_entry_bytes(1000, entries=30_000)
+    assert got["bytes_per_entry"] < 100  # the budget per entry and owner
+    assert got["today_bytes_per_entry"] > 3 * got["bytes_per_entry"]
