@@ -31,7 +31,7 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import free_port, start_quilld, stop_process  # noqa: E402
+from procs import free_port, start_quilld, stop_process  # noqa: E402
 from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 MiB = 1024 * 1024

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from plot import Panel, add_flag, ratio, save
-from vs_redis import ROOT, free_port, rss_bytes, wait_port
+from vs_redis import ROOT, free_port, rss_bytes, wait_port  # vs_redis puts tests/procs.py on the path
 
 
 def open_idle(port: int, n: int) -> list[socket.socket]:
@@ -67,8 +67,8 @@ def main() -> int:
     quilld_proc = subprocess.Popen([sys.executable, "-m", "quilld", "--port", str(qport), "--admin-port", "0",
                                     "--dram", "64MiB", "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL)
     try:
-        wait_port(rport)
-        wait_port(qport)
+        wait_port(rport, redis_proc)
+        wait_port(qport, quilld_proc)
         r = per_connection(redis_proc.pid, rport, args.connections)
         q = per_connection(quilld_proc.pid, qport, args.connections)
         print(f"{args.connections} idle connections, RSS growth per connection: "

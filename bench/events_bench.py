@@ -129,7 +129,7 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
 
 def start_quilld(pub_port: int, replay_port: int):
     import redis
-    from conftest import free_port, wait_port
+    from procs import free_port, wait_port
 
     port = free_port()
     conf = Path(tempfile.mkdtemp()) / "events.toml"
@@ -202,7 +202,7 @@ def main() -> int:
     interval = args.route_interval_ms / 1000
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    from conftest import free_port
+    from procs import free_port
 
     pub_port, replay_port = free_port(), free_port()
     here, there = mp.Pipe()

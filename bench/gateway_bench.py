@@ -44,7 +44,7 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import free_port, stop_process as stop, wait_port  # noqa: E402
+from procs import free_port, stop_process as stop, wait_port  # noqa: E402
 from plot import COLORS, Panel, add_flag, ratio, save  # noqa: E402
 
 SYSTEM = "You are a careful assistant for QuillCache's benchmark. " * 40

@@ -46,7 +46,7 @@ except ImportError:  # not installed: use the source tree (redis, hiredis and cr
     sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import free_port, stop_process as stop, wait_port  # noqa: E402
+from procs import free_port, stop_process as stop, wait_port  # noqa: E402
 from plot import Panel, add_flag, ratio, save  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024

@@ -85,7 +85,7 @@ def start_server(chains, blocks_per_engine: dict):
     import redis
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import free_port, wait_port  # noqa: E402
+    from procs import free_port, wait_port  # noqa: E402
 
     port = free_port()
     conf = Path(tempfile.mkdtemp()) / "engines.toml"

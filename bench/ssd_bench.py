@@ -61,7 +61,7 @@ from plot import COLORS, QUILLD, RAW, Panel, add_flag, ratio, save
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import start_quilld, stop_process  # noqa: E402
+from procs import start_quilld, stop_process  # noqa: E402
 
 MiB = 1024 * 1024
 DRAM = "64MiB"

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,23 +27,8 @@ from pathlib import Path
 from plot import Panel, add_flag, ratio, save
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {port}")
+sys.path.insert(0, str(ROOT / "tests"))
+from procs import free_port, wait_port  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -112,8 +96,8 @@ def main() -> int:
                                     "--dram", args.dram, "--log-level", "warning"], env=env,
                                    stdout=subprocess.DEVNULL)
     try:
-        wait_port(rport)
-        wait_port(qport)
+        wait_port(rport, redis_proc)
+        wait_port(qport, quilld_proc)
         workloads = [
             # (label, test, requests, clients, pipeline, value size)
             ("SET -c 50", "set", 100_000, 50, 1, 3),

@@ -62,8 +62,10 @@ class ServerConfig:
     client_output_high_water: int = 64 * MiB
     payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
     space_wait_ms: int = 5_000  # a write short of arena room held by readers or puts waits this long, then -OOM
+    exec_hold_ms: int = 1_000  # an EXEC whose commands wait (SSD, peers) holds the node's other clients this long at most
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
+    allowed_hosts: str = ""  # comma-separated host names the HTTP ports answer to besides IPs, localhost, hostname
     timeout: int = 0  # seconds a client may stay idle before it is closed; 0: never (redis's timeout)
     slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
     slowlog_max_len: int = 128  # entries SLOWLOG keeps
@@ -72,12 +74,16 @@ class ServerConfig:
     unixsocketperm: int = 0o700  # the socket file's mode (octal, as redis's unixsocketperm)
     shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
     shm_max_leases: int = 4096  # leases one connection may hold at once (the table has SHM_SLOTS in all)
+    shm_max_leases_per_user: int = 0  # leases one user's connections may hold together; 0: SHM_SLOTS / map users
 
 
 @dataclass(frozen=True)
 class AdminConfig:
     port: int = 7380  # 0 disables the admin HTTP API
     token: str = ""  # when set, every admin request needs `Authorization: Bearer <token>`
+    max_connections: int = 64  # open at once; more are answered 503 (also capped by the descriptor limit)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 10_000  # a request's body within this once its head has arrived
 
 
 @dataclass(frozen=True)
@@ -102,9 +108,9 @@ class SecurityConfig:
     requirepass: str = ""
     users_file: str = ""  # lines of `user password [model=M] [tokenizer=T] [adapter=A]`; `#` starts a comment
     require_scope: bool = False  # data commands of a connection that chose no identity scope are refused (NOSCOPE)
-    auth_throttle_after: int = 10  # failed AUTHs from one address before its attempts are slowed; 0: never
-    auth_throttle_window_ms: int = 60_000  # an address with no failure for this long starts afresh
-    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt; one that would wait longer is refused
+    auth_throttle_after: int = 10  # failed AUTHs for one user, or from one address, before its attempts wait; 0: never
+    auth_throttle_window_ms: int = 60_000  # a user or address with no failure for this long starts afresh
+    auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt (right or wrong: none is refused)
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
     map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
@@ -145,7 +151,7 @@ DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
 class ClusterConfig:
     gossip_port: int = 0  # 0: single node, no gossip
     seeds: str = ""  # comma-separated host:port gossip addresses
-    secret: str = ""  # when set, gossip packets carry an HMAC-SHA256 under it
+    secret: str = ""  # gossip packets carry an HMAC-SHA256 under it; peers PEERAUTH with it (else the host's)
     probe_interval_ms: int = 500
     probe_timeout_ms: int = 200
     indirect_probes: int = 3
@@ -166,9 +172,25 @@ class GatewayConfig:
     chunk_chars: int = 256  # prompt characters per block when no tokenizer is configured
     max_attempts: int = 3
     recorded_blocks: int = 1_000_000  # per engine without KV events: the gateway's own record of its cache
+    session_max: int = 100_000  # session-affinity entries (gateway and ROUTE sessions); the least recently used go
+    session_idle_s: float = 1800.0  # a session unused this long forgets its engine
+    max_connections: int = 512  # client connections open at once; more are answered 503 (and see admin's)
+    header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
+    body_timeout_ms: int = 60_000  # a request's body (up to 64 MiB) within this once its head has arrived
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
+# The attention kinds of a hybrid model's KV-cache groups, as ROUTE credits them (index/groups.py).
+GROUP_KINDS = ("full", "sliding_window", "mamba")
+MAX_KV_GROUPS = 64  # vLLM numbers a model's KV-cache groups from 0; a hybrid model has a handful
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One KV-cache group of a hybrid model, in vLLM's group order (its events' `group_idx`)."""
+
+    kind: str = "full"  # full, sliding_window or mamba
+    window_tokens: int = 0  # sliding_window: the window, in tokens (vLLM's sliding_window); 0 otherwise
 
 
 @dataclass(frozen=True)
@@ -183,6 +205,9 @@ class EngineConfig:
     kv_events: str = ""  # vLLM's ZMQ publisher, e.g. tcp://10.0.0.5:5557; empty: no subscription
     replay: str = ""  # vLLM's ZMQ replay (ROUTER) endpoint; empty: a gap clears the engine
     block_size: int = 16
+    # the engine's KV-cache groups by kind, in vLLM's order; empty: a block counts while every group
+    # its events name holds it (index/groups.py)
+    groups: tuple[GroupConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -235,12 +260,20 @@ class Config:
                               "must be at least 0")
         if not 0 <= s.unixsocketperm <= 0o777:
             raise ConfigError(f"server.unixsocketperm must be an octal mode within 0..777, got {s.unixsocketperm:o}")
-        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS:
-            raise ConfigError(f"server.shm_lease_ms must be positive and server.shm_max_leases within 1..{SHM_SLOTS}")
+        if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS or \
+                not 0 <= s.shm_max_leases_per_user <= SHM_SLOTS:
+            raise ConfigError(f"server.shm_lease_ms must be positive, server.shm_max_leases within 1..{SHM_SLOTS} "
+                              f"and server.shm_max_leases_per_user within 0..{SHM_SLOTS}")
+        if d.memory_file and map_user_names(self.security.map_users):
+            raise ConfigError("dram.memory_file cannot be shared with security.map_users: a named file cannot be "
+                              "sealed against resizing, and a client that truncated it would kill quilld (SIGBUS). "
+                              "Leave dram.memory_file empty (an anonymous, sealed arena) to map it")
         if s.payload_timeout_ms < 1:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if s.space_wait_ms < 0:
             raise ConfigError("server.space_wait_ms must be 0 or more")
+        if s.exec_hold_ms < 0:
+            raise ConfigError("server.exec_hold_ms must be 0 or more")
         if self.security.max_scopes_per_tenant < 1:
             raise ConfigError("security.max_scopes_per_tenant must be at least 1")
         if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:
@@ -301,6 +334,13 @@ class Config:
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:
             raise ConfigError("gateway: timeouts, chunk_chars, max_attempts and recorded_blocks must be positive")
+        if g.session_max < 1 or not 0 < g.session_idle_s < float("inf"):
+            raise ConfigError(f"gateway: session_max must be at least 1 and session_idle_s a positive number of "
+                              f"seconds, got {g.session_max} and {g.session_idle_s}")
+        for name, section in (("admin", self.admin), ("gateway", g)):
+            if min(section.max_connections, section.header_timeout_ms, section.body_timeout_ms) <= 0:
+                raise ConfigError(f"{name}.max_connections, {name}.header_timeout_ms and {name}.body_timeout_ms "
+                                  "must be positive")
         return self
 
     def redacted(self) -> dict[str, dict[str, Any]]:
@@ -310,6 +350,42 @@ class Config:
             if out[section][key]:
                 out[section][key] = "***"
         return out
+
+
+# Descriptors kept for everything but RESP clients (server.max_clients is sized to fit the
+# limit around them: quilld/context/open_files.py). Redis keeps CONFIG_MIN_RESERVED_FDS (32) for
+# its listeners, log and event loop; quilld's base (listeners, log, event loop, the arena's and the
+# lease table's memory files) is 17 descriptors, so 32 covers it with room, plus what its parts open.
+RESERVED_FDS = 32
+SSD_FDS = 8  # the SSD tier's WAL, lock, directory, key and checkpoint files, beyond one per segment
+CLUSTER_PEERS_RESERVED = 16  # peers whose outgoing connections are counted in the reserve
+PEER_FDS = 16  # per peer: its follower, PeerPool's idle connections (8) and reads in flight
+ENGINE_FDS = 8  # per engine: its ZMQ KV-event and replay sockets and their share of the ZMQ context
+
+
+def reserved_fds(cfg: Config) -> int:
+    """Descriptors this configuration keeps for everything but RESP clients and HTTP listeners:
+    RESERVED_FDS, the SSD tier's files, the gossip sockets and connections to peers, the engines'
+    KV-event subscriptions. (RESP clients are `server.max_clients`, peers' connections to this node
+    among them; the HTTP listeners' own caps are counted by their module.)"""
+    n = RESERVED_FDS
+    if cfg.ssd.dir:
+        n += -(-cfg.ssd.size // cfg.ssd.segment_size) + SSD_FDS
+    if cfg.cluster.gossip_port:
+        n += 2 + CLUSTER_PEERS_RESERVED * PEER_FDS
+    n += ENGINE_FDS * len(cfg.engines)
+    return n
+
+
+def map_user_names(spec: str) -> frozenset[str]:
+    """security.map_users' names."""
+    return frozenset(u.strip() for u in spec.split(",") if u.strip())
+
+
+def shm_leases_per_user(cfg: Config) -> int:
+    """Leases of the shared-memory table one user may hold: server.shm_max_leases_per_user, or
+    (0) an equal share of the table per user allowed to map, so none can starve another."""
+    return cfg.server.shm_max_leases_per_user or SHM_SLOTS // max(1, len(map_user_names(cfg.security.map_users)))
 
 
 def is_loopback(host: str) -> bool:
@@ -351,7 +427,31 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
         raise ConfigError(f"engine {e.id}: kind must be one of {', '.join(ENGINE_KINDS)}")
     if e.block_size <= 0:
         raise ConfigError(f"engine {e.id}: block_size must be positive")
+    if len(e.groups) > MAX_KV_GROUPS:
+        raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
+    for i, g in enumerate(e.groups):
+        where = f"engine {e.id}: groups[{i}]"
+        if g.kind not in GROUP_KINDS:
+            raise ConfigError(f"{where}.kind must be one of {', '.join(GROUP_KINDS)} (vLLM's full_attention and "
+                              f"mla_attention are full, sliding_window_mla is sliding_window), got {g.kind!r}")
+        if g.kind == "sliding_window" and g.window_tokens <= 0:
+            raise ConfigError(f"{where}: a sliding_window group needs window_tokens, its window in tokens "
+                              f"(vLLM's sliding_window, e.g. 4096), got {g.window_tokens}")
+        if g.kind != "sliding_window" and g.window_tokens:
+            raise ConfigError(f"{where}: window_tokens is for sliding_window groups only, not {g.kind}")
     return e
+
+
+def _group_from(data: Any, where: str) -> GroupConfig:
+    """One KV-cache group from a table of the config file or a JSON object."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: a group is a table such as {{kind = \"full\"}} or "
+                          f"{{kind = \"sliding_window\", window_tokens = 4096}}")
+    types = _types(GroupConfig)
+    unknown = set(data) - set(types)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (a group has kind and window_tokens)")
+    return GroupConfig(**{k: _coerce(where, k, types[k], v) for k, v in data.items()})
 
 
 def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
@@ -362,7 +462,14 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     unknown = set(data) - set(types)
     if unknown:
         raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}")
-    return validate_engine(EngineConfig(**{k: _coerce("engines", k, types[k], v) for k, v in data.items()}))
+    values = {k: _coerce("engines", k, types[k], v) for k, v in data.items() if k != "groups"}
+    if "groups" in data:
+        groups = data["groups"]
+        if not isinstance(groups, (list, tuple)):
+            raise ConfigError(f"{origin}: groups must be a list of tables, e.g. [{{kind = \"full\"}}, "
+                              "{kind = \"sliding_window\", window_tokens = 4096}, {kind = \"mamba\"}]")
+        values["groups"] = tuple(_group_from(g, f"{origin}: groups[{i}]") for i, g in enumerate(groups))
+    return validate_engine(EngineConfig(**values))
 
 
 _CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
@@ -408,8 +515,10 @@ def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
 
 
 def _types(section_cls: type) -> dict[str, type]:
+    """Each field's scalar type (a field of another type, such as EngineConfig.groups, maps to None:
+    its caller reads it itself)."""
     hints = {"int": int, "float": float, "str": str, "bool": bool}
-    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in fields(section_cls)}
+    return {f.name: hints.get(f.type) if isinstance(f.type, str) else f.type for f in fields(section_cls)}
 
 
 def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -> Config:

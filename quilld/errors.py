@@ -89,7 +89,11 @@ class Behind(QuillError):
     prefix = "BEHIND"
 
 
-class PeerOnly(QuillError):
-    """A node-to-node command from a connection that did not PEERAUTH."""
+class NoPerm(QuillError):
+    """The user may not do this (redis's ACL refusals share the prefix)."""
 
     prefix = "NOPERM"
+
+
+class PeerOnly(NoPerm):
+    """A node-to-node command from a connection that did not PEERAUTH."""

@@ -1,7 +1,8 @@
 """Builds a quilld node's parts and owns their start and stop order; nothing else.
 
-Start: SSD recovery (before anything is served), RESP listener, admin API,
-control plane (engine subscriptions), cluster, gateway, housekeeping.
+Start: admin API (its probes answer while the node starts; its other routes
+answer 503 until it serves), SSD recovery (before anything is served), RESP
+listener, control plane (engine subscriptions), cluster, gateway, housekeeping.
 Stop: stop accepting, leave the cluster, drain replies still being sent,
 close connections, stop housekeeping, gateway and admin API, stop the control
 plane, drop open puts, flush the SSD tier, release the arena.
@@ -25,7 +26,7 @@ import time
 
 from quilld import __version__
 from quilld.cluster.cluster import Cluster
-from quilld.config import SHM_SLOTS, Config
+from quilld.config import SHM_SLOTS, Config, shm_leases_per_user
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
 from quilld.http.metrics import NodeMetrics
@@ -36,6 +37,8 @@ from quilld.protocol.commands import build_table
 from quilld.protocol.commands.blocks import large_target, release_args
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import human
+from quilld.context.open_files import fit_open_files
+from quilld.errors import ConfigError
 from quilld.protocol.server import RespConnection
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
@@ -135,7 +138,8 @@ class Node:
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
-            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases)
+            self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases,
+                                         shm_leases_per_user(cfg))
         self._unix: asyncio.AbstractServer | None = None
         self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
@@ -145,7 +149,6 @@ class Node:
         self._recovery: asyncio.Future | None = None  # the SSD tier's start, once begun
         self._control_started = False
         self._stopped = False
-        self.phase = "not started"  # the start step under way, for the log of a stop during start
 
     # what tests and benches read off a running in-process node
     @property
@@ -164,10 +167,25 @@ class Node:
     def gateway_port(self) -> int:
         return self.ctx.gateway_port
 
+    @property
+    def phase(self) -> str:
+        """The start step under way (for the log of a stop during start), "serving", "stopping"."""
+        return self.ctx.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.ctx.phase = value
+
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         ctx, s = self.ctx, self.cfg.server
         loop = asyncio.get_running_loop()
+        self._fit_open_files()
+        if self.cfg.admin.port:  # first, so that probes are answered while the SSD tier recovers (503: not ready)
+            self.phase = "opening the admin API"
+            self._admin = AdminServer(ctx, self.metrics)
+            async with _listening(ADMIN, s.bind, self.cfg.admin.port):
+                ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         if ctx.tiering is not None:
             self.phase = "recovering the SSD tier"
             # recovery completes before anything is served; shielded, so a stop meanwhile can wait for it
@@ -182,10 +200,6 @@ class Node:
         if s.unixsocket:
             self._unix = await _unix_listener(
                 s.unixsocket, s.unixsocketperm, lambda: RespConnection(ctx, large_target, release_args))
-        if self.cfg.admin.port:
-            self._admin = AdminServer(ctx, self.metrics)
-            async with _listening(ADMIN, s.bind, self.cfg.admin.port):
-                ctx.admin_port = await self._admin.start(s.bind, self.cfg.admin.port)
         self.phase = "subscribing to engines"
         self._control_started = True
         await ctx.control.start()
@@ -209,6 +223,19 @@ class Node:
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
 
+    def _fit_open_files(self) -> None:
+        """Raise the descriptor limit to fit maxclients, or lower maxclients to fit it (one line
+        says which), before anything opens a file (context/open_files.py)."""
+        clients = self.ctx.clients
+        fit = fit_open_files(self.cfg, clients.max_clients)
+        if fit.maxclients < 1:
+            raise ConfigError(f"the open files limit ('ulimit -n') of {fit.soft} is not enough for quilld to start: "
+                              f"it needs at least {fit.needed - fit.asked + 1}, and {fit.needed} for maxclients "
+                              f"{fit.asked} ({fit.error})")
+        clients.max_clients = fit.maxclients
+        if fit.message:
+            (log.warning if fit.maxclients < fit.asked else log.info)(fit.message)
+
     async def stop(self) -> None:
         """Stop accepting, drain replies in flight, close clients, stop admin, free memory.
 
@@ -217,6 +244,7 @@ class Node:
         if self._stopped:
             return
         self._stopped = True
+        self.phase = "stopping"
         ctx = self.ctx
         if self._server is not None:
             self._server.close()
@@ -298,7 +326,7 @@ class Node:
         ssd = ctx.tiering
         return {"port": ctx.port, "admin_port": ctx.admin_port,
                 "ssd_capacity": ssd.capacity if ssd else 0, "ssd_used": ssd.used if ssd else 0,
-                "clients": len(ctx.clients.connections)}
+                "clients": len(ctx.clients.connections), "started": int(ctx.started)}
 
     # -- arena space ----------------------------------------------------------
     def _space_freed(self) -> None:

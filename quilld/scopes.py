@@ -15,14 +15,22 @@ scopes at once (clients' new scopes past that are refused).
 
 A lookup that misses in its own scope but would have matched in another one
 is a refused cross-scope reuse: it is counted by the refused tenant and the
-reason, never served. Callers find the other scope themselves in O(1) (the
+reason, never served. Callers find the other scopes themselves in O(1) (the
 keyspace keeps an owner map, see tiers/keyspace.py) and call `refused`.
+
+What a tenant is shown of its own refusals (`refusals_seen_by`, INFO) depends on its own keys
+only: another tenant's keys would otherwise show through (a miss on a key alice holds counting
+1 in bob's figures, a miss on one nobody holds 0). So when the key is held in several scopes,
+the reason is taken from the caller's own tenant's closest scope whenever there is one, and a
+`cross_tenant` refusal is counted for the operator's view only (the admin API), never shown to
+the tenant.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Iterable
 
 from quilld.errors import QuillError
 from quilld.model import IdentityScope
@@ -131,20 +139,39 @@ class ScopeRegistry:
         return self._per_tenant.get(tenant, 0)
 
     # -- the guard's counts -----------------------------------------------------------------
-    def refused(self, wanted_tag: bytes, held_tag: bytes) -> bool:
-        """Count a lookup in `wanted_tag` refused because `held_tag` holds the same key."""
-        wanted, held = self._scopes.get(wanted_tag), self._scopes.get(held_tag)
-        if wanted is None or held is None:
+    def refused(self, wanted_tag: bytes, held_tags: bytes | Iterable[bytes]) -> bool:
+        """Count a lookup in `wanted_tag` refused because the same key is held under `held_tags`
+        (one tag, or several): the reason is that of the closest holder of the caller's own tenant
+        if any, else cross_tenant."""
+        wanted = self._scopes.get(wanted_tag)
+        if wanted is None:
             return False
-        self.refusals[(wanted.tenant, refusal_reason(wanted, held))] += 1
+        reason = None
+        for tag in ((held_tags,) if held_tags.__class__ is bytes else held_tags):
+            held = self._scopes.get(tag)
+            if held is None or tag == wanted_tag:
+                continue
+            r = refusal_reason(wanted, held)
+            if reason is None or REASONS.index(r) > REASONS.index(reason):
+                reason = r  # the closest: the field that differs is the least severe
+        if reason is None:
+            return False
+        self.refusals[(wanted.tenant, reason)] += 1
         return True
 
     def refusals_of(self, tenant: str | None = None) -> dict[str, int]:
-        """Refusals by reason, of one tenant's lookups or (None) of everyone's."""
+        """Refusals by reason, of one tenant's lookups or (None) of everyone's: the operator's view."""
         out = dict.fromkeys(REASONS, 0)
         for (t, reason), n in self.refusals.items():
             if tenant is None or t == tenant:
                 out[reason] += n
+        return out
+
+    def refusals_seen_by(self, tenant: str) -> dict[str, int]:
+        """What `tenant` is shown of its own refusals (INFO): those that tell of its own keys only,
+        so cross_tenant is always 0 (its count tells whether another tenant holds a key)."""
+        out = self.refusals_of(tenant)
+        out["cross_tenant"] = 0
         return out
 
     @property

@@ -19,7 +19,10 @@ refused as redis refuses it when no password is configured (AUTH as
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from dataclasses import dataclass
+from typing import Any
 
 from quilld.config import SecurityConfig
 from quilld.errors import ConfigError
@@ -30,10 +33,34 @@ SCOPE_KEYS = ("model", "tokenizer", "adapter")
 MAX_SCOPE_FIELD = 256  # bytes in one scope field (as SCOPE allows)
 
 
+def digest(password: bytes) -> str:
+    """A password as redis's ACL keeps it: its SHA-256, in lowercase hex."""
+    return hashlib.sha256(password).hexdigest()
+
+
+@dataclass(frozen=True)
+class Login:
+    """How a user logs in: enabled (`on`) or not, `nopass` (any password), else one of `digests`."""
+
+    enabled: bool = True
+    nopass: bool = False
+    digests: tuple[str, ...] = ()
+
+    def accepts(self, password: bytes) -> bool:
+        given = digest(password)
+        found = False
+        for d in self.digests:  # every digest compared: the time does not tell which matched
+            found |= hmac.compare_digest(d, given)
+        return self.enabled and (self.nopass or found)
+
+
 class Users:
     def __init__(self, passwords: dict[str, str], scopes: dict[str, IdentityScope] | None = None) -> None:
         self._passwords = passwords
         self._scopes = scopes or {}  # user -> the scope its connections start in
+        self._logins: dict[str, Login] = {}  # users set at run time (ACL SETUSER): they override _passwords
+        self._acl: dict[str, Any] = {}  # user -> its command and key rules (the protocol's), when restricted
+        self._default_nopass = not passwords  # with no user configured, `default` logs in with anything
 
     @classmethod
     def from_config(cls, cfg: SecurityConfig) -> "Users":
@@ -68,12 +95,13 @@ class Users:
 
     @property
     def required(self) -> bool:
-        """Whether a connection must AUTH before running commands."""
-        return bool(self._passwords)
+        """Whether a connection must AUTH before running commands (user default is not `on nopass`)."""
+        login = self.login_of("default")
+        return not (login.enabled and login.nopass)
 
     @property
     def default_has_password(self) -> bool:
-        return "default" in self._passwords
+        return not self.login_of("default").nopass
 
     @property
     def scoped(self) -> bool:
@@ -87,6 +115,9 @@ class Users:
     def check(self, user: str, password: str | bytes) -> bool:
         """Whether `password` is `user`'s (compared as bytes: any client bytes are fine)."""
         given = password if isinstance(password, bytes) else password.encode("utf-8", "surrogateescape")
+        login = self._logins.get(user)
+        if login is not None:
+            return login.accepts(given)
         expected = self._passwords.get(user)
         if expected is None:
             hmac.compare_digest(given, given)  # same work whether or not the user exists
@@ -102,7 +133,51 @@ class Users:
         given = token.encode()
         found = [user for user, password in self._passwords.items()
                  if hmac.compare_digest(password.encode(), given)]
+        found += [user for user, login in self._logins.items()  # a nopass user has no token to match
+                  if login.digests and not login.nopass and login.accepts(given)]
         return found[0] if len(found) == 1 else None
+
+    # -- users set at run time (ACL SETUSER, ACL DELUSER, CONFIG SET requirepass) -----------------
+    def names(self) -> list[str]:
+        """Every user, by name (as redis lists them)."""
+        return sorted({"default"} | set(self._passwords) | set(self._logins))
+
+    def exists(self, user: str) -> bool:
+        return user == "default" or user in self._logins or user in self._passwords
+
+    def login_of(self, user: str) -> Login | None:
+        """How `user` logs in now, or None when there is no such user."""
+        login = self._logins.get(user)
+        if login is not None:
+            return login
+        password = self._passwords.get(user)
+        if password is not None:
+            return Login(digests=(digest(password.encode()),))
+        if user == "default":  # no password: nopass, unless the node started with users that need one
+            return Login(nopass=self._default_nopass)
+        return None
+
+    def set_login(self, user: str, login: Login, acl: Any = None) -> None:
+        """Add `user`, or change how it logs in and its rules (`acl`: None for every command and key)."""
+        self._passwords.pop(user, None)
+        self._logins[user] = login
+        if acl is None:
+            self._acl.pop(user, None)
+        else:
+            self._acl[user] = acl
+
+    def acl_of(self, user: str) -> Any:
+        """`user`'s command and key rules, or None when it may run every command on every key."""
+        return self._acl.get(user)
+
+    def delete(self, user: str) -> bool:
+        """Remove `user` (not `default`); whether it existed."""
+        existed = self.exists(user)
+        self._passwords.pop(user, None)
+        self._logins.pop(user, None)
+        self._acl.pop(user, None)
+        self._scopes.pop(user, None)
+        return existed
 
 
 def _scope_fields(where: str, user: str, fields: list[str]) -> IdentityScope:

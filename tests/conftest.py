@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,212 +16,17 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 # The hundreds of quilld processes the suite starts may cache their compiled modules (about
 # 0.6 s of each start on these machines when PYTHONDONTWRITEBYTECODE forbids it).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-START_TIMEOUT = 15.0
-STOP_TIMEOUT = 10.0
-ADMIN_TOKEN = "conftest-admin-token"  # given to a node with passwords and an admin port (quilld requires one)
 
-
-# The servers tests start listen on ports below the kernel's ephemeral range (32768-60999 by
-# default, where every client connection takes its source port, on any address), each xdist
-# worker in its own slice, and no port is handed out twice in a worker: a port bind(0) chose
-# could be taken, before the server bound it, by another worker's server or by a connection's
-# source port (seen in CI: "the port is in use" on 192.0.2.2, and a wait_port that reached
-# another worker's server).
-PORT_RANGE = (20000, 32000)
-_given_ports: set[int] = set()
-_port_rng = random.Random(os.urandom(8))  # apart from tests that seed `random`
-
-
-def free_port() -> int:
-    """A TCP port nothing is bound to on any address, in this worker's slice of PORT_RANGE."""
-    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), 1)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    index = int(worker) % count if worker.isdigit() else 0
-    span = (PORT_RANGE[1] - PORT_RANGE[0]) // count
-    first, offset = PORT_RANGE[0] + index * span, _port_rng.randrange(span)
-    for attempt in range(2):
-        for i in range(span):
-            port = first + (offset + i) % span
-            if port in _given_ports:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("0.0.0.0", port))  # conflicts with a socket on any address, TIME_WAIT included
-                except OSError:
-                    continue
-            _given_ports.add(port)
-            return port
-        _given_ports.clear()  # every port of the slice handed out once: hand them out again
-    raise RuntimeError(f"no free port in {first}-{first + span - 1}")
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """The socket inodes listening on TCP `port` (any address), from /proc/net/tcp{,6}."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(cols[9])
-    return inodes
-
-
-def _process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (a shell's children run the server in some tests)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
-def listens(proc: subprocess.Popen, port: int) -> bool:
-    """Whether `proc` (or a child of it) holds the listening socket on `port`. A port from
-    free_port() is free only when chosen: another test's server can take it before `proc`
-    binds it, and a bare connect would then reach that server instead."""
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False
-    for pid in _process_tree(proc.pid):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
-    return False
-
-
-class PortTaken(RuntimeError):
-    """The process could not bind its port: another process took it after free_port() chose it."""
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = START_TIMEOUT) -> None:
-    """Wait until `proc` itself listens on `port` (not merely anybody: see listens())."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            if _listening_inodes(port):
-                raise PortTaken(f"process exited with {proc.returncode}: port {port} was taken by another process")
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        if listens(proc, port):
-            return
-        time.sleep(0.05)
-    other = " (another process listens there)" if _listening_inodes(port) else ""
-    raise TimeoutError(f"the process did not listen on {port} after {timeout}s{other}")
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-    return proc.returncode
-
-
-@dataclass
-class Quilld:
-    """A running quilld process."""
-
-    port: int
-    admin_port: int
-    proc: subprocess.Popen
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-    admin_token: str = ""  # the admin API's bearer token, when the node has one
-
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-
-    def client(self, **kw):
-        import redis
-
-        kw.setdefault("socket_timeout", 30)
-        return redis.Redis(host="127.0.0.1", port=self.port, **kw)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        return stop_process(self.proc)
-
-
-PORT_ATTEMPTS = 3  # fresh ports when another process took the chosen one first
-
-
-def _port_taken(e: Exception, log: str) -> bool:
-    return isinstance(e, PortTaken) or "the port is in use" in log or "Address already in use" in log
-
-
-def start_listening(what: str, log_path: Callable[[int], Path], spawn: Callable[[list[int], Path], subprocess.Popen],
-                    nports: int = 1) -> tuple[subprocess.Popen, list[int], Path]:
-    """`spawn(ports, log)`: a process to listen on `nports` free ports, writing to `log`; wait
-    until it listens on each, and start it again on fresh ports (PORT_ATTEMPTS times in all) when
-    another process took one first. (process, ports, log)."""
-    for attempt in range(PORT_ATTEMPTS):
-        ports = [free_port() for _ in range(nports)]
-        log = log_path(ports[0])
-        proc = spawn(ports, log)
-        try:
-            for port in ports:
-                wait_port(port, proc)
-            return proc, ports, log
-        except Exception as e:
-            stop_process(proc)
-            text = log.read_text(errors="replace")
-            if attempt + 1 < PORT_ATTEMPTS and _port_taken(e, text):
-                continue
-            raise RuntimeError(f"{what} did not start ({e}):\n{text}") from None
-    raise AssertionError("unreachable")
-
-
-def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True) -> Quilld:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
-    full_env["PYTHONPATH"] = str(ROOT)
-    full_env.update(env or {})
-    passwords = {"--requirepass", "--users-file"} & set(extra) or \
-        {"QUILLD_SECURITY_REQUIREPASS", "QUILLD_SECURITY_USERS_FILE"} & set(env or {})
-    if admin and passwords and "QUILLD_ADMIN_TOKEN" not in full_env:
-        full_env["QUILLD_ADMIN_TOKEN"] = ADMIN_TOKEN  # quilld refuses passwords with an open admin API
-    argv: list[str] = []
-
-    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
-        argv[:] = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]),
-                   "--admin-port", str(ports[1] if admin else 0), *extra]
-        with open(log, "wb") as f:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
-
-    proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 1 + admin)
-    return Quilld(ports[0], ports[1] if admin else 0, proc, log, list(argv), full_env.get("QUILLD_ADMIN_TOKEN", ""))
+# The process helpers live in procs.py (no pytest there: the benches use them too).
+from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
+                   PortTaken, Quilld, free_port, listens, start_listening, start_quilld, stop_process, wait_port)
 
 
 def takes_o_direct(path: Path) -> bool:

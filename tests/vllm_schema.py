@@ -113,10 +113,12 @@ def gpu(hashes: list, parent=None, block_size: int = 16, group: int | None = 0, 
                        kv_cache_spec_sliding_window=window)
 
 
-def offloaded(hashes: list, medium: str = MEDIUM_CPU) -> BlockStored:
-    """A BlockStored as vLLM's offloading connector sends it: a placeholder, no tokens, no group."""
+def offloaded(hashes: list, medium: str = MEDIUM_CPU, group: int | None = None) -> BlockStored:
+    """A BlockStored as vLLM's offloading connector sends it: a placeholder, no tokens. vLLM 0.33's
+    placeholders carry the offloaded block's `group_idx` (`OffloadingEventsTracker._placeholder_stored`);
+    `group=None` is one with no group (an older release, or the block as a whole)."""
     return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                       medium=medium, lora_name=None)
+                       medium=medium, lora_name=None, group_idx=group)
 
 
 def removed(hashes: list, medium: str | None = MEDIUM_GPU, group: int | None = 0) -> BlockRemoved:

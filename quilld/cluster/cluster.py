@@ -31,6 +31,7 @@ from quilld import __version__
 from quilld.cluster.directory import Directory
 from quilld.cluster.follower import Follower
 from quilld.cluster.gossip import Gossip
+from quilld.cluster.local_secret import local_secret
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.cluster.replog import ReplicationLog
 from quilld.cluster.transfer import Transfers
@@ -90,7 +91,9 @@ class Cluster:
         self.directory = Directory(scopes, control.index)
         self.followers: dict[str, Follower] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # peer -> RESP address
-        self.pool = PeerPool(hello=(("PEERAUTH", self.cfg.secret),))
+        # what peers authenticate with (PEERAUTH): cluster.secret, else this host's (local_secret.py)
+        self.peer_secret = self.cfg.secret or local_secret()
+        self.pool = PeerPool(hello=(("PEERAUTH", self.peer_secret),))
         self.transfers = Transfers(self.cfg.transfer, self.pool)
         self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
         self.suspects: set[str] = set()  # peers gossip suspects now: not asked by pool reads
@@ -192,7 +195,7 @@ class Cluster:
         if old is not None:
             asyncio.ensure_future(old.stop())
         self.addresses[peer] = (host, port)
-        follower = Follower(peer, host, port, self.directory, (("PEERAUTH", self.cfg.secret),))
+        follower = Follower(peer, host, port, self.directory, (("PEERAUTH", self.peer_secret),))
         self.followers[peer] = follower
         follower.start()
         if peer not in self.control.pool:
@@ -219,6 +222,10 @@ class Cluster:
 
     def members(self) -> list:
         return self.gossip.members() if self.gossip is not None else []
+
+    def state_age(self, member: Any) -> float:
+        """Seconds since `member` (one of `members()`) last changed state, on gossip's clock."""
+        return max(0.0, time.monotonic() - member.since)
 
     def node_lines(self) -> list[str]:
         """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""

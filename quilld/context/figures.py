@@ -43,7 +43,7 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
     ks, puts, clients, scopes = ctx.keyspace, ctx.puts, ctx.clients, ctx.scopes
     st = ks.stats
     hits, misses = ks.lookups_of(tenant)
-    refusals = scopes.refusals_of(tenant)
+    refusals = scopes.refusals_of() if tenant is None else scopes.refusals_seen_by(tenant)
     out = {
         "total_connections_received": clients.stats["total_connections_received"],
         "total_commands_processed": clients.commands_processed,
@@ -57,9 +57,13 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
         "keyspace_hits": hits,
         "keyspace_misses": misses,
         "auth_failures": ctx.stats["auth_failures"],
-        "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their address kept failing
-        "auth_throttle_refused": ctx.stats["auth_throttle_refused"],  # ... or refused outright
+        "auth_throttled": ctx.stats["auth_throttled"],  # AUTHs answered late: their user or address kept failing
+        "peerauth_failures": ctx.stats["peerauth_failures"],  # PEERAUTHs with a wrong cluster secret
+        "peerauth_throttled": ctx.stats["peerauth_throttled"],  # ... and those answered late
+        "cross_protocol_closed": ctx.stats["cross_protocol_closed"],  # HTTP requests sent to the RESP port
         "client_query_buffer_limit_disconnections": clients.stats["client_query_buffer_limit_disconnections"],
+        "exec_holds": clients.stats["exec_holds"],  # EXECs that held the node while a command waited (SSD, peer)
+        "exec_hold_timeouts": clients.stats["exec_hold_timeouts"],  # ... commands they cut off (server.exec_hold_ms)
         "internal_errors": ctx.stats["internal_errors"],  # commands answered "internal error" (a bug; logged)
         "guard_refusals": sum(refusals.values()),
         "identity_scopes": len(scopes) if tenant is None else scopes.scopes_of(tenant),

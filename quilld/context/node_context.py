@@ -17,6 +17,8 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from quilld.cluster.cluster import Cluster
 from quilld.config import Config
+from quilld.context.auth_throttle import AuthThrottle
+from quilld.context.listeners import LISTENERS, ListenerFigures
 from quilld.index.control import ControlPlane
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
@@ -103,10 +105,17 @@ class NodeContext:
     # returns when arena space is next freed, or after `timeout` seconds
     space_freed: Callable[[float], Awaitable[None]] = _no_wait
     stats: Counter[str] = field(default_factory=Counter)  # node-wide cold counters (auth_failures, ...)
+    auth_throttle: AuthThrottle = field(default_factory=AuthThrottle)  # failed logins per user and address
     started: float = field(default_factory=time.time)
     runtime: Runtime = field(default_factory=Runtime)  # replaced from cfg in __post_init__
     run_id: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO run_id: this start of the node
+    # the start step under way ("recovering the SSD tier", ...), "serving", then "stopping" (node.py);
+    # the admin API's readiness (/readyz) reads it
+    phase: str = "not started"
     replid: str = field(default_factory=lambda: os.urandom(20).hex())  # INFO master_replid
+    # each HTTP listener's perimeter figures (connections, timeouts, malformed and refused requests)
+    listeners: dict[str, ListenerFigures] = field(
+        default_factory=lambda: {name: ListenerFigures() for name in LISTENERS})
 
     def __post_init__(self) -> None:
         self.runtime = Runtime.from_config(self.cfg)

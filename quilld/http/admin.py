@@ -5,6 +5,12 @@ Routes live in one table; the node is kept in a typed AppKey. With
 config refuses to start a node whose clients need passwords without one. With
 no password at all, protected mode admits loopback peers only (perimeter.py).
 A body that is not JSON, or nests too deeply, is answered 400.
+
+Health. `/livez` and `/readyz` are an orchestrator's probes: no token, not
+protected mode's, and they say nothing but a status (and, for readiness, why
+not: starting, stopping, degraded). The admin API listens before the SSD tier
+recovers (node.py), so they answer then: alive, not ready. `/healthz` is the
+operator's (token): the node id, version, phase and SSD error; 503 unless ok.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import time
 from importlib import resources
 from typing import Any
@@ -22,8 +29,12 @@ from quilld import __version__
 from quilld.cluster.cluster import standalone_meta
 from quilld.config import engine_from
 from quilld.errors import CommandError, QuillError
+from quilld.context.listeners import ListenerFigures, http_budget, soft_nofile
+from quilld.http.history import History
+from quilld.http.listener import Listener
 from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
-from quilld.http.perimeter import loopback_only, parse_json
+from quilld.http.perimeter import from_this_origin, loopback_only, parse_json
+from quilld.index.engines import OPERATOR
 from quilld.index.events import decode_json
 from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
@@ -33,19 +44,56 @@ from quilld.model import CacheTier, IdentityScope
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import counters, tier_stats
 
+log = logging.getLogger("quilld.http")
+
 NODE: web.AppKey[NodeContext] = web.AppKey("node", NodeContext)
 METRICS: web.AppKey[NodeMetrics] = web.AppKey("metrics", NodeMetrics)
 STATUS_PAGE: web.AppKey[bytes] = web.AppKey("status_page", bytes)
+HISTORY: web.AppKey[History] = web.AppKey("history", History)
+
+
+SERVING = "serving"
+
+
+def not_ready(node: NodeContext) -> list[str]:
+    """Why the node should not be sent traffic now (empty: it is ready): it is starting (which
+    step), stopping, or degraded (its SSD tier failed: it serves from DRAM only, and loses what
+    it evicts)."""
+    reasons = []
+    if node.phase != SERVING:
+        reasons.append(node.phase if node.phase == "stopping" else f"starting: {node.phase}")
+    tiering = node.tiering
+    if tiering is not None and tiering.ssd.failed:
+        reasons.append("degraded: the SSD tier failed")
+    return reasons
+
+
+async def livez(request: web.Request) -> web.Response:
+    """GET /livez: the process answers (an orchestrator's liveness probe). No token, nothing else said."""
+    return web.json_response({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """GET /readyz: 200 when the node serves and nothing is degraded, 503 with the reasons otherwise
+    (an orchestrator's readiness probe). No token: the reasons name states, never a node's data."""
+    reasons = not_ready(request.app[NODE])
+    body = {"status": "not ready", "reasons": reasons} if reasons else {"status": "ready"}
+    return web.json_response(body, status=503 if reasons else 200, headers={"Cache-Control": "no-store"})
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz: the operator's view (token): ok, starting, stopping or degraded with the error; 503 unless ok."""
     node = request.app[NODE]
-    body = {"status": "ok", "node_id": node.node_id, "version": __version__}
+    body: dict[str, Any] = {"status": "ok", "node_id": node.node_id, "version": __version__, "phase": node.phase,
+                            "reasons": not_ready(node)}
     tiering = node.tiering
+    if node.phase != SERVING:
+        body["status"] = "stopping" if node.phase == "stopping" else "starting"
+    elif tiering is not None and tiering.ssd.failed:
+        body["status"] = "degraded"  # still serving from DRAM: say what broke
     if tiering is not None and tiering.ssd.failed:
-        # still serving from DRAM, so still healthy enough to take traffic: say what broke
-        body.update(status="degraded", ssd_error=tiering.ssd.failed)
-    return web.json_response(body)
+        body["ssd_error"] = tiering.ssd.failed
+    return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -59,6 +107,10 @@ async def stats(request: web.Request) -> web.Response:
         "clients": {"connected": len(node.clients.connections), "max": node.cfg.server.max_clients},
         "cluster": dict(node.cluster.info()) if node.cluster else None,
         "gateway": dict(node.gateway.info()) if node.gateway else None,
+        "http": {name: {"connections": f.open, "max_connections": f.max_connections, "refused": f.refused,
+                        "header_timeouts": f.header_timeouts, "body_timeouts": f.body_timeouts,
+                        "malformed": dict(f.malformed), "requests_refused": dict(f.refusals)}
+                 for name, f in node.listeners.items()},
         "tenants": tenant_stats(node),
         "engines": {e: node.control.feed_view(e) for e in node.control.engines.engines},
     })
@@ -104,12 +156,14 @@ async def _body(request: web.Request) -> Any:
 
 
 async def list_engines(request: web.Request) -> web.Response:
-    control = request.app[NODE].control
+    """GET /v1/engines: the engines registered on this node (`node`: engines are per node for now)."""
+    node = request.app[NODE]
+    control = node.control
     index = control.index
-    return web.json_response({"engines": [dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id],
-                                                                   "feed": control.feed_view(e.id),
-                                                                   "blocks": _blocks_of(index, e.id)}
-                                          for e in control.engines.engines.values()]})
+    return web.json_response({"node": node.node_id, "engines": [
+        dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id], "feed": control.feed_view(e.id),
+                                 "blocks": _blocks_of(index, e.id), "node": node.node_id}
+        for e in control.engines.engines.values()]})
 
 
 def _blocks_of(index: ResidencyIndex, holder: str) -> dict[str, int]:
@@ -179,7 +233,7 @@ async def kv_events(request: web.Request) -> web.Response:
     try:
         batch = decode_json(raw)
         engine_id = batch.engine_id or request.query.get("engine_id", "")
-        node.control.engines.get(engine_id)
+        node.control.engines.event_sender(engine_id, OPERATOR)  # the admin API is the operator's
     except QuillError as e:
         node.control.stats["kv_malformed"] += 1
         return _json_error(400, e.message)
@@ -199,25 +253,51 @@ def _holders_of(index: ResidencyIndex, key: bytes) -> list[dict[str, str]]:
     return [{"holder": h, "tier": t.value} for h, t in sorted(held)]
 
 
+def _own_figures(node: NodeContext) -> dict[str, Any]:
+    """What this node advertises of itself, read now (gossip's copy of it may be a second old)."""
+    ks, ssd = node.keyspace, node.tiering
+    return {"dram_used": ks.used, "dram_capacity": ks.capacity, "ssd_used": ssd.used if ssd else 0,
+            "ssd_capacity": ssd.capacity if ssd else 0, "clients": len(node.clients.connections),
+            "version": __version__, "started": int(node.started)}
+
+
 async def nodes(request: web.Request) -> web.Response:
-    """The cluster's members as this node sees them; outside a cluster, the node itself."""
+    """The cluster's members as this node sees them; outside a cluster, the node itself.
+
+    Each member's figures are what it last gossiped: `current` says whether they are (it is
+    alive), `state_s` how long it has been in its state (for a dead one: how old its figures
+    are), `uptime_s` how long it has run (from the start time it gossips)."""
     node = request.app[NODE]
+    now = time.time()
     if node.cluster is None:
         ks = node.keyspace
         meta = standalone_meta(node.cfg.server.bind, node.port, node.admin_port, ks.used, ks.capacity)
-        return web.json_response({"node_id": node.node_id, "nodes": [
-            {"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
-             "following": False, **meta}]})
-    out = []
-    for m in node.cluster.members():
-        out.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
-                    "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": m.node_id == node.node_id,
-                    "following": m.node_id in node.cluster.followers, **(m.meta or {})})
-    return web.json_response({"node_id": node.node_id, "nodes": out})
+        members = [{"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
+                    "following": False, "state_s": round(now - node.started, 1), **meta, **_own_figures(node)}]
+    else:
+        cluster, members = node.cluster, []
+        for m in cluster.members():
+            me = m.node_id == node.node_id
+            members.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
+                            "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": me,
+                            "following": m.node_id in cluster.followers, "state_s": round(cluster.state_age(m), 1),
+                            **(m.meta or {}), **(_own_figures(node) if me else {})})
+    for m in members:
+        m["current"] = m["state"] == "alive"
+        if "started" in m:
+            m["uptime_s"] = max(0, round(now - m["started"]))
+    return web.json_response({"node_id": node.node_id, "nodes": members})
+
+
+async def history(request: web.Request) -> web.Response:
+    """GET /v1/history: the last minutes, a point per interval (history.py), for the status page."""
+    return web.json_response(request.app[HISTORY].series())
 
 
 ROUTES = [
     ("GET", "/", status_page),
+    ("GET", "/livez", livez),
+    ("GET", "/readyz", readyz),
     ("GET", "/healthz", healthz),
     ("GET", "/v1/stats", stats),
     ("GET", "/v1/clients", clients),
@@ -230,18 +310,37 @@ ROUTES = [
     ("POST", "/v1/kv-events", kv_events),
     ("GET", "/v1/hot", hot),
     ("GET", "/v1/nodes", nodes),
+    ("GET", "/v1/history", history),
 ]
 
 
-def _bearer_middleware(token: str):
+# routes anyone who reaches the port may ask, whatever protected mode and the token say: an
+# orchestrator's probes (they say nothing of the node's data)
+PROBES = frozenset({"/livez", "/readyz"})
+# what answers while the node starts (the other routes answer 503 until it serves)
+WHILE_STARTING = PROBES | {"/", "/healthz"}
+
+
+@web.middleware
+async def _started(request: web.Request, handler):
+    """Until the node serves (the SSD tier may still be recovering), only WHILE_STARTING answers."""
+    node = request.app[NODE]
+    if node.phase != SERVING and node.phase != "stopping" and request.path not in WHILE_STARTING:
+        return web.json_response({"error": f"the node is starting ({node.phase}): try again"}, status=503,
+                                 headers={"Retry-After": "1"})
+    return await handler(request)
+
+
+def _bearer_middleware(token: str, figures: ListenerFigures):
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.method == "GET" and request.path == "/":
+        if (request.method == "GET" and request.path == "/") or request.path in PROBES:
             return await handler(request)  # the status page holds no data: it asks for the token to fetch any
         got = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(got, expected):
+            figures.refusals["token"] += 1
             return web.json_response({"error": "missing or wrong bearer token"}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -250,13 +349,24 @@ def _bearer_middleware(token: str):
 
 
 def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Application:
-    """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own."""
-    middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m))]
+    """The admin app over `node`; `metrics`: the node's (node.py), or a registry of the app's own.
+
+    Its perimeter, in order: protected mode, the bearer token, what a web page may send
+    (perimeter.py), and nothing but WHILE_STARTING until the node serves; listener.py puts
+    its own first (the cap, the deadlines). The probes (PROBES) pass them all."""
+    figures = node.listeners["admin"]
+    middlewares = [loopback_only(node.cfg.server, lambda: node.users.required, lambda m: _json_error(403, m),
+                                 figures, PROBES)]
     if node.cfg.admin.token:
-        middlewares.append(_bearer_middleware(node.cfg.admin.token))
+        middlewares.append(_bearer_middleware(node.cfg.admin.token, figures))
+    middlewares.append(from_this_origin(node.cfg.server, figures, _answer,
+                                        credential=lambda: bool(node.cfg.admin.token), json_writes=True,
+                                        open_paths=PROBES))
+    middlewares.append(_started)
     app = web.Application(middlewares=middlewares)
     app[NODE] = node
-    app[METRICS] = metrics if metrics is not None else NodeMetrics(node)
+    app[METRICS] = metrics = metrics if metrics is not None else NodeMetrics(node)
+    app[HISTORY] = History(node, metrics.commands, metrics.peer_fetch, metrics.route)
     app[STATUS_PAGE] = resources.files(__package__).joinpath("status.html").read_bytes()
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
@@ -264,14 +374,32 @@ def build_app(node: NodeContext, metrics: NodeMetrics | None = None) -> web.Appl
 
 
 class AdminServer:
+    """The admin app on its port, behind listener.py's cap and deadlines (`admin.*`)."""
+
     def __init__(self, node: NodeContext, metrics: NodeMetrics | None = None) -> None:
-        self._runner = web.AppRunner(build_app(node, metrics), access_log=None)
+        self.node = node
+        self._app = build_app(node, metrics)
+        self._listener: Listener | None = None
 
     async def start(self, host: str, port: int) -> int:
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        cfg = self.node.cfg.admin
+        budget = http_budget(self.node.cfg, soft_nofile())
+        if budget.admin < cfg.max_connections:
+            log.warning("admin API: at most %d connections (admin.max_connections is %d): the HTTP listeners "
+                        "hold at most a quarter of the descriptor limit (%d)", budget.admin, cfg.max_connections,
+                        budget.nofile)
+        self._listener = Listener("admin", "admin API", self._app, self.node.listeners["admin"], budget.admin,
+                                  cfg.header_timeout_ms / 1000, cfg.body_timeout_ms / 1000, _answer)
+        port = await self._listener.start(host, port)
+        self._app[HISTORY].start()
+        return port
 
     async def stop(self) -> None:
-        await self._runner.cleanup()
+        await self._app[HISTORY].stop()
+        if self._listener is not None:
+            await self._listener.stop()
+
+
+def _answer(status: int, message: str, code: str) -> web.Response:
+    """The admin API's own error response (listener.py's refusals)."""
+    return _json_error(status, message)

@@ -39,6 +39,11 @@ connection (a plain body is cut short by closing it). A client that goes away
 cancels the handler, which closes the upstream response: the engine sees the
 request go.
 
+Sessions. `x-quillcache-session` keeps a conversation on the engine its last
+request went to (the control plane's `SessionAffinity`, shared with ROUTE's
+`session`): per tenant, at most `gateway.session_max` of them, each forgotten
+`gateway.session_idle_s` after its last use; an id over 256 bytes is a 400.
+
 Residency. When the engine's first body byte of a 2xx answer arrives, it has
 prefilled the prompt: the prompt's blocks are recorded as in that engine's
 HBM, unless the engine publishes KV events (they stay the authority).
@@ -68,11 +73,13 @@ from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request
 from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
                                           upstream_headers, upstream_url)
-from quilld.http.perimeter import loopback_only
+from quilld.context.listeners import http_budget, soft_nofile
+from quilld.http.listener import Listener
+from quilld.http.perimeter import from_this_origin, loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
+from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.router import Candidate, Decision
-from quilld.index.router import choose as choose_engine
-from quilld.model import CacheTier, IdentityScope
+from quilld.model import IdentityScope
 from quilld.scopes import NO_SCOPE, ScopeLimit
 
 log = logging.getLogger("quilld.gateway")
@@ -123,8 +130,7 @@ class Gateway:
         self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
         self._rid = itertools.count(1)
         self.session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._listener: Listener | None = None
         self._handlers: set[asyncio.Task] = set()  # completion requests being served
         self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
         self._leases: set[str] = set()  # in-flight leases, renewed so a long stream keeps counting
@@ -134,33 +140,34 @@ class Gateway:
     # -- lifecycle ----------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
         c = self.cfg
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE),
+        cap = http_budget(self.node.cfg, soft_nofile()).gateway
+        if cap < c.max_connections:
+            log.warning("gateway: at most %d connections (gateway.max_connections is %d): the HTTP listeners "
+                        "hold at most a quarter of the descriptor limit", cap, c.max_connections)
+        self.session = aiohttp.ClientSession(  # at most as many connections to engines as from clients
+            connector=aiohttp.TCPConnector(limit=cap, keepalive_timeout=UPSTREAM_KEEPALIVE),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_ms / 1000),
             auto_decompress=False, skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
-        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT)
-        await self._runner.setup()
+        self._listener = Listener("gateway", "gateway", build_app(self), self.node.listeners["gateway"], cap,
+                                  c.header_timeout_ms / 1000, c.body_timeout_ms / 1000, _answer,
+                                  handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self._watch_task = asyncio.create_task(self._watchdog(), name="gateway-watchdog")
-        self._site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
-        await self._site.start()
-        bound = self._site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        bound = await self._listener.start(host, port)
         log.info("OpenAI-compatible gateway on %s:%d", host, bound)
         return bound
 
     async def stop(self) -> None:
         """Stop accepting, give open requests SHUTDOWN_TIMEOUT to end, cancel the rest, close the pool."""
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
+        if self._listener is not None:
+            await self._listener.stop_accepting()
         if self._handlers:
             _, late = await asyncio.wait(set(self._handlers), timeout=SHUTDOWN_TIMEOUT)
             for task in late:  # each closes its engine response and gives its engine's load back
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._listener is not None:
+            await self._listener.stop()
+            self._listener = None
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
@@ -218,8 +225,11 @@ class Gateway:
         if adapter:
             raw = json.dumps(body | {"model": adapter}).encode()
         session = request.headers.get(SESSION_HEADER) or None
-        if session is not None:
-            session = f"{tenant}\0{session}"  # sessions of different tenants never meet
+        if session is not None:  # kept per tenant by the control plane: tenants' sessions never meet
+            try:
+                check_session_id(session)
+            except SessionIdTooLong as e:
+                raise bad_request(f"{SESSION_HEADER}: {e.message}", SESSION_HEADER, "session_id_too_long") from None
         return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
                       f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session)
 
@@ -263,10 +273,7 @@ class Gateway:
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
                       blocks: list[int]) -> Decision:
         """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan."""
-        ctl = self.control
-        plan = choose_engine(ctl.index, tag, blocks, [engine.id], ctl.pool, ctl.engines.in_flight, 0.0,
-                             ctl.weights).plan
-        return Decision(engine.id, c.cost, d.candidates, plan, engine.url)
+        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks), engine.url)
 
     def _record(self, choice: Choice) -> None:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
@@ -274,9 +281,8 @@ class Gateway:
             return  # its events are the authority, or it was removed or replaced meanwhile
         if choice.tag == NO_SCOPE:
             return
-        index, engine_id, tag = self.control.index, choice.engine.id, choice.tag
-        self.stats.counts["residencies_recorded"] += sum(index.put(tag, h, engine_id, CacheTier.HBM)
-                                                         for h in choice.blocks)
+        control, engine_id, tag = self.control, choice.engine.id, choice.tag
+        self.stats.counts["residencies_recorded"] += control.record(engine_id, tag, choice.blocks)
         # a bounded LRU of what was recorded: the engine evicts too, and nothing says what
         recorded = self._recorded.setdefault(engine_id, OrderedDict())
         for h in reversed(choice.blocks):  # leading blocks last: a prefix is forgotten from its tail
@@ -284,7 +290,7 @@ class Gateway:
             recorded.move_to_end((tag, h))
         while len(recorded) > self.cfg.recorded_blocks:
             (old_tag, old_h), _ = recorded.popitem(last=False)
-            index.remove(old_tag, old_h, engine_id, CacheTier.HBM)
+            control.unrecord(engine_id, old_tag, old_h)
             self.stats.counts["residencies_forgotten"] += 1
 
     # -- the request --------------------------------------------------------------
@@ -546,11 +552,20 @@ def _refused(message: str) -> web.Response:
     return ApiError(403, message, "permission_error", "protected_mode").response()
 
 
+def _answer(status: int, message: str, code: str) -> web.Response:
+    """The gateway's own error response (listener.py's refusals), OpenAI-shaped."""
+    return ApiError(status, message, "invalid_request_error", code).response()
+
+
 def build_app(gateway: Gateway) -> web.Application:
     node = gateway.node
-    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule)
-    app = web.Application(client_max_size=MAX_BODY,
-                          middlewares=[loopback_only(node.cfg.server, lambda: node.users.required, _refused)])
+    # protected mode: with no password, loopback peers only (the gateway's port follows the RESP port's rule);
+    # with no password, nothing a web page elsewhere made a browser send (perimeter.py)
+    figures = node.listeners["gateway"]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[
+        loopback_only(node.cfg.server, lambda: node.users.required, _refused, figures),
+        from_this_origin(node.cfg.server, figures, _answer, credential=lambda: node.users.required,
+                         json_writes=False)])
     app[GATEWAY] = gateway
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

@@ -20,6 +20,13 @@ Two kinds of metric:
   `SAMPLE_EVERY`) and every call of the others, so the histogram counts timed
   calls, and `quilld_commands_total` counts every call.
 
+Names follow Prometheus's rules (`promtool check metrics` is clean, and a test
+keeps it so): base units (seconds, bytes), the unit last, `_total` once, at the
+end of a counter. INFO keeps redis-style names (`ssd_fsync_total_ms`); a figure
+kept in other units is renamed and scaled on its way out (`metric_name`): `_ms`
+and `_usec` become `_seconds`, sizes get `_bytes`, a Unix time
+`_timestamp_seconds` (README "Metrics and the status page" lists the renames).
+
 One registry per node, never prometheus-client's global one: tests run
 several nodes in one process.
 """
@@ -31,10 +38,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from quilld import __version__
+from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
@@ -45,8 +53,6 @@ from quilld.context.figures import counters, tier_stats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()  # no `_created` series (the start time of each histogram): not in the text format's spirit
 
-COMMAND_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                   0.1, 0.25, 0.5, 1.0)
 PEER_FETCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                       5.0, 10.0)
 SSD_READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -70,9 +76,12 @@ HELP = {
     "keyspace_hits": "Lookups that found their key.",
     "keyspace_misses": "Lookups that did not.",
     "auth_failures": "Failed AUTH attempts.",
-    "auth_throttled": "AUTH attempts answered late because their address kept failing.",
-    "auth_throttle_refused": "AUTH attempts refused outright by the throttle.",
+    "auth_throttled": "AUTH attempts answered late because their user or address kept failing.",
+    "peerauth_failures": "PEERAUTH attempts with a wrong cluster secret.",
+    "peerauth_throttled": "PEERAUTH attempts answered late because their address kept failing.",
     "client_query_buffer_limit_disconnections": "Connections closed for an oversized query buffer.",
+    "exec_holds": "EXECs that held the node's other clients while a queued command waited (SSD, a peer).",
+    "exec_hold_timeouts": "Commands of such EXECs cut off after server.exec_hold_ms.",
     "internal_errors": "Commands answered 'internal error' (a bug, logged).",
     "guard_refusals": "Lookups refused because the key exists only in another identity scope.",
     "identity_scopes": "Identity scopes held.",
@@ -132,6 +141,13 @@ SSD_HELP = {
     "ssd_last_checkpoint": "Unix time of the last checkpoint (0: none).",
     "ssd_demotions": "Blocks written from DRAM to SSD.", "ssd_demoted_bytes": "Bytes written from DRAM to SSD.",
     "ssd_promotions": "Blocks read back from SSD and kept in DRAM.", "ssd_reads": "Blocks read from SSD.",
+    "ssd_fsync_last_ms": "Duration of the SSD tier's last fsync, in seconds.",
+    "ssd_fsync_avg_ms": "Mean duration of the SSD tier's fsyncs, in seconds.",
+    "ssd_fsync_max_ms": "Longest fsync of the SSD tier, in seconds.",
+    "ssd_fsync_total_ms": "Time the SSD tier spent in fsync, in seconds.",
+    "ssd_write_total_ms": "Time the SSD tier spent writing blocks, in seconds.",
+    "ssd_demote_usec": "Time with at least one demotion batch in flight, in seconds.",
+    "recovery_ms": "Duration of the SSD tier's recovery at start, in seconds.",
 }
 # the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter.
 # A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py
@@ -161,6 +177,9 @@ CLUSTER_HELP = {
     "cluster_members_alive": "Members alive.", "cluster_members_suspect": "Members suspected of failure.",
     "cluster_peer_fetches": "Blocks fetched from peers.", "cluster_peer_fetch_bytes": "Bytes fetched from peers.",
     "cluster_peers_declared_dead": "Peers declared dead (events).", "cluster_peers_left": "Peers that left (events).",
+    "cluster_peer_fetch_usec": "Time spent in peer fetches, in seconds.",
+    "cluster_follow_max_idle_ms": "Longest time since a followed peer's log last said anything, in seconds.",
+    "cluster_gossip_bytes_in": "Gossip bytes received.", "cluster_gossip_bytes_out": "Gossip bytes sent.",
 }
 NOT_METRICS = {"cluster_gossip_port"}
 # a counter of the cluster's INFO whose name a gauge took first (peers declared dead / left, as events)
@@ -169,13 +188,37 @@ GATEWAY_GAUGES = ("gateway_in_flight", "gateway_engines_cooling", "gateway_ttft_
 GATEWAY_HELP = {
     "gateway_requests": "Completion requests received by the gateway.",
     "gateway_in_flight": "Completion requests being served.",
-    "gateway_ttft_slo_ms": "The gateway's default TTFT budget (ms).",
+    "gateway_ttft_slo_ms": "The gateway's default TTFT budget, in seconds.",
     "gateway_slo_counted": "Requests counted for goodput.",
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
 }
 GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
 TIERS = tuple(t.value for t in CacheTier)
+
+# Figures whose INFO name lacks their unit, or carries it in the middle: their metric's name. Names
+# ending in _ms or _usec need no entry: metric_name turns them into seconds.
+RENAMES = {
+    "dram_capacity": "dram_capacity_bytes", "dram_used": "dram_used_bytes",
+    "dram_used_arena": "dram_used_arena_bytes", "dram_used_inline": "dram_used_inline_bytes",
+    "dram_largest_free": "dram_largest_free_bytes", "dram_inline_max": "dram_inline_max_bytes",
+    "ssd_capacity": "ssd_capacity_bytes", "ssd_used": "ssd_used_bytes",
+    "ssd_last_checkpoint": "ssd_last_checkpoint_timestamp_seconds",
+    "ssd_fsync_total_ms": "ssd_fsync_seconds", "ssd_write_total_ms": "ssd_write_seconds",  # counters: + _total
+    "recovery_ms": "recovery_duration_seconds",
+    "cluster_gossip_bytes_in": "cluster_gossip_received_bytes", "cluster_gossip_bytes_out": "cluster_gossip_sent_bytes",
+}
+UNIT_SCALES = (("_ms", "_seconds", 1_000), ("_usec", "_seconds", 1_000_000))
+
+
+def metric_name(figure: str) -> tuple[str, float]:
+    """A figure's metric name (without `quilld_` and a counter's `_total`) and what to divide its
+    value by to have it in the metric's base unit."""
+    name = RENAMES.get(figure, figure)
+    for suffix, unit, per in UNIT_SCALES:
+        if figure.endswith(suffix):
+            return (name if figure in RENAMES else figure.removesuffix(suffix) + unit), per
+    return name, 1
 
 
 def _ignore(seconds: float) -> None:
@@ -208,7 +251,8 @@ class NodeMetrics:
                                "engine).", ROUTE_BUCKETS)
         self.gateway_ttft = ttft_histogram(reg)
         reg.register(Figures(node))
-        reg.register(CommandLatency(node))
+        self.commands = CommandLatency(node)
+        reg.register(self.commands)
         ProcessCollector(namespace="quilld", registry=reg)
         node.control.observe_route = self.route.observe
         if node.tiering is not None:
@@ -249,6 +293,11 @@ def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zer
     def text(name: str) -> str:
         return helps.get(name) or f"{label}: {name.replace('_', ' ')} (INFO)."
 
+    def metric(name: str, value: float) -> Metric:
+        exposed, per = metric_name(name)
+        make = _gauge if name in gauges else _counter
+        return make(exposed, text(name), value / per if per != 1 else value)
+
     for name, value in figures or ():
         if not _number(value) or name in NOT_METRICS or name in GATEWAY_FROM_HISTOGRAM:
             continue
@@ -257,13 +306,10 @@ def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zer
             if name in seen:
                 continue
         seen.add(name)
-        yield _gauge(name, text(name), value) if name in gauges else _counter(name, text(name), value)
-    for name in gauges:
+        yield metric(name, value)
+    for name in (*gauges, *zero_counters):
         if name not in seen:
-            yield _gauge(name, text(name), 0)
-    for name in zero_counters:
-        if name not in seen:
-            yield _counter(name, text(name), 0)
+            yield metric(name, 0)
 
 
 def _ssd_name(key: str) -> str:
@@ -286,13 +332,14 @@ class Figures(Collector):
         yield _gauge("max_clients", "Most client connections accepted at once.", node.cfg.server.max_clients)
         for name, value in tier_stats(node).items():
             if name.startswith("dram_"):
-                yield _gauge(name, DRAM_HELP.get(name, f"DRAM tier: {name} (INFO tiers)."), value)
+                yield _gauge(metric_name(name)[0], DRAM_HELP.get(name, f"DRAM tier: {name} (INFO tiers)."), value)
         yield from self._tenants()
         yield from self._router()
         yield from self._ssd()
         cluster = node.cluster
         yield from _section(cluster.info() if cluster is not None else None, CLUSTER_GAUGES, CLUSTER_COUNTERS,
                             "Cluster", CLUSTER_HELP, CLUSTER_EVENTS)
+        yield from self._listeners()
         gateway = node.gateway
         yield _gauge("gateway_enabled", "1 when this node runs the OpenAI-compatible gateway.",
                      int(gateway is not None))
@@ -313,6 +360,28 @@ class Figures(Collector):
                 yield _counter(name, HELP.get(name, f"{name} (INFO stats)."), value)
         yield _labelled(CounterMetricFamily, "guard_refusals_by_reason", "Refused cross-scope lookups by reason.",
                         ["reason"], reasons)
+
+    def _listeners(self) -> Iterator[Metric]:
+        """The HTTP ports' perimeters (listener.py), per listener: admin, gateway (at zero while off)."""
+        rows = self.node.listeners
+        yield _labelled(GaugeMetricFamily, "http_connections", "HTTP connections open, per listener.", ["listener"],
+                        [([n], f.open) for n, f in rows.items()])
+        yield _labelled(GaugeMetricFamily, "http_max_connections", "HTTP connections a listener takes at once "
+                        "(its max_connections within the HTTP share of the descriptor limit; 0: off).",
+                        ["listener"], [([n], f.max_connections) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_connections_refused", "HTTP connections refused at the "
+                        "listener's cap (answered 503).", ["listener"], [([n], f.refused) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_header_timeouts", "HTTP connections cut off for not sending a "
+                        "complete request head in time.", ["listener"],
+                        [([n], f.header_timeouts) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_body_timeouts", "HTTP requests answered 408 for not sending "
+                        "their body in time.", ["listener"], [([n], f.body_timeouts) for n, f in rows.items()])
+        yield _labelled(CounterMetricFamily, "http_malformed_requests", "HTTP requests that could not be parsed, "
+                        "per kind (answered 400, logged once per kind).", ["listener", "kind"],
+                        [([n, k], v) for n, f in rows.items() for k, v in f.malformed.items()])
+        yield _labelled(CounterMetricFamily, "http_requests_refused", "HTTP requests refused by the perimeter, "
+                        "per reason (protected mode, a wrong token, a foreign origin or host, a body not JSON).",
+                        ["listener", "reason"], [([n, r], v) for n, f in rows.items() for r, v in f.refusals.items()])
 
     def _tenants(self) -> Iterator[Metric]:
         """Per tenant (/v1/stats tenants): clients, scopes, lookups, the guard's refusals."""
@@ -340,6 +409,11 @@ class Figures(Collector):
         yield _gauge("kv_subscriptions", "Engines followed over ZMQ KV events.", ctl.subscriptions)
         yield _gauge("engine_residencies", "(scope, block) entries in the residency index.", len(ctl.index))
         yield _counter("hot_prefix_lookups", "Routed requests counted by the hot-prefix sketch.", ctl.hot.total)
+        yield _gauge("sessions", "Sessions whose engine is remembered (ROUTE session, x-quillcache-session).",
+                     len(ctl.sessions))
+        yield _labelled(CounterMetricFamily, "session_evictions", "Sessions forgotten: table full (full) or "
+                        "unused for gateway.session_idle_s (idle).", ["reason"],
+                        [(["full"], ctl.sessions.evicted_full), (["idle"], ctl.sessions.evicted_idle)])
         yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
                         ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
         for key in FEED_COUNTERS:
@@ -362,68 +436,6 @@ class Figures(Collector):
         tiering = self.node.tiering
         figures = [(_ssd_name(k), v) for k, v in tiering.info()] if tiering is not None else None
         yield from _section(figures, SSD_GAUGES, tuple(_ssd_name(k) for k in SSD_COUNTERS), "SSD tier", SSD_HELP)
-
-
-class CommandLatency(Collector):
-    """Per command family (the table's `group`): calls, errors, and the dispatcher's latency buckets.
-
-    The dispatcher keeps, per command, its calls, the calls it timed and a histogram of
-    their durations in buckets 16 per power of two (`CommandTable.latency_of`); each of
-    those is put in the first Prometheus bucket whose bound is at least its top (so a bound
-    is at most 6% generous). The families are those of the table, at zero from the start.
-    """
-
-    def __init__(self, node: NodeContext) -> None:
-        self.table = node.table
-        self._family: dict[str, str] = {}  # command name (`client|list`) -> its family
-        for cmd in self.table.commands.values():
-            self._family[cmd.name] = cmd.group
-            for sub in cmd.subcommands.values():
-                self._family[sub.name] = cmd.group
-        self._bounds_ns = [int(b * 1e9) for b in COMMAND_BUCKETS]
-        self._slot: dict[int, int] = {}  # a dispatcher bucket's top (ns) -> index of its Prometheus bucket
-
-    def _slot_of(self, top: int) -> int:
-        slot = self._slot.get(top)
-        if slot is None:
-            slot = self._slot[top] = next((i for i, b in enumerate(self._bounds_ns) if top <= b),
-                                          len(self._bounds_ns))
-        return slot
-
-    def collect(self) -> Iterator[Metric]:
-        families = sorted(set(self._family.values()))
-        calls = dict.fromkeys(families, 0)
-        errors = {(f, kind): 0 for f in families for kind in ("rejected", "failed")}
-        buckets = {f: [0] * (len(COMMAND_BUCKETS) + 1) for f in families}
-        sums = dict.fromkeys(families, 0)
-        for name, st in self.table.stats.items():
-            family = self._family.get(name)
-            if family is None:
-                continue
-            calls[family] += st[0]
-            errors[(family, "rejected")] += st[3]
-            errors[(family, "failed")] += st[4]
-            sums[family] += st[1]
-            counts = buckets[family]
-            for top, n in self.table.latency_of(name):
-                counts[self._slot_of(top)] += n
-        yield _labelled(CounterMetricFamily, "commands", "Commands run, per command family (exact).", ["family"],
-                        [([f], n) for f, n in calls.items()])
-        yield _labelled(CounterMetricFamily, "command_errors", "Commands answered with an error, per family: "
-                        "rejected by the dispatcher's checks or failed in their handler.", ["family", "kind"],
-                        [([f, k], n) for (f, k), n in errors.items()])
-        hist = HistogramMetricFamily("quilld_command_duration_seconds", "Time a command ran on the event loop, "
-                                     "per family (timed calls: a sample of fast commands such as GET and SET, "
-                                     "every call of the others; a reply that waits on SSD or a peer is timed "
-                                     "until it starts waiting).", labels=["family"])
-        bounds = [repr(b) for b in COMMAND_BUCKETS] + ["+Inf"]
-        for family in families:
-            running, rows = 0, []
-            for bound, n in zip(bounds, buckets[family]):
-                running += n
-                rows.append((bound, running))
-            hist.add_metric([family], rows, sums[family] / 1e9)
-        yield hist
 
 
 def tenant_stats(node: NodeContext) -> dict[str, dict[str, int]]:

@@ -24,11 +24,12 @@ from typing import Any
 import xxhash
 
 from quilld.config import Config, EngineConfig
+from quilld.index.affinity import SessionAffinity, check_session_id
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
-from quilld.index.groups import EVERY_GROUP, GroupedHoldings
+from quilld.index.groups import EVERY_GROUP, GroupedHoldings, HitRule, HybridHoldings
 from quilld.index.residency import ResidencyIndex, hash_key
-from quilld.index.router import CostWeights, Decision, score
+from quilld.index.router import CostWeights, Decision, Step, choose, score
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import KvEventSubscriber
 from quilld.model import CacheTier, IdentityScope
@@ -62,6 +63,30 @@ def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
     return out
 
 
+# vLLM's kv_cache_spec_kind values (KVCacheSpecKind, 0.33) as the kinds an engine's config declares
+_DECLARED_AS = {"full_attention": "full", "mla_attention": "full", "sliding_window": "sliding_window",
+                "sliding_window_mla": "sliding_window", "mamba": "mamba"}
+
+
+def _check_declared(engine_id: str, declared: tuple, ev: Stored) -> None:
+    """Warn (once per group: the caller notes each group once) when the engine's events describe a
+    group otherwise than its config declares it."""
+    g = ev.group_idx
+    if g >= len(declared):
+        log.warning("engine %s: its KV events name KV-cache group %d, but its config declares %d group(s): "
+                    "that group's events are ignored; declare every group, in vLLM's order", engine_id, g,
+                    len(declared))
+        return
+    want, said = declared[g], _DECLARED_AS.get(ev.kv_cache_spec_kind or "")
+    window = ev.sliding_window if said == "sliding_window" else None
+    if (said is not None and said != want.kind) or (window and want.kind == "sliding_window"
+                                                       and window != want.window_tokens):
+        log.warning("engine %s: KV-cache group %d is declared %s%s but its events say %s%s; ROUTE credits it as "
+                    "declared", engine_id, g, want.kind,
+                    f"({want.window_tokens})" if want.kind == "sliding_window" else "", ev.kv_cache_spec_kind,
+                    f"({window})" if window else "")
+
+
 class ControlPlane:
     def __init__(self, cfg: Config, scopes: ScopeRegistry) -> None:
         self.scopes = scopes
@@ -73,12 +98,16 @@ class ControlPlane:
                                    active_request_weight=r.active_request_weight, temperature=r.temperature,
                                    storage_credit=r.storage_credit)
         self.idle_warning_s = r.kv_idle_warning_s
-        self.affinity: dict[str, str] = {}  # session id -> engine id
+        g = cfg.gateway
+        self.sessions = SessionAffinity(g.session_max, g.session_idle_s)  # (tenant, session) -> engine
         self.stats: Counter[str] = Counter()
         self.feeds: dict[str, FeedStats] = {e: FeedStats(self.stats) for e in self.engines.engines}
         self._tags: dict[str, set[bytes]] = {}  # engine id -> scope tags its blocks were stored under
         self._scope_of: dict[str, dict[str | None, IdentityScope]] = {}  # engine id -> adapter -> scope
         self._grouped: dict[str, GroupedHoldings] = {}  # engines whose events name more than one group
+        self._hybrid: dict[str, HybridHoldings] = {}  # engines with declared KV-cache group kinds
+        for e in cfg.engines:
+            self._declare(e)
         self._whole: dict[str, set[CacheTier]] = {}  # engine id -> tiers its events stored with no group
         self._subscribers: dict[str, KvEventSubscriber] = {}  # engine id -> its KV-event subscriber
         self.pool: list[str] = []  # pool node ids (this node, then peers) holding blocks ROUTE can fetch
@@ -115,15 +144,19 @@ class ControlPlane:
     def apply_events(self, engine_id: str, events: Sequence[Event]) -> int:
         """Apply events of `engine_id` to the index, in order; returns how many.
 
-        A KV-cache group other than 0 hands the engine over to `GroupedHoldings`, which
-        applies groups.py's reuse rule; until then (and for every engine with one group)
-        events go straight to the index.
+        An engine whose group kinds are declared keeps its residencies per group in
+        `HybridHoldings`. Otherwise a KV-cache group other than 0 hands the engine over to
+        `GroupedHoldings`, which applies groups.py's every-group rule; until then (and for
+        every engine with one group) events go straight to the index.
         """
-        index, grouped = self.index, self._grouped.get(engine_id)
         tags = self._tags.get(engine_id)
         if tags is None:
             tags = self._tags[engine_id] = set()
         named_groups = self.feed(engine_id).groups
+        hybrid = self._hybrid.get(engine_id)
+        if hybrid is not None:
+            return self._apply_hybrid(engine_id, hybrid, events, tags, named_groups)
+        index, grouped = self.index, self._grouped.get(engine_id)
         tag_of: dict[str | None, bytes] = {}  # adapter -> tag, for this call (no sweep runs inside it)
         for ev in events:
             kind = type(ev)
@@ -165,6 +198,45 @@ class ControlPlane:
                     grouped.clear()
         return len(events)
 
+    def _apply_hybrid(self, engine_id: str, hybrid: HybridHoldings, events: Sequence[Event], tags: set[bytes],
+                      named_groups: dict[int, str]) -> int:
+        """`apply_events` for an engine with declared group kinds: each event for its group, or for
+        every group without `group_idx`; a group beyond those declared is ignored (and logged)."""
+        every, count = hybrid.rule.every, hybrid.rule.count
+        tag_of: dict[str | None, bytes] = {}
+        for ev in events:
+            kind = type(ev)
+            if kind is Stored:
+                adapter, group = ev.lora_name, ev.group_idx
+                tag = tag_of.get(adapter)
+                if tag is None:
+                    tag = tag_of[adapter] = self.engine_tag(engine_id, adapter)
+                    tags.add(tag)
+                if group is not None and group not in named_groups:
+                    self._note_group(engine_id, ev)
+                if group is None or group < count:
+                    hybrid.stored(tag, ev.block_hashes, _TIER_OF.get(ev.medium) or medium_tier(ev.medium),
+                                  every if group is None else 1 << group)
+            elif kind is Removed:
+                group = ev.group_idx
+                if group is None or group < count:
+                    tier = _TIER_OF.get(ev.medium) or medium_tier(ev.medium)
+                    mask = every if group is None else 1 << group
+                    for tag in tags:
+                        hybrid.removed(tag, ev.block_hashes, tier, mask)
+            elif kind is Cleared:
+                self.index.clear_holder(engine_id)
+                hybrid.clear()
+        return len(events)
+
+    def _declare(self, engine: EngineConfig) -> None:
+        """Keep `engine`'s residencies per declared group, when its config declares their kinds."""
+        if engine.groups:
+            rule = HitRule.of(engine.groups, engine.block_size)
+            self._hybrid[engine.id] = HybridHoldings(engine.id, self.index, rule)
+        else:
+            self._hybrid.pop(engine.id, None)
+
     def _group_up(self, engine_id: str) -> GroupedHoldings:
         """The engine named a second KV-cache group: from now on its residencies are kept per group."""
         grouped = self._grouped[engine_id] = GroupedHoldings(engine_id, self.index)
@@ -178,6 +250,9 @@ class ControlPlane:
         if ev.sliding_window:
             kind = f"{kind}({ev.sliding_window})"
         self.feed(engine_id).groups[ev.group_idx] = kind
+        declared = self.engines.get(engine_id).groups
+        if declared:
+            _check_declared(engine_id, declared, ev)
 
     def reset_engine(self, engine_id: str, reason: str, missing: int = 0) -> int:
         """What we know of this engine may be wrong (events lost, or its publisher restarted):
@@ -185,6 +260,9 @@ class ControlPlane:
         logged; a loss also counts in kv_gaps."""
         dropped = self.index.clear_holder(engine_id)
         self._grouped.pop(engine_id, None)
+        hybrid = self._hybrid.get(engine_id)
+        if hybrid is not None:
+            hybrid.clear()
         self._whole.pop(engine_id, None)
         feed = self.feeds.get(engine_id)
         if feed is not None:
@@ -200,30 +278,60 @@ class ControlPlane:
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
               session: str | None = None, acquire: bool = False) -> Decision:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
-        `acquire`, an in-flight lease on it (give it back with `engines.release`)."""
+        `acquire`, an in-flight lease on it (give it back with `engines.release`).
+
+        A `session` (of `scope`'s tenant) goes where its last request went while that engine
+        serves the model; an id over MAX_SESSION_ID_BYTES raises SessionIdTooLong first."""
         t0 = time.perf_counter()
+        if session:
+            check_session_id(session)
         engines = self.engines.ids_for_model(scope.model)
         if blocks:
             self.hot.add(hash_key(blocks[0]))
-        if session and self.affinity.get(session) in engines:
-            engines_considered = [self.affinity[session]]
-        else:
-            engines_considered = engines
+        engines_considered = engines
+        if session:
+            kept = self.sessions.get(scope.tenant, session)
+            if kept is not None and kept in engines:
+                engines_considered = [kept]
         engine_id, cost, candidates, plan = score(self.index, tag, blocks, engines_considered, self.pool,
-                                                  self.engines.in_flight, decode_blocks, self.weights)
+                                                  self.engines.in_flight, decode_blocks, self.weights, None,
+                                                  self._hybrid)
         if blocks and not any(map(_OVERLAP, candidates)):
-            other = self.index.held_elsewhere(tag, blocks[0])
-            if other is not None:
-                self.scopes.refused(tag, other)
+            others = self.index.held_elsewhere(tag, blocks[0])
+            if others:
+                self.scopes.refused(tag, others)
         self.stats["routes"] += 1
         self.observe_route(time.perf_counter() - t0)
         if engine_id is None:
             return Decision(None, cost, candidates, plan)
         engine = self.engines.get(engine_id)
         if session:
-            self.affinity[session] = engine.id
+            self.sessions.put(scope.tenant, session, engine.id)
         return Decision(engine_id, cost, candidates, plan, engine.url,
                         self.engines.acquire(engine.id) if acquire else None)
+
+    def record(self, engine_id: str, tag: bytes, blocks: list) -> int:
+        """`engine_id` prefilled `blocks` under `tag` (the gateway's word, for an engine without KV
+        events): every group of it holds them in HBM now. Returns how many were new."""
+        hybrid = self._hybrid.get(engine_id)
+        if hybrid is not None:
+            return hybrid.stored(tag, blocks, CacheTier.HBM, hybrid.rule.every)
+        put = self.index.put
+        return sum(put(tag, h, engine_id, CacheTier.HBM) for h in blocks)
+
+    def unrecord(self, engine_id: str, tag: bytes, block) -> None:
+        """Forget a block `record` placed in `engine_id`'s HBM (it has likely evicted it by now)."""
+        hybrid = self._hybrid.get(engine_id)
+        if hybrid is not None:
+            hybrid.removed(tag, (block,), CacheTier.HBM, hybrid.rule.every)
+        else:
+            self.index.remove(tag, block, engine_id, CacheTier.HBM)
+
+    def plan_for(self, engine_id: str, tag: bytes, blocks: list) -> list[Step]:
+        """The per-block plan of `blocks` on `engine_id`, as `route` would give it had it chosen that
+        engine (the gateway's, when it falls back to another engine than the router's pick)."""
+        return choose(self.index, tag, blocks, [engine_id], self.pool, self.engines.in_flight, 0.0, self.weights,
+                      None, self._hybrid).plan
 
     # -- engines and their subscriptions ------------------------------------------
     async def add_engine(self, engine: EngineConfig) -> bool:
@@ -237,6 +345,7 @@ class ControlPlane:
         else:
             new = True
         self.engines.add(engine)
+        self._declare(engine)
         feed = self.feeds[engine.id] = FeedStats(self.stats)
         if engine.kv_events:
             sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply_events, self.reset_engine,
@@ -254,10 +363,10 @@ class ControlPlane:
         self._tags.pop(engine_id, None)
         self._scope_of.pop(engine_id, None)
         self._grouped.pop(engine_id, None)
+        self._hybrid.pop(engine_id, None)
         self._whole.pop(engine_id, None)
         self.feeds.pop(engine_id, None)
-        for session in [s for s, e in self.affinity.items() if e == engine_id]:
-            del self.affinity[session]
+        self.sessions.forget_engine(engine_id)
         return self.index.clear_holder(engine_id)
 
     @property
@@ -293,6 +402,7 @@ class ControlPlane:
 
     def housekeeping(self) -> None:
         self.engines.expire()
+        self.sessions.sweep()
         now = time.monotonic()
         for sub in self._subscribers.values():
             sub.housekeeping(now, self.idle_warning_s)

@@ -8,6 +8,13 @@ Each engine has a `FeedStats`: what its KV events did (batches, events, malforme
 gaps, replays, restarts, missed batches, the last sequence number), kept by whoever
 feeds it (the ZMQ subscriber, or POST /v1/kv-events and KVEVENTS) and shown per engine
 by INFO router, /v1/engines, /v1/stats and /metrics.
+
+Who may feed an engine's KV events (`event_sender`, the one check used by KVEVENTS and
+POST /v1/kv-events): the operator (RESP user `default`, and the admin API, whose callers
+hold the admin token) and the engine's own tenant (its `tenant` in the engines config:
+the engine logs in with that user's credential). Another tenant's events would rewrite
+where ROUTE sends requests that are not its own: NOPERM, and the same NOPERM whether the
+engine exists or not, so a tenant cannot probe other tenants' engine ids.
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ import time
 from collections import Counter
 
 from quilld.config import EngineConfig
-from quilld.errors import CommandError
+from quilld.errors import CommandError, NoPerm
 
 FEED_COUNTERS = ("batches", "events", "malformed", "gaps", "missed", "replays", "restarts", "drops", "duplicates",
                  "errors")
+OPERATOR = "default"  # the user whose commands change the node for every tenant
 # The node-wide counters (INFO stats) that sum one of them over every engine.
 _TOTALS = {"batches": "kv_batches", "events": "kv_events", "malformed": "kv_malformed"}
 
@@ -97,6 +105,15 @@ class EngineRegistry:
         if engine is None:
             raise CommandError(f"no engine {engine_id!r}")
         return engine
+
+    def event_sender(self, engine_id: str, user: str) -> EngineConfig:
+        """The engine whose KV events `user` sends (the operator's user for the admin API), or
+        NoPerm when `user` is neither the operator nor the engine's tenant."""
+        engine = self.engines.get(engine_id)
+        if user != OPERATOR and (engine is None or engine.tenant != user):
+            raise NoPerm(f"user '{user}' may not send KV events for engine '{engine_id}': only the operator "
+                         f"(user default, or the admin API) and the engine's own tenant may")
+        return self.get(engine_id)
 
     def for_model(self, model: str) -> list[EngineConfig]:
         return [e for e in self.engines.values() if e.model == model]

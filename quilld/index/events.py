@@ -14,7 +14,8 @@ vLLM 0.33's schema, field for field (later optional fields are ignored):
 lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
 locality, ownership, session_id)`, `BlockRemoved(block_hashes, medium, group_idx,
 locality, ownership)`, `AllBlocksCleared()`. Media are `GPU`, `CPU` and `STORAGE`; its
-offloading connector stores placeholders with `block_size=0, token_ids=[]` and no group.
+offloading connector stores placeholders with `block_size=0, token_ids=[]` and the
+offloaded block's `group_idx`.
 
 One bad event never costs the good ones: an event that cannot be decoded (unknown
 type, a hash wider than 64 bits, a string where a list belongs, a scalar where an
@@ -41,6 +42,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from quilld.config import MAX_KV_GROUPS
 from quilld.errors import CommandError
 from quilld.model import CacheTier
 
@@ -57,7 +59,7 @@ _HASH_MIN = -(1 << 63)
 _HASH_END = 1 << 64
 # vLLM numbers its KV-cache groups from 0 (a hybrid model has a handful); a group index is a
 # bit in a mask downstream, so a wild one is refused here rather than grow that mask.
-MAX_GROUPS = 64
+MAX_GROUPS = MAX_KV_GROUPS
 # A batch keeps the text of its first few skipped events, for the log.
 MAX_PROBLEMS = 3
 _HEX = re.compile(r"(?:0x)?((?:[0-9a-fA-F]{2})+)")

@@ -33,6 +33,7 @@ _U64 = (1 << 64) - 1
 _PACK = struct.Struct(">Q").pack  # an int hash's bytes form, as hash_key() makes it
 
 BlockHash = int | bytes
+_NONE: dict = {}  # the entries of a scope that has none (shared, never changed)
 
 
 def hash_key(block: BlockHash) -> bytes:
@@ -313,22 +314,24 @@ class ResidencyIndex:
             add(mask)
         return out
 
+    def entries(self, tag: bytes) -> dict[int | bytes, int]:
+        """The scope's entries, entry key -> mask (read them, never change them); empty when none."""
+        return self._entries.get(tag, _NONE)
+
     def has(self, key: bytes) -> bool:
         """Whether a stored key (scope tag + `hash_key` bytes) has any residency."""
         entries = self._entries.get(key[:TAG_LEN])
         return entries is not None and entry_key(key[TAG_LEN:]) in entries
 
-    def held_elsewhere(self, tag: bytes, block: BlockHash) -> bytes | None:
-        """A scope tag other than `tag` with a residency of `block`, or None.
+    def held_elsewhere(self, tag: bytes, block: BlockHash) -> list[bytes]:
+        """Every scope tag other than `tag` with a residency of `block` (the guard counts the
+        closest of them: scopes.refused).
 
         Looks only at scopes that have entries (engines' and pools' scopes), never at
         every scope clients have named.
         """
         key = entry_key(block)
-        for other, entries in self._entries.items():
-            if other != tag and key in entries:
-                return other
-        return None
+        return [other for other, entries in self._entries.items() if other != tag and key in entries]
 
     def locate(self, tag: bytes, blocks: Iterable[BlockHash]) -> list[list[tuple[str, CacheTier]]]:
         """For each block, every (holder, tier) that has it."""

@@ -37,6 +37,13 @@ from quilld.model import IdentityScope
 # At most this many blocks per request: 1M tokens in blocks of 16, beyond any context
 # window; the score walks every block for every engine.
 MAX_BLOCKS = 1 << 16
+# At most this many bytes in one argument of a ROUTE (its JSON, a PACKED bulk, a list of key
+# value pairs): 65,536 hashes in any form fit, and so do some 200,000 token ids; a longer prompt
+# is hashed by the client (ROUTE PACKED). Refused before it is read: nothing larger is decoded.
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
+# A request with more bytes than this is decoded, checked and hashed in a worker thread, off the
+# event loop (the walk is Python: the interpreter lets the loop run every few milliseconds).
+LARGE_REQUEST = 64 * 1024
 DEFAULT_BLOCK_SIZE = 16
 MAX_TOKEN = (1 << 32) - 1  # chain_hashes packs each token id in 4 bytes
 FIELDS = frozenset({"blocks", "tokens", "block_size", "decode_tokens", "session", "acquire"})
@@ -129,13 +136,17 @@ class RouteRequest:
         try:
             block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
             if "tokens" in req:
-                tokens = [int(t) for t in req["tokens"]]
                 if block_size <= 0:
                     raise ValueError("block_size")
+                if _count(req["tokens"]) // block_size > MAX_BLOCKS:  # checked before walking them
+                    raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+                tokens = [int(t) for t in req["tokens"]]
                 blocks = None
             else:
                 tokens = None
                 raw = req.get("blocks", [])
+                if _count(raw) > MAX_BLOCKS:
+                    raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
                 if type(raw) is list and raw and set(map(type, raw)) == _INTS and \
                         min(raw) >= -(1 << 63) and max(raw) <= _U64:  # JSON's ints, checked in C
                     blocks = list(raw)
@@ -145,8 +156,6 @@ class RouteRequest:
         except (TypeError, ValueError):
             raise CommandError(_NOT_INTEGERS) from None
         if tokens is not None:
-            if len(tokens) // block_size > MAX_BLOCKS:  # checked before hashing them all
-                raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
             if not all(0 <= t <= MAX_TOKEN for t in tokens):
                 raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
             blocks = chain_hashes(tokens, block_size)
@@ -155,6 +164,11 @@ class RouteRequest:
         session = req.get("session") or None
         return cls(blocks, block_size, decode, str(session) if session else None,
                    str(req.get("acquire", "")).lower() in _YES)
+
+
+def _count(items: Any) -> int:
+    """How many items a request's list holds (0 for what is not a list: its walk refuses it)."""
+    return len(items) if isinstance(items, (list, tuple)) else 0
 
 
 def route(control: ControlPlane, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:

@@ -5,7 +5,11 @@ longest run of leading blocks it can reuse, each credited by where it is:
 1.0 in the engine's own HBM, 0.75 in host memory (the engine's CPU tier or
 this pool's DRAM), 0.25 on this pool's SSD or in the engine's own offload
 storage (vLLM's medium STORAGE; `router.storage_credit`), the best source
-winning where a block is in several. Then
+winning where a block is in several. For an engine whose KV-cache group kinds
+are declared (a hybrid model: full attention, sliding window, Mamba), the
+reusable prefix is the one vLLM's hybrid cache manager would hit, and each of
+its blocks is credited by where the groups that read it have it (groups.py).
+Then
 
     cost = prefill_load_scale * max(0, prefill_blocks - credit)
            + decode_blocks + active_request_weight * in_flight
@@ -26,16 +30,19 @@ from __future__ import annotations
 
 import math
 import random
-from itertools import repeat
+from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Literal, NamedTuple
 
-from quilld.index.residency import TIER_MASK, TIER_SLOTS, TIERS, ResidencyIndex
+from quilld.index.groups import HybridHoldings, longest_hit
+from quilld.index.residency import TIER_MASK, TIER_SLOTS, TIERS, ResidencyIndex, entry_key
 from quilld.model import CacheTier
 
 _HBM, _CPU, _DRAM, _SSD, _STORAGE = (TIERS.index(t) for t in (CacheTier.HBM, CacheTier.CPU, CacheTier.DRAM,
                                                                  CacheTier.SSD, CacheTier.STORAGE))
 _HBM_BIT, _CPU_BIT, _STORAGE_BIT = 1 << _HBM, 1 << _CPU, 1 << _STORAGE
+_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -188,23 +195,122 @@ def _engine_walk(index: ResidencyIndex, masks: list[int], engine: str, pool: lis
     return credit, steps
 
 
+def _best_copy(mask: int, pool_bits: list[tuple[str, int]]) -> tuple[str, CacheTier] | None:
+    """The pool node and tier to fetch a block from (DRAM before SSD), given its entry mask."""
+    best = None
+    for holder, bits in pool_bits:
+        nib = (mask & bits) >> ((bits & -bits).bit_length() - 1)
+        if nib >> _DRAM & 1:
+            return holder, CacheTier.DRAM
+        if nib >> _SSD & 1 and best is None:
+            best = (holder, CacheTier.SSD)
+    return best
+
+
+def _hybrid_walk(index: ResidencyIndex, holdings: HybridHoldings, tag: bytes, blocks: list, engine: str,
+                 pool_bits: list[tuple[str, int]], w: CostWeights) -> tuple[float, list[Step]]:
+    """Credit and plan of the prefix an engine with declared KV-cache group kinds reuses, as vLLM's
+    hybrid cache manager finds it (groups.py): the longest prefix every group accepts, each block
+    credited by where the groups that read it have it, or by a pool copy when that credits more."""
+    rule = holdings.rule
+    count, every, full = rule.count, rule.every, rule.full
+    s_cpu, s_storage = _CPU * count, _STORAGE * count  # HBM's group bits are the lowest (_HBM is 0)
+    own_get = holdings.entries(tag).get
+    pool_get = index.entries(tag).get if pool_bits else None
+    pool_tiers = 0  # the pool nodes' DRAM and SSD bits
+    for _, bits in pool_bits:
+        pool_tiers |= (1 << _DRAM | 1 << _SSD) * (bits & -bits)
+    packed: list[int] = []  # per block: bit tier * count + g while group g holds it in that tier
+    holds: list[int] = []  # per block: the groups holding it anywhere (every group when a pool node has it)
+    copies: list[int] = []  # per block: its entry mask's pool bits (with a pool only)
+    add_packed, add_held, add_copy = packed.append, holds.append, copies.append
+    for block in blocks:  # up to the first block a full-attention group lacks
+        key = block & _U64 if block.__class__ is int else entry_key(block)
+        p = own_get(key, 0)
+        held = (p | p >> s_cpu | p >> s_storage) & every
+        if pool_get is not None:
+            copy = pool_get(key, 0) & pool_tiers
+            if copy:
+                held = every
+            if held & full != full:
+                break
+            add_copy(copy)
+        elif held & full != full:
+            break
+        add_packed(p)
+        add_held(held)
+    length = longest_hit(rule, holds)
+    hit_hbm, hit_cpu, hit_storage = _hits(engine)
+    hbm_credit, host_credit, storage_credit = w.hbm_credit, w.host_credit, w.storage_credit
+
+    def step(i: int, need: int) -> tuple[Step, float]:
+        """Where block i comes from when groups `need` read it: the slowest of their best tiers on the
+        engine, or a pool copy when that credits more."""
+        p = packed[i]
+        own, value = None, 0.0
+        if p & need == need:
+            own, value = hit_hbm, hbm_credit
+        elif (p | p >> s_cpu) & need == need:
+            own, value = hit_cpu, host_credit
+        elif (p | p >> s_cpu | p >> s_storage) & need == need:
+            own, value = hit_storage, storage_credit
+        if pool_get is not None and copies[i]:
+            holder, tier = _best_copy(copies[i], pool_bits)
+            fetched = host_credit if tier is CacheTier.DRAM else w.disk_credit
+            if own is None or fetched > value:
+                return Step("fetch", holder, tier), fetched
+        return own, value
+
+    # The last `reach` blocks are read by more groups than the full-attention ones (a window, the
+    # state at the end); the ones before them by the full-attention groups alone, or by none.
+    tail = max(0, length - rule.reach)
+    steps: list[Step] = [RECOMPUTE] * length
+    credit, anchor, anchor_credit = 0.0, RECOMPUTE, 0.0
+    for i in range(length - 1, tail - 1, -1):
+        need = rule.needs(i, length)
+        if need:  # otherwise read for nothing: skipped because of the block that ends the prefix
+            anchor, anchor_credit = step(i, need)
+        steps[i] = anchor
+        credit += anchor_credit
+    if not tail:
+        return credit, steps
+    if not full:  # no group reads the blocks before the tail: credited as its first block
+        steps[:tail] = [anchor] * tail
+        return credit + anchor_credit * tail, steps
+    on_cpu = (hit_cpu, host_credit)
+    for i in range(tail):
+        p = packed[i]
+        if p & full == full and (pool_get is None or not copies[i] or hbm_credit >= host_credit):
+            steps[i] = hit_hbm
+            credit += hbm_credit
+        elif pool_get is None and (p | p >> s_cpu) & full == full:
+            steps[i], value = on_cpu
+            credit += value
+        else:
+            steps[i], value = step(i, full)
+            credit += value
+    return credit, steps
+
+
 def choose(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], pool: list[str],
            in_flight: dict[str, int], decode_blocks: float = 0.0, weights: CostWeights = CostWeights(),
-           rng: random.Random | None = None) -> Decision:
-    """Score every engine in `engines` (already filtered to the request's model)."""
+           rng: random.Random | None = None, hybrid: Mapping[str, HybridHoldings] | None = None) -> Decision:
+    """Score every engine in `engines` (already filtered to the request's model); `hybrid`: the
+    engines with declared KV-cache group kinds, credited by groups.py's rule."""
     engine, cost, candidates, plan = score(index, tag, blocks, engines, pool, in_flight, decode_blocks, weights,
-                                           rng)
+                                           rng, hybrid)
     return Decision(engine, cost, candidates, plan)
 
 
 def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], pool: list[str],
           in_flight: dict[str, int], decode_blocks: float = 0.0, weights: CostWeights = CostWeights(),
-          rng: random.Random | None = None) -> tuple[str | None, float, list[Candidate], list[Step]]:
+          rng: random.Random | None = None, hybrid: Mapping[str, HybridHoldings] | None = None,
+          ) -> tuple[str | None, float, list[Candidate], list[Step]]:
     """`choose`'s decision as its parts (engine, cost, candidates, plan), for a caller that adds
     to them before building the one `Decision` (the control plane: URL and lease)."""
     if not engines:
         return None, math.inf, [], []
-    masks = index.leading_masks(tag, blocks)  # every walk ends where these end, or before
+    masks = index.leading_masks(tag, blocks)  # every walk but the hybrid one ends where these end, or before
     n = len(blocks)
     first = masks[0] if masks else 0
     scale, per_request = weights.prefill_load_scale, weights.active_request_weight
@@ -212,7 +318,9 @@ def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], p
     cold = scale * n + decode_blocks  # the cost before load of an engine that reuses nothing
     if pool:
         pool = [h for h in pool if holder_no(h) is not None]  # pool nodes that hold nothing cannot help
-    if not pool:
+    if hybrid and not any(e in hybrid for e in engines):
+        hybrid = None
+    if not pool and not hybrid:
         loads = list(map(load_of, engines, repeat(0)))
         if not any(loads):
             candidates, walks, best = _idle(index, tag, masks, first, engines, cold, per_request, scale,
@@ -222,10 +330,13 @@ def score(index: ResidencyIndex, tag: bytes, blocks: list, engines: list[str], p
     walks: list[list[Step]] = []
     best, best_cost, best_engine = -1, 0.0, ""
     make = tuple.__new__
+    pool_bits = [(h, b) for h in pool if (b := index.holder_bits(h))] if hybrid else []
     for engine in engines:
         load = load_of(engine, 0)
         no = holder_no(engine)
-        if pool:
+        if hybrid and engine in hybrid:
+            credit, steps = _hybrid_walk(index, hybrid[engine], tag, blocks, engine, pool_bits, weights)
+        elif pool:
             credit, steps = _engine_walk(index, masks, engine, pool, weights)
         elif no is not None and first >> (no * TIER_SLOTS) & TIER_MASK:
             credit, steps = _own_walk(masks, engine, no * TIER_SLOTS, weights)

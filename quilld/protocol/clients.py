@@ -2,24 +2,31 @@
 
 Also what concerns them all at once: CLIENT PAUSE (commands wait, every connection's or
 only their writes, until the pause ends), MONITOR (each command run is sent to the
-monitoring connections of the same user) and the idle timeout (redis's `timeout`).
+monitoring connections of the same user), the idle timeout (redis's `timeout`), the
+watched keys (`watches`, protocol/transactions.py), and the hold of an EXEC whose queued
+command waits for the disk or a peer: until it ends, no other connection runs a command
+(commands/multi.py; a cluster peer's connection is never held).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from quilld.config import PROTECTED_MODE_REFUSAL, protected_mode_refuses
 from quilld.protocol.resp import shown_arg
+from quilld.protocol.transactions import Watches
 
 if TYPE_CHECKING:  # for annotations only: server.py imports this module
     from quilld.protocol.server import RespConnection
 
 
 DENIED = f"-DENIED {PROTECTED_MODE_REFUSAL}\r\n".encode()  # redis 7's protected-mode refusal, in quilld's words
+FULL_RELOG = 60.0  # seconds between two log lines about clients refused at maxclients
+log = logging.getLogger("quilld.protocol")
 
 
 class Clients:
@@ -40,6 +47,11 @@ class Clients:
         self._held: set[RespConnection] = set()  # connections whose next command waits for the pause's end
         self._pause_timer: asyncio.TimerHandle | None = None
         self.monitors: dict[int, RespConnection] = {}  # MONITOR: session id -> connection
+        self.watches = Watches()  # WATCH: the node's watched keys
+        self.exclusive: Any = None  # the session of an EXEC holding the node (see hold_for), or None
+        self._exec_held: set[RespConnection] = set()  # connections waiting for that hold's end
+        self._full_logged = float("-inf")  # when a refusal at maxclients was last logged
+        self._full_since = 0  # refusals at maxclients since then
 
     def opened(self, conn: RespConnection) -> bool:
         """Admit a new connection, or refuse it (max clients reached; protected mode and a peer
@@ -47,6 +59,7 @@ class Clients:
         refusal = None
         if len(self.connections) >= self.max_clients:
             refusal = b"-ERR max number of clients reached\r\n"
+            self._refused_full()
         elif not conn.session.unix:  # a unix socket's peer is on this host: loopback, as redis counts it
             peer = conn.transport.get_extra_info("peername")
             if protected_mode_refuses(conn.ctx.cfg.server, conn.ctx.users.required, peer[0] if peer else None):
@@ -61,9 +74,21 @@ class Clients:
         self.stats["total_connections_received"] += 1
         return True
 
+    def _refused_full(self) -> None:
+        """One log line a minute at most while clients are refused at maxclients (INFO stats counts
+        each one in rejected_connections)."""
+        self._full_since += 1
+        now = time.monotonic()
+        if now - self._full_logged >= FULL_RELOG:
+            log.warning("max number of clients reached (maxclients %d): refusing new connections with "
+                        "'-ERR max number of clients reached' (%d refused since the last such line)",
+                        self.max_clients, self._full_since)
+            self._full_logged, self._full_since = now, 0
+
     def closed(self, conn: RespConnection) -> None:
         self.monitor_off(conn.session)
         self._held.discard(conn)
+        self._exec_held.discard(conn)
         conn.session.close()
         self.connections.pop(conn.session.id, None)
         self.sessions.pop(conn.session.id, None)
@@ -72,10 +97,10 @@ class Clients:
             self.on_close(conn.session.id)
 
     def auth_changed(self, session: Any) -> None:
-        """The session logged in (or out): its parser's pre-AUTH limits follow."""
+        """The session logged in (or out), or became a cluster peer: its parser's pre-AUTH limits follow."""
         conn = self.connections.get(session.id)
         if conn is not None:
-            conn.parser.authenticated = session.authenticated
+            conn.parser.authenticated = session.authenticated or session.peer
 
     def watch_drain(self, conn: RespConnection) -> None:
         """Check `conn` again at the next housekeeping tick: its pinned replies are still being sent."""
@@ -122,7 +147,8 @@ class Clients:
             if not timeout:
                 return
             s = conn.session
-            if now - s.last_active > timeout and not (s.monitor or s.peer or conn.busy) and conn not in self._held:
+            if now - s.last_active > timeout and not (s.monitor or s.peer or conn.busy) and not (
+                    conn in self._held or conn in self._exec_held):
                 conn.transport.close()
 
     # -- CLIENT PAUSE ---------------------------------------------------------
@@ -159,10 +185,32 @@ class Clients:
         if time.monotonic() >= until:
             self.unpause()
             return False
-        if mode == "all" or (cmd is not None and "write" in cmd.info_flags):
+        if mode == "all" or (cmd is not None and ("write" in cmd.info_flags or (
+                cmd.name == "exec" and _writes_queued(conn.session)))):
             self._held.add(conn)
             return True
         return False
+
+    # -- an EXEC holding the node -----------------------------------------------
+    def hold_for(self, session: Any) -> None:
+        """`session`'s EXEC waits mid-transaction (a queued command waits for the disk or a
+        peer): no other connection runs a command until `release_hold`."""
+        self.exclusive = session
+        self.stats["exec_holds"] += 1
+
+    def held_out(self, conn: RespConnection) -> bool:
+        """Whether `conn` must wait for the EXEC holding the node (never the EXEC's own connection,
+        nor a cluster peer's); it runs what it has once the hold ends."""
+        if self.exclusive is None or conn.session is self.exclusive or conn.session.peer:
+            return False
+        self._exec_held.add(conn)
+        return True
+
+    def release_hold(self) -> None:
+        self.exclusive = None
+        held, self._exec_held = self._exec_held, set()
+        for conn in held:
+            conn.resume_after_pause()
 
     # -- MONITOR --------------------------------------------------------------
     def monitor_on(self, session: Any) -> None:
@@ -209,6 +257,12 @@ class Clients:
     def reset_stats(self) -> None:
         self.stats.clear()
         self.commands_processed = self.net_in = self.net_out = 0
+
+
+def _writes_queued(session: Any) -> bool:
+    """Whether the transaction `session` would EXEC writes (held by CLIENT PAUSE WRITE, as redis's
+    EXEC is when its queue may replicate)."""
+    return any("write" in cmd.info_flags for cmd, _ in session.multi or ())
 
 
 _REPR = {0x5C: b"\\\\", 0x22: b'\\"', 0x0A: b"\\n", 0x0D: b"\\r", 0x09: b"\\t", 0x07: b"\\a", 0x08: b"\\b"}

@@ -98,9 +98,11 @@ def _clients(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
     mine = [conn for conn in clients.connections.values() if conn.session.user == session.user]
     max_in = max((conn.parser.query_bytes() for conn in mine), default=0)
     max_out = max((conn.transport.get_write_buffer_size() for conn in mine if conn.transport), default=0)
+    watching, watched = clients.watches.clients_watching(conn.session for conn in mine)
     return [("connected_clients", len(mine)), ("cluster_connections", 0), ("maxclients", clients.max_clients),
             ("client_recent_max_input_buffer", max_in), ("client_recent_max_output_buffer", max_out),
-            ("blocked_clients", 0), ("tracking_clients", 0), ("clients_in_timeout_table", 0)]
+            ("blocked_clients", 0), ("tracking_clients", 0), ("clients_in_timeout_table", 0),
+            ("watching_clients", watching), ("total_watched_keys", watched)]  # these two: redis 7.4's
 
 
 def _memory(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
@@ -272,7 +274,8 @@ def _shm(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("shm_attaches", ctx.stats["shm_attaches"]), ("shm_attaches_refused", ctx.stats["shm_attach_refused"]),
             ("shm_leases_live", leases.live), ("shm_leases_granted", leases.granted),
             ("shm_leases_released", leases.released), ("shm_leases_expired", leases.expired),
-            ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots)]
+            ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots),
+            ("shm_lease_slots_per_user", leases.max_per_user), ("shm_leases_refused_user", leases.refused_user)]
 
 
 def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
@@ -287,6 +290,8 @@ def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("kv_zmq_duplicates", subs["duplicates"]),
             ("kv_events", ctl.stats["kv_events"]), ("kv_malformed", ctl.stats["kv_malformed"]),
             ("kv_zmq_gaps", subs["gaps"]), ("kv_zmq_missed", subs["missed"]), ("kv_zmq_restarts", subs["restarts"]),
+            ("sessions", len(ctl.sessions)), ("session_evictions_full", ctl.sessions.evicted_full),
+            ("session_evictions_idle", ctl.sessions.evicted_idle),
             ("hot_prefixes", top)] + _engine_feeds(ctx)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from itertools import chain
-from typing import Any
+from typing import Any, Callable
 
 from quilld.errors import ProtocolError, QuillError
 from quilld.model import Pinned
@@ -607,6 +607,11 @@ class Push(tuple):
     """An out-of-band push frame (RESP3 `>`); in RESP2, an array (as redis sends pub/sub messages)."""
 
 
+class OrderedSet(tuple):
+    """A set reply whose order is given (RESP3 `~`, an array in RESP2): COMMAND's flags, ACL
+    categories and key specs, whose order redis fixes."""
+
+
 class WithFds:
     """A reply to be sent with open file descriptors attached (SCM_RIGHTS over a unix socket):
     SHM ATTACH's. The codec does not encode it (it is not bytes on a wire): the server shell
@@ -623,6 +628,110 @@ OK = Status(b"OK")
 PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"
 NULL3 = b"_\r\n"
+NULL = (NULL2, NULL3)  # by protocol: NULL[resp3]
+
+# -- framing, in one place: encode() below and the handlers that write their replies straight
+# to bytes (ROUTE, COMMAND DOCS) take their headers and scalars from here. Headers of the
+# sizes replies mostly have are encoded once, at import.
+_CACHED_HEADERS = 1024
+_ARRAY = tuple(b"*%d\r\n" % n for n in range(_CACHED_HEADERS))
+_MAP3 = tuple(b"%%%d\r\n" % n for n in range(_CACHED_HEADERS))
+_SET3 = tuple(b"~%d\r\n" % n for n in range(_CACHED_HEADERS))
+_INT = tuple(b":%d\r\n" % n for n in range(_CACHED_HEADERS))
+
+
+def array_header(n: int) -> bytes:
+    """`*n`: an array of n items (either protocol)."""
+    return _ARRAY[n] if n < _CACHED_HEADERS else b"*%d\r\n" % n
+
+
+def map_header(pairs: int, resp3: bool) -> bytes:
+    """A map of `pairs` entries: `%pairs` in RESP3, a flat array of 2*pairs items in RESP2."""
+    if resp3:
+        return _MAP3[pairs] if pairs < _CACHED_HEADERS else b"%%%d\r\n" % pairs
+    return array_header(2 * pairs)
+
+
+def set_header(n: int, resp3: bool) -> bytes:
+    """A set of n items: `~n` in RESP3, an array in RESP2."""
+    if resp3:
+        return _SET3[n] if n < _CACHED_HEADERS else b"~%d\r\n" % n
+    return array_header(n)
+
+
+def integer(n: int) -> bytes:
+    return _INT[n] if 0 <= n < _CACHED_HEADERS else b":%d\r\n" % n
+
+
+def bulk_header(n: int) -> bytes:
+    """`$n`: what comes before a bulk string of n bytes (then the bytes and CRLF)."""
+    return b"$%d\r\n" % n
+
+
+def bulk(b: bytes) -> bytes:
+    """A bulk string."""
+    return b"$%d\r\n%b\r\n" % (len(b), b)
+
+
+def double(v: float, resp3: bool) -> bytes:
+    """A double: RESP3 `,`, a bulk string of its digits in RESP2 (inf, -inf and nan as redis writes them)."""
+    text = repr(v).encode() if v == v and abs(v) != float("inf") else (
+        b"nan" if v != v else (b"inf" if v > 0 else b"-inf"))
+    return b",%b\r\n" % text if resp3 else b"$%d\r\n%b\r\n" % (len(text), text)
+
+
+class EncodedById:
+    """Encoded bytes of shared, immutable objects (a router's candidates and plan steps), found
+    by `id` with no hashing of the object. Each object is kept while its bytes are, so its id
+    cannot be reused by another object meanwhile; the whole cache is dropped when it fills."""
+
+    __slots__ = ("encoder", "size", "alive", "by_protocol")
+
+    def __init__(self, encoder: Callable[[Any, bool], bytes], size: int = 4096) -> None:
+        self.encoder = encoder  # (object, resp3) -> bytes
+        self.size = size
+        self.alive: dict[int, object] = {}
+        self.by_protocol: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
+
+    def many(self, objects: list, resp3: bool) -> list[bytes]:
+        table = self.by_protocol[resp3]
+        parts = list(map(table.get, map(id, objects)))
+        if not all(parts):  # an object seen for the first time (no encoding is empty)
+            for i, part in enumerate(parts):
+                if part is None:
+                    parts[i] = self.one(objects[i], resp3)
+        return parts
+
+    def one(self, obj: Any, resp3: bool) -> bytes:
+        table = self.by_protocol[resp3]
+        out = table.get(id(obj))
+        if out is None:
+            if len(self.alive) >= self.size:
+                self.alive.clear()
+                for t in self.by_protocol:
+                    t.clear()
+            self.alive[id(obj)] = obj
+            out = table[id(obj)] = self.encoder(obj, resp3)
+        return out
+
+
+class BulkCache:
+    """Bulk strings of texts that recur in replies (engine ids, URLs, field names), each encoded
+    once; at most `size` are kept (all dropped when it fills)."""
+
+    __slots__ = ("size", "_of")
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._of: dict[str, bytes] = {}
+
+    def __call__(self, text: str) -> bytes:
+        out = self._of.get(text)
+        if out is None:
+            if len(self._of) >= self.size:
+                self._of.clear()
+            out = self._of[text] = bulk(text.encode())
+        return out
 
 
 def encode_error(err: QuillError) -> bytes:
@@ -639,7 +748,7 @@ def encode(value: Any, resp3: bool, out: list) -> None:
     """Append the encoding of `value` to `out` (a list of byte chunks).
 
     bytes -> bulk; Status -> simple string; int -> integer; None -> null;
-    list/tuple -> array; dict -> map; set -> set; float -> double;
+    list/tuple -> array; dict -> map; set, OrderedSet -> set; float -> double;
     bool -> boolean; Verbatim -> verbatim text; QuillError -> error;
     BigNumber -> big number; Attribute -> attribute frame (nothing in RESP2);
     Push -> push frame; Raw -> as is; Pinned -> bulk header, the view, CRLF.
@@ -650,11 +759,12 @@ def encode(value: Any, resp3: bool, out: list) -> None:
     elif t is Status:
         out.append(b"+%b\r\n" % value)
     elif t is int:
-        out.append(b":%d\r\n" % value)
+        out.append(_INT[value] if 0 <= value < _CACHED_HEADERS else b":%d\r\n" % value)
     elif value is None:
         out.append(NULL3 if resp3 else NULL2)
     elif t is list or t is tuple:
-        out.append(b"*%d\r\n" % len(value))
+        n = len(value)
+        out.append(_ARRAY[n] if n < _CACHED_HEADERS else b"*%d\r\n" % n)
         for item in value:
             encode(item, resp3, out)
     elif t is str:
@@ -665,18 +775,16 @@ def encode(value: Any, resp3: bool, out: list) -> None:
     elif isinstance(value, QuillError):
         out.append(encode_error(value))
     elif t is dict:
-        out.append((b"%%%d\r\n" if resp3 else b"*%d\r\n") % (len(value) * (1 if resp3 else 2)))
+        out.append(map_header(len(value), resp3))
         for k, v in value.items():
             encode(k, resp3, out)
             encode(v, resp3, out)
     elif t is bool:
         out.append((b"#t\r\n" if value else b"#f\r\n") if resp3 else (b":1\r\n" if value else b":0\r\n"))
     elif t is float:
-        text = repr(value).encode() if value == value and abs(value) != float("inf") else (
-            b"nan" if value != value else (b"inf" if value > 0 else b"-inf"))
-        out.append(b",%b\r\n" % text if resp3 else b"$%d\r\n%b\r\n" % (len(text), text))
-    elif t is set or t is frozenset:
-        out.append((b"~%d\r\n" if resp3 else b"*%d\r\n") % len(value))
+        out.append(double(value, resp3))
+    elif t is set or t is frozenset or t is OrderedSet:
+        out.append(set_header(len(value), resp3))
         for item in value:
             encode(item, resp3, out)
     elif t is Verbatim:

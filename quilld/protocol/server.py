@@ -39,6 +39,7 @@ from quilld.model import Pending, Pinned
 from quilld.context.node_context import NodeContext
 from quilld.protocol.resp import OK, LargeBulk, RespParser, WithFds, encode, encode_error
 from quilld.protocol.session import Session
+from quilld.protocol.table import ABORT
 
 RECV_BUFFER = 256 * 1024
 # One receive buffer serves every connection: the loop calls get_buffer() and then
@@ -78,11 +79,16 @@ def _sendfile_some(fd: int, src: int, offset: int, n: int) -> int:
 
 
 def _collect_pins(reply: Any, pins: list) -> None:
-    """The releases of the block replies in `reply`: itself, or the items of an array (MGET)."""
+    """The releases of the block replies in `reply`: itself, or the items of an array (MGET), or
+    of an array in an array (an MGET in an EXEC's reply)."""
     if reply.__class__ is Pinned:
         pins.append(reply.release)
     elif reply.__class__ is list:
-        pins.extend(item.release for item in reply if item.__class__ is Pinned)
+        for item in reply:
+            if item.__class__ is Pinned:
+                pins.append(item.release)
+            elif item.__class__ is list:
+                _collect_pins(item, pins)
 
 
 def _address(view: memoryview) -> int:
@@ -209,8 +215,11 @@ class RespConnection(asyncio.BufferedProtocol):
         """Run every complete command buffered, in order, and write their replies in one go."""
         if self._waiting is not None or self._deferred is not None:
             return  # a large bulk waits for arena space, or a reply for the disk: nothing may overtake it
-        session, out, pins = self.session, [], []
         clients = self.clients
+        if clients.exclusive is not None and clients.held_out(self):
+            self.transport.pause_reading()  # another client's EXEC holds the node: resumed at its end
+            return
+        session, out, pins = self.session, [], []
         self._out = out
         ncmds = 0
         while not session.closing:
@@ -229,6 +238,12 @@ class RespConnection(asyncio.BufferedProtocol):
         if ncmds:
             self.clients.commands_processed += ncmds
             session.last_active = time.monotonic()
+        if session.closing == ABORT:  # an HTTP request on the RESP port (table.py): nothing more is sent
+            self._held = []
+            for release in pins:
+                release()
+            self.transport.abort()
+            return
         if out:
             if self._more_input and not pins and not session.closing:
                 if not self._held:
@@ -292,6 +307,8 @@ class RespConnection(asyncio.BufferedProtocol):
                 try:
                     refused = next((a for a in item if isinstance(a, QuillError)), None)
                     reply = refused if refused is not None else dispatch(session, item)
+                    if refused is not None and session.multi is not None:
+                        session.multi_error = True  # refused while queueing: its EXEC aborts
                 finally:  # whatever happens, what the command did not consume is given back
                     self._release_args(session, item)
             else:
@@ -417,6 +434,8 @@ class RespConnection(asyncio.BufferedProtocol):
         keyspace, dispatch = self.ctx.keyspace, self.ctx.table.dispatch
         while True:
             await self.ctx.space_freed(ARENA_RETRY)
+            if self.clients.exclusive is not None and self.clients.exclusive is not self.session:
+                continue  # another client's EXEC holds the node
             reply = dispatch(self.session, item)
             if reply.__class__ is Pending:
                 return await reply.awaitable

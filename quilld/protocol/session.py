@@ -1,4 +1,4 @@
-"""Per-connection state that commands read and change (identity, protocol, name).
+"""Per-connection state that commands read and change (identity, protocol, name, transaction).
 
 A handler's `c` is its connection's Session: the node's shared parts are in
 `c.ctx` (quilld/context/node_context.py), and the ones every data command uses are also direct
@@ -11,6 +11,10 @@ adapter) is chosen by `SCOPE`, named in the login name
 chosen none holds `UNSCOPED` instead of the keyspace and the two-phase puts:
 every data command it runs is refused with `-NOSCOPE`, and no dispatcher check
 is paid by connections that did choose.
+
+Transaction: while in MULTI, `multi` holds the queued commands (None otherwise: the
+dispatcher's fast path checks that one attribute); the watched keys and whether one changed
+are here too. protocol/transactions.py keeps them; RESET and the connection's end drop them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from quilld.errors import QuillError
 from quilld.model import IdentityScope
 from quilld.context.node_context import NodeContext
+from quilld.protocol.transactions import end
 
 _ids = itertools.count(1)
 
@@ -48,7 +53,8 @@ UNSCOPED = _Unscoped()
 class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
-                 "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm")
+                 "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm", "multi",
+                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms")
 
     def __init__(self, ctx: NodeContext, addr: str, laddr: str, unix: bool = False) -> None:
         self.ctx = ctx
@@ -66,14 +72,23 @@ class Session:
         self.resp3 = False
         self.user = "default"
         self.authenticated = not ctx.users.required
+        self.perms = _perms(ctx, "default")  # the user's ACL when it restricts anything (dispatcher checks it)
         self.created = self.last_active = time.monotonic()
         self.last_cmd = "NULL"
         self.closing = False  # QUIT: close once the reply is written
         self.qbuf = 0
-        self.peer = False  # a cluster peer (PEERAUTH): may run REPLOG and PEERGET
+        self.peer = False  # a cluster peer (PEERAUTH): may run the node-to-node commands (table.PEER)
         self.reply_mode = 0  # CLIENT REPLY: 0 on, 1 off, 3 skip the next command's reply (2: skipping it)
         self.monitor = False  # MONITOR: the connection receives the commands its user runs
         self.no_evict = False  # CLIENT NO-EVICT (a flag only: quilld never evicts clients)
+        # MULTI/EXEC (protocol/transactions.py): the queued (command, arguments) while in MULTI, else
+        # None; whether queueing failed (EXEC aborts); the queue's bytes; the watched keys (full key ->
+        # expired already when watched), None when none; whether one changed since (EXEC fails)
+        self.multi: list | None = None
+        self.multi_error = False
+        self.multi_bytes = 0
+        self.watched: dict[bytes, bool] | None = None
+        self.cas_dirty = False
         self.tag = b""
         self.set_scope(IdentityScope(), capped=False, chosen=False)
         if ctx.cfg.security.require_scope:
@@ -103,29 +118,41 @@ class Session:
             kept = self.scope._replace(tenant=user)
             self.set_scope(kept, capped=bool(kept.model or kept.tokenizer or kept.adapter), chosen=False)
         self.user = user
+        self.perms = _perms(self.ctx, user)
         self.authenticated = True
 
     def peer_login(self) -> None:
-        """A cluster peer (PEERAUTH): it names the scope of each key it reads or follows."""
+        """A cluster peer (PEERAUTH): it may run the node-to-node commands, which name the scope
+        of each key they read. Nothing else changes: no user is logged in, the operator least."""
         self.peer = True
-        self.authenticated = True
-        self.keyspace, self.puts = self.ctx.keyspace, self.ctx.puts
 
     def reset(self) -> None:
         """RESET: the state of a new connection (its id, addresses and age kept): RESP2, no name,
-        replies on, user `default` (authenticated only when it has no password), no scope chosen."""
+        replies on, user `default` (authenticated only when it has no password), no scope chosen,
+        no transaction and no key watched."""
+        end(self)
         self.name = None
         self.resp3 = False
         self.reply_mode = 0
         self.monitor = self.no_evict = self.peer = False
         self.user = "default"
         self.authenticated = not self.ctx.users.required
+        self.perms = _perms(self.ctx, "default")
         self.set_scope(IdentityScope(), capped=False, chosen=not self.ctx.cfg.security.require_scope)
         if self.ctx.cfg.security.require_scope:
             self.keyspace = self.puts = UNSCOPED
 
     def close(self) -> None:
-        """The connection is gone: its scope is no longer held by it."""
+        """The connection is gone: its scope is no longer held by it, its transaction and watched
+        keys are dropped (what its queued commands held is given back)."""
+        end(self)
         if self.tag:
             self.ctx.scopes.drop(self.tag)
             self.tag = b""
+
+
+def _perms(ctx: NodeContext, user: str):
+    """`user`'s ACL (commands/acl_rules.py) when it denies anything, else None: the dispatcher's
+    fast path serves a session whose `perms` is None without asking."""
+    acl = ctx.users.acl_of(user)
+    return acl if acl is not None and acl.restricted else None

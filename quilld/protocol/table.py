@@ -18,6 +18,13 @@ threshold is under `TIME_ALL_BELOW_US`, when every call is timed. While a
 client MONITORs, the fast path is off: every call goes through the checked
 path, which feeds the monitors.
 
+A command named `POST` or `Host:` is an HTTP request sent to the RESP port (a web page
+in a local browser can send one: cross-protocol scripting). As redis does, the connection is
+closed at once, with nothing after it run and no reply (not even those of the commands
+before it that were not sent yet, as redis drops them), and a warning is logged (at most
+once a minute, `CROSS_PROTOCOL_RELOG`). The check costs the fast path nothing: neither name
+is a command.
+
 A handler that raises anything but a QuillError is a bug, never the client's
 fault: the dispatcher answers `-ERR internal error ...`, keeps the connection,
 and logs the traceback once per place it was raised (never the arguments).
@@ -36,6 +43,9 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from quilld.errors import CommandError, NoAuth, QuillError, echo
+from quilld.model import Pending
+from quilld.protocol.resp import Raw
+from quilld.protocol.transactions import QUEUED, RUN_IN_MULTI, ExecAbort, end, queue
 
 Handler = Callable[[Any, list], Any]
 log = logging.getLogger("quilld.protocol")
@@ -44,8 +54,13 @@ FAILURE_RELOG = 60.0  # seconds between the one-line reminders of a failure seen
 _clock = time.perf_counter_ns
 SAMPLE_EVERY = 64  # the fast path times one call in this many (a power of two)
 TIME_ALL_BELOW_US = 1000  # a slowlog threshold under this (microseconds) has every call timed
+HTTP_NAMES = (b"post", b"host:")  # redis's processCommand: an HTTP request's method line or Host header
+CROSS_PROTOCOL_RELOG = 60.0  # seconds between two warnings of HTTP sent to the RESP port (redis: 60)
+_NO_REPLY = Raw(b"")
+ABORT = 2  # Session.closing: close at once, dropping every reply not sent yet (True: close once they are)
 
 NOAUTH = "noauth"  # may run before AUTH (AUTH, HELLO, QUIT)
+PEER = "peer"  # may run on a cluster peer's connection (PEERAUTH) whether it logged in or not
 WRITE = "write"
 READONLY = "readonly"
 FAST = "fast"
@@ -128,6 +143,7 @@ class Doc:
     getkeys: KeysOf | None = None  # keys and their flags when the specs cannot tell (SET ... GET)
     redact: Callable[[list], list[int]] | None = None  # arguments MONITOR and the slowlog never show
     sampled: bool | None = None  # timed one call in SAMPLE_EVERY; None: when redis calls it fast
+    multi: Callable[[list], str | None] | None = None  # why these arguments may not be queued by MULTI, or None
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,7 @@ class Command:
     step: int = 0
     subcommands: dict[bytes, "Command"] = field(default_factory=dict)
     doc: Doc | None = None
+    arg_limit: int = 0  # bytes one argument may hold (0: proto-max-bulk-len); a longer one is refused unread
 
     @cached_property
     def _legacy(self) -> tuple[int, int, int, bool]:
@@ -314,13 +331,17 @@ class CommandTable:
         self.observer: Any = None  # what on_slow feeds: the slowlog and latency events (commands/observe.py)
         self.monitor: Callable[[Any, Command, list], None] | None = None  # MONITOR's feed, while any
         self.time_all = False
+        # gives back what a command left of its arguments (a value received into the arena): for
+        # the queued commands of a transaction that ends without running them (commands/blocks.py's)
+        self.release_args: Callable[[Any, list], None] = lambda client, args: None
+        self._cross_logged = float("-inf")  # when an HTTP request on the RESP port was last logged
 
     def add(self, name: str, arity: int, flags: str, handler: Handler, summary: str = "",
             group: str = "generic", since: str = "1.0.0", keys: tuple[int, int, int] = (0, 0, 0),
-            subcommands: dict[bytes, Command] | None = None) -> Command:
+            subcommands: dict[bytes, Command] | None = None, arg_limit: int = 0) -> Command:
         subs = {k: self._described(s) for k, s in (subcommands or {}).items()}
         cmd = self._described(Command(name, arity, frozenset(flags.split()), handler, summary, group, since,
-                                      keys[0], keys[1], keys[2], subs))
+                                      keys[0], keys[1], keys[2], subs, arg_limit=arg_limit))
         self.commands[name.encode()] = cmd
         for c in (cmd, *subs.values()):
             self.stats.setdefault(c.name, [0, 0, 0, 0, 0, None])
@@ -380,7 +401,7 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
-            if fast is not None and client.authenticated:
+            if fast is not None and client.authenticated and client.multi is None and client.perms is None:
                 handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
@@ -426,9 +447,19 @@ class CommandTable:
         self.error_replies += 1
         self.errors[err.wire()[:32].split(" ", 1)[0] or "ERR"] += 1
 
-    def _rejected(self, cmd: Command | None, err: QuillError) -> QuillError:
+    def _rejected(self, client: Any, cmd: Command | None, err: QuillError) -> QuillError:
+        """A command refused before it ran: counted; inside MULTI the transaction is marked to
+        fail, and a refused EXEC ends it (redis's rejectCommand, flagTransaction, execCommandAbort)."""
         if cmd is not None:
             self.stats[cmd.name][3] += 1
+        if client.multi is not None:
+            client.multi_error = True
+        if cmd is not None and cmd.name == "exec":
+            end(client)
+            # redis quotes its own refusals (existence, arity, ...) without their `ERR`
+            err = ExecAbort(f"Transaction discarded because of: {err.message if err.prefix == 'ERR' else err.wire()}")
+            if self.monitor is not None:
+                self.monitor(client, cmd, [b"exec"])
         self.count_error(err)
         return err
 
@@ -477,36 +508,81 @@ class CommandTable:
         """Existence, arity and auth checks in redis's order, then the handler (timed)."""
         cmd = self.commands.get(args[0])
         if cmd is None:
-            cmd = self.commands.get(bytes(args[0]).lower())
+            name = bytes(args[0]).lower()
+            cmd = self.commands.get(name)
             if cmd is None:
-                return self._rejected(None, unknown_command(args))
+                if name in HTTP_NAMES:
+                    return self._cross_protocol(client)
+                return self._rejected(client, None, unknown_command(args))
         n = len(args)
         arity = cmd.arity
         if (arity > 0 and n != arity) or n < -arity:
-            return self._rejected(cmd, CommandError(f"wrong number of arguments for '{cmd.name}' command"))
+            return self._rejected(client, cmd, CommandError(f"wrong number of arguments for '{cmd.name}' command"))
         if cmd.subcommands and n > 1:
             sub = cmd.subcommands.get(bytes(args[1]).lower())
             if sub is None:
-                return self._rejected(None, CommandError(
+                return self._rejected(client, None, CommandError(
                     f"unknown subcommand '{echo(args[1], 128)}'. Try {cmd.name.upper()} HELP."))
             arity = sub.arity
             if (arity > 0 and n != arity) or n < -arity:
-                return self._rejected(sub, CommandError(f"wrong number of arguments for '{sub.name}' command"))
+                return self._rejected(client, sub, CommandError(
+                    f"wrong number of arguments for '{sub.name}' command"))
             cmd = sub
         if PROTECTED in cmd.flags:
             refusal = protected_refusal(client, cmd.name)
             if refusal is not None:
-                return self._rejected(cmd, refusal)
-        if not client.authenticated and NOAUTH not in cmd.flags:
-            return self._rejected(cmd, NoAuth("Authentication required."))
+                return self._rejected(client, cmd, refusal)
+        if not client.authenticated and NOAUTH not in cmd.flags and not (client.peer and PEER in cmd.flags):
+            return self._rejected(client, cmd, NoAuth("Authentication required."))
+        if client.perms is not None:  # the user's ACL restricts it (commands/acl_rules.py)
+            refusal = client.perms.refusal(cmd, args)
+            if refusal is not None:
+                return self._rejected(client, cmd, refusal)
         client.last_cmd = cmd.name
+        if client.multi is not None and cmd.name not in RUN_IN_MULTI:
+            refused = queue(client, cmd, args, client.ctx.runtime.client_query_buffer_limit)
+            return QUEUED if refused is None else self._rejected(client, cmd, refused)
+        return self._call(client, cmd, args)
+
+    def _call(self, client: Any, cmd: Command, args: list) -> Any:
         st = self.stats[cmd.name]
         st[0] += 1
+        reply = None
         try:
-            return self._timed(client, st, cmd.handler, args)
+            reply = self._timed(client, st, cmd.handler, args)
+            return reply
         finally:
-            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags):
+            if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags) and not (
+                    reply.__class__ is Pending and cmd.name == "exec"):  # a waiting EXEC: once its commands ran
                 self.monitor(client, cmd, args)
+
+    def call(self, client: Any, cmd: Command, args: list) -> Any:
+        """Run a command checked already (one EXEC runs): counted, timed and monitored as any
+        call; its errors are returned, as dispatch returns them."""
+        try:
+            return self._call(client, cmd, args)
+        except QuillError as e:
+            self.failed(cmd.name, e)
+            return e
+        except Exception as e:  # a bug: answer it, keep the connection, log it once
+            client.ctx.stats["internal_errors"] += 1
+            err = self.internal_error(cmd.name, e)
+            self.failed(cmd.name, err)
+            return err
+
+
+    def _cross_protocol(self, client: Any) -> Any:
+        """An HTTP request on the RESP port (redis's securityWarningCommand): the connection is
+        closed without a reply, nothing after it runs; a warning once a minute at most."""
+        client.closing = ABORT
+        client.ctx.stats["cross_protocol_closed"] += 1
+        now = time.monotonic()
+        if now - self._cross_logged >= CROSS_PROTOCOL_RELOG:
+            self._cross_logged = now
+            log.warning("Possible SECURITY ATTACK detected. It looks like somebody is sending POST or Host: "
+                        "commands to the RESP port (client %s). This is likely due to an attacker attempting to "
+                        "use Cross Protocol Scripting to compromise this quilld. Connection aborted.", client.addr)
+        return _NO_REPLY
 
 
 def protected_refusal(client: Any, name: str) -> CommandError | None:

@@ -10,7 +10,8 @@ path) and large replies can be sent from it with `sendfile`. By default it is
 an anonymous memfd that vanishes with the process; `dram.memory_file` names a
 file instead (on /dev/shm, say) for operators who want to see it. Either way
 its mode is 0600: only a descriptor handed over a unix socket lets another
-process map it.
+process map it. The memfd is sealed against resizing (memfd.py), so a client that maps it
+cannot truncate it under quilld; a named file cannot be sealed, so no client is handed one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 
+from quilld.tiers.memfd import seal, sealed_memfd
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
 
 PAGE = 4096
@@ -39,13 +41,16 @@ class DramArena:
                 raise FileExistsError(f"dram.memory_file {memory_file} already exists: another quilld's arena, "
                                       "or one left by a quilld that was killed (remove it if so)") from None
         else:
-            self.fd = os.memfd_create("quilld-arena", os.MFD_CLOEXEC)
+            self.fd = sealed_memfd("quilld-arena", self.capacity)
         try:
-            os.ftruncate(self.fd, self.capacity)
+            if memory_file:
+                os.ftruncate(self.fd, self.capacity)
             self._mmap = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
         except BaseException:
             self._drop_file()
             raise
+        # whether the file's size is fixed for good (memfd.py): only then may a client map it
+        self.sealed = not memory_file and seal(self.fd)
         self._view = memoryview(self._mmap)
         self._alloc = OffsetAllocator(self.pages)
 

@@ -114,6 +114,9 @@ class Keyspace(ValueParts, Renames, TierMoves):
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
         self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
+        # called with a key's full name once it has changed: written, deleted, expired, evicted, its
+        # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
+        self.touched: Callable[[bytes], None] | None = None
         # a delete/publish/flush_scope released a copy in the lower tier whose deletion is not
         # durable yet: whoever acknowledges it waits for `take_unsynced()` first
         self.unsynced = False
@@ -184,15 +187,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
                 return  # one identity only: a miss is a miss
             self._track_owners()
         owner = self._owners.get(bytes(key))
-        if owner is None:
-            return
-        if owner.__class__ is bytes:
-            if owner != tag:
-                self.scopes.refused(tag, owner)
-            return
-        other = next((t for t in owner if t != tag), None)
-        if other is not None:
-            self.scopes.refused(tag, other)
+        if owner is not None and owner != tag:
+            self.scopes.refused(tag, owner)  # one tag, or the set of them: the closest one is counted
 
     def contains(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
@@ -432,6 +428,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
             self.block_count += 1
         data[fk] = value
         self.writes += 1
+        if self.touched is not None:
+            self.touched(fk)
 
     def delete(self, tag: bytes, key: bytes) -> bool:
         fk = tag + key
@@ -476,6 +474,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
     # -- TTLs (EXPIRE, TTL, PERSIST, the periodic sweep): expiry.py keeps the deadlines --
     def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
         self.ttls.set(tag + key, at_ms)
+        if self.touched is not None:
+            self.touched(tag + key)
 
     def ttl_ms(self, tag: bytes, key: bytes) -> int:
         """-2 when missing, -1 when it never expires, else the milliseconds left."""
@@ -511,7 +511,11 @@ class Keyspace(ValueParts, Renames, TierMoves):
         """Remove `key`'s TTL; False when it is missing or has none."""
         if not self.contains(tag, key):
             return False
-        return self.expires.pop(tag + key, None) is not None
+        if self.expires.pop(tag + key, None) is None:
+            return False
+        if self.touched is not None:
+            self.touched(tag + key)
+        return True
 
     def sweep_expired(self, limit: int = 1000) -> int:
         """Remove up to `limit` keys whose time has come (called periodically); none while
@@ -657,6 +661,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
                 owner.discard(tag)
                 if len(owner) == 1:
                     self._owners[key] = owner.pop()
+        if self.touched is not None:  # deleted, expired, evicted or renamed away
+            self.touched(fk)
 
     def _track_owners(self) -> None:
         """Start keeping key -> scope tag(s), so a miss finds another scope's copy in O(1)."""

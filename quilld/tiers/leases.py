@@ -24,7 +24,13 @@ the copy and the check.
 
 The table has a fixed number of slots for all connections together
 (config.SHM_SLOTS, 512 KiB); each owner (a connection) may hold at most
-`max_per_owner`. Storage knows nothing of connections: an owner is an int.
+`max_per_owner`, and each user (the connections of one tenant together) at most
+`max_per_user`, its share of the table: one user's connections cannot take the slots
+another user needs (16 connections of one user took all 65,536 before). Storage knows
+nothing of connections: an owner is an int, a user a name.
+
+The table's memory file is sealed (memfd.py): no process can resize it, and none but
+quilld's own mapping can write it; clients are handed `shared_fd`, a read-only descriptor.
 """
 
 from __future__ import annotations
@@ -37,26 +43,30 @@ from collections import deque
 from quilld.errors import QuillError
 from quilld.tiers.block import Block
 from quilld.tiers.keyspace import Keyspace
+from quilld.tiers.memfd import reopened_read_only, seal, sealed_memfd
 
 EXPIRE_PER_PASS = 4096  # table entries one expiry pass looks at, at most (live or already ended)
 
 
 class LeaseLimit(QuillError):
-    """No lease can be granted: the owner holds its maximum, or the table is full."""
+    """No lease can be granted: the owner or its user holds its maximum, or the table is full."""
 
     prefix = "BUSY"
 
 
 class LeaseTable:
-    def __init__(self, keyspace: Keyspace, slots: int, lease_ms: int, max_per_owner: int) -> None:
+    def __init__(self, keyspace: Keyspace, slots: int, lease_ms: int, max_per_owner: int,
+                 max_per_user: int | None = None) -> None:
         self.keyspace = keyspace
         self.slots = slots
         self.lease_s = lease_ms / 1000
         self.max_per_owner = max_per_owner
-        self.fd = os.memfd_create("quilld-leases", os.MFD_CLOEXEC)
+        self.max_per_user = slots if max_per_user is None else max_per_user
+        self.fd = sealed_memfd("quilld-leases", slots * 8)
         try:
-            os.ftruncate(self.fd, slots * 8)
             self._mmap = mmap.mmap(self.fd, slots * 8, flags=mmap.MAP_SHARED)
+            self.sealed = seal(self.fd, read_only=True)  # after our mapping: it alone writes
+            self.shared_fd = reopened_read_only(self.fd)  # what a client is handed
         except BaseException:
             os.close(self.fd)
             raise
@@ -64,7 +74,10 @@ class LeaseTable:
         self._free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
         self._block: list[Block | None] = [None] * slots
         self._owner = [0] * slots
+        self._user: list[str] = [""] * slots
         self._by_owner: dict[int, set[int]] = {}
+        self._by_user: dict[str, int] = {}
+        self.refused_user = 0  # grants refused because the user held its share
         self._order: deque[tuple[float, int, int]] = deque()  # (deadline, slot, generation), in grant order
         self.granted = 0
         self.released = 0
@@ -78,18 +91,28 @@ class LeaseTable:
     def held_by(self, owner: int) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def grant(self, owner: int, block: Block) -> tuple[int, int]:
-        """Pin `block` for `owner`; its lease (slot, generation)."""
+    def held_by_user(self, user: str) -> int:
+        return self._by_user.get(user, 0)
+
+    def grant(self, owner: int, block: Block, user: str = "") -> tuple[int, int]:
+        """Pin `block` for `owner` (a connection of `user`); its lease (slot, generation)."""
         held = self._by_owner.get(owner)
         if held is not None and len(held) >= self.max_per_owner:
             raise LeaseLimit(f"this connection holds {len(held)} shared-memory leases, its maximum "
                              "(server.shm_max_leases): release some (SHM RELEASE) first")
         if not self._free:
             raise LeaseLimit(f"all {self.slots} shared-memory lease slots are taken: try again shortly")
+        by_user = self._by_user.get(user, 0)
+        if by_user >= self.max_per_user:
+            self.refused_user += 1
+            raise LeaseLimit(f"user '{user}' holds {by_user} shared-memory leases, its share of the table "
+                             "(server.shm_max_leases_per_user): try again shortly, or read over TCP")
         slot = self._free.pop()
         self.keyspace.pin(block)
         self._block[slot] = block
         self._owner[slot] = owner
+        self._user[slot] = user
+        self._by_user[user] = by_user + 1
         if held is None:
             held = self._by_owner[owner] = set()
         held.add(slot)
@@ -143,6 +166,13 @@ class LeaseTable:
         if not held:
             del self._by_owner[owner]
         self._owner[slot] = 0
+        user = self._user[slot]
+        left = self._by_user[user] - 1
+        if left:
+            self._by_user[user] = left
+        else:
+            del self._by_user[user]
+        self._user[slot] = ""
         self._free.append(slot)
         self.keyspace.unpin(block)
 
@@ -153,4 +183,5 @@ class LeaseTable:
         self.gens.release()
         self._mmap.close()
         os.close(self.fd)
-        self.fd = -1
+        os.close(self.shared_fd)
+        self.fd = self.shared_fd = -1

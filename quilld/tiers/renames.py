@@ -48,6 +48,8 @@ class Renames:
         self.data[nk] = value
         self._added(nk)
         self._removed(fk)
+        if self.touched is not None:
+            self.touched(nk)
         if at is not None:
             self.set_expire(tag, dst, at)
         if self.listener is not None and (was_tracked or value.__class__ is Block):

@@ -165,6 +165,8 @@ class ValueParts:
             self.listener.placed(fk, CacheTier.DRAM, block.length, None)
         self.data.move_to_end(fk)
         self.writes += 1
+        if self.touched is not None:
+            self.touched(fk)
 
     async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int,
                            fn: Callable[[memoryview], Any]) -> Any:

@@ -112,9 +112,9 @@ def test_metrics_prometheus(quilld):
     assert samples["quilld_keyspace_hits_total"] == info["keyspace_hits"] == 3
     assert samples["quilld_keyspace_misses_total"] == info["keyspace_misses"] == 1
     assert samples["quilld_commands_processed_total"] >= info["total_commands_processed"]
-    assert samples["quilld_dram_capacity"] == 256 * MiB
+    assert samples["quilld_dram_capacity_bytes"] == 256 * MiB
     assert samples["quilld_dram_keys"] == 2
-    assert samples["quilld_dram_used"] >= 1_000_000
+    assert samples["quilld_dram_used_bytes"] >= 1_000_000
     assert samples["quilld_connected_clients"] == 1
     assert samples["quilld_guard_refusals_by_reason_total{reason=cross_tenant}"] == 0
 
@@ -163,7 +163,7 @@ def test_dram_size_from_environment(quilld_factory):
     assert cfg["dram"]["size"] == 64 * MiB
     r = q.client()
     assert r.info("memory")["maxmemory"] == 64 * MiB
-    assert r.config_get("maxmemory") == {"maxmemory": str(64 * MiB)}
+    assert r.config_get("maxmemory") == {"maxmemory": "0"}  # as set (none: the whole arena), as redis answers
     assert get_json(q.admin_port, "/v1/stats")["tiers"]["dram"]["dram_capacity"] == 64 * MiB
 
 
@@ -274,14 +274,17 @@ HISTOGRAMS = ("quilld_command_duration_seconds", "quilld_peer_fetch_duration_sec
               "quilld_ssd_read_duration_seconds", "quilld_demotion_batch_duration_seconds",
               "quilld_route_duration_seconds", "quilld_gateway_ttft_seconds")
 # figures that are settings or capacities, not counts: not zero on a fresh node
-SETTINGS = {"quilld_build_info", "quilld_max_clients", "quilld_dram_capacity", "quilld_dram_largest_free",
-            "quilld_dram_high_watermark", "quilld_dram_low_watermark", "quilld_dram_inline_max",
-            "quilld_gateway_ttft_slo_ms", "quilld_gateway_goodput", "quilld_ssd_enabled", "quilld_ssd_capacity",
-            "quilld_recovery_ms", "quilld_ssd_io_threads", "quilld_ssd_fsync_last_ms", "quilld_ssd_fsync_avg_ms", "quilld_ssd_fsync_max_ms",
-            "quilld_ssd_wal_bytes", "quilld_ssd_last_checkpoint", "quilld_ssd_fsyncs", "quilld_cluster_enabled",
+SETTINGS = {"quilld_build_info", "quilld_max_clients", "quilld_dram_capacity_bytes", "quilld_dram_largest_free_bytes",
+            "quilld_dram_high_watermark", "quilld_dram_low_watermark", "quilld_dram_inline_max_bytes",
+            "quilld_gateway_ttft_slo_seconds", "quilld_gateway_goodput", "quilld_ssd_enabled",
+            "quilld_ssd_capacity_bytes", "quilld_recovery_duration_seconds", "quilld_ssd_io_threads",
+            "quilld_ssd_fsync_last_seconds", "quilld_ssd_fsync_avg_seconds", "quilld_ssd_fsync_max_seconds",
+            "quilld_ssd_wal_bytes", "quilld_ssd_last_checkpoint_timestamp_seconds", "quilld_ssd_fsyncs",
+            "quilld_cluster_enabled",
             "quilld_cluster_members", "quilld_cluster_members_alive", "quilld_gateway_enabled",
             "quilld_connections_received",  # the fixture's readiness probe connects once
-            "quilld_identity_scopes"}  # the default scope, held by the SSD tier's recovery
+            "quilld_identity_scopes",  # the default scope, held by the SSD tier's recovery
+            "quilld_http_max_connections", "quilld_http_connections"}  # the scrape's own connection
 
 
 def families(port: int, headers: dict | None = None) -> dict:
@@ -310,7 +313,7 @@ def sample_names(fams: dict) -> set[str]:
 
 
 # time the SSD tier spent syncing while it was created at start (its key file and first checkpoint)
-STARTUP_IO = {"quilld_ssd_fsync_total_ms"}
+STARTUP_IO = {"quilld_ssd_fsync_seconds"}
 
 
 def test_metrics_exist_from_the_start_at_zero_with_their_types(quilld_factory, tmp_path):
@@ -327,8 +330,9 @@ def test_metrics_exist_from_the_start_at_zero_with_their_types(quilld_factory, t
                  "quilld_cluster_peer_fetches", "quilld_gateway_requests", "quilld_gateway_within_slo",
                  "quilld_hot_prefix_lookups", "quilld_process_cpu_seconds"):
         assert types[name] == "counter", (name, types.get(name))
-    for name in ("quilld_dram_used", "quilld_dram_capacity", "quilld_connected_clients", "quilld_put2phase_open",
-                 "quilld_identity_scopes", "quilld_ssd_used", "quilld_ssd_keys", "quilld_engines",
+    for name in ("quilld_dram_used_bytes", "quilld_dram_capacity_bytes", "quilld_connected_clients",
+                 "quilld_put2phase_open", "quilld_identity_scopes", "quilld_ssd_used_bytes", "quilld_ssd_keys",
+                 "quilld_engines",
                  "quilld_engine_in_flight", "quilld_kv_engine_last_sequence", "quilld_kv_engine_idle_seconds",
                  "quilld_residency_blocks", "quilld_cluster_members", "quilld_gateway_in_flight",
                  "quilld_gateway_goodput", "quilld_process_resident_memory_bytes"):
@@ -471,6 +475,7 @@ def test_the_grafana_dashboard_loads_and_names_only_metrics_a_node_has(quilld):
     assert board["title"] and board["panels"]
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 9
+    panel_exprs = list(exprs)
     exprs += [v["definition"] for v in board["templating"]["list"] if v["type"] == "query"]
     fams = families(quilld.admin_port)
     exposed = sample_names(fams)
@@ -480,8 +485,17 @@ def test_the_grafana_dashboard_loads_and_names_only_metrics_a_node_has(quilld):
             types[n] = f.type
     titles = " ".join(p["title"].lower() for p in board["panels"])
     for wanted in ("ops/s", "latency", "dram", "ssd", "demotion", "promotion", "peer fetch", "route", "kv events",
-                   "guard", "ttft"):
+                   "guard", "ttft", "cluster membership", "hit ratio", "ssd health", "http perimeter"):
         assert wanted in titles, (wanted, titles)
+    # the node picker lists node ids (issue 18.7); the instances of the nodes picked are what panels select
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["node"]["definition"] == "label_values(quilld_build_info, node_id)"
+    assert variables["node"].get("hide", 0) == 0 and variables["instance"]["hide"] == 2
+    assert variables["instance"]["definition"] == 'label_values(quilld_build_info{node_id=~"$node"}, instance)'
+    for expr in panel_exprs:
+        assert 'instance=~"$instance"' in expr, expr
+    legends = [t["legendFormat"] for p in board["panels"] for t in p.get("targets", [])]
+    assert not [legend for legend in legends if "{{instance}}" in legend], legends  # series named by node id
     for expr in exprs:
         names = set(re.findall(r"\bquilld_[a-z0-9_]+", expr))
         assert names, expr

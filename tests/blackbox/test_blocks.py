@@ -201,7 +201,8 @@ def test_lease_is_honoured(r):
     st0 = stats(r)
     h = p2(r, "BEGIN", "late", 10, "LEASE", 300)
     p2(r, "DATA", h, 0, b"0123456789")
-    time.sleep(0.6)
+    # the reaper's turn comes when the machine gives it one: wait for the event, not a time
+    assert wait_until(lambda: stats(r)["put2phase_expired"] == st0["put2phase_expired"] + 1, timeout=30)
     with pytest.raises(redis.ResponseError, match=r"^NOHANDLE"):
         p2(r, "COMMIT", h)
     assert stats(r)["put2phase_expired"] == st0["put2phase_expired"] + 1
@@ -339,24 +340,24 @@ def test_reader_sees_whole_old_or_whole_new_value_never_a_mix(server, r):
 
     stop = threading.Event()
     seen: dict = {}
+    reads = [0]  # reads finished so far (the writer waits on it: events, not a time)
+    writes = 10  # two rounds of the five steps
 
     def reader() -> int:
         c = server.client(single_connection_client=True)
-        n = 0
         while not stop.is_set():
-            v = c.get("hot") if n % 2 == 0 else c.execute_command("GETBLK", "hot")
+            v = c.get("hot") if reads[0] % 2 == 0 else c.execute_command("GETBLK", "hot")
             label = "nil" if v is None else names.get(v, "MIXED")
             if label == "MIXED":
                 seen["mixed"] = v
             seen[label] = seen.get(label, 0) + 1
-            n += 1
+            reads[0] += 1
         c.close()
-        return n
+        return reads[0]
 
     def writer() -> int:
         c = server.client(single_connection_client=True)
-        n = 0
-        while not stop.is_set():
+        for n in range(writes):
             step = n % 5
             if step == 0:
                 c.set("hot", values["B"])
@@ -368,21 +369,23 @@ def test_reader_sees_whole_old_or_whole_new_value_never_a_mix(server, r):
                 put(c, "hot", values["A"], chunk=8 * MiB)  # two-phase, over the deleted key
             else:
                 c.set("hot", values["B"])
-            n += 1
-            stop.wait(0.1)  # let the reader catch each value
+            # the reader catches each value: two whole reads after each write (the second
+            # began after it), however long a loaded machine takes to make them
+            after = reads[0] + 2
+            assert wait_until(lambda: reads[0] >= after or stop.is_set(), timeout=60), "the reader stalled"
         c.close()
-        return n
+        return writes
 
     with ThreadPoolExecutor(2) as pool:
         fr, fw = pool.submit(reader), pool.submit(writer)
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline and not (fr.done() or fw.done()):
-            time.sleep(0.05)
-        stop.set()
-        reads, writes = fr.result(timeout=60), fw.result(timeout=60)
+        try:
+            done = fw.result(timeout=600)
+        finally:
+            stop.set()
+        total = fr.result(timeout=60)
     mixed = seen.pop("mixed", None)
     assert mixed is None, f"a read returned {len(mixed)} bytes matching no written value: {seen}"
-    assert writes >= 8, (reads, writes, seen)
+    assert done == writes and total >= 2 * writes, (total, seen)
     assert sum(seen.get(k, 0) for k in ("A", "B", "C")) >= 4, seen
     assert sum(1 for k in ("A", "B", "C") if seen.get(k)) >= 2, seen  # reads overlapped changes
 

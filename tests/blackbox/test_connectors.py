@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.request
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -952,19 +953,18 @@ class VllmPublisher:
         self.ctx.term()
 
 
-@pytest.fixture
-def vllm_engine(quilld_factory, tmp_path):
-    """quilld configured with the recipe's [[engines]] entry, fed by a vLLM-style publisher."""
+def _vllm_engine(quilld_factory, tmp_path, engine_recipe: str):
+    """quilld configured with the [[engines]] entry of `engine_recipe`, fed by a vLLM-style publisher."""
     kv = json.loads(recipe("vllm-kv-events"))
     assert kv["enable_kv_cache_events"] and kv["publisher"] == "zmq"
     assert "*" in kv["endpoint"], "vLLM binds its PUB socket only for a wildcard endpoint"
-    engine = tomllib.loads(recipe("quilld-engines"))["engines"][0]
+    engine = tomllib.loads(recipe(engine_recipe))["engines"][0]
     pub_port, replay_port = free_port(), free_port()
     for name, port, vllm_side in (("kv_events", pub_port, kv["endpoint"]), ("replay", replay_port,
                                                                           kv["replay_endpoint"])):
         assert engine[name].rsplit(":", 1)[1] == vllm_side.rsplit(":", 1)[1], f"{name} port differs from vLLM's"
         engine[name] = f"tcp://127.0.0.1:{port}"
-    lines = ["[[engines]]"] + [f"{k} = {json.dumps(v)}" for k, v in engine.items()]
+    lines = ["[[engines]]"] + [f"{k} = {_toml(v)}" for k, v in engine.items()]
     conf = tmp_path / "engines.toml"
     conf.write_text("\n".join(lines) + "\n")
     publisher = VllmPublisher(pub_port, replay_port, kv["topic"].encode(), kv["buffer_steps"])
@@ -974,6 +974,27 @@ def vllm_engine(quilld_factory, tmp_path):
             yield publisher, client, engine, q
     finally:
         publisher.close()
+
+
+def _toml(value: Any) -> str:
+    """A value of an [[engines]] table written back as TOML (strings, ints, lists of inline tables)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+@pytest.fixture
+def vllm_engine(quilld_factory, tmp_path):
+    """quilld configured with the recipe's [[engines]] entry, fed by a vLLM-style publisher."""
+    yield from _vllm_engine(quilld_factory, tmp_path, "quilld-engines")
+
+
+@pytest.fixture
+def vllm_hybrid_engine(quilld_factory, tmp_path):
+    """quilld configured with the hybrid recipe's [[engines]] entry, fed by a vLLM-style publisher."""
+    yield from _vllm_engine(quilld_factory, tmp_path, "quilld-hybrid-engine")
 
 
 def stored(hashes: list, parent=None, block_size: int = 16) -> BlockStored:
@@ -1010,6 +1031,49 @@ def test_vllm_kv_events_route_and_locate(vllm_engine):
     publisher.publish(AllBlocksCleared())
     assert wait_until(lambda: client.route(blocks=raw)["plan"] == ["recompute"] * 3, timeout=5)
     assert client.locate(str(blocks[0])) == [[]]
+
+
+def test_vllm_hybrid_recipe(vllm_hybrid_engine):
+    """The hybrid recipe (full attention and a 1024-token sliding window, 16 tokens a block: the
+    window reads the last 64 blocks): vLLM 0.33's per-group events, ROUTE over RESP and POST
+    /v1/route credit the prefix vLLM would hit, block for block alike."""
+    publisher, client, engine, q = vllm_hybrid_engine
+    groups = engine["groups"]
+    assert [g["kind"] for g in groups] == ["full", "sliding_window"] and engine["block_size"] == 16
+    window = -(-(groups[1]["window_tokens"] - 1) // engine["block_size"])
+    assert window == 64
+    prompt = list(range(1000, 1080))  # 80 blocks
+    hit = f"hit:{engine['id']}:hbm"
+
+    def group_stored(hashes: list, g: int) -> BlockStored:
+        spec = groups[g]
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=list(range(16 * len(hashes))),
+                           block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=g,
+                           kv_cache_spec_kind={"full": "full_attention"}.get(spec["kind"], spec["kind"]),
+                           kv_cache_spec_sliding_window=spec.get("window_tokens"))
+
+    join(publisher, q, group_stored(prompt, 0), group_stored(prompt, 1))
+    # the window group evicts blocks that left its window: 0..15 are not read for a hit at 80
+    publisher.publish(BlockRemoved(block_hashes=prompt[:16], medium="GPU", group_idx=1))
+    assert wait_until(lambda: client.route(blocks=prompt)["plan"] == [hit] * 80, timeout=5)
+    # a prompt of 70 blocks needs the window 6..69: blocks 6..15 are gone, and so is every shorter window
+    assert client.route(blocks=prompt[:70])["plan"] == ["recompute"] * 70
+    admin = q.admin_headers() | {"Content-Type": "application/json"}
+    for blocks in (prompt, prompt[:70], prompt + [7, 8]):
+        resp = client.route(blocks=blocks)
+        req = urllib.request.Request(f"http://127.0.0.1:{q.admin_port}/v1/route", method="POST", headers=admin,
+                                     data=json.dumps({"model": engine["model"], "blocks": blocks}).encode())
+        with urllib.request.urlopen(req, timeout=IO_TIMEOUT) as r:
+            body = json.loads(r.read())
+        assert [f"{s['action']}:{s['holder']}:{s['tier']}" if s["action"] != "recompute" else "recompute"
+                for s in body["plan"]] == resp["plan"]
+        assert body["candidates"][0]["overlap_blocks"] == resp["plan"].count(hit)
+    # the groups go with the engine through the admin API
+    req = urllib.request.Request(f"http://127.0.0.1:{q.admin_port}/v1/engines", headers=admin)
+    with urllib.request.urlopen(req, timeout=IO_TIMEOUT) as r:
+        listed = json.loads(r.read())["engines"][0]
+    assert listed["groups"] == [{"kind": "full", "window_tokens": 0}, groups[1]]
+    assert listed["feed"]["groups"] == {"0": "full_attention", "1": "sliding_window(1024)"}
 
 
 def test_vllm_kv_events_replay_fills_a_gap(vllm_engine):

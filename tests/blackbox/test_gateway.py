@@ -270,6 +270,18 @@ def test_a_session_stays_on_its_engine_until_that_engine_fails(gateway):
     assert raw.headers["x-quillcache-engine"] == away
 
 
+def test_a_session_id_over_256_bytes_is_refused_before_any_engine_is_asked(gateway):
+    gw = gateway([("e1", "m", [])])
+    status, body = http_json(gw.port, "POST", "/v1/chat/completions", {"model": "m", "messages": chat("hi")},
+                             headers={"x-quillcache-session": "s" * 257})
+    assert status == 400 and body["error"]["code"] == "session_id_too_long"
+    assert body["error"]["param"] == "x-quillcache-session" and "at most 256" in body["error"]["message"]
+    assert gw.engines["e1"].stats()["requests"] == 0
+    status, _ = http_json(gw.port, "POST", "/v1/chat/completions", {"model": "m", "messages": chat("hi")},
+                          headers={"x-quillcache-session": "s" * 256})
+    assert status == 200 and gw.engines["e1"].stats()["requests"] == 1
+
+
 def test_a_stream_longer_than_the_lease_timeout_keeps_counting_in_flight(gateway):
     gw = gateway([("e1", "m", ["--chunks", "8", "--chunk-delay-ms", "500"])],
                  env={"QUILLD_ROUTER_LEASE_TIMEOUT_MS": "1500"})
@@ -488,7 +500,7 @@ def test_a_client_disconnect_releases_the_engine_and_closes_the_upstream_request
     gw = gateway([("e1", "m", ["--delay-ms", "10000"])], env={"QUILLD_GATEWAY_TTFT_SLO_MS": "60000"})
     body = json.dumps({"model": "m", "messages": chat("hi"), "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", gw.port), timeout=HTTP_TIMEOUT)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the headers, long before any chunk
     assert gw.in_flight() == {"e1": 1} and gw.engines["e1"].stats()["open"] == 1

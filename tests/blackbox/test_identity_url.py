@@ -25,7 +25,9 @@ from conftest import ROOT, raw_exchange, require_tool
 
 README = ROOT / "README.md"
 IO_TIMEOUT = 10.0
-LOAD_SECONDS = 4.0  # how long the threads read while connections are cut
+LOAD_DEADLINE = 120.0  # seconds a loaded machine may take to reach MIN_READS and MIN_CUTS (a bound, not a duration)
+MIN_READS = 8  # reads each pool makes while connections are cut
+MIN_CUTS = 4  # cuts that found connections to close
 CUT_EVERY = 0.25  # seconds between two cuts
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,9 +134,11 @@ USERS = "alice s3cret model=llama tokenizer=tok\nbob hunter2\n"
 
 def under_load(pools: dict[str, tuple[redis.ConnectionPool, bytes]], relay: Relay, threads_per_pool: int = 8):
     """Read `k` from every pool with `threads_per_pool` threads while the relay's connections are
-    cut and the pools disconnected; returns (reads per pool, values seen that were not the pool's
-    own, errors). Every thread stops by itself after LOAD_SECONDS."""
-    stop = time.monotonic() + LOAD_SECONDS
+    cut and the pools disconnected, until every pool has MIN_READS reads, MIN_CUTS cuts found
+    connections to close and the pools reconnected more than three times a thread (events, not
+    a time: a loaded machine only takes longer, up to LOAD_DEADLINE). Returns (reads per pool,
+    values seen that were not the pool's own, errors)."""
+    stop = threading.Event()
     reads: Counter[str] = Counter()
     wrong: list[tuple[str, bytes | None]] = []
     errors: list[str] = []
@@ -142,7 +146,7 @@ def under_load(pools: dict[str, tuple[redis.ConnectionPool, bytes]], relay: Rela
 
     def reader(name: str, pool: redis.ConnectionPool, want: bytes) -> None:
         r = redis.Redis(connection_pool=pool)
-        while time.monotonic() < stop:
+        while not stop.is_set():
             try:
                 got = r.get("k")
             except Exception as e:  # a cut that outlived redis-py's retries (or raced its pool): not a wrong answer
@@ -154,21 +158,30 @@ def under_load(pools: dict[str, tuple[redis.ConnectionPool, bytes]], relay: Rela
                 if got != want:
                     wrong.append((name, got))
 
+    def enough() -> bool:
+        with lock:
+            read = all(reads[name] >= MIN_READS for name in pools)
+        return read and cuts >= MIN_CUTS and relay.accepted > 3 * threads_per_pool
+
     workers = [threading.Thread(target=reader, args=(name, pool, want))
                for name, (pool, want) in pools.items() for _ in range(threads_per_pool)]
     for w in workers:
         w.start()
-    cuts = 0
-    while time.monotonic() < stop:
-        time.sleep(CUT_EVERY)
-        cuts += relay.cut()
-        if cuts % 3 == 0:
-            for pool, _ in pools.values():
-                pool.disconnect()  # the client side restarts its pool, in-use connections too
-    for w in workers:
-        w.join(LOAD_SECONDS + 30)
-        assert not w.is_alive(), "a reader thread hung"
-    assert cuts >= 4, "the relay never had connections to cut"
+    cuts, deadline = 0, time.monotonic() + LOAD_DEADLINE
+    try:
+        while not enough() and time.monotonic() < deadline:
+            time.sleep(CUT_EVERY)
+            found = relay.cut()
+            cuts += found > 0
+            if cuts % 3 == 0:
+                for pool, _ in pools.values():
+                    pool.disconnect()  # the client side restarts its pool, in-use connections too
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    assert not any(w.is_alive() for w in workers), "a reader thread hung"
+    assert cuts >= MIN_CUTS, "the relay never had connections to cut"
     return reads, wrong, errors
 
 
@@ -192,7 +205,7 @@ def test_pools_of_eight_threads_with_forced_reconnects_read_only_their_scope(qui
     reads, wrong, errors = under_load(pools, relay)
     assert not wrong, f"reads that landed in another scope: {Counter(wrong).most_common(5)}"
     for scope in pools:
-        assert reads[scope] >= 8, (reads, errors[:5])
+        assert reads[scope] >= MIN_READS, (reads, errors[:5])
     assert relay.accepted > 3 * 8, "the pools never reconnected"
     assert len(errors) <= sum(reads.values()) // 4, errors[:5]
 
@@ -326,11 +339,11 @@ def test_require_scope_refuses_data_commands_of_a_connection_without_one(quilld_
     redis.Redis(connection_pool=pool).execute_command("SCOPE", "m", "t")
     outcomes: Counter[str] = Counter()
     lock = threading.Lock()
-    stop = time.monotonic() + 2.0
+    stop = threading.Event()
 
     def reader() -> None:
         r = redis.Redis(connection_pool=pool)
-        while time.monotonic() < stop:
+        while not stop.is_set():
             try:
                 got = r.get("k")
                 outcome = "own" if got == b"bob's m/t" else f"WRONG {got!r}"
@@ -341,16 +354,24 @@ def test_require_scope_refuses_data_commands_of_a_connection_without_one(quilld_
             with lock:
                 outcomes[outcome] += 1
 
+    def seen(outcome: str) -> int:
+        with lock:
+            return outcomes[outcome]
+
     threads = [threading.Thread(target=reader) for _ in range(8)]
     for t in threads:
         t.start()
-    while time.monotonic() < stop:
-        time.sleep(CUT_EVERY)
-        relay.cut()
-    for t in threads:
-        t.join(30)
+    cuts, deadline = 0, time.monotonic() + LOAD_DEADLINE
+    try:  # until reconnected connections were refused after MIN_CUTS cuts (events, not a time)
+        while (cuts < MIN_CUTS or not seen("noscope")) and time.monotonic() < deadline:
+            time.sleep(CUT_EVERY)
+            cuts += relay.cut() > 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
     assert set(outcomes) <= {"own", "noscope", "cut"}, outcomes
-    assert outcomes["noscope"] > 0, outcomes
+    assert cuts >= MIN_CUTS and outcomes["noscope"] > 0, (cuts, outcomes)
 
 
 def test_require_scope_leaves_cluster_peers_working(tmp_path):

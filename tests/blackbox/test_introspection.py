@@ -391,7 +391,7 @@ def test_config_get_patterns_cover_every_redis_parameter(quilld, redis_server):
     theirs, ours = r.config_get("*"), q.config_get("*")  # redis-py: a dict
     assert set(ours) == set(theirs) and len(ours) > 180
     assert "key-load-delay" not in ours and q.config_get("key-load-delay") == {"key-load-delay": "0"}
-    assert ours["maxmemory"] == str(256 << 20) and ours["port"] == str(quilld.port)
+    assert ours["maxmemory"] == theirs["maxmemory"] == "0" and ours["port"] == str(quilld.port)  # as set
     assert ours["save"] == "" and ours["appendonly"] == "no" and ours["maxmemory-policy"] == "allkeys-lru"
     assert ours["databases"] == "1" and ours["hz"] == "20" and ours["bind"] == "127.0.0.1"
     both = q.config_get("maxmemory", "maxmemory*", "bind", "*of")
@@ -423,7 +423,13 @@ def test_config_set_changes_what_quilld_does(quilld):
         q.set(f"big:{i}", b"x" * (512 << 10))  # 150 MiB written into 100: the oldest go
     assert int(_fields(_info(q, "stats"))["evicted_keys"]) > 0
     assert int(_fields(_info(q, "memory"))["used_memory"]) <= 96 << 20
-    assert q.config_set("maxmemory", 0) and q.config_get("maxmemory") == {"maxmemory": str(256 << 20)}
+    assert q.config_set("maxmemory", 0) and q.config_get("maxmemory") == {"maxmemory": "0"}  # as redis: as set
+    assert _fields(_info(q, "memory"))["maxmemory"] == str(256 << 20)  # INFO: the bytes in effect, the whole arena
+    # several pairs at once (redis-py's test_config_set_multi_params)
+    assert q.config_set("timeout", 70, "maxmemory", 100) and q.config_get("timeout", "maxmemory") == {
+        "timeout": "70", "maxmemory": "100"}
+    assert q.config_set("timeout", 0, "maxmemory", 0) and q.config_get("timeout", "maxmemory") == {
+        "timeout": "0", "maxmemory": "0"}
     # a refusal leaves every parameter of the call as it was, and says why
     with pytest.raises(redis.ResponseError, match="argument 'appendonly'.*no append-only file"):
         q.execute_command("CONFIG", "SET", "timeout", "7", "appendonly", "yes")

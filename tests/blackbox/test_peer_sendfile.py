@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from conftest import free_port, start_quilld, stop_process, wait_until
+from quilld.cluster.local_secret import local_secret
 
 KiB, MiB = 1024, 1024 * 1024
 FAST = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
@@ -60,8 +61,10 @@ def test_peer_fetch_is_byte_identical_around_page_and_buffer_sizes(pair):
 
 
 def peer_socket(port: int) -> socket.socket:
+    """A connection that PEERAUTHs as the nodes' peers do: with the host's secret (no cluster.secret)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"*2\r\n$8\r\nPEERAUTH\r\n$0\r\n\r\n")
+    secret = local_secret().encode()
+    s.sendall(b"*2\r\n$8\r\nPEERAUTH\r\n$%d\r\n%b\r\n" % (len(secret), secret))
     assert s.recv(16) == b"+OK\r\n"
     return s
 

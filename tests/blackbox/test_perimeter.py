@@ -135,6 +135,9 @@ def test_protected_mode_admits_only_loopback_on_every_listener(bound, addr, tmp_
     status, body = http_from(addr, addr, node.admin, "DELETE", "/v1/engines/e1")
     assert status == 403
     assert http_from("127.0.0.1", addr, node.admin, "GET", "/healthz")[0] == 200
+    # an orchestrator's probes (issue 18.4) come from the node's network and say nothing: answered to anyone
+    assert http_from(addr, addr, node.admin, "GET", "/livez") == (200, {"status": "ok"})
+    assert http_from(addr, addr, node.admin, "GET", "/readyz") == (200, {"status": "ready"})
     status, body = http_from(addr, addr, node.gateway, "GET", "/v1/models")
     assert status == 403 and body["error"]["code"] == "protected_mode" and "protected mode" in body["error"]["message"]
     status, body = http_from(addr, addr, node.gateway, "POST", "/v1/chat/completions", b'{"model": "m"}')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import msgpack
@@ -10,7 +11,7 @@ import pytest
 import redis
 import zmq
 
-from conftest import free_port, wait_until
+from conftest import free_port, http, read_lines, wait_until
 
 ENGINES = """
 [[engines]]
@@ -28,6 +29,13 @@ id = "other"
 url = "http://127.0.0.1:9003"
 model = "not-m"
 """
+
+
+MiB = 1024 * 1024
+
+
+def read_reply_line(s: socket.socket) -> bytes:
+    return read_lines(s, 1).rstrip(b"\r\n")
 
 
 def stored(hashes, medium="GPU", lora=None):
@@ -277,3 +285,130 @@ def test_blocks_in_this_pool_are_credited_as_host_memory_and_fetched(routed):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", 1, "HASH", 2)
     with pytest.raises(redis.ResponseError, match="bad block hash"):
         r.execute_command("PUT2PHASE", "BEGIN", "k", 10, "HASH", "zz")
+
+
+# -- session affinity: per tenant, bounded (issue 19.4) ------------------------------------------
+
+
+def test_sessions_are_per_tenant_capped_in_length_and_bounded_in_number(quilld_factory, tmp_path):
+    conf = tmp_path / "engines.toml"
+    conf.write_text(ENGINES)
+    users = tmp_path / "users"
+    users.write_text("alice apw\nbob bpw\n")
+    q = quilld_factory("--config", str(conf), "--users-file", str(users),
+                       env={"QUILLD_GATEWAY_SESSION_MAX": "100"})
+    alice, bob = (q.client(protocol=2, decode_responses=False, username=u, password=p)
+                  for u, p in (("alice", "apw"), ("bob", "bpw")))
+    for r in (alice, bob):
+        assert r.execute_command("SCOPE", "m", "") == b"OK"
+    # e1 busy: alice's session goes to e2 and stays there once e1 is idle again
+    lease = route(alice, blocks=[1], acquire=1)["lease"]
+    assert route(alice, blocks=[1], session="chat-1")["engine"] == b"e2"
+    assert alice.execute_command("RELEASE", lease) == 1
+    assert route(alice, blocks=[1], session="chat-1")["engine"] == b"e2"
+    # bob's equal id is his own: with both idle, the tie goes to e1
+    assert route(bob, blocks=[1], session="chat-1")["engine"] == b"e1"
+    assert route(bob, blocks=[1])["engine"] == b"e1"
+
+    # an id over 256 bytes is refused, on every way in, and nothing of it is kept
+    with pytest.raises(redis.ResponseError, match="session id of 32768 bytes is too long"):
+        route(alice, blocks=[1], session="x" * 32768)
+    with pytest.raises(redis.ResponseError, match="too long"):
+        alice.execute_command("ROUTE", "HASHES", 1, 1, "SESSION", "y" * 257)
+    status, _, body = http(q.admin_port, "POST", "/v1/route",
+                           json.dumps({"model": "m", "blocks": [1], "session": "z" * 257}).encode(),
+                           {"Content-Type": "application/json", **q.admin_headers()})
+    assert status == 400 and b"too long" in body
+    info = alice.info("router")
+    assert info["sessions"] == 2 and info["session_evictions_full"] == 0
+
+    # 300 more sessions: the table keeps 100, the least recently used go (chat-1s among them)
+    for i in range(300):
+        route(bob, blocks=[1], session=f"s{i:04d}" + "x" * 250)
+    info = alice.info("router")
+    assert info["sessions"] == 100 and info["session_evictions_full"] == 202
+    metrics = http(q.admin_port, "GET", "/metrics", headers=q.admin_headers())[2].decode()
+    assert "quilld_sessions 100.0" in metrics
+    assert 'quilld_session_evictions_total{reason="full"} 202.0' in metrics
+
+
+def test_an_engine_registered_with_group_kinds_is_credited_as_vllm_would_hit(routed):
+    """Issue 18.8 over the admin API and KVEVENTS' JSON: a Mamba group keeping its state at the last
+    block of a prefill makes the whole prefix reusable."""
+    q, r = routed
+    headers = {"Content-Type": "application/json", **q.admin_headers()}
+
+    def post(path, body):
+        status, _, raw = http(q.admin_port, "POST", path, json.dumps(body).encode(), headers)
+        return status, json.loads(raw)
+
+    status, body = post("/v1/engines", {"id": "bad", "url": "http://127.0.0.1:9005", "model": "m",
+                                        "groups": [{"kind": "full"}, {"kind": "sliding_window"}]})
+    assert status == 400 and "a sliding_window group needs window_tokens" in body["error"]
+    status, body = post("/v1/engines", {"id": "e5", "url": "http://127.0.0.1:9005", "model": "m",
+                                        "groups": [{"kind": "full"}, {"kind": "mamba"}]})
+    assert status == 201 and body["groups"] == [{"kind": "full", "window_tokens": 0},
+                                                {"kind": "mamba", "window_tokens": 0}]
+    blocks = list(range(500, 508))
+    events = [stored(blocks) | {"group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+              stored(blocks[-1:]) | {"group_idx": 1, "kv_cache_spec_kind": "mamba"}]
+    assert r.execute_command("KVEVENTS", "e5", json.dumps({"events": events})) == 2
+    d = route(r, blocks=blocks + [9])
+    assert d["engine"] == b"e5" and d["plan"] == [b"hit:e5:hbm"] * 8 + [b"recompute"]
+    assert route(r, blocks=blocks[:7])["plan"] == [b"recompute"] * 7  # no state at block 6
+
+
+def test_only_the_operator_and_the_engines_own_tenant_send_its_kv_events(quilld_factory, tmp_path):
+    """Issue 19.12: a tenant's KVEVENTS for another tenant's engine rewrote that tenant's ROUTE
+    decision. Now only the operator (user default, the admin API) and the engine's tenant may."""
+    conf = tmp_path / "engines.toml"
+    conf.write_text('[[engines]]\nid = "a1"\nurl = "http://127.0.0.1:9001"\nmodel = "m"\ntenant = "alice"\n\n'
+                    '[[engines]]\nid = "a2"\nurl = "http://127.0.0.1:9002"\nmodel = "m"\ntenant = "alice"\n')
+    users = tmp_path / "users"
+    users.write_text("alice apw\nmallory mpw\n")
+    q = quilld_factory("--config", str(conf), "--users-file", str(users), "--requirepass", "opw")
+    base = f"redis://{{}}:{{}}@127.0.0.1:{q.port}"
+    alice, mallory, operator = (redis.Redis.from_url(base.format(u, p), protocol=2) for u, p in
+                                (("alice", "apw"), ("mallory", "mpw"), ("default", "opw")))
+    alice.execute_command("SCOPE", "m", "")
+    assert alice.execute_command("KVEVENTS", "a2", json.dumps({"events": [stored([1, 2, 3, 4])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # mallory can neither move alice's decision nor learn which engine ids exist
+    for engine in ("a1", "a2", "nope"):
+        with pytest.raises(redis.exceptions.NoPermissionError,
+                           match=f"user 'mallory' may not send KV events for engine '{engine}'"):
+            mallory.execute_command("KVEVENTS", engine, json.dumps({"events": [{"type": "all_blocks_cleared"}]}))
+    assert route(alice, blocks=[1, 2, 3, 4])["engine"] == b"a2"
+    # the operator may, over RESP and the admin API (bearer token); so may the engine's tenant
+    assert operator.execute_command("KVEVENTS", "a1", json.dumps({"events": [stored([1, 2, 3, 4, 5])]})) == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a1"
+    with pytest.raises(redis.ResponseError, match="no engine 'nope'"):
+        operator.execute_command("KVEVENTS", "nope", json.dumps({"events": []}))
+    status, _, body = http(q.admin_port, "POST", "/v1/kv-events?engine_id=a1",
+                           json.dumps({"events": [{"type": "all_blocks_cleared"}]}).encode(),
+                           {"Content-Type": "application/json", **q.admin_headers()})
+    assert status == 200 and json.loads(body)["applied"] == 1
+    assert route(alice, blocks=[1, 2, 3, 4, 5])["engine"] == b"a2"
+
+
+def test_an_oversized_route_is_refused_before_it_is_read(routed):
+    """Issue 19.7: a 32 MiB ROUTE {json} was read whole, decoded and walked on the event loop
+    (other clients waited seconds) before "at most 65536 blocks". Its declared size alone now
+    refuses it: the bytes are dropped as they arrive, never held, never decoded."""
+    from quilld.index.route_request import MAX_REQUEST_BYTES
+
+    q, r = routed
+    size = MAX_REQUEST_BYTES + 1
+    before = r.info("stats")["total_net_input_bytes"]
+    with socket.create_connection(("127.0.0.1", q.port), timeout=30) as s:
+        head = b"*2\r\n$5\r\nROUTE\r\n$%d\r\n" % size
+        s.sendall(head + b'{"blocks": [' + b"1," * (MiB // 2))
+        sent = len(head) + 12 + MiB
+        assert wait_until(lambda: r.info("stats")["total_net_input_bytes"] >= before + sent, timeout=30)
+        (line,) = [c for c in r.client_list() if c["cmd"] != "client|list"]
+        assert int(line["qbuf"]) + int(line["argv-mem"]) < 64 * 1024, line  # nothing of the MiB is kept
+        s.sendall(b"1," * ((size - 12 - MiB) // 2) + b" " * ((size - 12 - MiB) % 2) + b"\r\n")
+        assert read_reply_line(s) == (f"-ERR ROUTE: an argument is at most {MAX_REQUEST_BYTES} bytes, this one is "
+                                      f"{size}: refused before it was read").encode()
+        s.sendall(b"PING\r\n")
+        assert read_reply_line(s) == b"+PONG"  # the connection goes on

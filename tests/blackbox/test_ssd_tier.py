@@ -11,13 +11,12 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 
-from conftest import spill_to_ssd, ssd_node, stop_process, tiers_of, wait_until
+from conftest import http, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -204,7 +203,7 @@ def test_a_block_being_read_is_not_freed_under_its_reader(tmp_path, nodes):
     # a reader that asks and then does not read: the reply stays pinned in quilld's buffer
     s = socket.create_connection(("127.0.0.1", q.port))
     s.sendall(b"*2\r\n$3\r\nGET\r\n$6\r\npinned\r\n")
-    time.sleep(0.3)
+    wait_held(r, len(big))  # the reply is being sent: its block is pinned (an event, not a pause)
     for i in range(100):  # pressure: far more than the arena holds
         r.set(f"p{i}", value(f"p{i}", MiB))
     assert r.info("tiers")["dram_held_bytes"] >= len(big)  # still pinned by the unread reply
@@ -257,9 +256,9 @@ def test_a_full_disk_fails_the_tier_and_the_node_keeps_serving_from_dram(tmp_pat
     until(lambda: r.info("persistence")["ssd_failed"] == 1, 20, "the SSD tier to report its failure")
     info = r.info("persistence")
     assert "No space left" in info["ssd_error"] or "ENOSPC" in info["ssd_error"] or "28" in info["ssd_error"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{q.admin_port}/healthz", timeout=5) as resp:
-        health = json.loads(resp.read())
-    assert health["status"] == "degraded" and health["ssd_error"]
+    status, _, body = http(q.admin_port, "GET", "/healthz")
+    health = json.loads(body)
+    assert status == 503 and health["status"] == "degraded" and health["ssd_error"]  # not ready: see test_health
     # still serving: writes succeed (DRAM evicts as it would without an SSD), reads are right or misses
     for i in range(30, 60):
         k = f"f{i}"

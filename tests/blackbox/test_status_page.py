@@ -7,6 +7,12 @@ given traffic; chromium loads the page, lets its script fetch the JSON routes
 a screenshot (saved under the test's tmp dir). What the page shows is compared
 with /v1/stats, /v1/engines and /v1/hot read right after. With an admin token the
 page holds no data until it is given the token.
+
+On a cluster of three with one peer killed (issue 18, item 6), the page's first
+render (before its first refresh) shows current rates, latencies, errors, peer
+fetches and pool reads, charts of the last minutes, every node with its SSD,
+version and uptime, the dead one marked as such, and on which node the engines
+are registered.
 """
 
 from __future__ import annotations
@@ -15,13 +21,15 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, stop_process, wait_port, wait_until
+import redis
+from conftest import ROOT, free_port, start_quilld, stop_process, wait_port, wait_until
 from conftest import http as conftest_http
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,13 +49,14 @@ def chromium() -> str:
     return path
 
 
-def browse(url: str, tmp_path: Path, name: str) -> tuple[str, Path]:
-    """Load `url` in headless chromium; returns the DOM its scripts built and the screenshot's path."""
+def browse(url: str, tmp_path: Path, name: str, virtual_ms: int = VIRTUAL_TIME_MS) -> tuple[str, Path]:
+    """Load `url` in headless chromium, its scripts running `virtual_ms` of virtual time; returns the
+    DOM they built and the screenshot's path."""
     profile = tmp_path / f"chromium-{name}"
     shot = tmp_path / f"{name}.png"
     args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={profile}", f"--virtual-time-budget={VIRTUAL_TIME_MS}", f"--screenshot={shot}",
+            f"--user-data-dir={profile}", f"--virtual-time-budget={virtual_ms}", f"--screenshot={shot}",
             "--window-size=1280,900", "--dump-dom", url]
     # its own session, so that on a timeout the browser and every process it started go at once
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -64,12 +73,15 @@ def browse(url: str, tmp_path: Path, name: str) -> tuple[str, Path]:
 
 class Page(HTMLParser):
     """What a dumped DOM shows: each element with an id (its data-value, its text, whether it
-    or an ancestor is hidden) and the table rows of nodes and engines (their cells)."""
+    or an ancestor is hidden, its attributes), the table rows of nodes, engines and command
+    families (their cells and attributes), and the charts' series (the points each drew)."""
 
     def __init__(self, dom: str) -> None:
         super().__init__()
         self.ids: dict[str, dict] = {}
-        self.rows: dict[str, dict[str, list[dict]]] = {"data-engine": {}, "data-node": {}}
+        self.rows: dict[str, dict[str, list[dict]]] = {"data-engine": {}, "data-node": {}, "data-family": {}}
+        self.row_attrs: dict[str, dict[str, dict]] = {key: {} for key in self.rows}
+        self.series: dict[tuple[str, str], int] = {}  # (chart id, series name) -> points drawn
         self._stack: list[tuple[str, dict, list[str]]] = []
         self.feed(dom)
 
@@ -77,6 +89,9 @@ class Page(HTMLParser):
         a = dict(attrs)
         hidden = "hidden" in a or any(entry[1].get("_hidden") for entry in self._stack)
         a["_hidden"] = hidden
+        if "data-points" in a:
+            chart = next((entry[1]["id"] for entry in reversed(self._stack) if "id" in entry[1]), "")
+            self.series[(chart, a.get("data-series", ""))] = int(a["data-points"])
         if tag in VOID:
             if "id" in a:
                 self.ids[a["id"]] = {"value": a.get("data-value"), "text": "", "hidden": hidden}
@@ -94,7 +109,7 @@ class Page(HTMLParser):
             name, a, texts = self._stack.pop()
             text = " ".join("".join(texts).split())
             if "id" in a:
-                self.ids[a["id"]] = {"value": a.get("data-value"), "text": text, "hidden": a["_hidden"]}
+                self.ids[a["id"]] = {"value": a.get("data-value"), "text": text, "hidden": a["_hidden"], "attrs": a}
             if name == "td":
                 parent = self._stack[-1][1] if self._stack else {}
                 parent.setdefault("_cells", []).append({"value": a.get("data-value"), "text": text})
@@ -102,6 +117,7 @@ class Page(HTMLParser):
                 for key in self.rows:
                     if key in a:
                         self.rows[key][a[key]] = a.get("_cells", [])
+                        self.row_attrs[key][a[key]] = a
             if name == tag:
                 return
 
@@ -221,13 +237,18 @@ def test_the_status_page_shows_what_the_json_routes_say(quilld_factory, engine, 
     engines = {e["id"]: e for e in admin_json(q.admin_port, "/v1/engines")["engines"]}
     assert set(page.rows["data-engine"]) == set(engines) == {"vllm-a", "fake-1"}
     a = page.rows["data-engine"]["vllm-a"]
-    assert [c["text"] for c in a[:2]] == ["vllm-a", "llama"]
-    assert float(a[2]["value"]) == engines["vllm-a"]["in_flight"] == 1
-    assert float(a[4]["value"]) == sum(engines["vllm-a"]["blocks"].values()) == 3
+    assert [c["text"] for c in a[:3]] == ["vllm-a", "llama", stats["node_id"]]  # registered on this node
+    assert float(a[3]["value"]) == engines["vllm-a"]["in_flight"] == 1
+    assert float(a[5]["value"]) == sum(engines["vllm-a"]["blocks"].values()) == 3
     hot = admin_json(q.admin_port, "/v1/hot")
     assert hot["top"][0]["holders"] == [{"holder": "vllm-a", "tier": "hbm"}]
-    assert a[5]["text"] == f"1 of {len(hot['top'])}"
-    assert float(page.rows["data-engine"]["fake-1"][2]["value"]) == 0
+    assert a[6]["text"] == f"1 of {len(hot['top'])}"
+    assert float(page.rows["data-engine"]["fake-1"][3]["value"]) == 0
+    assert "registered per node" in page.text("engines-note") and stats["node_id"] in page.text("engines-note")
+    # the node itself: its SSD, version and uptime beside its DRAM
+    me = page.rows["data-node"][stats["node_id"]]
+    assert me[2]["text"] == stats["version"] and float(me[3]["value"]) >= 0
+    assert float(me[8]["value"]) == ssd["ssd_used"] and float(me[9]["value"]) == ssd["ssd_capacity"]
     assert "000000000000000b" in dom  # block 11, the hottest prefix
     assert "Traceback" not in q.log(), q.log()
     assert shot.stat().st_size > 20_000  # a rendered page, kept beside the test's logs
@@ -255,3 +276,117 @@ def test_with_an_admin_token_the_page_shows_nothing_until_given_it(quilld_factor
     assert page.text("node-id") == node_id
     assert page.value("dram-capacity") == 64 * MiB
     assert "page-tok" not in dom  # taken out of the address and the page once stored
+
+
+# -- a cluster: every node's figures, a dead peer, the node's last minutes ------------------------------------
+FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
+               "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "1000"}
+FIRST_RENDER_MS = 1000  # less than the page's 2 s refresh: what its first render shows
+
+
+def free_udp_tcp_port() -> int:
+    """A port free for TCP (free_port) and for UDP too (gossip)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            try:
+                u.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def members(port: int, headers: dict) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in admin_json(port, "/v1/nodes", headers=headers)["nodes"]}
+
+
+def test_a_cluster_page_shows_every_node_marks_the_dead_one_and_draws_the_last_minutes(tmp_path, nodes):
+    env = {**FAST_GOSSIP, "QUILLD_CLUSTER_SECRET": "page-secret", "QUILLD_SECURITY_REQUIREPASS": "pw"}
+    gossip = {name: free_udp_tcp_port() for name in "abc"}
+    started = {}
+    for name in "abc":
+        extra = ["--node-id", name, "--gossip-port", str(gossip[name]), "--dram", "64MiB"]
+        if name == "a":
+            extra += ["--ssd-dir", str(tmp_path / "ssd-a"), "--ssd-size", "256MiB"]
+        else:
+            extra += ["--seeds", f"127.0.0.1:{gossip['a']}"]
+        started[name] = start_quilld(tmp_path, *extra, env=env)
+        nodes.append(started[name])
+    a, b, c = started["a"], started["b"], started["c"]
+    bearer = a.admin_headers()
+    assert wait_until(lambda: members(a.admin_port, bearer) == dict.fromkeys("abc", "alive"), 30)
+    ra, rb = a.client(password="pw"), b.client(password="pw")
+    blocks = {f"b:{i}": os.urandom(MiB) for i in range(8)}
+    for key, data in blocks.items():  # held by b
+        rb.set(key, data)
+    for i in range(4):  # fetched from b by a: peer fetches
+        assert wait_until(lambda: ra.execute_command("GETBLK", f"b:{i}") == blocks[f"b:{i}"], 20)
+    assert ra.get("b:6") == blocks["b:6"]  # a pool read: GET sees the whole pool
+    for i in range(40):
+        ra.set(f"a:{i}", os.urandom(256 * 1024))
+        assert ra.get(f"a:{i}") is not None
+    assert ra.get("nowhere") is None
+    with pytest.raises(redis.ResponseError):
+        ra.execute_command("GET")  # a command error
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=a.port, password="wrong", socket_timeout=10).ping()  # an auth failure
+    admin_json(a.admin_port, "/v1/engines", {"id": "vllm-a", "model": "llama", "url": "http://127.0.0.1:9"}, bearer)
+    assert admin_json(a.admin_port, "/v1/route", {"model": "llama", "blocks": [1, 2]}, bearer)["engine"] == "vllm-a"
+    c.proc.send_signal(signal.SIGKILL)  # a peer dies
+    c.proc.wait(10)
+    assert wait_until(lambda: members(a.admin_port, bearer)["c"] == "dead", 30), members(a.admin_port, bearer)
+
+    def totals() -> tuple:
+        h = admin_json(a.admin_port, "/v1/history", headers=bearer)
+        string = next(f["calls"] for f in h["families"] if f["family"] == "string")
+        return tuple(h["totals"][k] for k in ("command_errors", "auth_failures", "peer_fetches", "pool_reads")), \
+            string
+
+    for attempt in range(3):  # the page's first render, taken while these figures stood still
+        before = totals()
+        dom, shot = browse(f"http://127.0.0.1:{a.admin_port}/?token={a.admin_token}", tmp_path,
+                           f"cluster-{attempt}", FIRST_RENDER_MS)
+        if totals() == before:
+            break
+    else:
+        pytest.fail(f"the figures kept moving while the page loaded: {before} {totals()}")
+    (errors, auth_failures, peer_fetches, pool_reads), string_calls = before
+    page = Page(dom)
+    assert not page.ids["main"]["hidden"], dom[:2000]
+    # the first render has current rates and latencies (the node's own history), not "–"
+    for element in ("ops-rate", "demotion-rate", "promotion-rate", "command-errors-rate", "refused-rate",
+                    "auth-failures-rate", "peer-fetch-rate", "pool-read-rate"):
+        assert page.value(element) >= 0, (element, page.ids[element])
+    # errors, refusals and failed credentials; peer fetches and pool reads: as the node counts them
+    assert page.value("command-errors") == errors >= 1
+    assert page.value("auth-failures") == auth_failures >= 1
+    assert page.value("peer-fetches") == peer_fetches >= 4 and page.value("pool-reads") == pool_reads >= 1
+    family = page.rows["data-family"]["string"]
+    assert float(family[5]["value"]) == string_calls >= 80 and float(family[3]["value"]) > 0  # p50 of the minute
+    # charts of the last minutes, drawn by the page itself
+    for chart, series, least in (("chart-rates", "ops/s", 2), ("chart-rates", "peer fetches/s", 2),
+                                 ("chart-hits", "keyspace", 1), ("chart-latency", "command p50", 1),
+                                 ("chart-latency", "peer fetch p99", 1), ("chart-latency", "ROUTE p99", 1),
+                                 ("chart-errors", "command errors/s", 2), ("chart-errors", "auth failures/s", 2)):
+        assert page.series.get((chart, series), 0) >= least, (chart, series, page.series)
+    # every node, with its SSD, version and uptime; the dead one marked, its figures its last known
+    assert set(page.rows["data-node"]) == {"a", "b", "c"}
+    kinds = {n: page.row_attrs["data-node"][n]["data-kind"] for n in "abc"}
+    assert kinds == {"a": "current", "b": "current", "c": "dead"}, kinds
+    dead = page.rows["data-node"]["c"]
+    assert dead[1]["text"].startswith("dead") and "last known figures" in dead[1]["text"], dead[1]
+    version = admin_json(a.admin_port, "/v1/stats", headers=bearer)["version"]
+    for name in "ab":
+        row = page.rows["data-node"][name]
+        assert row[2]["text"] == version and float(row[3]["value"]) >= 0, row
+    assert float(page.rows["data-node"]["a"][9]["value"]) == 256 * MiB  # a's SSD tier
+    assert page.rows["data-node"]["b"][9]["text"] == "no SSD"
+    # the header says the cluster is not whole
+    assert page.ids["health-dot"]["attrs"]["data-state"] == "degraded"
+    assert "1 of 3 nodes dead" in page.text("meta"), page.text("meta")
+    # engines are per node: the page says on which
+    assert page.rows["data-engine"]["vllm-a"][2]["text"] == "a"
+    assert "registered per node" in page.text("engines-note")
+    assert "Traceback" not in a.log()
+    assert shot.stat().st_size > 20_000

@@ -207,13 +207,15 @@ def test_legacy_positional_encoding_decodes():
 
 
 def test_offload_placeholders_and_storage_medium():
-    """vLLM's offloading connector: block_size=0, token_ids=[], no group, medium CPU or STORAGE."""
+    """vLLM's offloading connector: block_size=0, token_ids=[], medium CPU or STORAGE; vLLM 0.33 names
+    the offloaded block's group_idx (older releases, none)."""
     payload = vllm.encode([vllm.offloaded([5, 6]), vllm.offloaded([7], vllm.MEDIUM_STORAGE),
-                           vllm.removed([5], vllm.MEDIUM_CPU, group=None)])
-    a, b, r = decode_payload(payload).events
+                           vllm.removed([5], vllm.MEDIUM_CPU, group=None), vllm.offloaded([8], group=2)])
+    a, b, r, g = decode_payload(payload).events
     assert a == Stored((5, 6), None, (), 0, None, "CPU")
     assert b == Stored((7,), None, (), 0, None, "STORAGE") and medium_tier(b.medium) is CacheTier.STORAGE
     assert r == Removed((5,), "CPU", None)
+    assert g == Stored((8,), None, (), 0, None, "CPU", None, 2)
 
 
 # ---------------------------------------------------------------- frames

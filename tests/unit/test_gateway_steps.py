@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from quilld.config import Config, EngineConfig
+from quilld.config import Config, EngineConfig, GroupConfig
 from quilld.http.gateway import Gateway, Parsed
 from quilld.http.gateway_request import CHAT
 from quilld.http.gateway_upstream import (UpstreamFailed, answer_ok, decision_headers, describe, upstream_headers,
@@ -120,8 +120,29 @@ def test_a_cooling_engine_is_tried_only_when_no_other_is_left():
     assert last.engine.id == "hot" and decision_headers(last.decision, "rid")["x-quillcache-overlap-blocks"] == "3"
 
 
+def test_a_fallback_to_a_hybrid_engine_gets_the_plan_route_gives_it():
+    """The plan of an engine the gateway takes instead of the router's pick is the control plane's,
+    credited by the engine's declared group kinds as ROUTE credits it (issue 18.8)."""
+    gw = gateway_with(EngineConfig(id="hot", url="http://127.0.0.1:9001", model="m"),
+                      EngineConfig(id="hybrid", url="http://127.0.0.1:9002", model="m",
+                                   groups=(GroupConfig("full"), GroupConfig("mamba"))))
+    gw.control.apply("hot", Batch(0.0, (Stored(tuple(BLOCKS), None, (), 16, None, "GPU"),), None, None))
+    gw.control.apply("hybrid", Batch(0.0, (Stored(tuple(BLOCKS), None, (), 16, None, "GPU", None, 0),
+                                           Stored(tuple(BLOCKS[2:3]), None, (), 16, None, "GPU", None, 1)), None, None))
+    choice = choose(gw, {"hot"})
+    d = choice.decision
+    assert choice.engine.id == d.engine == "hybrid"
+    headers = decision_headers(d, "rid")
+    assert headers["x-quillcache-overlap-blocks"] == "3"  # the Mamba state at block 2
+    assert headers["x-quillcache-plan"] == "hits=3 fetches=0 recomputes=1"
+    assert d.plan == gw.control.plan_for("hybrid", choice.tag, BLOCKS)
+    scope = IdentityScope("default", "m")
+    routed = {c.engine: c for c in gw.control.route(scope, gw.control.scopes.tag(scope), BLOCKS).candidates}
+    assert (routed["hybrid"].overlap_blocks, routed["hybrid"].credit) == (3, 3.0)
+
+
 def test_the_session_holds_on_the_first_attempt_only():
     gw = hot_and_cold()
-    gw.control.affinity["default\0s"] = "cold"
-    assert choose(gw, set(), request("default\0s")).engine.id == "cold"
-    assert choose(gw, {"cold"}, request("default\0s")).engine.id == "hot"
+    gw.control.sessions.put("default", "s", "cold")
+    assert choose(gw, set(), request("s")).engine.id == "cold"
+    assert choose(gw, {"cold"}, request("s")).engine.id == "hot"

@@ -119,3 +119,41 @@ def test_limits_per_owner_and_for_the_table(ks):
     assert b.pins == 3, "a refused lease pins nothing"
     table.close()
     assert b.pins == 0
+
+
+def test_each_user_holds_at_most_its_share_of_the_table(ks):
+    """Issue 19 item 5: one user's connections together stop at its share; another user's go on."""
+    table = LeaseTable(ks, 8, lease_ms=60_000, max_per_owner=8, max_per_user=4)
+    b = _block(ks, b"k")
+    for owner in (1, 2, 3, 4):  # four connections of alice, one lease each
+        table.grant(owner, b, "alice")
+    with pytest.raises(LeaseLimit, match=r"user 'alice' holds 4 shared-memory leases, its share"):
+        table.grant(5, b, "alice")
+    assert table.refused_user == 1 and table.held_by_user("alice") == 4
+    for owner in (6, 6, 7, 7):
+        table.grant(owner, b, "bob")
+    assert table.live == 8 and table.held_by_user("bob") == 4
+    table.drop_owner(1)  # a connection of alice's closes: her share has room again
+    slot, _ = table.grant(5, b, "alice")
+    assert table.held_by_user("alice") == 4
+    table.release(5, slot)
+    table.expire(now=10**9)
+    assert table.held_by_user("alice") == table.held_by_user("bob") == table.live == 0
+    table.close()
+
+
+def test_the_table_is_sealed_and_clients_get_a_read_only_descriptor(ks):
+    """Issue 19 item 15: nobody can resize the table's file, nor write it but through quilld's mapping."""
+    table = LeaseTable(ks, 8, lease_ms=1000, max_per_owner=4)
+    assert table.sealed and ks.arena.sealed
+    for fd in (table.fd, table.shared_fd, ks.arena.fd):
+        with pytest.raises(PermissionError):
+            os.ftruncate(os.open(f"/proc/self/fd/{fd}", os.O_RDWR), 0)
+    with pytest.raises(PermissionError):
+        os.pwrite(table.fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        mmap.mmap(table.shared_fd, 64, flags=mmap.MAP_SHARED)
+    slot, gen = table.grant(1, _block(ks, b"k"))
+    table.release(1, slot)  # quilld's own mapping still writes the generations
+    assert _mapped(table)[slot] == gen + 1
+    table.close()

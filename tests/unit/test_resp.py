@@ -22,6 +22,7 @@ from quilld.errors import (
     QuillError,
 )
 from quilld.model import Pinned
+from quilld.protocol import resp
 from quilld.protocol.resp import (
     LARGE_BULK,
     MAX_INLINE,
@@ -833,3 +834,40 @@ def test_a_command_cut_by_a_read_is_judged_as_redis_judges_it(partial, error, us
     p.feed(encode_command(b"PING") + partial)
     drain(p, out)
     assert out == [[b"PING"]] + ([error] if error else [])
+
+
+# -- framing in one place (issue 18.13) ------------------------------------------------------------
+
+@pytest.mark.parametrize("resp3", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 5, 1023, 1024, 5000])
+def test_the_codecs_framing_pieces_are_what_encode_writes(resp3, n):
+    """ROUTE and COMMAND DOCS build their replies from these; encode() uses the same."""
+    def enc(value):
+        out = []
+        resp.encode(value, resp3, out)
+        return b"".join(out)
+
+    items = list(range(n))
+    assert enc(items) == resp.array_header(n) + b"".join(map(resp.integer, items))
+    mapping = {i: i for i in items}
+    assert enc(mapping) == resp.map_header(n, resp3) + b"".join(resp.integer(i) * 2 for i in items)
+    assert enc(resp.OrderedSet(items)) == resp.set_header(n, resp3) + b"".join(map(resp.integer, items))
+    assert enc(-n) == resp.integer(-n) == b":%d\r\n" % -n
+    assert enc(None) == resp.NULL[resp3]
+    for v in (n / 7, float("inf"), -float("inf"), float("nan")):
+        assert enc(v) == resp.double(v, resp3)
+    assert enc(b"x" * n) == resp.bulk(b"x" * n)
+    cache = resp.BulkCache(size=2)
+    assert cache("e%d" % n) == resp.bulk(b"e%d" % n) and cache("e%d" % n) is cache("e%d" % n)
+
+
+def test_no_handler_writes_its_own_framing():
+    """RESP framing lives in the codec: a handler that writes replies straight to bytes takes
+    its headers and scalars from resp.py, it does not format `*%d`, `%%%d`, `~%d` or `$%d`."""
+    import re
+    from pathlib import Path
+
+    commands = Path(resp.__file__).parent / "commands"
+    framing = re.compile(rb'b"(\*|%%|~|\$|,|:)(%d|[0-9]+)\\r\\n')
+    found = {p.name: framing.findall(p.read_bytes()) for p in commands.rglob("*.py")}
+    assert not {name: hits for name, hits in found.items() if hits}

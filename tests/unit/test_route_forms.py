@@ -4,6 +4,7 @@ malformed requests get clear errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -16,10 +17,10 @@ from handler_context import make_context, session
 from quilld.config import EngineConfig
 from quilld.errors import CommandError
 from quilld.index.events import Batch, Stored
-from quilld.index.route_request import MAX_BLOCKS
+from quilld.index.route_request import LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest
 from quilld.index.router import Candidate, Decision, Step
-from quilld.model import CacheTier
-from quilld.protocol.commands.route import decision_reply, encode_compact, encode_decision
+from quilld.model import CacheTier, Pending
+from quilld.protocol.commands.route import MAX_EVENTS_BYTES, decision_reply, encode_compact, encode_decision
 from quilld.protocol.resp import Raw, encode
 
 ENGINES = ("e0", "e1", "e2", "e3")
@@ -54,7 +55,10 @@ def routed():
 
 
 def call(ctx, s, *args):
+    """The reply to one command; a deferred one (a large ROUTE, decoded off the loop) is waited for."""
     reply = ctx.table.dispatch(s, [a if isinstance(a, bytes) else str(a).encode() for a in args])
+    if type(reply) is Pending:
+        reply = asyncio.run(reply.awaitable)
     if isinstance(reply, CommandError):
         raise reply
     return reply
@@ -190,3 +194,34 @@ def test_command_docs_describe_the_hash_forms(routed):
     text = repr(docs)
     for word in ("HASHES", "PACKED", "BLOCK_SIZE", "DECODE_TOKENS", "SESSION", "ACQUIRE", "COMPACT"):
         assert f"b'{word}'" in text, word
+
+
+def test_a_large_request_is_decoded_off_the_loop_and_gets_the_same_decision(routed):
+    """Issue 19.7: a request of more than LARGE_REQUEST bytes is decoded and checked in a worker
+    thread (a deferred reply); its decision is the one the small forms get."""
+    ctx, s, chains = routed
+    chain = chains[3]
+    padded = json.dumps({"blocks": chain, "session": "x"}) + " " * LARGE_REQUEST  # JSON allows the blanks
+    small = call(ctx, s, "ROUTE", json.dumps({"blocks": chain, "session": "y"}))
+    deferred = ctx.table.dispatch(s, [b"ROUTE", padded.encode()])
+    assert type(small) is Raw and type(deferred) is Pending
+    assert asyncio.run(deferred.awaitable) == small
+    with pytest.raises(CommandError, match=f"at most {MAX_BLOCKS} blocks"):
+        call(ctx, s, "ROUTE", json.dumps({"blocks": list(range(MAX_BLOCKS + 1))}))
+
+
+@pytest.mark.parametrize("field, items", [("blocks", [{"not": "a hash"}]), ("tokens", ["not a token"])])
+def test_the_count_is_checked_before_any_item_is_walked(field, items):
+    """The 32 MiB request of issue 19.7 was walked whole (every hash parsed) before its count was
+    refused; the count comes first, so its items are never looked at."""
+    with pytest.raises(CommandError, match=f"^ROUTE: at most {MAX_BLOCKS} blocks"):
+        RouteRequest.parse({field: items * (MAX_BLOCKS * 16 + 16)})
+
+
+def test_route_declares_the_size_of_its_arguments():
+    """The table says how large a ROUTE argument may be; the server shell refuses a longer one
+    before reading it (tests/blackbox/test_route.py sends one)."""
+    table = make_context().table
+    assert table.lookup(b"route").arg_limit == MAX_REQUEST_BYTES
+    assert table.lookup(b"kvevents").arg_limit == MAX_EVENTS_BYTES  # as POST /v1/kv-events's body
+    assert len(json.dumps({"blocks": [U64] * MAX_BLOCKS})) < MAX_REQUEST_BYTES  # every block-hash request fits

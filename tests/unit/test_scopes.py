@@ -6,7 +6,7 @@ import pytest
 
 from quilld.config import DramConfig
 from quilld.model import IdentityScope
-from quilld.scopes import NO_SCOPE, ScopeLimit, ScopeRegistry
+from quilld.scopes import NO_SCOPE, REASONS, ScopeLimit, ScopeRegistry
 from quilld.tiers.arena import PAGE
 from quilld.tiers.keyspace import Keyspace
 
@@ -91,3 +91,43 @@ def test_a_miss_audit_never_scans_scopes():
     ks.delete(owner, b"prefix")
     ks.delete(bob, b"prefix")
     assert ks.lookup(other, b"prefix") is None and calls == 2  # nobody holds it: a plain miss
+
+
+# -- issue 19 item 16: a tenant's figures do not depend on other tenants' keys -----------------------
+
+def test_a_tenant_is_shown_no_cross_tenant_refusal_and_the_operator_sees_it():
+    reg = ScopeRegistry()
+    ks = Keyspace(DramConfig(size=16 * PAGE, inline_max=256), reg)
+    alice, bob = reg.tag(IdentityScope("alice", "m")), reg.tag(IdentityScope("bob", "m"))
+    ks.publish(alice, b"held", b"kv")
+    assert ks.lookup(bob, b"held") is None and ks.lookup(bob, b"nobody's") is None
+    # before the fix bob's own figures showed cross_tenant 1 for the first miss and 0 for the second
+    assert reg.refusals_seen_by("bob") == dict.fromkeys(REASONS, 0)
+    assert reg.refusals_of("bob")["cross_tenant"] == 1 and reg.refusals_of()["cross_tenant"] == 1
+
+
+def test_with_several_holders_the_reason_is_the_callers_own_closest_whatever_others_hold():
+    """Bob's miss on a key he holds under another model counts cross_model for him whether or not
+    alice holds the same key too (before, the holder counted was whichever the owner set gave first,
+    so some of these were cross_tenant: bob's figures depended on alice's keys)."""
+    reg = ScopeRegistry()
+    ks = Keyspace(DramConfig(size=64 * PAGE, inline_max=256), reg)
+    others = [reg.tag(IdentityScope(f"alice{i}", "m")) for i in range(16)]  # tags on both sides of bob's
+    bob_m2, bob_m2_lora = reg.tag(IdentityScope("bob", "m2")), reg.tag(IdentityScope("bob", "m", "", "lora"))
+    bob = reg.tag(IdentityScope("bob", "m"))
+    keys = [b"k%d" % i for i in range(200)]
+    for k in keys:
+        ks.publish(bob_m2, k, b"b")
+    for i, k in enumerate(keys[::2]):
+        ks.publish(others[i % 16], k, b"a")
+    for k in keys:
+        assert ks.lookup(bob, k) is None
+    assert reg.refusals_of("bob") == {**dict.fromkeys(REASONS, 0), "cross_model": 200}
+    assert reg.refusals_seen_by("bob") == reg.refusals_of("bob")
+    for k in keys[:10]:  # a closer scope of his own: the adapter is the field that differs
+        ks.publish(bob_m2_lora, k, b"c")
+        assert ks.lookup(bob, k) is None
+    assert reg.refusals_seen_by("bob")["cross_adapter"] == 10
+    # held by another tenant only: counted, for the operator's view
+    assert ks.lookup(reg.tag(IdentityScope("carol", "m")), keys[0]) is None
+    assert reg.refusals_of("carol")["cross_tenant"] == 1 and reg.refusals_seen_by("carol")["cross_tenant"] == 0

@@ -162,6 +162,11 @@ class QuillClient:
         return self._shm.stale_reads if self._shm is not None else 0
 
     @property
+    def shm_busy_rereads(self) -> int:
+        """Keys read over TCP because quilld had no shared-memory lease to give (-BUSY)."""
+        return self._shm.busy_rereads if self._shm is not None else 0
+
+    @property
     def shm_crc_rereads(self) -> int:
         """Shared-memory copies whose CRC32C did not match (verify_crc), read again over TCP."""
         return self._shm.crc_rereads if self._shm is not None else 0

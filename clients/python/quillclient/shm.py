@@ -19,6 +19,10 @@ tiers/leases.py. With `verify_crc` the CRC32C of each copy is checked as well
 (a mismatch also reads again over TCP, counted in `crc_rereads`); it is on by
 default on any other CPU, where the generation check alone is not enough.
 
+When quilld can grant no lease (`-BUSY`: this user's share of the lease table, or the
+whole table, is taken), the batch's keys are read over TCP instead and counted
+(`busy_rereads`): a busy table slows a read down, it never fails it.
+
 Leases are released after the copy with `SHM RELEASE slot ...`, never waited for
 (its reply is read in front of the next reply on that connection), so a read is
 one round trip: for small blocks (under DEFER_RELEASE_MAX leased bytes per
@@ -59,6 +63,7 @@ from quillclient.zerocopy import MISS, RawPool, _kernel_timeouts, setting_up
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
+BUSY = "BUSY"  # SHM GET's refusal when no lease can be had (the user's share of the table, or the table, is full)
 DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
 
 
@@ -226,6 +231,7 @@ class ShmPool(RawPool):
         self.mappings = Mappings()
         self.stale_reads = 0  # copies whose lease ended while copying: read again over TCP
         self.crc_rereads = 0  # copies whose CRC32C did not match (verify_crc): read again over TCP
+        self.busy_rereads = 0  # keys read over TCP because quilld had no lease for them (-BUSY)
 
     def _connect(self, generation: int) -> ShmConnection:
         return ShmConnection(self.cfg, self.path, self.mappings, generation)
@@ -279,13 +285,20 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
     is raised at the end with every result). `reread(i)` reads key i again another way (TCP)."""
     results: list[int | None] = [MISS] * len(keys)
     again: list[int] = []
+    busy: list[int] = []
     too_small: BufferTooSmall | None = None
 
     def request(conn: ShmConnection) -> None:
         nonlocal too_small
         for lo in range(0, len(keys), GET_BATCH):
             hi = min(lo + GET_BATCH, len(keys))
-            items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
+            try:
+                items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
+            except QuillError as e:
+                if e.prefix != BUSY:
+                    raise
+                busy.extend(range(lo, hi))  # no lease to be had (this user's share is taken): over TCP
+                continue
             slots: list[int] = []
             leased = 0
             try:
@@ -313,6 +326,14 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
                     conn.release(slots, leased)
 
     pool.run(request)
+    if busy:
+        pool.busy_rereads += len(busy)
+    for i in busy:
+        try:
+            results[i] = reread(i)
+        except BufferTooSmall as e:
+            results[i] = None
+            too_small = too_small or BufferTooSmall(e.needed, e.size, index=i)
     for i in again:
         results[i] = reread(i)
     if too_small is not None:

@@ -1,7 +1,7 @@
 """Command families, one module each; `build_table()` assembles the command table."""
 
-from quilld.protocol.commands import (admin, bits, blocks, client, cluster, command_docs, config_cmd, connection, debug,
-                                     keys, observe, route, shm, strings)
+from quilld.protocol.commands import (acl, admin, bits, blocks, client, cluster, command_docs, config_cmd, connection,
+                                     debug, dump, keys, multi, observe, route, shm, strings)
 from quilld.protocol.commands.catalogue import DOCS
 from quilld.protocol.table import CommandTable
 
@@ -9,7 +9,8 @@ from quilld.protocol.table import CommandTable
 def build_table() -> CommandTable:
     """Every family's rows, each with what COMMAND tells about it (catalogue/)."""
     table = CommandTable(DOCS)
-    for family in (connection, client, strings, bits, keys, blocks, route, admin, config_cmd, command_docs, observe,
-                   cluster, shm, debug):
+    for family in (connection, client, strings, bits, keys, dump, blocks, route, admin, acl, config_cmd,
+                   command_docs, observe, cluster, shm, debug, multi):
         family.register(table)
+    table.release_args = blocks.release_args  # for the queued commands of a transaction that ends unrun
     return table

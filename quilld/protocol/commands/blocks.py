@@ -2,8 +2,9 @@
 
 `large_target` decides where a large bulk argument is received while it is
 still on the wire: a SET/MSET value goes into a freshly reserved arena block,
-a PUT2PHASE DATA payload into its put's block at its offset, anything else
-into a plain buffer. `release_args` gives back whatever a command did not
+a PUT2PHASE DATA payload into its put's block at its offset, one longer than
+its command's declared `arg_limit` nowhere (dropped as it arrives, the
+command answered with an error), anything else into a plain buffer. `release_args` gives back whatever a command did not
 consume (and everything, when the connection drops mid-payload).
 """
 
@@ -37,6 +38,10 @@ def large_target(c, args: list, index: int, length: int):
         if name in (b"set", b"mset", b"put2phase"):
             raise NoAuth("Authentication required.")
         return None  # the table answers as redis does (an unknown command, AUTH itself)
+    cmd = c.ctx.table.lookup(name)
+    if cmd is not None and cmd.arg_limit and length > cmd.arg_limit:  # the row's declared limit
+        raise CommandError(f"{cmd.name.upper()}: an argument is at most {cmd.arg_limit} bytes, this one is "
+                           f"{length}: refused before it was read")
     if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
@@ -46,6 +51,8 @@ def large_target(c, args: list, index: int, length: int):
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
     if name == b"put2phase" and index == 4 and bytes(args[1]).upper() == b"DATA":
+        if c.multi is not None:
+            return None  # refused at queue time (never queued): nothing lands in the put
         put = c.puts.get(bytes(args[2]), c.user)
         offset = parse_int(args[3])
         view = c.puts.open_writer(put, offset, length)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import time
 
-from quilld.errors import CommandError, QuillError, echo
+from quilld.errors import CommandError, NoPerm, echo
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
-from quilld.protocol.resp import OK, Raw, Status, Verbatim
+from quilld.protocol.resp import OK, Raw, Status, Verbatim, array_header, bulk_header
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
+from quilld.protocol.transactions import multi_mem
 
 _SYNTAX = CommandError("syntax error")
 NO_REPLY = Raw(b"")  # CLIENT REPLY OFF and SKIP send nothing back
@@ -27,10 +28,6 @@ REPLY_ON, REPLY_OFF, REPLY_SKIP_NEXT = 0, 1, 3  # Session.reply_mode (2: the she
 CLIENT_TYPES = {b"normal": "normal", b"master": "master", b"slave": "replica", b"replica": "replica",
                 b"pubsub": "pubsub"}
 _EMPTY_BUFFER = bytearray().__sizeof__()
-
-
-class NoPerm(QuillError):
-    prefix = "NOPERM"
 
 
 def operator_only(c, name: str) -> None:
@@ -45,7 +42,7 @@ def _connections(c):
 
 
 def _command_bytes(args: list) -> int:
-    return sum(len(b"$%d\r\n" % len(a)) + len(a) + 2 for a in args) + len(b"*%d\r\n" % len(args))
+    return sum(len(bulk_header(len(a))) + len(a) + 2 for a in args) + len(array_header(len(args)))
 
 
 def client_line(conn, now: float, current: list | None = None) -> str:
@@ -60,14 +57,18 @@ def client_line(conn, now: float, current: list | None = None) -> str:
     omem = transport.get_write_buffer_size() if transport is not None else 0
     sock = transport.get_extra_info("socket") if transport is not None else None
     fd = sock.fileno() if sock is not None else -1
-    flags = ("O" if s.monitor else "") + ("c" if s.closing else "") + ("e" if s.no_evict else "")
+    # redis's order (networking.c catClientInfoString): O x d c U e
+    flags = ("O" if s.monitor else "") + ("x" if s.multi is not None else "") + ("d" if s.cas_dirty else "") + (
+        "c" if s.closing else "") + ("U" if s.unix else "") + ("e" if s.no_evict else "")
+    mmem = multi_mem(s)
     reading = transport is not None and getattr(transport, "is_reading", lambda: True)()
     events = ("r" if reading else "") + ("w" if omem else "")
     name = (s.name or b"").decode("utf-8", "surrogateescape")
     return (f"id={s.id} addr={s.addr} laddr={s.laddr} fd={fd} name={name} age={int(now - s.created)} "
-            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub=0 psub=0 ssub=0 multi=-1 qbuf={qbuf} "
-            f"qbuf-free={qbuf_free} argv-mem={argv} multi-mem=0 rbs=0 rbp=0 obl=0 oll=0 omem={omem} "
-            f"tot-mem={qbuf + qbuf_free + argv + omem} events={events} cmd={s.last_cmd} user={s.user} redir=-1 "
+            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub=0 psub=0 ssub=0 "
+            f"multi={-1 if s.multi is None else len(s.multi)} qbuf={qbuf} "
+            f"qbuf-free={qbuf_free} argv-mem={argv} multi-mem={mmem} rbs=0 rbp=0 obl=0 oll=0 omem={omem} "
+            f"tot-mem={qbuf + qbuf_free + argv + mmem + omem} events={events} cmd={s.last_cmd} user={s.user} redir=-1 "
             f"resp={3 if s.resp3 else 2}\n")
 
 
@@ -180,7 +181,7 @@ def _user_exists(c, name: bytes) -> bool:
     if c.user != "default":
         return False  # a tenant's view has no other users in it (as its CLIENT LIST has none)
     text = name.decode("utf-8", "surrogateescape")
-    return text == "default" or (users.required and text in getattr(users, "_passwords", {}))
+    return users.exists(text)
 
 
 def cmd_client_reply(c, args):

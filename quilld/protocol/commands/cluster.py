@@ -1,8 +1,19 @@
-"""Cluster commands: NODES for people; PEERAUTH, REPLOG and PEERGET between nodes."""
+"""Cluster commands: NODES for people; PEERAUTH, REPLOG and PEERGET between nodes.
+
+PEERAUTH gives a connection peer rights only: the node-to-node commands (flagged PEER in
+the table: REPLOG, PEERGET, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
+as a user or not. It logs nobody in: a peer that did not AUTH may run nothing else (NOAUTH),
+and one that did keeps its user's rights, never the operator's. Wrong secrets are counted
+(`peerauth_failures`) and slowed as AUTH's wrong passwords are (connection.py's throttle, one
+of its own, keyed by the client's address and by the one secret all guesses aim at); an
+empty secret is always wrong (cluster/local_secret.py: what a cluster without
+cluster.secret uses instead).
+"""
 
 from __future__ import annotations
 
 import hmac
+import time
 from typing import TYPE_CHECKING
 
 from quilld.cluster.cluster import node_line, standalone_meta
@@ -10,8 +21,10 @@ from quilld.cluster.replog import Behind as LogBehind
 from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope, Pending
 from quilld.protocol.commands.common import parse_int, text
+from quilld.context.auth_throttle import AuthThrottle
+from quilld.protocol.commands.connection import after_throttle, client_ip
 from quilld.protocol.resp import OK
-from quilld.protocol.table import ADMIN, NOAUTH, READONLY, CommandTable
+from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, CommandTable
 
 if TYPE_CHECKING:  # annotations only: the RDMA module is loaded only on a node that turns RDMA on
     from quilld.cluster.rdma import RdmaTransfer
@@ -34,17 +47,25 @@ def _peer(c):
     return cluster
 
 
-def cmd_peerauth(c, args):
-    """PEERAUTH secret: this connection is a cluster peer (the cluster secret, or "" when none is set)."""
+PEER_KEY = b"~peer"  # the throttle's "user" of PEERAUTH: every guess aims at the one cluster secret
+
+
+def cmd_peerauth(c, args, throttle: AuthThrottle):
+    """PEERAUTH secret: this connection is a cluster peer (the cluster's secret; never empty)."""
     cluster = _cluster(c)
-    secret = c.ctx.cfg.cluster.secret
-    if not secret and c.ctx.users.required:
-        raise WrongPass("peer connections need cluster.secret when clients need passwords")
-    if not hmac.compare_digest(bytes(args[1]), secret.encode()):
-        raise WrongPass("invalid cluster secret")
-    c.peer_login()
-    cluster.stats["peer_connections"] += 1
-    return OK
+    given = bytes(args[1])
+
+    def check():
+        if not hmac.compare_digest(given, cluster.peer_secret.encode()) or not given:
+            c.ctx.stats["peerauth_failures"] += 1
+            throttle.failed(c.ctx.cfg.security, PEER_KEY, client_ip(c), time.monotonic())
+            raise WrongPass("invalid cluster secret")
+        c.peer_login()
+        c.ctx.clients.auth_changed(c)  # a peer's commands are parsed as a logged-in client's
+        cluster.stats["peer_connections"] += 1
+        return OK
+
+    return after_throttle(c, throttle, PEER_KEY, check, "peerauth_throttled")
 
 
 def cmd_replog(c, args):
@@ -101,6 +122,7 @@ def cmd_peerget(c, args):
     `[crc32c, length, remote_addr, rkey, lease]`. With PXAT, each reply ends with one more
     integer: when the key expires (unix ms), or -1, so a copy kept by the peer expires with it.
     """
+    cluster = _peer(c)
     opts = list(args[6:])
     pxat = bool(opts) and bytes(opts[-1]).upper() == b"PXAT"
     if pxat:
@@ -110,20 +132,20 @@ def cmd_peerget(c, args):
     if opts:
         rdma = _rdma(c)
         min_bytes = parse_int(opts[1])
-    cluster = _peer(c)
+    ks = c.ctx.keyspace  # the scope is the one named, whatever the connection's own
     tag = c.ctx.scopes.tag(_scope_of(args))
     key = bytes(args[5])
     if opts:
-        extent = c.keyspace.lease_extent(tag, key, min_bytes)
+        extent = ks.lease_extent(tag, key, min_bytes)
         if extent is not None:
             cluster.stats["peer_gets_served"] += 1
             crc, offset, length, pinned = extent
             lease = rdma.leases.grant(c.id, pinned.release)
             rdma.stats["rdma_leases_granted"] += 1
             reply = [crc, length, rdma.device.base + offset, rdma.device.rkey, lease]
-            return reply + [c.keyspace.expire_time(tag, key)] if pxat else reply
+            return reply + [ks.expire_time(tag, key)] if pxat else reply
     cluster.stats["peer_gets_served"] += 1
-    return c.keyspace.peer_copy(tag, key, with_expiry=pxat)
+    return ks.peer_copy(tag, key, with_expiry=pxat)
 
 
 def _rdma(c) -> RdmaTransfer:
@@ -162,12 +184,15 @@ def cmd_nodes(c, args):
 
 
 def register(t: CommandTable) -> None:
-    t.add("peerauth", 2, NOAUTH, cmd_peerauth, "Authenticates a cluster peer connection.", "quillcache", "0.1.0")
-    t.add("replog", -2, ADMIN, cmd_replog, "A peer follows this node's residency log.", "quillcache", "0.1.0")
-    t.add("peerget", -6, READONLY, cmd_peerget, "A peer reads this node's copy of a key, with its CRC32C.",
+    throttle = AuthThrottle()  # PEERAUTH's own: AUTH guessers do not slow the peers, nor the reverse
+    t.add("peerauth", 2, NOAUTH, lambda c, args: cmd_peerauth(c, args, throttle),
+          "Authenticates a cluster peer connection.", "quillcache", "0.1.0")
+    t.add("replog", -2, f"{ADMIN} {PEER}", cmd_replog, "A peer follows this node's residency log.",
           "quillcache", "0.1.0")
-    t.add("peerrdma", 3, ADMIN, cmd_peerrdma, "A peer sets up an RDMA queue pair with this node.",
+    t.add("peerget", -6, f"{READONLY} {PEER}", cmd_peerget,
+          "A peer reads this node's copy of a key, with its CRC32C.", "quillcache", "0.1.0")
+    t.add("peerrdma", 3, f"{ADMIN} {PEER}", cmd_peerrdma, "A peer sets up an RDMA queue pair with this node.",
           "quillcache", "0.1.0")
-    t.add("peerrelease", -2, READONLY, cmd_peerrelease, "A peer releases blocks leased for RDMA READ.",
-          "quillcache", "0.1.0")
+    t.add("peerrelease", -2, f"{READONLY} {PEER}", cmd_peerrelease,
+          "A peer releases blocks leased for RDMA READ.", "quillcache", "0.1.0")
     t.add("nodes", 1, READONLY, cmd_nodes, "Lists the cluster's members.", "quillcache", "0.1.0")

@@ -3,8 +3,8 @@ GETKEYSANDFLAGS, HELP), in redis's reply shapes.
 
 Everything is read off the table's rows (`table.Command` and its `Doc`); nothing here
 knows a command by name. Replies hold sets whose order matters (flags, ACL categories,
-key specs), so they are rendered here, with redis's set type in RESP3 and an array in
-RESP2 (`RSet`).
+key specs): those are the codec's `OrderedSet`s, redis's set type in RESP3 and an array
+in RESP2.
 """
 
 from __future__ import annotations
@@ -12,38 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 from quilld.errors import CommandError
+from quilld.protocol.commands.catalogue import redis_only
 from quilld.protocol.commands.keys import glob_matcher
-from quilld.protocol.resp import Raw, Status, encode
+from quilld.protocol.resp import OrderedSet, Raw, Status, encode
 from quilld.protocol.table import (ACL_CATEGORIES, ARG_FLAGS, KEY_FLAGS, Arg, Command, CommandTable, KeySpec,
                                    keys_from_specs, ordered)
 
 _SYNTAX = CommandError("syntax error")
 
 
-class RSet(tuple):
-    """A set reply whose order is given (RESP3 `~`, an array in RESP2)."""
-
-
 def render(value: Any, resp3: bool) -> Raw:
-    """`value` encoded for the connection's protocol, RSets included."""
+    """`value` encoded for the connection's protocol, its OrderedSets included."""
     out: list = []
-    _render(value, resp3, out)
+    encode(value, resp3, out)
     return Raw(b"".join(out))
-
-
-def _render(value: Any, resp3: bool, out: list) -> None:
-    t = type(value)
-    if t is RSet or t is list:
-        out.append((b"~%d\r\n" if resp3 and t is RSet else b"*%d\r\n") % len(value))
-        for item in value:
-            _render(item, resp3, out)
-    elif t is dict:
-        out.append((b"%%%d\r\n" if resp3 else b"*%d\r\n") % (len(value) * (1 if resp3 else 2)))
-        for k, v in value.items():
-            _render(k, resp3, out)
-            _render(v, resp3, out)
-    else:
-        encode(value, resp3, out)
 
 
 def help_reply(args: list, lines: tuple[str, ...]) -> list:
@@ -53,8 +35,8 @@ def help_reply(args: list, lines: tuple[str, ...]) -> list:
         Status(line.encode()) for line in lines] + [Status(b"HELP"), Status(b"    Prints this help.")]
 
 
-def _statuses(words: tuple[str, ...], prefix: str = "") -> RSet:
-    return RSet(Status((prefix + w).encode()) for w in words)
+def _statuses(words: tuple[str, ...], prefix: str = "") -> OrderedSet:
+    return OrderedSet(Status((prefix + w).encode()) for w in words)
 
 
 def _key_spec(spec: KeySpec) -> dict:
@@ -90,9 +72,9 @@ def command_info(cmd: Command | None) -> Any:
     tips = tuple(doc.tips.split()) if doc else ()
     specs = doc.keys if doc else ()
     return [cmd.name.encode(), cmd.arity, _statuses(cmd.info_flags), first, last, step,
-            _statuses(cmd.acl_categories, "@"), RSet(t.encode() for t in tips),
-            RSet(_key_spec(s) for s in specs),
-            [command_info(s) for s in cmd.subcommands.values()] if cmd.subcommands else RSet()]
+            _statuses(cmd.acl_categories, "@"), OrderedSet(t.encode() for t in tips),
+            OrderedSet(_key_spec(s) for s in specs),
+            [command_info(s) for s in cmd.subcommands.values()] if cmd.subcommands else OrderedSet()]
 
 
 def _arg_doc(arg: Arg) -> dict:
@@ -129,7 +111,7 @@ def command_docs(cmd: Command) -> dict:
         if doc.replaced_by:
             out[b"replaced_by"] = doc.replaced_by.encode()
         if doc.history:
-            out[b"history"] = RSet([since.encode(), change.encode()] for since, change in doc.history)
+            out[b"history"] = OrderedSet([since.encode(), change.encode()] for since, change in doc.history)
         if doc.args:
             out[b"arguments"] = [_arg_doc(a) for a in doc.args]
     if cmd.subcommands:
@@ -204,7 +186,7 @@ def cmd_command_docs(c, args):
 
 def _keys(c, args, with_flags: bool):
     table, argv = _table(c), args[2:]
-    cmd = table.resolve(argv)
+    cmd = table.resolve(argv) or redis_only.resolve(argv)  # redis's others answer from their key specs
     if cmd is None:
         raise CommandError("Invalid command specified")
     if not cmd.has_keys:

@@ -4,11 +4,14 @@ Each parameter is one of three things for quilld:
 
 - applied (`APPLIED`): quilld uses it, and CONFIG SET changes it while the node runs:
   maxmemory (dram.maxmemory: eviction starts at dram.high_watermark of it and stops at
-  dram.low_watermark of it; at most the arena's size, which is fixed at start; 0 means the
-  whole arena), maxclients, timeout, slowlog-log-slower-than, slowlog-max-len,
-  latency-monitor-threshold, proto-max-bulk-len, client-query-buffer-limit, loglevel,
-  latency-tracking-info-percentiles. CONFIG REWRITE writes those with a config key back
-  to the config file (`CONFIG_KEYS`).
+  dram.low_watermark of it; at most the arena's size, which is fixed at start; 0, the
+  default, means the whole arena, and CONFIG GET answers it as set, 0 included, as redis
+  does; INFO's maxmemory is the bytes in effect), maxclients, timeout,
+  slowlog-log-slower-than, slowlog-max-len, latency-monitor-threshold, proto-max-bulk-len,
+  client-query-buffer-limit, loglevel, latency-tracking-info-percentiles, requirepass (user
+  default's password, as redis: ACL SETUSER default resetpass >value; "" for nopass; kept
+  until a restart, not rewritten). CONFIG REWRITE writes those with a config key back to
+  the config file (`CONFIG_KEYS`).
 - answered and kept (`REFUSED`): quilld has a value for it (port, bind, save, appendonly,
   maxmemory-policy, hz, ...) or lacks the feature it switches on (keyspace
   notifications, TLS, client eviction, active defrag); CONFIG GET answers quilld's value,
@@ -32,6 +35,7 @@ import os
 import re
 import socket
 import tomllib
+from dataclasses import replace
 from typing import Callable
 
 from quilld.errors import CommandError, echo
@@ -41,9 +45,11 @@ from quilld.protocol.commands.config_params import PARAMS, P
 from quilld.protocol.commands.keys import glob_matcher
 from quilld.context.node_context import NodeContext, apply_maxmemory, slow_ns
 from quilld.context.figures import reset_stats
+from quilld.context.open_files import fit_open_files
 from quilld.protocol.info import HZ
 from quilld.protocol.resp import OK
 from quilld.protocol.table import CommandTable
+from quilld.security import Login, digest
 
 BY_NAME: dict[str, P] = {}
 for _p in PARAMS:
@@ -158,7 +164,7 @@ def _set_maxmemory(ctx: NodeContext, value: str) -> None:
     if n > capacity:
         raise Failed(f"maxmemory cannot exceed the DRAM arena ({capacity} bytes, dram.size), which is fixed "
                      f"when quilld starts")
-    apply_maxmemory(ctx, 0 if n == capacity else n)
+    apply_maxmemory(ctx, n)
 
 
 def _runtime(field: str) -> tuple[Getter, Setter]:
@@ -185,7 +191,15 @@ def _set_loglevel(ctx: NodeContext, value: str) -> None:
 
 
 def _set_maxclients(ctx: NodeContext, value: str) -> None:
-    ctx.clients.max_clients = int(value)
+    """As redis's updateMaxclients: more clients than now first raise the descriptor limit to fit
+    them; a value it cannot fit is refused with the number that would fit."""
+    n = int(value)
+    if n > ctx.clients.max_clients:
+        fit = fit_open_files(ctx.cfg, n)
+        if fit.maxclients < n:
+            raise Failed("The operating system is not able to handle the specified number of clients, "
+                         f"try with {fit.maxclients}")
+    ctx.clients.max_clients = n
 
 
 def _percentiles(ctx: NodeContext) -> str:
@@ -196,8 +210,27 @@ def _set_percentiles(ctx: NodeContext, value: str) -> None:
     ctx.runtime.inert["latency-tracking-info-percentiles"] = value
 
 
+def _requirepass(ctx: NodeContext) -> str:
+    return ctx.runtime.inert.get("requirepass", ctx.cfg.security.requirepass)
+
+
+def _set_requirepass(ctx: NodeContext, value: str) -> None:
+    """As redis: user default's one password (`ACL SETUSER default resetpass >value`), or nopass
+    for "". Refused while the admin API is open without admin.token (quilld starts no node so)."""
+    users, admin = ctx.users, ctx.cfg.admin
+    if value and admin.port and not admin.token and not users.required:
+        raise Failed("quilld refuses passwords while its admin API is open without admin.token: set admin.token "
+                     "(QUILLD_ADMIN_TOKEN) and restart, then set the password")
+    now = users.login_of("default")
+    login = Login(enabled=now.enabled, nopass=not value, digests=(digest(value.encode()),) if value else ())
+    acl = users.acl_of("default")
+    users.set_login("default", login, None if acl is None else replace(acl, login=login))
+    ctx.runtime.inert["requirepass"] = value
+
+
 APPLIED: dict[str, tuple[Getter, Setter]] = {
-    "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory or ctx.keyspace.capacity), _set_maxmemory),
+    "requirepass": (_requirepass, _set_requirepass),
+    "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory), _set_maxmemory),  # as set: 0 is "the whole arena"
     "maxclients": (lambda ctx: str(ctx.clients.max_clients), _set_maxclients),
     "timeout": _runtime("timeout"),
     "slowlog-log-slower-than": _runtime("slowlog_log_slower_than"),
@@ -231,8 +264,6 @@ REFUSED: dict[str, tuple[Getter, str]] = {
                        f"the unix socket's mode is fixed at start: {_RESTART} (server.unixsocketperm)"),
     "protected-mode": (lambda ctx: "yes" if ctx.cfg.server.protected_mode else "no",
                        f"protected mode is fixed at start: {_RESTART} (server.protected_mode)"),
-    "requirepass": (lambda ctx: ctx.cfg.security.requirepass,
-                    f"passwords are fixed at start: {_RESTART} (security.requirepass, security.users_file)"),
     "save": (lambda ctx: "", "quilld takes no RDB snapshots: its SSD tier (ssd.dir) keeps blocks across restarts"),
     "appendonly": (lambda ctx: "no", "quilld has no append-only file: its SSD tier (ssd.dir) keeps blocks "
                                      "across restarts, with its own write-ahead log"),

@@ -1,22 +1,26 @@
 """Connection commands: PING, ECHO, HELLO, AUTH, SELECT, QUIT, SCOPE (CLIENT and RESET: client.py).
 
-Password guessing is slowed per client address (`AuthThrottle`): once an address
-has failed `security.auth_throttle_after` times within `auth_throttle_window_ms`,
-each further AUTH (or HELLO ... AUTH) from it is checked only after a delay that
-doubles with every failure, up to `auth_delay_max_ms`, and one at a time across
-all its connections; an attempt that would wait longer is refused at once. The
-wait is a deferred reply: the event loop never blocks, and a correct password
-from an address that is not failing is answered at once.
+Password guessing is slowed per user and per client address (`AuthThrottle`, the node's:
+context/auth_throttle.py, which the gateway's API keys may share): once a user
+name, or an address, has failed `security.auth_throttle_after` times within
+`auth_throttle_window_ms`, each further AUTH (or HELLO ... AUTH) naming that user or coming
+from that address is checked only after a delay that doubles with every failure, up to
+`auth_delay_max_ms`. The delay holds right and wrong passwords alike (a right one answered at
+once would tell a guesser which guess was right without waiting), but nothing is ever refused:
+a tenant whose address or user name an attacker shares logs in, at most auth_delay_max_ms
+late. A guesser gets one answer per delay per connection it holds open, since a connection's
+next command waits for its answer. The wait is a deferred reply: the event loop never blocks,
+and an attempt from an address and for a user that are not failing is answered at once.
+Cluster peers' PEERAUTH (cluster.py) has a throttle of its own, the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
-from quilld.config import SecurityConfig
+from quilld.context.auth_throttle import AuthThrottle
 from quilld.errors import CommandError, NoAuth, QuillError, WrongPass, echo
 from quilld.model import IdentityScope, Pending
 from quilld.protocol.commands.common import parse_int, text
@@ -27,8 +31,6 @@ from quilld.security import LoginError, split_login
 
 _SYNTAX = CommandError("syntax error")
 _WRONGPASS = "invalid username-password pair or user is disabled."
-AUTH_THROTTLE_ADDRESSES = 65536  # client addresses whose failures are remembered (oldest forgotten first)
-AUTH_DELAY_FIRST = 0.05  # seconds: the first throttled attempt's delay; each failure doubles it
 
 
 class NoProto(QuillError):
@@ -47,59 +49,7 @@ def cmd_echo(c, args):
     return bytes(args[1])
 
 
-class _Failures:
-    __slots__ = ("count", "last", "next_at")
-
-    def __init__(self) -> None:
-        self.count = 0  # failures within the window
-        self.last = 0.0  # when the last one happened
-        self.next_at = 0.0  # no attempt from this address is checked before this time
-
-
-class AuthThrottle:
-    """Failed AUTH attempts per client address, and how long the next attempt waits."""
-
-    def __init__(self) -> None:
-        self._by_addr: OrderedDict[str, _Failures] = OrderedDict()
-
-    def _entry(self, cfg: SecurityConfig, addr: str, now: float) -> _Failures | None:
-        f = self._by_addr.get(addr)
-        if f is not None and now - f.last > cfg.auth_throttle_window_ms / 1000:
-            del self._by_addr[addr]  # quiet for a whole window: starts afresh
-            return None
-        return f
-
-    def wait(self, cfg: SecurityConfig, addr: str, now: float) -> float | None:
-        """Seconds an attempt from `addr` waits before it is checked (0: at once), or None when it
-        would wait longer than auth_delay_max_ms (refused). Reserves the attempt's turn."""
-        f = self._entry(cfg, addr, now)
-        if f is None or not cfg.auth_throttle_after or f.count < cfg.auth_throttle_after:
-            return 0.0
-        delay = min(cfg.auth_delay_max_ms / 1000,
-                    AUTH_DELAY_FIRST * 2.0 ** min(f.count - cfg.auth_throttle_after, 32))
-        at = max(now, f.next_at) + delay
-        if at - now > cfg.auth_delay_max_ms / 1000:
-            return None
-        f.next_at = at
-        return at - now
-
-    def failed(self, cfg: SecurityConfig, addr: str, now: float) -> None:
-        f = self._entry(cfg, addr, now)
-        if f is None:
-            if len(self._by_addr) >= AUTH_THROTTLE_ADDRESSES:
-                self._by_addr.popitem(last=False)
-            f = self._by_addr[addr] = _Failures()
-        else:
-            self._by_addr.move_to_end(addr)
-        f.count += 1
-        f.last = now
-
-    def throttled(self) -> int:
-        """Addresses whose attempts are slowed now (for tests and INFO)."""
-        return len(self._by_addr)
-
-
-def _client_ip(c) -> str:
+def client_ip(c) -> str:
     return c.addr.rpartition(":")[0] or c.addr
 
 
@@ -118,45 +68,56 @@ def _credentials_match(users, user: bytes, password: bytes) -> bool:
         return False   # unknown user: such a user matches nothing
 
 
-def _authenticate(c, throttle: AuthThrottle, login: bytes, password: bytes) -> None:
-    """Log the session in as `login`'s user, in the scope it names (`user~model~tokenizer[~adapter]`)
-    if any, or raise WRONGPASS (counted, and remembered per address)."""
-    users = c.ctx.users
+def _login_user(login: bytes) -> tuple[bytes, tuple[bytes, bytes, bytes] | None]:
     try:
-        user, fields = split_login(login)
+        return split_login(login)
     except LoginError as e:
         raise CommandError(f"invalid scope in the user name: {e}") from None
-    if not users.required:
-        if user != b"default":  # redis: the default user has nopass; nobody else exists
-            raise WrongPass(_WRONGPASS)
+
+
+def _authenticate(c, throttle: AuthThrottle, login: bytes, password: bytes) -> None:
+    """Log the session in as `login`'s user, in the scope it names (`user~model~tokenizer[~adapter]`)
+    if any, or raise WRONGPASS (counted, and remembered per user and per address)."""
+    users = c.ctx.users
+    user, fields = _login_user(login)
+    if not users.required and user == b"default":
+        pass  # redis: the default user has nopass (users ACL SETUSER added log in with their own)
     elif not _credentials_match(users, user, password):
         c.ctx.stats["auth_failures"] += 1
-        throttle.failed(c.ctx.cfg.security, _client_ip(c), time.monotonic())
+        throttle.failed(c.ctx.cfg.security, user, client_ip(c), time.monotonic())
         raise WrongPass(_WRONGPASS)
     name = user.decode()
     c.login(name, None if fields is None else IdentityScope(name, *map(text, fields)))
     c.ctx.clients.auth_changed(c)
 
 
-def _after_auth(c, throttle: AuthThrottle, user: bytes, password: bytes, then: Callable[[], Any]) -> Any:
-    """Check the credentials, then answer with `then()`: at once, or after the address's
-    throttle delay (a deferred reply), or refused when the address is failing too often."""
-    cfg = c.ctx.cfg.security
-    delay = throttle.wait(cfg, _client_ip(c), time.monotonic()) if c.ctx.users.required else 0.0
-    if delay is None:
-        c.ctx.stats["auth_throttle_refused"] += 1
-        raise CommandError("too many failed AUTH attempts from this address: try again later")
+def after_throttle(c, throttle: AuthThrottle, user: bytes, check: Callable[[], Any], counter: str) -> Any:
+    """`check()` at once, or after the throttle's delay for `user` and the client's address (a
+    deferred reply, counted in `counter`); never refused."""
+    delay = throttle.wait(c.ctx.cfg.security, user, client_ip(c), time.monotonic())
     if not delay:
-        _authenticate(c, throttle, user, password)
-        return then()
-    c.ctx.stats["auth_throttled"] += 1
+        return check()
+    c.ctx.stats[counter] += 1
 
     async def later():
         await asyncio.sleep(delay)
-        _authenticate(c, throttle, user, password)
-        return then()
+        return check()
 
     return Pending(later())
+
+
+def _after_auth(c, throttle: AuthThrottle, login: bytes, password: bytes, then: Callable[[], Any]) -> Any:
+    """Check the credentials, then answer with `then()`: at once, or after the throttle's delay."""
+    if not c.ctx.users.required:
+        _authenticate(c, throttle, login, password)
+        return then()
+    user, _ = _login_user(login)
+
+    def check():
+        _authenticate(c, throttle, login, password)
+        return then()
+
+    return after_throttle(c, throttle, user, check, "auth_throttled")
 
 
 def cmd_auth(c, args, throttle: AuthThrottle):
@@ -249,10 +210,9 @@ def cmd_scope(c, args):
 def register(t: CommandTable) -> None:
     t.add("ping", -1, FAST, cmd_ping, "Returns the server's liveliness response.", "connection")
     t.add("echo", 2, FAST, cmd_echo, "Returns the given string.", "connection")
-    throttle = AuthThrottle()  # one per node (one table per node)
-    t.add("auth", -2, f"{NOAUTH} {FAST}", lambda c, args: cmd_auth(c, args, throttle),
+    t.add("auth", -2, f"{NOAUTH} {FAST}", lambda c, args: cmd_auth(c, args, c.ctx.auth_throttle),
           "Authenticates the connection.", "connection")
-    t.add("hello", -1, f"{NOAUTH} {FAST}", lambda c, args: cmd_hello(c, args, throttle),
+    t.add("hello", -1, f"{NOAUTH} {FAST}", lambda c, args: cmd_hello(c, args, c.ctx.auth_throttle),
           "Handshakes with the server.", "connection", "6.0.0")
     t.add("select", 2, FAST, cmd_select, "Changes the selected database.", "connection")
     t.add("quit", -1, f"{NOAUTH} {FAST}", cmd_quit, "Closes the connection.", "connection")

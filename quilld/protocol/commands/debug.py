@@ -30,8 +30,8 @@ import time
 
 from quilld.errors import CommandError, echo
 from quilld.protocol.commands.client import operator_only
-from quilld.protocol.commands.command_docs import RSet, help_reply, render
-from quilld.protocol.resp import OK, Attribute, BigNumber, Push, Raw, Verbatim, encode
+from quilld.protocol.commands.command_docs import help_reply, render
+from quilld.protocol.resp import OK, Attribute, BigNumber, OrderedSet, Push, Raw, Verbatim, encode
 from quilld.protocol.table import PROTECTED, CommandTable
 
 log = logging.getLogger("quilld")
@@ -87,7 +87,7 @@ def protocol_reply(name: bytes, resp3: bool) -> Raw | CommandError:
     elif name == b"array":
         value = [0, 1, 2]
     elif name == b"set":
-        value = RSet((0, 1, 2))
+        value = OrderedSet((0, 1, 2))
     elif name == b"map":
         value = {0: False, 1: True, 2: False}
     elif name == b"attrib":

@@ -6,23 +6,31 @@ arguments) and `ROUTE PACKED <n x 8 bytes, little-endian u64> [options]`; the op
 are BLOCK_SIZE s, DECODE_TOKENS t, SESSION id, ACQUIRE and COMPACT. The reply is the
 decision's map (a flat array on RESP2), written straight to RESP bytes; with COMPACT,
 a five-item array: engine, url, cost, lease and the plan as runs (step, count, ...).
+
+No argument may pass MAX_REQUEST_BYTES (the table's `arg_limit`: refused before it is
+read), and a request of more than LARGE_REQUEST bytes is decoded and checked in a worker
+thread while the event loop serves other clients; only the decision runs on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from itertools import groupby
 from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
-from quilld.index.route_request import (MAX_BLOCKS, RouteRequest, hashes_from_args, hashes_from_packed,
-                                        route)
+from quilld.index.route_request import (LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest,
+                                        hashes_from_args, hashes_from_packed, route)
 from quilld.index.router import Candidate, Decision, Step
+from quilld.model import Pending
 from quilld.protocol.commands.common import text
-from quilld.protocol.resp import Raw
+from quilld.protocol.resp import (NULL, BulkCache, EncodedById, Raw, array_header, bulk, double, integer,
+                                  map_header)
 from quilld.protocol.table import CommandTable
 
+MAX_EVENTS_BYTES = 1024 * 1024  # a KVEVENTS batch, as POST /v1/kv-events's body (aiohttp's client_max_size)
 OPTIONS = ("BLOCK_SIZE", "DECODE_TOKENS", "SESSION", "ACQUIRE", "COMPACT")
 _INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
 
@@ -125,89 +133,49 @@ def hashes_request(args: list) -> tuple[RouteRequest, bool] | None:
     return RouteRequest(blocks, block_size, decode, session, acquire), compact
 
 
-def cmd_route(c, args):
+def parse_request(args: list) -> tuple[RouteRequest, bool]:
+    """ROUTE's arguments, in any of its forms: the request and whether COMPACT was asked."""
     parsed = hashes_request(args)
     if parsed is None:
-        req, compact = RouteRequest.parse(route_fields(args)), False
-    else:
-        req, compact = parsed
+        return RouteRequest.parse(route_fields(args)), False
+    return parsed
+
+
+def cmd_route(c, args):
+    if sum(map(len, args)) > LARGE_REQUEST:  # decoded and walked off the event loop
+        return Pending(_route_large(c, args))
+    return _answer(c, *parse_request(args))
+
+
+async def _route_large(c, args: list):
+    req, compact = await asyncio.to_thread(parse_request, args)
+    return _answer(c, req, compact)
+
+
+def _answer(c, req: RouteRequest, compact: bool) -> Raw:
     d = route(c.control, c.scope, c.tag, req)
     return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
 
 
-# -- the reply, straight to RESP bytes ---------------------------------------------------------
+# -- the reply, straight to RESP bytes, from the codec's pieces ---------------------------------
 
-def _bulk(b: bytes) -> bytes:
-    return b"$%d\r\n%b\r\n" % (len(b), b)
-
-
-def _double(v: float, resp3: bool) -> bytes:
-    """A float as resp.encode writes it: a RESP3 double, a bulk string in RESP2."""
-    t = repr(v).encode() if v == v and abs(v) != float("inf") else (
-        b"nan" if v != v else (b"inf" if v > 0 else b"-inf"))
-    return b",%b\r\n" % t if resp3 else b"$%d\r\n%b\r\n" % (len(t), t)
-
-
-_NIL = {False: b"$-1\r\n", True: b"_\r\n"}
-_KEYS = {k: _bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"candidates", b"overlap_blocks",
-                               b"credit", b"in_flight")}
-_HEAD = {False: (b"*12\r\n", b"*10\r\n"), True: (b"%6\r\n", b"%5\r\n")}  # decision, candidate
-_CACHE_MAX = 4096
-
-
-class _ById:
-    """Encoded bytes of shared, immutable objects (candidates, plan steps), found by `id` with
-    no hashing of the object. Each object is kept while its bytes are, so its id cannot be
-    reused by another object meanwhile; the whole cache is dropped when it fills."""
-
-    def __init__(self, encoder) -> None:
-        self.encoder = encoder  # (object, resp3) -> bytes
-        self.alive: dict[int, object] = {}
-        self.by_protocol: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
-
-    def many(self, objects: list, resp3: bool) -> list[bytes]:
-        table = self.by_protocol[resp3]
-        parts = list(map(table.get, map(id, objects)))
-        if not all(parts):  # an object seen for the first time (no encoding is empty)
-            for i, part in enumerate(parts):
-                if part is None:
-                    parts[i] = self.one(objects[i], resp3)
-        return parts
-
-    def one(self, obj, resp3: bool) -> bytes:
-        table = self.by_protocol[resp3]
-        out = table.get(id(obj))
-        if out is None:
-            if len(self.alive) >= _CACHE_MAX:
-                self.alive.clear()
-                for t in self.by_protocol:
-                    t.clear()
-            self.alive[id(obj)] = obj
-            out = table[id(obj)] = self.encoder(obj, resp3)
-        return out
+_KEYS = {k: bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"candidates", b"overlap_blocks",
+                              b"credit", b"in_flight")}
+_DECISION_FIELDS, _CANDIDATE_FIELDS = 6, 5
 
 
 def _encode_candidate(c: Candidate, resp3: bool) -> bytes:
     engine, overlap, credit, cost, in_flight = c
-    return b"".join((_HEAD[resp3][1], _KEYS[b"engine"], _bulk(engine.encode()), _KEYS[b"overlap_blocks"],
-                     b":%d\r\n" % overlap, _KEYS[b"credit"], _double(float(credit), resp3), _KEYS[b"cost"],
-                     _double(float(cost), resp3), _KEYS[b"in_flight"], b":%d\r\n" % in_flight))
+    return b"".join((map_header(_CANDIDATE_FIELDS, resp3), _KEYS[b"engine"], _texts(engine), _KEYS[b"overlap_blocks"],
+                     integer(overlap), _KEYS[b"credit"], double(float(credit), resp3), _KEYS[b"cost"],
+                     double(float(cost), resp3), _KEYS[b"in_flight"], integer(in_flight)))
 
 
 # the router shares the candidates of engines that reuse nothing and the hit steps of each
 # engine between requests, so most of a reply is found here
-_candidates = _ById(_encode_candidate)
-_steps = _ById(lambda step, resp3: _bulk(_plan_text(step)))
-_texts: dict[str, bytes] = {}  # engine ids and URLs as bulk strings
-
-
-def _text_bulk(s: str) -> bytes:
-    out = _texts.get(s)
-    if out is None:
-        if len(_texts) >= _CACHE_MAX:
-            _texts.clear()
-        out = _texts[s] = _bulk(s.encode())
-    return out
+_candidates = EncodedById(_encode_candidate)
+_steps = EncodedById(lambda step, resp3: bulk(_plan_text(step)))
+_texts = BulkCache()  # engine ids and URLs
 
 
 def _runs(plan: list[Step]) -> list[tuple[Step, int]]:
@@ -216,21 +184,21 @@ def _runs(plan: list[Step]) -> list[tuple[Step, int]]:
 
 
 def _head(d: Decision, resp3: bool) -> list[bytes]:
-    nil = _NIL[resp3]
+    nil = NULL[resp3]
     chosen = d.engine is not None
-    return [_text_bulk(d.engine) if chosen else nil, _text_bulk(d.url) if chosen else nil,
-            _double(float(d.cost), resp3) if chosen else nil,
-            _bulk(d.lease.encode()) if d.lease is not None else nil]
+    return [_texts(d.engine) if chosen else nil, _texts(d.url) if chosen else nil,
+            double(float(d.cost), resp3) if chosen else nil,
+            bulk(d.lease.encode()) if d.lease is not None else nil]
 
 
 def encode_decision(d: Decision, resp3: bool) -> bytes:
     """`decision_reply(d)` as resp.encode would write it, built from cached pieces."""
     engine, url, cost, lease = _head(d, resp3)
-    out = [_HEAD[resp3][0], _KEYS[b"engine"], engine, _KEYS[b"url"], url, _KEYS[b"cost"], cost,
-           _KEYS[b"lease"], lease, _KEYS[b"plan"], b"*%d\r\n" % len(d.plan)]
+    out = [map_header(_DECISION_FIELDS, resp3), _KEYS[b"engine"], engine, _KEYS[b"url"], url, _KEYS[b"cost"], cost,
+           _KEYS[b"lease"], lease, _KEYS[b"plan"], array_header(len(d.plan))]
     for step, count in _runs(d.plan):  # a step's bulk string is the same in both protocols
         out.append(_steps.one(step, False) * count)
-    out += [_KEYS[b"candidates"], b"*%d\r\n" % len(d.candidates)]
+    out += [_KEYS[b"candidates"], array_header(len(d.candidates))]
     out += _candidates.many(d.candidates, resp3)
     return b"".join(out)
 
@@ -238,9 +206,9 @@ def encode_decision(d: Decision, resp3: bool) -> bytes:
 def encode_compact(d: Decision, resp3: bool) -> bytes:
     """ROUTE ... COMPACT: [engine, url, cost, lease, [step, count, step, count, ...]]."""
     runs = _runs(d.plan)
-    out = [b"*5\r\n", *_head(d, resp3), b"*%d\r\n" % (2 * len(runs))]
+    out = [array_header(5), *_head(d, resp3), array_header(2 * len(runs))]
     for step, count in runs:
-        out += (_steps.one(step, False), b":%d\r\n" % count)
+        out += (_steps.one(step, False), integer(count))
     return b"".join(out)
 
 
@@ -251,7 +219,7 @@ def cmd_release(c, args):
 def cmd_kvevents(c, args):
     control = c.control
     engine_id = text(args[1])
-    control.engines.get(engine_id)
+    control.engines.event_sender(engine_id, c.user)
     try:
         batch = decode_json(bytes(args[2]))
     except CommandError:
@@ -263,8 +231,8 @@ def cmd_kvevents(c, args):
 def register(t: CommandTable) -> None:
     t.add("route", -2, "", cmd_route, "Chooses the engine that recomputes the least: ROUTE {json} | key value... | "
           "HASHES n h1 ... hn [options] | PACKED <u64le bytes> [options]",
-          "quillcache", "0.1.0")
+          "quillcache", "0.1.0", arg_limit=MAX_REQUEST_BYTES)
     t.add("release", 2, "", cmd_release, "Ends an in-flight request taken with ROUTE ... ACQUIRE.",
           "quillcache", "0.1.0")
     t.add("kvevents", 3, "", cmd_kvevents, "Applies an engine's KV events: KVEVENTS engine-id <json batch>.",
-          "quillcache", "0.1.0")
+          "quillcache", "0.1.0", arg_limit=MAX_EVENTS_BYTES)

@@ -6,13 +6,19 @@
   user may map.
 - `SHM ATTACH` (the unix socket only, users in security.map_users only) is
   answered with the DRAM arena's descriptor and the lease table's attached
-  (SCM_RIGHTS): the client maps both.
+  (SCM_RIGHTS): the client maps both. Both files are sealed so that nobody can
+  resize them (tiers/memfd.py: a truncated arena would kill quilld with SIGBUS),
+  and the lease table's descriptor is read-only; a node whose files cannot be
+  sealed refuses ATTACH.
 - `SHM GET key [key ...]` answers per key nil (missing), the bytes (a value kept
   inline in the index, or one read from below DRAM that could not be brought
   back), or `[offset, length, crc32c, slot, generation]`: where the block lies in
   the arena, pinned by a lease (tiers/leases.py) until `SHM RELEASE slot ...`,
   the connection's end, or server.shm_lease_ms. A value only on SSD is brought
   back into DRAM first (as a promoting read does) and leased like any block.
+  A user's connections together hold at most its share of the lease table
+  (server.shm_max_leases_per_user); past it SHM GET answers `-BUSY` and the
+  client reads those keys over TCP.
   Keys are read in the connection's identity scope, exactly as GET reads them.
 - `SHM RELEASE slot [slot ...]` ends leases; the number it ended.
 
@@ -26,7 +32,8 @@ import functools
 
 import crc32c
 
-from quilld.errors import CommandError, OutOfMemory, QuillError
+from quilld.config import map_user_names
+from quilld.errors import CommandError, NoPerm, OutOfMemory, QuillError
 from quilld.model import Pending
 from quilld.protocol.commands.common import parse_int
 from quilld.protocol.resp import WithFds
@@ -34,10 +41,6 @@ from quilld.protocol.table import FAST, READONLY, CommandTable
 from quilld.tiers.block import Block
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-
-
-class NoPerm(QuillError):
-    prefix = "NOPERM"
 
 
 @functools.cache
@@ -50,9 +53,7 @@ def boot_id() -> bytes:
         return b""
 
 
-@functools.cache
-def _map_users(spec: str) -> frozenset[str]:
-    return frozenset(u.strip() for u in spec.split(",") if u.strip())
+_map_users = functools.cache(map_user_names)
 
 
 def may_map(c) -> bool:
@@ -86,17 +87,21 @@ def cmd_shm_attach(c, args):
     check_map(c, "SHM ATTACH")
     ctx = c.ctx
     ks, leases = ctx.keyspace, ctx.leases
+    if not (ks.arena.sealed and leases.sealed):  # a file a client could truncate under us: never handed out
+        ctx.stats["shm_attach_refused"] += 1
+        raise CommandError("SHM ATTACH needs memory files sealed against resizing (an anonymous arena, on Linux "
+                           "5.1 or later): this node's cannot be, so it maps nothing out")
     c.shm = True
     ctx.stats["shm_attaches"] += 1
     return WithFds({b"arena_bytes": ks.capacity, b"lease_slots": leases.slots,
                     b"lease_ms": ctx.cfg.server.shm_lease_ms, b"boot_id": boot_id()},
-                   (ks.arena.fd, leases.fd))
+                   (ks.arena.fd, leases.shared_fd))
 
 
 def _lease(c, block: Block) -> list:
     """[offset, length, crc32c, slot, generation] of `block`, pinned by a new lease."""
     ks = c.keyspace
-    slot, gen = c.ctx.leases.grant(c.id, block)
+    slot, gen = c.ctx.leases.grant(c.id, block, c.user)
     if block.crc is None:  # published blocks never change: computed once, served many times
         block.crc = crc32c.crc32c(ks.view(block))
     return [ks.arena.offset(block.handle), block.length, block.crc, slot, gen]

@@ -18,6 +18,7 @@ from quilld.protocol.commands.longdouble import (
 )
 from quilld.protocol.resp import OK, Status
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
+from quilld.protocol.transactions import touch
 from quilld.tiers.block import Block
 from quilld.tiers.keyspace import now_ms
 
@@ -31,7 +32,7 @@ def cmd_get(c, args):
     return value
 
 
-def _storable(store, value):
+def storable(store, value):
     """Turn a parsed argument into a value the store keeps (bytes inline, or a Block)."""
     t = type(value)
     if t is bytes and len(value) <= store.inline_max:
@@ -46,7 +47,7 @@ def cmd_set(c, args):
     if len(args) == 3:
         value = args[2]
         if value.__class__ is not bytes or len(value) > store.inline_max:
-            value = _storable(store, value)
+            value = storable(store, value)
         store.publish(c.tag, args[1], value)
         if store.unsynced:
             return acked(store, OK)
@@ -77,7 +78,7 @@ def cmd_set(c, args):
         exists = reply is not None if get else store.contains(c.tag, key)
         if (nx and exists) or (xx and not exists):
             return reply if get else None
-    store.publish(c.tag, key, _storable(store, args[2]), keep_ttl=keepttl)
+    store.publish(c.tag, key, storable(store, args[2]), keep_ttl=keepttl)
     if expire_at is not None:
         store.set_expire(c.tag, key, expire_at)
     return acked(store, reply) if store.unsynced else reply
@@ -112,7 +113,7 @@ def cmd_mset(c, args):
         raise CommandError("wrong number of arguments for 'mset' command")
     store, tag = c.keyspace, c.tag
     for i in range(1, len(args), 2):
-        store.publish(tag, args[i], _storable(store, args[i + 1]))
+        store.publish(tag, args[i], storable(store, args[i + 1]))
     return acked(store, OK) if store.unsynced else OK
 
 
@@ -335,6 +336,8 @@ def cmd_append(c, args):
         return 0
     if size is not None and size + n > c.ctx.cfg.server.proto_max_bulk_len:
         raise _TOO_BIG
+    if n == 0:  # nothing changes, but redis counts it as a change of the key (WATCH)
+        touch(c, key)
 
     def write(view):
         if n:
@@ -362,7 +365,7 @@ def _incr(c, args, by: int):
     value = current + by
     if not -(1 << 63) <= value < (1 << 63):
         raise CommandError("increment or decrement would overflow")
-    store.publish(c.tag, key, _storable(store, b"%d" % value), keep_ttl=True)
+    store.publish(c.tag, key, storable(store, b"%d" % value), keep_ttl=True)
     return _ack(store, value)
 
 
@@ -399,13 +402,13 @@ def cmd_incrbyfloat(c, args):
         current = parse_long_double(raw)
     value = add_long_double(current, parse_long_double(args[2]))
     text = format_long_double(value)
-    store.publish(c.tag, key, _storable(store, text), keep_ttl=True)
+    store.publish(c.tag, key, storable(store, text), keep_ttl=True)
     return _ack(store, text)
 
 
 def cmd_getset(c, args):
     store, key = c.keyspace, args[1]
-    value = _storable(store, args[2])
+    value = storable(store, args[2])
     old = store.get(c.tag, key)
     store.publish(c.tag, key, value)
     return _ack(store, old)
@@ -532,14 +535,14 @@ def cmd_setnx(c, args):
     store, key = c.keyspace, args[1]
     if store.contains(c.tag, key):
         return 0
-    store.publish(c.tag, key, _storable(store, args[2]))
+    store.publish(c.tag, key, storable(store, args[2]))
     return 1
 
 
 def _setex(c, args, opt: bytes, name: str):
     at = _expire_at(opt, args[2], name)
     store, key = c.keyspace, args[1]
-    store.publish(c.tag, key, _storable(store, args[3]))
+    store.publish(c.tag, key, storable(store, args[3]))
     store.set_expire(c.tag, key, at)
     return _ack(store, OK)
 
@@ -561,7 +564,7 @@ def cmd_msetnx(c, args):
     values = []
     try:  # all or nothing: every value is stored before any key is set
         for i in range(2, len(args), 2):
-            values.append(_storable(store, args[i]))
+            values.append(storable(store, args[i]))
     except BaseException:
         for v in values:
             if v.__class__ is Block:

@@ -12,6 +12,7 @@ from quilld.protocol.commands.catalogue.generic import GENERIC
 from quilld.protocol.commands.catalogue.quillcache import QUILLCACHE
 from quilld.protocol.commands.catalogue.server import SERVER
 from quilld.protocol.commands.catalogue.strings import STRING
+from quilld.protocol.commands.catalogue.transactions import TRANSACTIONS
 from quilld.protocol.table import Doc
 
-DOCS: dict[str, Doc] = {**CONNECTION, **STRING, **GENERIC, **SERVER, **QUILLCACHE}
+DOCS: dict[str, Doc] = {**CONNECTION, **STRING, **GENERIC, **SERVER, **QUILLCACHE, **TRANSACTIONS}

@@ -292,4 +292,45 @@ GENERIC = {
         keys=(K("RO", index=2, range=(0, 1, 0)),),
         args=(A("key", "key", key_spec=0),),
     ),
+    "dump": D(
+        "Return a serialized version of the value stored at the specified key.", "2.6.0", "generic",
+        complexity=(
+            "O(1) to access the key and additional O(N*M) to serialize it, where N is the number of Redis objects "
+            "composing the value and M their average size. For small string values the time complexity is thus "
+            "O(1)+O(1*M) where M is small, so simply O(1)."
+        ),
+        flags="readonly",
+        acl="keyspace",
+        tips="nondeterministic_output",
+        keys=(K("RO access", index=1, range=(0, 1, 0)),),
+        args=(
+            A("key", "key", key_spec=0),
+        ),
+    ),
+    "restore": D(
+        "Create a key using the provided serialized value, previously obtained using DUMP.", "2.6.0", "generic",
+        complexity=(
+            "O(1) to create the new key and additional O(N*M) to reconstruct the serialized value, where N is the "
+            "number of Redis objects composing the value and M their average size. For small string values the time "
+            "complexity is thus O(1)+O(1*M) where M is small, so simply O(1). However for sorted set values the "
+            "complexity is O(N*M*log(N)) because inserting values into sorted sets is O(log(N))."
+        ),
+        flags="write denyoom",
+        acl="keyspace dangerous",
+        history=(
+            ("3.0.0", "Added the `REPLACE` modifier."),
+            ("5.0.0", "Added the `ABSTTL` modifier."),
+            ("5.0.0", "Added the `IDLETIME` and `FREQ` options."),
+        ),
+        keys=(K("OW update", index=1, range=(0, 1, 0)),),
+        args=(
+            A("key", "key", key_spec=0),
+            A("ttl", "integer"),
+            A("serialized-value", "string"),
+            A("replace", "pure-token", token="REPLACE", flags="optional", since="3.0.0"),
+            A("absttl", "pure-token", token="ABSTTL", flags="optional", since="5.0.0"),
+            A("seconds", "integer", token="IDLETIME", flags="optional", since="5.0.0"),
+            A("frequency", "integer", token="FREQ", flags="optional", since="5.0.0"),
+        ),
+    ),
 }

@@ -20,6 +20,19 @@ def _peer_secret(argv: list) -> list[int]:
     return [1] if len(argv) > 1 else []
 
 
+def _put2phase_multi(argv: list) -> str | None:
+    """The phases of a put are never queued: a DATA payload lands in its put as it arrives, before
+    any EXEC, and a handle outlives any transaction. A whole block (PUT) is queued as SET is."""
+    phase = bytes(argv[1]).upper() if len(argv) > 1 else b""
+    if phase == b"PUT":
+        return None
+    return ("PUT2PHASE BEGIN, DATA, COMMIT and ABORT run outside transactions (a put's payload lands as it "
+            "arrives); PUT2PHASE PUT and SET may be queued")
+
+
+_PEER_ONLY = "admin no_multi"  # a cluster peer's commands are never queued (peers send no MULTI)
+
+
 # ROUTE HASHES' and ROUTE PACKED's options (the JSON and key value forms name the same fields)
 _ROUTE_OPTIONS = (
     A("block-size", "integer", token="BLOCK_SIZE", flags="optional"),
@@ -44,6 +57,7 @@ QUILLCACHE = {
         complexity="O(1) for BEGIN, COMMIT and ABORT; O(N) for DATA, N being the payload's length",
         flags="write denyoom",
         acl="string",
+        multi=_put2phase_multi,
         keys=(K("OW update", keyword=("BEGIN", 1), range=(0, 1, 0),
                 notes="only BEGIN names a key; DATA, COMMIT and ABORT name the put's handle"),),
         args=(
@@ -114,7 +128,7 @@ QUILLCACHE = {
     "peerauth": D(
         "Authenticate a cluster peer's connection with the cluster secret", SINCE, G,
         complexity="O(1)",
-        flags="fast no_auth",
+        flags="fast no_auth no_multi",
         acl="connection",
         args=(A("secret", "string"),),
         redact=_peer_secret,
@@ -122,7 +136,7 @@ QUILLCACHE = {
     "replog": D(
         "Follow this node's residency log (cluster peers)", SINCE, G,
         complexity="O(N), N being the entries returned",
-        flags="admin",
+        flags=_PEER_ONLY,
         args=(A("from", "oneof", args=(
             A("snapshot", "pure-token", token="SNAPSHOT"),
             A("since", "block", token="SINCE", args=(
@@ -135,7 +149,7 @@ QUILLCACHE = {
     "peerget": D(
         "Read this node's copy of a key in another node's request, with its CRC32C (cluster peers)", SINCE, G,
         complexity="O(N), N being the value's length",
-        flags="readonly",
+        flags="readonly no_multi",
         keys=(K("RO access", index=5, range=(0, 1, 0)),),
         args=(
             A("tenant", "string"), A("model", "string"), A("tokenizer", "string"), A("adapter", "string"),
@@ -146,13 +160,13 @@ QUILLCACHE = {
     "peerrdma": D(
         "Set up an RDMA queue pair with a cluster peer", SINCE, G,
         complexity="O(1)",
-        flags="admin",
+        flags=_PEER_ONLY,
         args=(A("json", "string", token="CONNECT"),),
     ),
     "peerrelease": D(
         "Release blocks a peer leased for RDMA READ", SINCE, G,
         complexity="O(N), N being the leases",
-        flags="readonly",
+        flags="readonly no_multi",
         args=(A("lease", "integer", flags="multiple"),),
     ),
     "nodes": D(
@@ -168,20 +182,21 @@ QUILLCACHE = {
         "Say whether this client may use shared memory: the unix socket, the host's boot id, the arena's "
         "size, the lease length, and whether this user may map", SINCE, G,
         complexity="O(1)",
-        flags="fast",
+        flags="fast no_multi",
         acl="connection",
     ),
     "shm|attach": D(
         "Receive the DRAM arena's and the lease table's descriptors (SCM_RIGHTS; unix socket and "
         "security.map_users only)", SINCE, G,
         complexity="O(1)",
+        flags="no_multi",
         acl="connection dangerous",
     ),
     "shm|get": D(
         "Where each key's block lies in the arena, pinned by a lease: [offset, length, crc32c, slot, "
         "generation], or the bytes of an inline value, or nil", SINCE, G,
         complexity="O(N), N being the number of keys",
-        flags="readonly fast",
+        flags="readonly fast no_multi",
         acl="string",
         keys=(K("RO access", index=2, range=(-1, 1, 0)),),
         args=(A("key", "key", key_spec=0, flags="multiple"),),
@@ -189,7 +204,7 @@ QUILLCACHE = {
     "shm|release": D(
         "End shared-memory read leases", SINCE, G,
         complexity="O(N), N being the number of slots",
-        flags="fast",
+        flags="fast no_multi",
         acl="connection",
         args=(A("slot", "integer", flags="multiple"),),
     ),

@@ -314,6 +314,73 @@ SERVER = {
         complexity="O(1)",
         flags="loading stale",
     ),
+    "acl|setuser": D(
+        "Modify or create the rules for a specific ACL user", "6.0.0", "server",
+        complexity="O(N). Where N is the number of rules provided.",
+        flags="admin noscript loading stale",
+        history=(
+            ("6.2.0", "Added Pub/Sub channel patterns."),
+            ("7.0.0", "Added selectors and key based permissions."),
+        ),
+        args=(
+            A("username", "string"),
+            A("rule", "string", flags="optional multiple"),
+        ),
+    ),
+    "acl|getuser": D(
+        "Get the rules for a specific ACL user", "6.0.0", "server",
+        complexity="O(N). Where N is the number of password, command and pattern rules that the user has.",
+        flags="admin noscript loading stale",
+        history=(
+            ("6.2.0", "Added Pub/Sub channel patterns."),
+            ("7.0.0", "Added selectors and changed the format of key and channel patterns from a list to their rule "
+                      "representation."),
+        ),
+        args=(
+            A("username", "string"),
+        ),
+    ),
+    "acl|deluser": D(
+        "Remove the specified ACL users and the associated rules", "6.0.0", "server",
+        complexity="O(1) amortized time considering the typical user.",
+        flags="admin noscript loading stale",
+        args=(
+            A("username", "string", flags="multiple"),
+        ),
+    ),
+    "acl|list": D(
+        "List the current ACL rules in ACL config file format", "6.0.0", "server",
+        complexity="O(N). Where N is the number of configured users.",
+        flags="admin noscript loading stale",
+    ),
+    "acl|genpass": D(
+        "Generate a pseudorandom secure password to use for ACL users", "6.0.0", "server",
+        complexity="O(1)",
+        flags="noscript loading stale",
+        args=(
+            A("bits", "integer", flags="optional"),
+        ),
+    ),
+    "acl|dryrun": D(
+        "Returns whether the user can execute the given command without executing the command.", "7.0.0", "server",
+        complexity="O(1).",
+        flags="admin noscript loading stale",
+        args=(
+            A("username", "string"),
+            A("command", "string"),
+            A("arg", "string", flags="optional multiple"),
+        ),
+    ),
+    "acl|load": D(
+        "Reload the ACLs from the configured ACL file", "6.0.0", "server",
+        complexity="O(N). Where N is the number of configured users.",
+        flags="admin noscript loading stale",
+    ),
+    "acl|save": D(
+        "Save the current ACL rules in the configured ACL file", "6.0.0", "server",
+        complexity="O(N). Where N is the number of configured users.",
+        flags="admin noscript loading stale",
+    ),
 }
 
 SENSITIVE_CONFIGS = (b"requirepass", b"masterauth")  # values CONFIG SET never shows in MONITOR or the slowlog
@@ -324,3 +391,4 @@ def _config_secret(argv: list) -> list[int]:
 
 
 SERVER["config|set"] = replace(SERVER["config|set"], redact=_config_secret)
+SERVER["acl|setuser"] = replace(SERVER["acl|setuser"], redact=lambda argv: list(range(2, len(argv))))  # as redis
