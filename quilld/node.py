@@ -129,6 +129,8 @@ class Node:
         control = ControlPlane(cfg, scopes)
         self.feed = ResidencyFeed(control.index, node_id, scopes)
         keyspace.listener = self.feed
+        # in a cluster every value is placed in the directory, small ones too (from the first write)
+        keyspace.track_all = bool(cfg.cluster.gossip_port)
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
         self.ctx = NodeContext(
             cfg=cfg, node_id=node_id, keyspace=keyspace,

@@ -55,7 +55,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -93,6 +93,7 @@ class _Channel:
     seq: int = 0
     inflight: tuple | None = None
     retry_at: float = 0.0  # when the message in flight is sent again (0: not failed)
+    acked: int = 0  # the highest sequence number the owner has answered
     synced: bool = False  # the owner has had a full sync since we (or it) started
     touched: set = field(default_factory=set)  # (holder, bucket) sent since the last digest
     sweep_at: float = 0.0  # when the next digest goes even with nothing in common
@@ -128,10 +129,12 @@ class Directory:
         self.filling: dict[int, set[str]] = {}  # bucket -> holders heard since (a copy not yet in)
         self.departed: dict[str, float] = {}  # members that died or left -> when (their entries are dropped)
         self.stats: Counter[str] = Counter()
+        self.key_changed: Callable[[bytes], None] | None = None  # told of each key an owner hears changed
         self._pending: dict[str, float] | None = None  # a view waiting for the membership to settle
         self._pending_at = 0.0
         self._pending_since = 0.0
         self._ready: set[str] = set()  # channels with something to send and nothing in flight
+        self._unacked: set[str] = set()  # channels with something queued or in flight
         self._timers: list[tuple[float, int, str, Any]] = []  # (when, tie, what, arg): retries, digests, drops
         self._tie = 0
         self._owned_by: dict[str, set[int]] = {}  # member -> buckets it owns (this ownership version)
@@ -170,6 +173,7 @@ class Directory:
             self.channels.pop(node, None)
             self.inbound.pop(node, None)
             self._ready.discard(node)
+            self._unacked.discard(node)
         dead_holders = {n for n in gone if n != self.node_id}
         for n in dead_holders:
             self.departed[n] = now
@@ -185,6 +189,14 @@ class Directory:
                 if self._shares(node):  # its first message is a full sync; none while we hold nothing of its
                     self._ready.add(node)
                 self._timer(now + self.s.anti_entropy_s * (0.5 + self.rng.random()), "digest", node)
+
+    def holder_gone(self, node: str, now: float) -> int:
+        """`node` died or left: its entries go at once (a lookup never sends anyone to it), ahead of
+        the view change that moves its buckets; returns how many went."""
+        self.departed[node] = now
+        dropped = self.owned.drop_holders({node})
+        self.stats["holders_dropped"] += dropped
+        return dropped
 
     def restarted(self, node: str, epoch: str, now: float) -> None:
         """`node` is a new process (directory `epoch`) under an old name: what we sent it is gone,
@@ -368,6 +380,26 @@ class Directory:
             ch.queue.append(item)
         if ch.inflight is None:
             self._ready.add(dest)
+        self._unacked.add(dest)
+
+    def barrier(self) -> dict[str, int] | None:
+        """What the owners must have answered for every change made so far to have reached them:
+        owner -> the sequence number that carries (or will carry) its last item; None when
+        nothing is on its way. See `passed`."""
+        out = {}
+        for dest in self._unacked:
+            ch = self.channels.get(dest)
+            if ch is not None:
+                out[dest] = ch.seq + (1 if ch.queue or not ch.synced or dest in self._ready else 0)
+        return out or None
+
+    def passed(self, barrier: dict[str, int]) -> bool:
+        """Whether every owner named has answered up to its number (or left the membership)."""
+        for dest, n in barrier.items():
+            ch = self.channels.get(dest)
+            if ch is not None and dest in self.members and ch.acked < n:
+                return False
+        return True
 
     def _send_replace(self, dest: str, holder: str, bucket: int, held: HeldEntries) -> None:
         ch = self._channel(dest)
@@ -380,6 +412,7 @@ class Directory:
             ch.queue.append((PUT, holder, e.kind, e.eid, e.shard, e.code))
         if ch.inflight is None:
             self._ready.add(dest)
+        self._unacked.add(dest)
 
     def _full_sync(self, dest: str, ch: _Channel) -> None:
         """Queue, for `dest`, every entry of every holder we are authority for in the buckets it
@@ -492,6 +525,7 @@ class Directory:
                 self.stats["resyncs_asked"] += 1
                 ch.synced = False
             else:
+                ch.acked = max(ch.acked, request[2])
                 for holder, bucket in reply[1]:  # digests that differ: replace those buckets
                     held = self.authorities.get(holder)
                     if held is not None:
@@ -502,6 +536,8 @@ class Directory:
                         self.stats["ae_repairs"] += 1
             if ch.queue or not ch.synced:
                 self._ready.add(dest)
+            else:
+                self._unacked.discard(dest)
         elif kind == COPY:
             for bucket, entries in reply[1]:
                 if bucket in self.filling:
@@ -572,6 +608,8 @@ class Directory:
                 _, holder, k, eid, shard, code = item
                 b = bucket_of(shard)
                 owned.put(holder, k, eid, shard, b, code)
+                if k == KEY and self.key_changed is not None:
+                    self.key_changed(eid)
                 if b in filling:
                     filling[b].add(holder)
                 elif b not in mine and b not in self._strays:  # the holder's view is ahead of ours,
@@ -580,6 +618,8 @@ class Directory:
             elif op == DEL:
                 _, holder, k, eid, shard = item
                 owned.remove(holder, k, eid, shard, bucket_of(shard))
+                if k == KEY and self.key_changed is not None:
+                    self.key_changed(eid)
             elif op == CLEAR:
                 owned.drop_holder_in(item[1], item[2])
                 if item[2] in filling:

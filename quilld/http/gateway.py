@@ -254,26 +254,29 @@ class Gateway:
                 tag = self.node.scopes.tag(scope, capped=True)
             except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
                 tag = self.node.scopes.find(scope)
+            cluster = self.node.cluster  # in a cluster, the blocks' residencies from the directory's owners
+            view = None if cluster is None else await cluster.route_view(tag, blocks)
             d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam),
-                                   session=None if tried else req.session)  # a retry may leave it
+                                   session=None if tried else req.session, view=view)  # a retry may leave it
             for c in d.candidates:
                 if c.engine not in ids:
                     continue
                 key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d.engine, c.cost, c.engine)
                 if best is None or key < best[0]:
-                    best = (key, c, d, tag, blocks)
+                    best = (key, c, d, tag, blocks, view)
         if best is None:
             return None
-        _, c, d, tag, blocks = best
+        _, c, d, tag, blocks, view = best
         engine = self.control.engines.get(c.engine)
         if c.engine != d.engine:  # not the router's pick (it failed or cools down)
-            d = self._decision_for(engine, c, d, tag, blocks)
+            d = self._decision_for(engine, c, d, tag, blocks, view)
         return Choice(engine, d, tag, blocks)
 
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
-                      blocks: list[int]) -> Decision:
+                      blocks: list[int], view=None) -> Decision:
         """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan."""
-        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks), engine.url)
+        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks, view),
+                        engine.url)
 
     def _record(self, choice: Choice) -> None:
         """The engine prefilled the prompt: its blocks are in that engine's HBM now."""

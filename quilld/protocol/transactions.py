@@ -157,7 +157,7 @@ class Watches:
             keyspace.touched = self.touched
             cluster = client.ctx.cluster
             if cluster is not None:
-                self.directory = cluster.directory
+                self.directory = cluster.link
                 self.directory.touched = self.touched
 
     def unwatch(self, client: Any) -> None:

@@ -212,15 +212,22 @@ def _place(node: str, tier: CacheTier, nbytes: int | None = None, last_ms: int |
 
 
 def cmd_locate(c, args):
+    """LOCATE key [key ...]: this node's copies, the other nodes' (the directory's word, with their
+    bytes; in a cluster a deferred reply when an owner is elsewhere), then the engines' (a key
+    that is a block hash)."""
     ks, node_id, index, cluster = c.keyspace, c.ctx.node_id, c.control.index, c.ctx.cluster
-    out = []
-    for key in args[1:]:
-        places = [_place(node_id, tier, nbytes, last) for tier, nbytes, last in ks.places(c.tag, key)]
-        if cluster is not None:
-            places += [_place(holder, tier) for holder, tier in cluster.directory.holders(c.tag, bytes(key))]
-        places += [_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
-        out.append(places)
-    return out
+    own = [[_place(node_id, tier, nbytes, last) for tier, nbytes, last in ks.places(c.tag, key)] for key in args[1:]]
+    engines = [[_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
+               for key in args[1:]]
+    if cluster is None:
+        return [a + b for a, b in zip(own, engines)]
+    tag, keys = c.tag, [bytes(k) for k in args[1:]]
+
+    async def with_peers():
+        peers = await cluster.locate(tag, keys)
+        return [a + [_place(h, t, n) for h, t, n in p] + b for a, p, b in zip(own, peers, engines)]
+
+    return Pending(with_peers())
 
 
 def register(t: CommandTable) -> None:
