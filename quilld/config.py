@@ -125,6 +125,15 @@ class RouterConfig:
     lease_timeout_ms: int = 60_000  # an ACQUIREd request not RELEASEd by then stops counting
     storage_credit: float = 0.25  # credit of a block in an engine's own offload storage (vLLM medium STORAGE)
     kv_idle_warning_s: float = 60.0  # warn when an engine's KV-event subscription got nothing this long; 0: never
+    # prefill-decode pairs (engines with roles; index/pairing.py): auto decides per request, always and never don't
+    disaggregation: str = "auto"
+    disagg_min_uncached_tokens: int = 512  # fewer uncached prompt tokens than this: prefilled on the decode engine
+    prefill_us_per_token: float = 45.0  # an engine's prefill time per uncached token (and per token queued ahead)
+    running_decode_penalty_us: float = 1500.0  # what each running decode adds to an engine's prefill step
+    decode_stall_weight: float = 1.0  # a running decode's stall by a prefill on its engine, against the request's wait
+    transfer_us_per_mib: float = 55.0  # moving KV between nodes, per MiB (DRAM tier, where a prefill's KV lands)
+    cross_node_us: float = 350.0  # once per transfer between two nodes
+    handoff_us: float = 2000.0  # a disaggregated request's own overhead: a second request and the handoff check
 
 
 @dataclass(frozen=True)
@@ -182,9 +191,12 @@ class GatewayConfig:
     max_connections: int = 512  # client connections open at once; more are answered 503 (and see admin's)
     header_timeout_ms: int = 10_000  # a request's head (or the next one on an idle connection) within this
     body_timeout_ms: int = 60_000  # a request's body (up to 64 MiB) within this once its head has arrived
+    handoff_wait_ms: int = 2_000  # a disaggregated request waits this long for the prefill's KV to be in the pool
 
 
 ENGINE_KINDS = ("vllm", "sglang", "other")
+ENGINE_ROLES = ("both", "prefill", "decode")  # what an engine does of a request (index/pairing.py)
+DISAGGREGATION_MODES = ("auto", "always", "never")
 # The attention kinds of a hybrid model's KV-cache groups, as ROUTE credits them (index/groups.py).
 GROUP_KINDS = ("full", "sliding_window", "mamba")
 MAX_KV_GROUPS = 64  # vLLM numbers a model's KV-cache groups from 0; a hybrid model has a handful
@@ -206,7 +218,9 @@ class EngineConfig:
     model: str = ""
     tokenizer: str = ""
     tenant: str = "default"  # the identity its cached blocks belong to (KV events carry none)
-    locality: str = ""
+    locality: str = ""  # the quilld node id it stores its KV through; empty: the node it is registered on
+    role: str = "both"  # prefill, decode or both (index/pairing.py)
+    kv_bytes_per_token: int = 131_072  # the KV one token takes (Llama-3.1-8B in 16 bits), to price moving it
     kv_events: str = ""  # vLLM's ZMQ publisher, e.g. tcp://10.0.0.5:5557; empty: no subscription
     replay: str = ""  # vLLM's ZMQ replay (ROUTER) endpoint; empty: a gap clears the engine
     block_size: int = 16
@@ -294,6 +308,15 @@ class Config:
             raise ConfigError("router: temperature must be >= 0 and lease_timeout_ms > 0")
         if not 0 <= self.router.storage_credit <= 1 or self.router.kv_idle_warning_s < 0:
             raise ConfigError("router: storage_credit must be within 0..1 and kv_idle_warning_s >= 0")
+        r = self.router
+        if r.disaggregation not in DISAGGREGATION_MODES:
+            raise ConfigError(f"router.disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                              f"got {r.disaggregation!r}")
+        if r.disagg_min_uncached_tokens < 0 or min(r.prefill_us_per_token, r.running_decode_penalty_us,
+                                                   r.decode_stall_weight, r.transfer_us_per_mib, r.cross_node_us,
+                                                   r.handoff_us) < 0:
+            raise ConfigError("router: disagg_min_uncached_tokens and the prefill, decode, transfer and handoff "
+                              "costs must be at least 0")
         ssd = self.ssd
         if ssd.dir and (ssd.size < 1 * MiB or ssd.segment_size < 1 * MiB or ssd.segment_size % (4 * KiB)):
             raise ConfigError("ssd: size and segment_size must be at least 1MiB, segment_size a multiple of 4KiB")
@@ -349,6 +372,8 @@ class Config:
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:
             raise ConfigError("gateway: timeouts, chunk_chars, max_attempts and recorded_blocks must be positive")
+        if g.handoff_wait_ms < 0:
+            raise ConfigError(f"gateway.handoff_wait_ms must be 0 or more, got {g.handoff_wait_ms}")
         if g.session_max < 1 or not 0 < g.session_idle_s < float("inf"):
             raise ConfigError(f"gateway: session_max must be at least 1 and session_idle_s a positive number of "
                               f"seconds, got {g.session_max} and {g.session_idle_s}")
@@ -442,6 +467,10 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
         raise ConfigError(f"engine {e.id}: kind must be one of {', '.join(ENGINE_KINDS)}")
     if e.block_size <= 0:
         raise ConfigError(f"engine {e.id}: block_size must be positive")
+    if e.role not in ENGINE_ROLES:
+        raise ConfigError(f"engine {e.id}: role must be one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
+    if e.kv_bytes_per_token <= 0:
+        raise ConfigError(f"engine {e.id}: kv_bytes_per_token must be positive")
     if len(e.groups) > MAX_KV_GROUPS:
         raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
     for i, g in enumerate(e.groups):

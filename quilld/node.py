@@ -42,6 +42,7 @@ from quilld.errors import ConfigError
 from quilld.protocol.server import RespConnection
 from quilld.scopes import ScopeRegistry
 from quilld.security import Users
+from quilld.tiers.arena import check_arena_size
 from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.leases import LeaseTable
 from quilld.tiers.puts import TwoPhasePuts
@@ -120,6 +121,9 @@ class Node:
     def __init__(self, cfg: Config, config_file: str = "") -> None:
         self.cfg = cfg
         node_id = cfg.server.node_id or f"{socket.gethostname()}:{cfg.server.port}"
+        too_big = check_arena_size(cfg.dram.size)  # refuses an arena larger than the machine (ConfigError)
+        if too_big:
+            log.warning("%s", too_big)
         scopes = ScopeRegistry(cfg.security.max_scopes_per_tenant)
         keyspace = Keyspace(cfg.dram, scopes, cfg.security.max_unfilled_bytes_per_tenant)
         self._space = asyncio.Event()  # set (and replaced) when arena space is freed while writers wait
@@ -132,6 +136,7 @@ class Node:
         # in a cluster every value is placed in the directory, small ones too (from the first write)
         keyspace.track_all = bool(cfg.cluster.gossip_port)
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
+        control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(
             cfg=cfg, node_id=node_id, keyspace=keyspace,
             puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms),
@@ -214,7 +219,7 @@ class Node:
                 await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"
-            self._gateway = Gateway(ctx, self.metrics.gateway_ttft)
+            self._gateway = Gateway(ctx, self.metrics.gateway_ttft, self.metrics.gateway_handoff)
             ctx.gateway = self._gateway
             async with _listening(GATEWAY, s.bind, self.cfg.gateway.port):
                 ctx.gateway_port = await self._gateway.start(s.bind, self.cfg.gateway.port)
@@ -275,7 +280,11 @@ class Node:
             if not self._recovery.done():
                 log.info("ssd tier: waiting for recovery to finish before stopping (it cannot be interrupted)")
             await asyncio.gather(self._recovery, return_exceptions=True)
-            await ctx.tiering.stop()
+            await ctx.tiering.stop()  # it says what it could not keep
+        elif ctx.tiering is None and ctx.keyspace.data:
+            ks = ctx.keyspace
+            log.warning("%d keys (%s) were held in DRAM only and are not kept: this node has no SSD tier "
+                        "(ssd.dir, --ssd-dir)", len(ks.data), human(ks.used))
         if ctx.leases is not None:
             ctx.leases.close()
         ctx.keyspace.close()
@@ -291,13 +300,13 @@ class Node:
             return "the SSD tier has failed: nothing was to be flushed"
         if self._recovery is not None and not self._recovery.done():
             return "the SSD tier was still recovering: its blocks stay on SSD, nothing is lost"
-        blocks, nbytes, writing, writing_bytes = tiering.unflushed()
-        if not blocks:
-            return "every DRAM block was already on SSD, nothing is lost"
+        keys, nbytes, writing, writing_bytes = tiering.unflushed()
+        if not keys:
+            return "every DRAM value was already on SSD, nothing is lost"
         mib = 1 << 20
         inflight = (f"; {writing} of them ({writing_bytes / mib:.1f} MiB) were being written and may "
                     "survive") if writing else ""
-        return (f"{blocks} block{'s' if blocks != 1 else ''} ({nbytes / mib:.1f} MiB) were not flushed to the "
+        return (f"{keys} value{'s' if keys != 1 else ''} ({nbytes / mib:.1f} MiB) were not flushed to the "
                 f"SSD tier: they were only in DRAM and the next start will not have them{inflight}")
 
     async def _housekeeping(self) -> None:

@@ -34,7 +34,7 @@ from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
 from quilld.index.router import Decision
 from quilld.index.residency_feed import ResidencyFeed
-from quilld.model import IdentityScope
+from quilld.model import CacheTier, IdentityScope
 from quilld.scopes import ScopeRegistry
 from quilld.tiers.keyspace import Keyspace
 
@@ -281,6 +281,13 @@ class Cluster:
                 for t in tiers:
                     view.put(tag, h, holder, t)
         return view
+
+    async def pool_resident(self, tag: bytes, blocks: list) -> int:
+        """How many of a prompt's blocks have a copy on some pool node (DRAM or SSD), by the
+        directory's owners: the gateway's handoff check in a cluster."""
+        holders, _trips = await self.link.block_holders(tag, blocks)
+        pool = {CacheTier.DRAM, CacheTier.SSD}
+        return sum(1 for per in holders if any(h in self.members and pool.intersection(t) for h, t in per))
 
     async def route(self, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:
         """ROUTE in a cluster: the same decision on every node, from the directory's view."""

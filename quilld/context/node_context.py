@@ -129,6 +129,7 @@ def apply_maxmemory(ctx: NodeContext, n: int) -> None:
     ks, dram = ctx.keyspace, ctx.cfg.dram
     ctx.runtime.maxmemory = n
     n = min(n or ks.capacity, ks.capacity)
+    ks.limit = n  # with an SSD tier, writes past it wait for demotion (keyspace.py)
     ks.high_bytes = int(n * dram.high_watermark)
     ks.low_bytes = int(n * dram.low_watermark)
 

@@ -36,6 +36,7 @@ from quilld.http.metrics import CONTENT_TYPE, NodeMetrics, tenant_stats
 from quilld.http.perimeter import from_this_origin, loopback_only, parse_json
 from quilld.index.engines import OPERATOR
 from quilld.index.events import decode_json
+from quilld.index.pairing import NoDecodeEngine, Pair
 from quilld.index.residency import ResidencyIndex
 from quilld.index.route_request import RouteRequest
 from quilld.index.route_request import route as route_in_scope
@@ -161,9 +162,16 @@ async def list_engines(request: web.Request) -> web.Response:
     control = node.control
     index = control.index
     return web.json_response({"node": node.node_id, "engines": [
-        dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id], "feed": control.feed_view(e.id),
-                                 "blocks": _blocks_of(index, e.id), "node": node.node_id}
+        dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id], "load": _load(control, e.id),
+                                 "feed": control.feed_view(e.id), "blocks": _blocks_of(index, e.id),
+                                 "node": node.node_id, "kv_node": e.locality or node.node_id}
         for e in control.engines.engines.values()]})
+
+
+def _load(control, engine_id: str) -> dict[str, int]:
+    """An engine's leases by what they do: prefills (and their uncached tokens) and decodes."""
+    load = control.engines.load(engine_id)
+    return {"prefills": load.prefills, "prefill_tokens": load.prefill_tokens, "decodes": load.decodes}
 
 
 def _blocks_of(index: ResidencyIndex, holder: str) -> dict[str, int]:
@@ -192,11 +200,22 @@ async def delete_engine(request: web.Request) -> web.Response:
 
 
 def decision_json(d: Decision) -> dict[str, Any]:
-    """A decision (with an engine) as POST /v1/route's JSON body."""
-    return {"engine": d.engine, "url": d.url, "cost": d.cost, "lease": d.lease,
-            "candidates": [c._asdict() for c in d.candidates],
-            "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
-                     for s in d.plan]}
+    """A decision (with an engine) as POST /v1/route's JSON body; `pair` when the engines have roles."""
+    out = {"engine": d.engine, "url": d.url, "cost": d.cost, "lease": d.lease,
+           "candidates": [c._asdict() for c in d.candidates],
+           "plan": [{"action": s.action, "holder": s.holder, "tier": s.tier.value if s.tier else None}
+                    for s in d.plan]}
+    if d.pair is not None:
+        out["pair"] = pair_json(d.pair)
+    return out
+
+
+def pair_json(p: Pair) -> dict[str, Any]:
+    """Which engine prefills and which decodes, whether they differ, why and the costs compared."""
+    return {"prefill": p.prefill, "prefill_url": p.prefill_url, "prefill_lease": p.prefill_lease,
+            "decode": p.decode, "disaggregated": p.disaggregated, "reason": p.reason, "local_us": p.local_us,
+            "remote_us": p.remote_us, "transfer_us": p.transfer_us, "transfer_bytes": p.transfer_bytes,
+            "uncached_tokens": p.uncached_tokens, "prefill_node": p.prefill_node, "decode_node": p.decode_node}
 
 
 def _route_scope(body: dict[str, Any]) -> IdentityScope:
@@ -224,6 +243,8 @@ async def route(request: web.Request) -> web.Response:
             d = route_in_scope(node.control, scope, tag, req)
         else:  # the same decision on every node: the blocks' residencies from the directory's owners
             d = await node.cluster.route(scope, tag, req)
+    except NoDecodeEngine as e:
+        return _json_error(503, e.message)
     except QuillError as e:
         return _json_error(400, e.message)
     if d.engine is None:

@@ -47,6 +47,12 @@ request went to (the control plane's `SessionAffinity`, shared with ROUTE's
 Residency. When the engine's first body byte of a 2xx answer arrives, it has
 prefilled the prompt: the prompt's blocks are recorded as in that engine's
 HBM, unless the engine publishes KV events (they stay the authority).
+
+Roles. With prefill and decode engines (EngineConfig.role), a prefill engine never
+answers a client itself, and a decision that pairs two engines is served as
+vLLM's disaggregated-serving proxy serves it, with a handoff checked in the pool
+(gateway_disagg.py); a decision for one engine is served as above. A model whose
+engines are all prefill engines is a 503 (`no_decode_engine`).
 """
 
 from __future__ import annotations
@@ -59,8 +65,8 @@ import secrets
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -68,16 +74,19 @@ from prometheus_client import Histogram
 from yarl import URL
 
 from quilld.config import EngineConfig
+from quilld.http.gateway_disagg import Disaggregation
 from quilld.http.gateway_relay import Relay
-from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, bad_request, decode_tokens, prompt_of, read_body
+from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, prompt_of,
+                                        read_body)
 from quilld.http.gateway_stats import GatewayStats
-from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, UpstreamFailed, answer_ok, decision_headers, describe,
-                                          upstream_headers, upstream_url)
+from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFailed, answer_ok, decision_headers,
+                                          describe, upstream_headers, upstream_url)
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
+from quilld.index.pairing import NoDecodeEngine
 from quilld.index.router import Candidate, Decision
 from quilld.model import IdentityScope
 from quilld.scopes import NO_SCOPE, ScopeLimit
@@ -93,38 +102,15 @@ SLO_HEADER = "x-quillcache-ttft-slo-ms"
 SESSION_HEADER = "x-quillcache-session"
 
 
-class Parsed(NamedTuple):
-    path: str
-    body: bytes  # what is sent upstream
-    model: str  # the engines' model
-    adapter: str  # LoRA name, "" for the base model
-    tenant: str
-    prompt: str | list[int]
-    decode_tokens: int
-    slo_ms: float
-    t0: float  # perf_counter when the request arrived
-    request_id: str
-    session: str | None = None  # x-quillcache-session: requests of one session stay on one engine
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The engine one attempt goes to, the decision naming it (its headers), and the prompt's blocks."""
-
-    engine: EngineConfig
-    decision: Decision  # decision.engine == engine.id
-    tag: bytes  # the request's scope tag for this engine's family
-    blocks: list[int]  # the prompt's block hashes for this engine's family, recorded when it answers
-
-
 class Gateway:
-    def __init__(self, node: Any, ttft: Histogram | None = None) -> None:
-        """`ttft`: the node's TTFT histogram (metrics.py), observed at each first byte."""
+    def __init__(self, node: Any, ttft: Histogram | None = None, handoff: Histogram | None = None) -> None:
+        """`ttft`, `handoff`: the node's TTFT and handoff-wait histograms (metrics.py)."""
         self.node = node
         self.cfg = node.cfg.gateway
         self.control = node.control
         self.hasher = PromptHasher(self.cfg.chunk_chars)
-        self.stats = GatewayStats(ttft)
+        self.stats = GatewayStats(ttft, handoff)
+        self.disaggregation = Disaggregation(self)
         self.cooling: dict[str, float] = {}  # engine id -> monotonic time its cooldown ends
         self._urls: dict[tuple[str, str], URL] = {}  # (engine base URL, path) -> parsed upstream URL
         self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
@@ -237,58 +223,83 @@ class Gateway:
     def _cool(self, engine_id: str) -> None:
         self.cooling[engine_id] = time.monotonic() + ENGINE_COOLDOWN
 
+    def scope_tag(self, req: Parsed, fam: Family) -> tuple[IdentityScope, bytes]:
+        """The request's identity for engines of family `fam`, and its scope tag."""
+        scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
+        try:
+            return scope, self.node.scopes.tag(scope, capped=True)
+        except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
+            return scope, self.node.scopes.find(scope)
+
+    async def prompt_blocks(self, req: Parsed, fam: Family, hashes: dict[Family, list[int]]) -> list[int]:
+        blocks = hashes.get(fam)
+        if blocks is None:
+            blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
+        return blocks
+
     async def choose(self, req: Parsed, tried: set[str], hashes: dict[Family, list[int]]) -> Choice | None:
-        """The next engine to try: healthy before cooling, the router's pick, then by cost."""
+        """The next engine to try: healthy before cooling, the router's pick, then by cost. Prefill
+        engines (role prefill) never answer a request themselves; a model with only those is a 503."""
         groups: dict[Family, set[str]] = defaultdict(set)
-        for e in self.control.engines.for_model(req.model):
-            if e.id not in tried:
+        served = self.control.engines.for_model(req.model)
+        for e in served:
+            if e.id not in tried and e.role != "prefill":
                 groups[family(e)].add(e.id)
+        if served and all(e.role == "prefill" for e in served):
+            raise ApiError(503, NoDecodeEngine(req.model).message, "service_unavailable", "no_decode_engine",
+                           counter="unavailable")
         now = time.monotonic()
         best: tuple | None = None
         for fam, ids in groups.items():
-            blocks = hashes.get(fam)
-            if blocks is None:
-                blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
-            scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
-            try:
-                tag = self.node.scopes.tag(scope, capped=True)
-            except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
-                tag = self.node.scopes.find(scope)
+            blocks = await self.prompt_blocks(req, fam, hashes)
+            scope, tag = self.scope_tag(req, fam)
+            per_block = self.hasher.tokens_per_block(fam)
             cluster = self.node.cluster  # in a cluster, the blocks' residencies from the directory's owners
             view = None if cluster is None else await cluster.route_view(tag, blocks)
-            d = self.control.route(scope, tag, blocks, req.decode_tokens / self.hasher.tokens_per_block(fam),
-                                   session=None if tried else req.session, view=view)  # a retry may leave it
-            for c in d.candidates:
+            d = self.control.route(scope, tag, blocks, req.decode_tokens / per_block,
+                                   session=None if tried else req.session,  # a retry may leave it
+                                   block_tokens=per_block, view=view)
+            split = not tried and d.pair is not None and d.pair.prefill is not None  # gateway_disagg.py orders
+            for c in d.candidates:                                                    # its engines itself
                 if c.engine not in ids:
                     continue
-                key = (self.cooling.get(c.engine, 0.0) > now, c.engine != d.engine, c.cost, c.engine)
+                cooling = self.cooling.get(c.engine, 0.0) > now and not (split and c.engine == d.engine)
+                key = (cooling, c.engine != d.engine, c.cost, c.engine)
                 if best is None or key < best[0]:
-                    best = (key, c, d, tag, blocks, view)
+                    best = (key, c, d, tag, blocks, per_block, view)
         if best is None:
             return None
-        _, c, d, tag, blocks, view = best
+        _, c, d, tag, blocks, per_block, view = best
         engine = self.control.engines.get(c.engine)
         if c.engine != d.engine:  # not the router's pick (it failed or cools down)
             d = self._decision_for(engine, c, d, tag, blocks, view)
-        return Choice(engine, d, tag, blocks)
+        uncached = int(round(max(0.0, len(blocks) - c.credit) * per_block))
+        return Choice(engine, d, tag, blocks, uncached)
 
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
                       blocks: list[int], view=None) -> Decision:
-        """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan."""
+        """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan
+        (and, with roles, the engine alone: it prefills and decodes)."""
+        pair = None if d.pair is None else replace(d.pair, decode=engine.id, prefill=None, prefill_url=None,
+                                                   prefill_lease=None)
         return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks, view),
-                        engine.url)
+                        engine.url, None, pair)
 
     def _record(self, choice: Choice) -> None:
-        """The engine prefilled the prompt: its blocks are in that engine's HBM now."""
-        if choice.engine.kv_events or self.control.engines.engines.get(choice.engine.id) is not choice.engine:
+        """The engine prefilled the prompt (or loaded its KV): its blocks are in that engine's HBM now."""
+        self.record(choice.engine, choice.tag, choice.blocks)
+
+    def record(self, engine: EngineConfig, tag: bytes, blocks: list[int]) -> None:
+        """`engine` holds the prompt's `blocks` (of scope `tag`) in its HBM now."""
+        if engine.kv_events or self.control.engines.engines.get(engine.id) is not engine:
             return  # its events are the authority, or it was removed or replaced meanwhile
-        if choice.tag == NO_SCOPE:
+        if tag == NO_SCOPE:
             return
-        control, engine_id, tag = self.control, choice.engine.id, choice.tag
-        self.stats.counts["residencies_recorded"] += control.record(engine_id, tag, choice.blocks)
+        control, engine_id = self.control, engine.id
+        self.stats.counts["residencies_recorded"] += control.record(engine_id, tag, blocks)
         # a bounded LRU of what was recorded: the engine evicts too, and nothing says what
         recorded = self._recorded.setdefault(engine_id, OrderedDict())
-        for h in reversed(choice.blocks):  # leading blocks last: a prefix is forgotten from its tail
+        for h in reversed(blocks):  # leading blocks last: a prefix is forgotten from its tail
             recorded[(tag, h)] = None
             recorded.move_to_end((tag, h))
         while len(recorded) > self.cfg.recorded_blocks:
@@ -312,6 +323,10 @@ class Gateway:
         self._handlers.add(task)
         try:
             await self._relay(req, relay)
+        except ApiError as e:  # nothing was sent: no engine can answer this request
+            counts[e.counter] += 1
+            self._settle_missed(relay)
+            return e.response({REQUEST_ID_HEADER: req.request_id})
         except TokenizerUnavailable as e:
             log.error("%s", e)
             self._settle_missed(relay)
@@ -350,10 +365,15 @@ class Gateway:
             choice = await self.choose(req, tried, hashes)
             if choice is None:
                 break
+            pair = choice.decision.pair
+            if not tried and pair is not None and pair.prefill is not None:  # a prefill engine, then this one
+                choice = await self.disaggregation.serve(req, choice, relay, hashes, tried)
+                if choice is None:
+                    return
             tried.add(choice.engine.id)
             if attempt:
                 counts["retries"] += 1
-            lease = engines.acquire(choice.engine.id)
+            lease = relay.lease = engines.acquire(choice.engine.id, "request", choice.uncached_tokens)
             self._leases.add(lease)
             try:
                 await self._attempt(req, choice, relay)
@@ -368,6 +388,7 @@ class Gateway:
             finally:
                 self._leases.discard(lease)
                 engines.release(lease)
+                relay.lease = None
         self._settle_missed(relay)
         if relay.resp is not None:  # headers went out with an engine that failed before its first byte
             counts["unavailable"] += 1
@@ -390,8 +411,8 @@ class Gateway:
         headers = upstream_headers(relay.request.headers, req.request_id)
         try:
             async with asyncio.timeout_at(deadline):
-                return await self.session.post(self._url(choice.engine.url, req.path), data=req.body,
-                                               headers=headers)
+                return await self.session.post(self._url(choice.engine.url, req.path),
+                                               data=req.body if choice.body is None else choice.body, headers=headers)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamFailed(describe(e)) from None
 
@@ -400,7 +421,8 @@ class Gateway:
         with the decision's; True for a 2xx."""
         ok = answer_ok(upstream.status, relay.resp is not None)
         if relay.resp is None:
-            await relay.prepare(upstream, decision_headers(choice.decision, req.request_id))
+            headers = decision_headers(choice.decision, req.request_id, choice.fallback)
+            await relay.prepare(upstream, headers | choice.headers if choice.headers else headers)
             if not ok:  # the engine refused the request itself: relayed as is, not counted for goodput
                 self.stats.counts["upstream_client_errors"] += 1
                 relay.settled = True
@@ -486,6 +508,8 @@ class Gateway:
         self.stats.first_byte((time.perf_counter() - req.t0) * 1000, req.slo_ms)
         relay.settled = True
         self.cooling.pop(choice.engine.id, None)  # tried as a last resort and it answered: healthy again
+        if relay.lease is not None:
+            self.control.engines.prefilled(relay.lease)  # its prefill is done: no longer queued prefill work
         self._record(choice)
 
     # -- the other endpoints: their answers once the API key is checked -----------------

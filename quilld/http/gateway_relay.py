@@ -31,7 +31,8 @@ def error_event(message: str) -> bytes:
 class Relay:
     """The client's response: prepared once, then fed upstream chunks (whole SSE events)."""
 
-    __slots__ = ("request", "resp", "sse", "pending", "started", "settled", "failures", "deadline", "stalled")
+    __slots__ = ("request", "resp", "sse", "pending", "started", "settled", "failures", "deadline", "stalled",
+                 "lease")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
@@ -43,6 +44,7 @@ class Relay:
         self.failures: list[str] = []  # "engine: reason" of the failed attempts
         self.deadline = 0.0  # loop time by which the engine owes its next byte; 0 while not waiting for one
         self.stalled = False  # the engine missed that deadline and its response was closed
+        self.lease: str | None = None  # the attempt's whole-request lease: its prefill ends at the first byte
 
     async def prepare(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> None:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)

@@ -6,7 +6,7 @@ OpenAI uses: 400 malformed, 401 bad API key, 404 unknown model, 503 no engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -83,3 +83,19 @@ def valid_prompt(prompt: Any) -> bool:
     if all(isinstance(p, str) for p in prompt):
         return True
     return ids(prompt) or all(ids(p) for p in prompt)
+
+
+class Parsed(NamedTuple):
+    """A completion request, read and checked: what is routed and what is sent upstream."""
+
+    path: str
+    body: bytes  # what is sent upstream
+    model: str  # the engines' model
+    adapter: str  # LoRA name, "" for the base model
+    tenant: str
+    prompt: str | list[int]
+    decode_tokens: int
+    slo_ms: float
+    t0: float  # perf_counter when the request arrived
+    request_id: str
+    session: str | None = None  # x-quillcache-session: requests of one session stay on one engine

@@ -32,13 +32,27 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.
 # the counters of `info()` (every one a Prometheus counter); the rest of its figures are gauges
 COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_model", "unavailable",
             "upstream_client_errors", "retries", "upstream_errors", "stream_errors", "client_disconnects",
-            "residencies_recorded", "residencies_forgotten", "slo_counted", "within_slo")
+            "residencies_recorded", "residencies_forgotten", "slo_counted", "within_slo",
+            # disaggregated requests (engine roles): prefills, the handoff, the prefetch, decodes
+            "disaggregated", "prefills", "prefill_failures", "prefill_fallbacks", "decode_retries",
+            "handoff_on_time", "handoff_late", "handoff_missing", "handoff_blocks", "handoff_blocks_late",
+            "handoff_blocks_missing", "prefetches", "prefetch_blocks")
+# handoff waits (seconds): from the prefill's answer until its blocks are in the pool (or the wait ends)
+HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def ttft_histogram(registry: CollectorRegistry | None) -> Histogram:
     """The gateway's TTFT histogram, registered in `registry` (None: in no registry)."""
     return Histogram("quilld_gateway_ttft_seconds", "Gateway time to first token: from the request's arrival to "
                      "its first body byte written to the client (2xx answers).", buckets=TTFT_BUCKETS,
+                     registry=registry)
+
+
+def handoff_histogram(registry: CollectorRegistry | None) -> Histogram:
+    """The gateway's handoff-wait histogram, registered in `registry` (None: in no registry)."""
+    return Histogram("quilld_gateway_handoff_wait_seconds", "Disaggregated requests: from the prefill engine's "
+                     "answer until every block of the prompt was in the pool (or gateway.handoff_wait_ms ran out), "
+                     "the prefetch toward the decode engine's node included.", buckets=HANDOFF_BUCKETS,
                      registry=registry)
 
 
@@ -62,10 +76,11 @@ def histogram_quantile(histogram: Histogram, q: float) -> float:
 
 
 class GatewayStats:
-    def __init__(self, ttft: Histogram | None = None) -> None:
-        """`ttft`: the node's TTFT histogram (metrics.py); one of its own otherwise."""
+    def __init__(self, ttft: Histogram | None = None, handoff: Histogram | None = None) -> None:
+        """`ttft`, `handoff`: the node's histograms (metrics.py); ones of its own otherwise."""
         self.counts: Counter[str] = Counter()
         self.ttft = ttft if ttft is not None else ttft_histogram(None)
+        self.handoff = handoff if handoff is not None else handoff_histogram(None)
         self.in_flight = 0
 
     def first_byte(self, ttft_ms: float, slo_ms: float) -> None:
@@ -107,4 +122,19 @@ class GatewayStats:
             ("gateway_goodput", round(self.goodput, 6)),
             ("gateway_ttft_p50_ms", round(histogram_quantile(self.ttft, 0.50) * 1000, 3)),
             ("gateway_ttft_p99_ms", round(histogram_quantile(self.ttft, 0.99) * 1000, 3)),
+            ("gateway_disaggregated", c["disaggregated"]),  # requests served by a prefill and a decode engine
+            ("gateway_prefills", c["prefills"]),  # prefill requests sent (retries included)
+            ("gateway_prefill_failures", c["prefill_failures"]),  # prefill engines that failed
+            ("gateway_prefill_fallbacks", c["prefill_fallbacks"]),  # every prefill failed: served aggregated
+            ("gateway_decode_retries", c["decode_retries"]),  # decode engines tried after a first one failed
+            ("gateway_handoff_on_time", c["handoff_on_time"]),  # every block in the pool when the prefill answered
+            ("gateway_handoff_late", c["handoff_late"]),  # ... after a wait
+            ("gateway_handoff_missing", c["handoff_missing"]),  # ... not all within gateway.handoff_wait_ms
+            ("gateway_handoff_blocks", c["handoff_blocks"]),  # blocks checked
+            ("gateway_handoff_blocks_late", c["handoff_blocks_late"]),
+            ("gateway_handoff_blocks_missing", c["handoff_blocks_missing"]),
+            ("gateway_prefetches", c["prefetches"]),  # pulls asked of a decode engine's node
+            ("gateway_prefetch_blocks", c["prefetch_blocks"]),  # blocks that node held once its pull was done
+            ("gateway_handoff_wait_p50_ms", round(histogram_quantile(self.handoff, 0.50) * 1000, 3)),
+            ("gateway_handoff_wait_p99_ms", round(histogram_quantile(self.handoff, 0.99) * 1000, 3)),
         ]

@@ -44,8 +44,9 @@ from prometheus_client.registry import Collector
 from quilld import __version__
 from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
-from quilld.http.gateway_stats import GatewayStats, ttft_histogram
+from quilld.http.gateway_stats import GatewayStats, handoff_histogram, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
+from quilld.index.pairing import REASONS
 from quilld.model import CacheTier
 from quilld.context.node_context import NodeContext
 from quilld.context.figures import counters, tier_stats
@@ -130,11 +131,11 @@ SSD_GAUGES = ("ssd_enabled", "ssd_capacity", "ssd_used", "ssd_keys", "ssd_failed
               "ssd_last_checkpoint", "ssd_fsync_last_ms", "ssd_fsync_avg_ms", "ssd_fsync_max_ms", "recovery_blocks",
               "recovery_dropped_corrupt", "recovery_wal_stops", "recovery_wal_records", "recovery_checkpoint_errors",
               "recovery_scanned_blocks", "recovery_scrubbed", "recovery_ms", "ssd_io_threads",
-              "ssd_demote_inflight_bytes")
+              "ssd_demote_inflight_bytes", "ssd_last_run_unclean", "ssd_last_run_lost_keys", "ssd_dram_only_keys")
 SSD_COUNTERS = ("ssd_fsyncs", "demotions", "demoted_bytes", "demote_batches", "demote_usec", "demoted_clean",
                 "promotions", "checkpoints", "failures", "ssd_reads", "ssd_read_bytes", "ssd_read_corrupt",
                 "ssd_read_errors", "ssd_evictions", "ssd_copies_dropped", "ssd_deletes", "delete_syncs", "ssd_scrubbed",
-                "ssd_fsync_total_ms", "ssd_write_total_ms")
+                "ssd_fsync_total_ms", "ssd_write_total_ms", "ssd_retimes", "ssd_expired_at_start")
 SSD_HELP = {
     "ssd_capacity": "SSD tier capacity in bytes.", "ssd_used": "SSD tier bytes in use.",
     "ssd_keys": "Values whose only copy is on SSD.", "ssd_failed": "1 once the SSD tier has failed.",
@@ -148,6 +149,10 @@ SSD_HELP = {
     "ssd_write_total_ms": "Time the SSD tier spent writing blocks, in seconds.",
     "ssd_demote_usec": "Time with at least one demotion batch in flight, in seconds.",
     "recovery_ms": "Duration of the SSD tier's recovery at start, in seconds.",
+    "ssd_last_run_unclean": "1 when the run before this start did not stop cleanly (killed or crashed).",
+    "ssd_last_run_lost_keys": "Keys that run held only in DRAM and lost (its last census, or what its stop could "
+                              "not keep).",
+    "ssd_dram_only_keys": "Keys whose value is only in DRAM now (a kill -9 would lose them).",
 }
 # the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter.
 # A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py
@@ -210,7 +215,8 @@ GATEWAY_HELP = {
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
 }
-GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms"}  # quilld_gateway_ttft_seconds
+GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms",  # quilld_gateway_ttft_seconds
+                          "gateway_handoff_wait_p50_ms", "gateway_handoff_wait_p99_ms"}  # ..._handoff_wait_seconds
 TIERS = tuple(t.value for t in CacheTier)
 
 # Figures whose INFO name lacks their unit, or carries it in the middle: their metric's name. Names
@@ -267,6 +273,7 @@ class NodeMetrics:
         self.route = histogram("quilld_route_duration_seconds", "One routing decision (scoring every candidate "
                                "engine).", ROUTE_BUCKETS)
         self.gateway_ttft = ttft_histogram(reg)
+        self.gateway_handoff = handoff_histogram(reg)
         reg.register(Figures(node))
         self.commands = CommandLatency(node)
         reg.register(self.commands)
@@ -433,6 +440,20 @@ class Figures(Collector):
                         [(["full"], ctl.sessions.evicted_full), (["idle"], ctl.sessions.evicted_idle)])
         yield _labelled(GaugeMetricFamily, "engine_in_flight", "Requests in flight per engine (leases held).",
                         ["engine"], [([e], ctl.engines.in_flight[e]) for e in engines])
+        loads = {e: ctl.engines.load(e) for e in engines}
+        yield _labelled(GaugeMetricFamily, "engine_prefills", "Requests prefilling per engine (prefill leases, and "
+                        "whole requests before their first byte).", ["engine"],
+                        [([e], load.prefills) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_prefill_tokens", "Uncached prompt tokens those requests still "
+                        "prefill, per engine.", ["engine"], [([e], load.prefill_tokens) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_decodes", "Requests decoding per engine (decode leases and whole "
+                        "requests).", ["engine"], [([e], load.decodes) for e, load in loads.items()])
+        yield _labelled(GaugeMetricFamily, "engine_info", "1 per engine: its role (prefill, decode, both) and the "
+                        "node it stores its KV through.", ["engine", "role", "kv_node"],
+                        [([e.id, e.role, e.locality or ctl.node_id], 1) for e in ctl.engines.engines.values()])
+        yield _labelled(CounterMetricFamily, "route_pairs", "Prefill-decode decisions (engines with roles), by "
+                        "reason: disaggregated (cost, always) or one engine (short, queue, never, no_prefill_engine).",
+                        ["reason"], [([r], ctl.stats[f"pair_{r}"]) for r in REASONS])
         for key in FEED_COUNTERS:
             yield _labelled(CounterMetricFamily, f"kv_engine_{key}", FEED_HELP.get(key, f"KV-event feed: {key}."),
                             ["engine"], [([e], v[key]) for e, v in views.items()])

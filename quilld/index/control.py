@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any
@@ -28,8 +29,9 @@ from quilld.index.affinity import SessionAffinity, check_session_id
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings, HitRule, HybridHoldings
-from quilld.index.residency import ResidencyIndex, hash_key
-from quilld.index.router import CostWeights, Decision, Step, choose, score
+from quilld.index.pairing import NoDecodeEngine, Pair, PairCandidate, PairCosts, decide
+from quilld.index.residency import TIER_SLOTS, TIERS, ResidencyIndex, hash_key
+from quilld.index.router import Candidate, CostWeights, Decision, Step, choose, score
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import KvEventSubscriber
 from quilld.model import CacheTier, IdentityScope
@@ -37,6 +39,7 @@ from quilld.scopes import ScopeRegistry
 
 log = logging.getLogger("quilld.index.control")
 _OVERLAP = itemgetter(1)  # a Candidate's overlap_blocks
+_POOL_TIERS = 1 << TIERS.index(CacheTier.DRAM) | 1 << TIERS.index(CacheTier.SSD)  # a pool node's tiers
 
 
 _TIER_OF = {m: medium_tier(m) for m in (None, "GPU", "CPU", "STORAGE")}  # the common media, looked up inline
@@ -49,6 +52,14 @@ _RESETS = {
 
 def _ignore(seconds: float) -> None:
     """No observer of ROUTE's time (the default; node.py gives the node's metrics)."""
+
+
+def _uncached(candidates: list[Candidate], engine: str, blocks: int, block_tokens: float) -> int:
+    """The tokens of a request `engine` cannot reuse (its candidate's credit)."""
+    for c in candidates:
+        if c.engine == engine:
+            return int(round(max(0.0, blocks - c.credit) * block_tokens))
+    return int(blocks * block_tokens)
 
 
 def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
@@ -98,6 +109,10 @@ class ControlPlane:
                                    active_request_weight=r.active_request_weight, temperature=r.temperature,
                                    storage_credit=r.storage_credit)
         self.idle_warning_s = r.kv_idle_warning_s
+        self.pair_costs = PairCosts(r.disaggregation, r.disagg_min_uncached_tokens, r.prefill_us_per_token,
+                                    r.running_decode_penalty_us, r.decode_stall_weight, r.transfer_us_per_mib,
+                                    r.cross_node_us, r.handoff_us)
+        self.node_id = cfg.server.node_id  # this node's id (node.py sets the derived one): an engine's default locality
         g = cfg.gateway
         self.sessions = SessionAffinity(g.session_max, g.session_idle_s)  # (tenant, session) -> engine
         self.stats: Counter[str] = Counter()
@@ -287,12 +302,16 @@ class ControlPlane:
 
     # -- routing ----------------------------------------------------------------
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
-              session: str | None = None, acquire: bool = False, view: ResidencyIndex | None = None) -> Decision:
+              session: str | None = None, acquire: bool = False, block_tokens: float = 16.0,
+              view: ResidencyIndex | None = None) -> Decision:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
         `acquire`, an in-flight lease on it (give it back with `engines.release`).
 
         A `session` (of `scope`'s tenant) goes where its last request went while that engine
         serves the model; an id over MAX_SESSION_ID_BYTES raises SessionIdTooLong first.
+        When the model's engines have roles the decision carries its prefill-decode `pair`
+        (pairing.py; `block_tokens`: tokens a block stands for), and with `acquire` a prefill
+        lease on the prefill engine too; a model with only prefill engines raises NoDecodeEngine.
         `view`: the residencies to score against instead of this node's index (in a cluster, what
         the directory's owners answered for these blocks)."""
         t0 = time.perf_counter()
@@ -302,10 +321,14 @@ class ControlPlane:
         if blocks:
             self.hot.add(hash_key(blocks[0]))
         engines_considered = engines
+        kept = None
         if session:
             kept = self.sessions.get(scope.tenant, session)
             if kept is not None and kept in engines:
                 engines_considered = [kept]
+        paired = bool(engines) and self.engines.has_roles(scope.model)
+        if paired:
+            engines_considered = engines  # every engine may prefill; the session keeps its decode engine
         index = self.index if view is None else view
         engine_id, cost, candidates, plan = score(index, tag, blocks, engines_considered, self.pool,
                                                   self.engines.in_flight, decode_blocks, self.weights, None,
@@ -315,14 +338,69 @@ class ControlPlane:
             if others:
                 self.scopes.refused(tag, others)
         self.stats["routes"] += 1
+        pair = None
+        if paired:
+            pair = self._pair(scope.model, candidates, len(blocks), block_tokens,
+                              kept if kept in engines else None)
+            serving = pair.prefill or pair.decode
+            if serving != engine_id:
+                plan = self.plan_for(serving, tag, blocks, view)
+            engine_id = pair.decode
+            cost = next(c.cost for c in candidates if c.engine == engine_id)
         self.observe_route(time.perf_counter() - t0)
         if engine_id is None:
             return Decision(None, cost, candidates, plan)
         engine = self.engines.get(engine_id)
         if session:
             self.sessions.put(scope.tenant, session, engine.id)
-        return Decision(engine_id, cost, candidates, plan, engine.url,
-                        self.engines.acquire(engine.id) if acquire else None)
+        lease = None
+        if acquire:
+            if pair is None:
+                lease = self.engines.acquire(engine.id, "request", _uncached(candidates, engine.id, len(blocks),
+                                                                             block_tokens))
+            elif pair.prefill is None:
+                lease = self.engines.acquire(engine.id, "request", pair.uncached_tokens)
+            else:
+                lease = self.engines.acquire(engine.id, "decode")
+        if pair is not None and pair.prefill is not None:
+            prefill = self.engines.get(pair.prefill)
+            pair = replace(pair, prefill_url=prefill.url, prefill_lease=self.engines.acquire(
+                prefill.id, "prefill", _uncached(candidates, prefill.id, len(blocks), block_tokens))
+                if acquire else None)
+        return Decision(engine_id, cost, candidates, plan, engine.url, lease, pair)
+
+    def _pair(self, model: str, candidates: list[Candidate], blocks: int, block_tokens: float,
+              session_engine: str | None) -> Pair:
+        """The prefill-decode pair among `candidates` (pairing.py); a session's engine decodes."""
+        engines, node = self.engines, self.node_id
+        cands = []
+        for c in candidates:
+            e = engines.get(c.engine)
+            if session_engine is not None and e.id != session_engine and e.role != "prefill":
+                role = "prefill" if e.role == "both" else None  # another engine decodes the session
+                if role is None:
+                    continue
+            else:
+                role = e.role
+            cands.append(PairCandidate(e.id, role, e.locality or node, c.overlap_blocks, c.credit, c.cost,
+                                       engines.load(e.id), e.kv_bytes_per_token))
+        pair = decide(cands, blocks, block_tokens, self.pair_costs)
+        if pair is None:
+            raise NoDecodeEngine(model)
+        self.stats[f"pair_{pair.reason}"] += 1
+        return pair
+
+    def resident(self, tag: bytes, blocks: list) -> int:
+        """How many of `blocks` (engine block hashes of scope `tag`) have a copy in the pool (DRAM or SSD
+        of any pool node this node knows of): the gateway's handoff check, one index lookup a block."""
+        mask = 0
+        for holder in self.pool:
+            no = self.index.holder_no(holder)
+            if no is not None:
+                mask |= _POOL_TIERS << (no * TIER_SLOTS)
+        if not mask:
+            return 0
+        return sum(1 for m in self.index.masks(tag, blocks) if m & mask)
 
     def record(self, engine_id: str, tag: bytes, blocks: list) -> int:
         """`engine_id` prefilled `blocks` under `tag` (the gateway's word, for an engine without KV

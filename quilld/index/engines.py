@@ -4,6 +4,13 @@ Load is counted by leases: `acquire` (ROUTE ... ACQUIRE) adds one request to an
 engine and returns a lease id; `release` takes it back. A lease not released
 within the timeout expires, so a lost release cannot pin load forever.
 
+A lease has a kind, so that prefill and decode load are kept apart (the pair
+decision reads each where it belongs, index/pairing.py): a `request` lease is a
+whole request on one engine (it prefills `tokens` uncached tokens, then decodes;
+`prefilled` says when its prefill is done), a `prefill` lease a disaggregated
+request's prefill (its `tokens`), a `decode` lease its decode. `in_flight`
+counts every lease, as the router's cost always has.
+
 Each engine has a `FeedStats`: what its KV events did (batches, events, malformed,
 gaps, replays, restarts, missed batches, the last sequence number), kept by whoever
 feeds it (the ZMQ subscriber, or POST /v1/kv-events and KVEVENTS) and shown per engine
@@ -22,6 +29,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from quilld.config import EngineConfig
 from quilld.errors import CommandError, NoPerm
@@ -73,32 +81,72 @@ class FeedStats:
                     groups={str(g): kind for g, kind in sorted(self.groups.items())})
 
 
+LEASE_KINDS = ("request", "prefill", "decode")
+
+
+class Load(NamedTuple):
+    """One engine's in-flight work, from its leases."""
+
+    requests: int = 0  # every lease (the router's in-flight count)
+    prefills: int = 0  # leases still prefilling: prefill leases, and request leases before `prefilled`
+    prefill_tokens: int = 0  # the uncached tokens those still have to prefill
+    decodes: int = 0  # leases decoding or about to: decode leases and request leases
+
+
+class _Lease:
+    __slots__ = ("engine", "deadline", "kind", "tokens", "prefilling")
+
+    def __init__(self, engine: str, deadline: float, kind: str, tokens: int) -> None:
+        self.engine, self.deadline, self.kind, self.tokens = engine, deadline, kind, tokens
+        self.prefilling = kind != "decode"
+
+
 class EngineRegistry:
     def __init__(self, engines: tuple[EngineConfig, ...] = (), lease_timeout_ms: int = 60_000) -> None:
         self.engines: dict[str, EngineConfig] = {e.id: e for e in engines}
         self.lease_timeout = lease_timeout_ms / 1000
         self.in_flight: Counter[str] = Counter()
-        self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (engine, deadline)
+        self.prefills: Counter[str] = Counter()
+        self.prefill_tokens: Counter[str] = Counter()
+        self.decodes: Counter[str] = Counter()
+        self._leases: dict[str, _Lease] = {}
         self.expired_leases = 0
         self._ids_of: dict[str, list[str]] = {}  # model -> its engines' ids (ROUTE's), until add or remove
+        self._roles_of: dict[str, bool] = {}  # model -> whether any of its engines has a role but `both`
 
     def add(self, engine: EngineConfig) -> bool:
         """Register or replace an engine; True when it is new."""
         new = engine.id not in self.engines
         self.engines[engine.id] = engine
         self._ids_of.clear()
+        self._roles_of.clear()
         return new
 
     def remove(self, engine_id: str) -> EngineConfig:
         engine = self.engines.pop(engine_id, None)
         self._ids_of.clear()
+        self._roles_of.clear()
         if engine is None:
             raise CommandError(f"no engine {engine_id!r}")
-        for lease, (owner, _) in list(self._leases.items()):
-            if owner == engine_id:
+        for lease, held in list(self._leases.items()):
+            if held.engine == engine_id:
                 del self._leases[lease]
-        self.in_flight.pop(engine_id, None)
+        for counts in (self.in_flight, self.prefills, self.prefill_tokens, self.decodes):
+            counts.pop(engine_id, None)
         return engine
+
+    def has_roles(self, model: str) -> bool:
+        """Whether any engine of `model` is a prefill or a decode engine (then ROUTE decides a pair)."""
+        roles = self._roles_of.get(model)
+        if roles is None:
+            if len(self._roles_of) >= 1024:
+                self._roles_of.clear()
+            roles = self._roles_of[model] = any(e.role != "both" for e in self.engines.values() if e.model == model)
+        return roles
+
+    def load(self, engine_id: str) -> Load:
+        return Load(self.in_flight[engine_id], self.prefills[engine_id], self.prefill_tokens[engine_id],
+                    self.decodes[engine_id])
 
     def get(self, engine_id: str) -> EngineConfig:
         engine = self.engines.get(engine_id)
@@ -128,31 +176,54 @@ class EngineRegistry:
             ids = self._ids_of[model] = [e.id for e in self.engines.values() if e.model == model]
         return ids
 
-    def acquire(self, engine_id: str) -> str:
+    def acquire(self, engine_id: str, kind: str = "request", tokens: int = 0) -> str:
+        """A lease of `kind` (LEASE_KINDS) on the engine; `tokens`: the uncached tokens it prefills."""
         lease = secrets.token_hex(8)
-        self._leases[lease] = (engine_id, time.monotonic() + self.lease_timeout)
+        held = self._leases[lease] = _Lease(engine_id, time.monotonic() + self.lease_timeout, kind, tokens)
         self.in_flight[engine_id] += 1
+        if held.prefilling:
+            self.prefills[engine_id] += 1
+            self.prefill_tokens[engine_id] += tokens
+        if kind != "prefill":
+            self.decodes[engine_id] += 1
         return lease
+
+    def prefilled(self, lease: str) -> bool:
+        """The lease's prefill is done (a request's first byte): its tokens no longer count as queued."""
+        held = self._leases.get(lease)
+        if held is None or not held.prefilling:
+            return False
+        self._done_prefilling(held)
+        return True
+
+    def _done_prefilling(self, held: _Lease) -> None:
+        held.prefilling = False
+        self.prefills[held.engine] -= 1
+        self.prefill_tokens[held.engine] -= held.tokens
 
     def renew(self, lease: str) -> bool:
         """Push a live lease's deadline back (a long stream is still in flight)."""
-        entry = self._leases.get(lease)
-        if entry is None:
+        held = self._leases.get(lease)
+        if held is None:
             return False
-        self._leases[lease] = (entry[0], time.monotonic() + self.lease_timeout)
+        held.deadline = time.monotonic() + self.lease_timeout
         return True
 
     def release(self, lease: str) -> bool:
-        entry = self._leases.pop(lease, None)
-        if entry is None:
+        held = self._leases.pop(lease, None)
+        if held is None:
             return False
-        self.in_flight[entry[0]] -= 1
+        self.in_flight[held.engine] -= 1
+        if held.prefilling:
+            self._done_prefilling(held)
+        if held.kind != "prefill":
+            self.decodes[held.engine] -= 1
         return True
 
     def expire(self) -> int:
         """Drop leases past their deadline (called periodically)."""
         now = time.monotonic()
-        late = [lease for lease, (_, deadline) in self._leases.items() if deadline < now]
+        late = [lease for lease, held in self._leases.items() if held.deadline < now]
         for lease in late:
             self.release(lease)
         self.expired_leases += len(late)

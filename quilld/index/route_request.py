@@ -10,7 +10,12 @@ tag) is theirs to supply. Fields:
   with `chain_hashes`, as quilld's clients and gateway hash them;
 - `decode_tokens`: the tokens the request may generate (counted in blocks);
 - `session`: requests of one session stay on one engine while it is eligible;
-- `acquire`: 1/true/yes takes an in-flight lease on the chosen engine.
+- `acquire`: 1/true/yes takes an in-flight lease on the chosen engine (and, for a
+  disaggregated pair, a prefill lease on the prefill engine).
+
+When the model's engines have roles, the decision carries the prefill-decode pair
+(index/pairing.py); a model whose engines are all prefill engines is an error
+(`NoDecodeEngine`).
 
 Errors are `CommandError`s (ERR on RESP, 400 on HTTP) with stable texts.
 
@@ -173,4 +178,5 @@ def _count(items: Any) -> int:
 
 def route(control: ControlPlane, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:
     """Route `req` for a caller of `scope` (whose scope tag is `tag`)."""
-    return control.route(scope, tag, req.blocks, req.decode_blocks, req.session, req.acquire)
+    return control.route(scope, tag, req.blocks, req.decode_blocks, req.session, req.acquire,
+                         float(max(req.block_size, 1)))

@@ -36,6 +36,7 @@ from itertools import repeat
 from typing import Literal, NamedTuple
 
 from quilld.index.groups import HybridHoldings, longest_hit
+from quilld.index.pairing import Pair
 from quilld.index.residency import TIER_MASK, TIER_SLOTS, TIERS, ResidencyIndex, entry_key
 from quilld.model import CacheTier
 
@@ -82,14 +83,20 @@ class Decision:
     `url` and `lease` are the control plane's: the chosen engine's base URL,
     and the in-flight lease when the caller asked for one. The lists are
     never mutated once the decision is made.
+
+    When the model's engines have roles, `pair` says which engine prefills and
+    which decodes (pairing.py): `engine` is then the engine that answers (the
+    decode engine), `cost` its router cost, and `plan` the plan of the engine
+    that prefills (the prefill engine when disaggregated).
     """
 
     engine: str | None
     cost: float
     candidates: list[Candidate]  # one per eligible engine, in the order they were scored
-    plan: list[Step]  # one per block of the request, for the chosen engine
+    plan: list[Step]  # one per block of the request, for the engine that prefills
     url: str | None = None
     lease: str | None = None
+    pair: Pair | None = None
 
     @property
     def overlap_blocks(self) -> int:

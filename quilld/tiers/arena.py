@@ -19,10 +19,58 @@ from __future__ import annotations
 import mmap
 import os
 
+from quilld.errors import ConfigError
 from quilld.tiers.memfd import seal, sealed_memfd
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
 
 PAGE = 4096
+DRAM_WARN_SHARE = 0.8  # of MemAvailable: an arena larger than this may not fit once it fills
+MEMINFO = "/proc/meminfo"
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def machine_memory(meminfo: str = MEMINFO, cgroup_limits: tuple[str, ...] = CGROUP_LIMITS) -> tuple[int, int]:
+    """(total, available) bytes of memory this process may use: MemTotal and MemAvailable,
+    each capped by the cgroup's memory limit when there is one; 0 where unknown."""
+    total = avail = 0
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    n = int(rest.split()[0]) * 1024
+                    total, avail = (n, avail) if name == "MemTotal" else (total, n)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in cgroup_limits:
+        try:
+            with open(path) as f:
+                limit = int(f.read().strip())  # "max" (no limit) does not parse
+        except (OSError, ValueError):
+            continue
+        if 0 < limit < (total or limit + 1):
+            total, avail = limit, min(avail, limit) if avail else limit
+        break
+    return total, avail
+
+
+def check_arena_size(size: int, memory: tuple[int, int] | None = None) -> str | None:
+    """Refuse (ConfigError) an arena larger than the machine's memory (MemTotal, or the
+    cgroup's limit): it could never be filled, and filling it would be killed. Returns a
+    warning when it is larger than DRAM_WARN_SHARE of the memory available now, else None.
+    Pages are backed only once written, so a large arena starts fine either way: this is
+    what makes it fail later, said before it does."""
+    total, avail = memory if memory is not None else machine_memory()
+    gib = 1 << 30
+    if total and size > total:
+        raise ConfigError(f"dram.size {size / gib:.1f} GiB (--dram) is larger than this machine's memory "
+                          f"({total / gib:.1f} GiB): the arena could never be filled. Give at most "
+                          f"{DRAM_WARN_SHARE:.0%} of the memory available ({avail / gib:.1f} GiB now)")
+    if avail and size > DRAM_WARN_SHARE * avail:
+        return (f"dram.size {size / gib:.1f} GiB (--dram) is more than {DRAM_WARN_SHARE:.0%} of the memory "
+                f"available now ({avail / gib:.1f} GiB of {total / gib:.1f} GiB): once the arena fills, the "
+                "machine may run out of memory (the kernel's OOM killer, or swapping)")
+    return None
 
 
 class DramArena:

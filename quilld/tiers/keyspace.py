@@ -15,22 +15,36 @@ moves the key to the end, eviction pops from the front, skipping pinned blocks.
 With a tier below DRAM (tier.py; the SSD tier, through tiering.py) a key may
 instead live only there: its value is then that tier's entry in `lower`, a
 second dict in the lower tier's LRU order. A key is in exactly one of the
-two dicts. A Block whose bytes are also in the lower tier (written by
-demotion but still pinned, or promoted back by a read) keeps that entry in
-`block.lower`: evicting it from DRAM then loses nothing.
+two dicts. Inline values and blocks, with or without a TTL, all move down
+and back the same way. A DRAM value whose bytes are also in the lower tier
+(written by demotion but still pinned, or promoted back by a read) keeps that
+entry: a Block in `block.lower`, an inline value in `small_copies[key]` (bytes
+carry no attribute); evicting it from DRAM then loses nothing. A key's TTL
+lives in `expires` wherever its value is; the lower tier keeps a copy's own
+(tiering.py makes every change of it durable before it is acknowledged).
+
+`used` (INFO's used_memory: arena pages plus inline bytes) is bounded by
+`limit` (maxmemory, else the arena): without a working lower tier by eviction
+(from the high watermark down to the low one); with one, the lower tier
+demotes from the high watermark in the background, and a write that would take
+`used` past `limit` gets OutOfMemory (the server retries it while the demoter
+frees DRAM, up to server.space_wait_ms) instead of growing DRAM without bound;
+a client's inline value may go 1/64 of `limit` past it (tier_moves.py `_admit`).
 
 This module keeps what every GET and SET goes through (`lookup`, `get`, `reserve`,
 `write_view`, `publish`, delete, eviction and the accounting behind them), so that path
 makes no call it did not make before. The rest lives beside it, each on its own seam:
 
 - expiry.py: `Expiry`, the TTL deadlines (`expires` here is its dict) and the heap the
-  periodic sweep reads; the TTL verbs below are built on it.
+  periodic sweep reads; ttl_verbs.py (mixin `TtlVerbs`): the TTL verbs built on it
+  (`set_expire`, `ttl_ms`, `expire_time`, `set_ttl`, `persist`, `sweep_expired`).
 - scope_keys.py: `ScopeKeys`, each enumerated scope's key array and SCAN's cursor rules;
-  `keys_matching`, `scan` and `random_key` below read it, `_added`/`_removed` keep it.
+  listing.py (mixin `Listing`): `keys_matching`, `scan`, `random_key` read it, and
+  `facts` (OBJECT, MEMORY USAGE); `_added`/`_removed` below keep it.
 - value_parts.py (mixin `ValueParts`): `size`, `read_slice`, `write_range`.
 - renames.py (mixin `Renames`): `rename`, `copy`.
 - tier_moves.py (mixin `TierMoves`): `demoted`, `promoted`, `adopt`, `below_only`,
-  `bring_back`.
+  `bring_back`, and the books of a DRAM value's copy below (`copy_below`).
 
 The mixins hold no state: they are methods of `Keyspace` kept in their own files, built on
 its primitives and fields, and callers reach them as `keyspace.write_range(...)` as before.
@@ -38,10 +52,9 @@ its primitives and fields, and callers reach them as `keyspace.write_range(...)`
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import crc32c
 
@@ -52,34 +65,27 @@ from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.arena import NO_SPACE, DramArena
 from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.expiry import Expiry, now_ms
+from quilld.tiers.listing import Listing
 from quilld.tiers.renames import Renames
 from quilld.tiers.scope_keys import ScopeKeys
 from quilld.tiers.tier import LowerTier
 from quilld.tiers.tier_moves import TierMoves
+from quilld.tiers.ttl_verbs import TtlVerbs
 from quilld.tiers.value_parts import ValueParts
 
 LOSSLESS_SCAN = 2000  # DRAM entries looked at for a block already in the lower tier before waiting for it
 
 
-class KeyFacts(NamedTuple):
-    """What OBJECT and MEMORY USAGE tell about one key's value."""
-
-    tier: CacheTier  # where the value lives (DRAM, or only the tier below)
-    length: int  # the value's bytes
-    inline: bytes | None  # the value itself when it is kept in the entry (at most dram.inline_max bytes)
-    idle_s: float | None  # seconds since its last read: arena blocks only (inline values keep no clock)
-    dram_bytes: int  # DRAM the value holds: its bytes inline, whole pages in the arena, 0 below DRAM
-
-
-class Keyspace(ValueParts, Renames, TierMoves):
+class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
     def __init__(self, cfg: DramConfig, scopes: ScopeRegistry, max_unfilled: int = 0) -> None:
         """`max_unfilled`: bytes one tenant's unfilled reservations may hold (0: a quarter of the arena)."""
         self.cfg = cfg
         self.scopes = scopes
         self.arena = DramArena(cfg.size, cfg.memory_file)
         self.capacity = self.arena.capacity
-        self.high_bytes = int(self.capacity * cfg.high_watermark)
-        self.low_bytes = int(self.capacity * cfg.low_watermark)
+        self.limit = min(cfg.maxmemory or self.capacity, self.capacity)  # maxmemory: `used` stays below it
+        self.high_bytes = int(self.limit * cfg.high_watermark)
+        self.low_bytes = int(self.limit * cfg.low_watermark)
         self.inline_max = cfg.inline_max
         # reservations awaiting clients' bytes (see reserve): by tenant, and in all
         self.unfilled: dict[str, int] = {}
@@ -88,6 +94,7 @@ class Keyspace(ValueParts, Renames, TierMoves):
         self.max_unfilled = max_unfilled or self.capacity // 4
         self.data: OrderedDict[bytes, bytes | Block] = OrderedDict()
         self.lower: OrderedDict[bytes, Any] = OrderedDict()  # keys only in the lower tier -> its entry
+        self.small_copies: dict[bytes, Any] = {}  # inline values in DRAM whose bytes the lower tier also holds
         self.lower_tier: LowerTier | None = None  # the tier below DRAM (tiering.py installs the SSD tier)
         self.on_free: Any = None  # called when arena space is given back (wakes writers waiting for it)
         self.ttls = Expiry()  # TTLs and their heap (expiry.py)
@@ -163,6 +170,11 @@ class Keyspace(ValueParts, Renames, TierMoves):
         if value is None and self.lower:
             value = self.lower.get(fk)
             if value is not None:
+                if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
+                    self._unlink(fk)
+                    self.stats["expired"] += 1
+                    self.misses[tag] += 1
+                    return None
                 self.lower.move_to_end(fk)
                 self.hits[tag] += 1
                 return value
@@ -195,6 +207,10 @@ class Keyspace(ValueParts, Renames, TierMoves):
         fk = tag + key
         if fk not in self.data:
             if fk in self.lower:
+                if self.expires and fk in self.expires and self.expires[fk] <= now_ms():
+                    self._unlink(fk)
+                    self.stats["expired"] += 1
+                    return False
                 return True
             self._audit(tag, key)
             return False
@@ -234,7 +250,7 @@ class Keyspace(ValueParts, Renames, TierMoves):
         if value is None:
             below = self.lower.get(tag + key)
         else:
-            below = value.lower if value.__class__ is Block else None
+            below = self.copy_below(tag + key, value)
         if below is not None:
             out.append((self.lower_tier.tier, below.length, None))
         return out
@@ -253,7 +269,7 @@ class Keyspace(ValueParts, Renames, TierMoves):
             return [value.crc, pinned, *tail]
         if value.__class__ is bytes:
             return [crc32c.crc32c(value), value, *tail]
-        return Pending(self._lower_copy(value, tail))  # only on the lower tier, so no TTL (see set_ttl)
+        return Pending(self._lower_copy(value, tail))  # only on the lower tier
 
     async def _lower_copy(self, entry: Any, tail: list) -> list:
         data = await self.lower_tier.read_bytes(entry)  # verified against entry.crc
@@ -312,6 +328,10 @@ class Keyspace(ValueParts, Renames, TierMoves):
         if owner is not None:
             self._check_unfilled(owner, need)
         self._make_room(need)
+        tier = self.lower_tier
+        if tier is not None and tier.active and self.used + need > self.limit:
+            tier.wake()  # the demoter frees DRAM; the server retries the write meanwhile
+            raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         handle = self.arena.reserve(nbytes)
         while handle == NO_SPACE:
             if not self._evict_one():
@@ -360,7 +380,7 @@ class Keyspace(ValueParts, Renames, TierMoves):
         """Whether space is held only for now: by readers' pins, puts in progress, or
         blocks the lower tier is about to take."""
         return self.active_pins > 0 or self.reserved_blocks > 0 or (
-            self.lower_tier is not None and self.lower_tier.active and self.block_count > 0)
+            self.lower_tier is not None and self.lower_tier.active and (self.block_count > 0 or self.inline_bytes > 0))
 
     def discard(self, block: Block) -> None:
         """Give back a reservation that will never be published."""
@@ -394,6 +414,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
         """
         fk = tag + key
         data = self.data
+        if value.__class__ is bytes and self.lower_tier is not None and self.used + len(value) > self.limit:
+            self._admit(fk, len(value))  # before anything changes: may raise OutOfMemory
         if self.tracked:
             self._forget(fk)
         listener = self.listener
@@ -409,7 +431,9 @@ class Keyspace(ValueParts, Renames, TierMoves):
             if old.__class__ is bytes:
                 self.inline_bytes -= len(old)
                 self.used -= len(old)
-            elif self._release_value(old):
+                if self.lower_tier is not None and self._small_below(fk):
+                    self.unsynced = True
+            elif self._release_value(old, fk):
                 self.unsynced = True
             if self.expires and not keep_ttl:
                 self.expires.pop(fk, None)
@@ -471,145 +495,6 @@ class Keyspace(ValueParts, Renames, TierMoves):
                 yield fk, CacheTier.DRAM, len(value), bhash
             elif fk in self.lower:
                 yield fk, self.lower_tier.tier, self.lower[fk].length, bhash
-
-    # -- TTLs (EXPIRE, TTL, PERSIST, the periodic sweep): expiry.py keeps the deadlines --
-    def set_expire(self, tag: bytes, key: bytes, at_ms: int) -> None:
-        self.ttls.set(tag + key, at_ms)
-        if self.touched is not None:
-            self.touched(tag + key)
-
-    def ttl_ms(self, tag: bytes, key: bytes) -> int:
-        """-2 when missing, -1 when it never expires, else the milliseconds left."""
-        if not self.contains(tag, key):
-            return -2
-        at = self.expires.get(tag + key)
-        return -1 if at is None else max(0, at - now_ms())
-
-    def expire_time(self, tag: bytes, key: bytes) -> int:
-        """-2 when missing, -1 when it never expires, else when it expires (unix ms)."""
-        if not self.contains(tag, key):
-            return -2
-        return self.expires.get(tag + key, -1)
-
-    def set_ttl(self, tag: bytes, key: bytes, at_ms: int) -> bool:
-        """Make the DRAM value of `key` expire at `at_ms`; False when it has none.
-
-        A block's copy in the lower tier is dropped (the lower tier keeps no TTLs): whoever
-        acknowledges this waits for `take_unsynced()`, so no crash brings it back without
-        its TTL."""
-        fk = tag + key
-        value = self.data.get(fk)
-        if value is None or not self.contains(tag, key):
-            return False
-        if value.__class__ is Block and value.lower is not None:
-            self.lower_tier.drop(value.lower)
-            value.lower = None
-            self.unsynced = True
-        self.set_expire(tag, key, at_ms)
-        return True
-
-    def persist(self, tag: bytes, key: bytes) -> bool:
-        """Remove `key`'s TTL; False when it is missing or has none."""
-        if not self.contains(tag, key):
-            return False
-        if self.expires.pop(tag + key, None) is None:
-            return False
-        if self.touched is not None:
-            self.touched(tag + key)
-        return True
-
-    def sweep_expired(self, limit: int = 1000) -> int:
-        """Remove up to `limit` keys whose time has come (called periodically); none while
-        `active_expire` is off (then an expired key stays, counted, until something reads it)."""
-        if not self.active_expire:
-            return 0
-        due, now, n = self.ttls.next_due, now_ms(), 0
-        while n < limit:
-            fk = due(now)
-            if fk is None:
-                break
-            self._unlink(fk)
-            self.stats["expired"] += 1
-            n += 1
-        return n
-
-    # -- enumeration (KEYS, SCAN, RANDOMKEY): scope_keys.py keeps the arrays ---------
-    def _keys_of(self, tag: bytes) -> list[bytes]:
-        """Scope `tag`'s key array, built by one pass over the keyspace at its first use."""
-        return self.enumerated.of(tag, self.per_scope.get(tag, 0), self.data, self.lower)
-
-    def keys_matching(self, tag: bytes, match: Callable[[bytes], bool] | None = None) -> list[bytes]:
-        """Scope `tag`'s live keys (without the tag) that `match` accepts (all when None)."""
-        keys = self._keys_of(tag)
-        if not keys:
-            return []
-        expires, expired, now, cut = self.expires, self.ttls.expired, now_ms(), TAG_LEN
-        out = []
-        for fk in keys:
-            key = fk[cut:]
-            if match is not None and not match(key):
-                continue
-            if expires and expired(fk, now):
-                continue
-            out.append(key)
-        return out
-
-    def scan(self, tag: bytes, cursor: int, count: int,
-             keep: Callable[[bytes], bool] | None = None) -> tuple[int, list[bytes]]:
-        """One step of a scan of scope `tag`: (next cursor, keys), 0 once the scan is over.
-
-        Which keys a scan returns, and why a key present for the whole scan is returned,
-        is told at `ScopeKeys.window` (scope_keys.py). Keys that `keep` accepts and that
-        have expired are reclaimed, as redis's SCAN does.
-        """
-        keys = self._keys_of(tag)
-        if not keys:
-            return 0, []
-        low, window = self.enumerated.window(keys, cursor, count)
-        out = []
-        expires, expired, now, cut = self.expires, self.ttls.expired, now_ms(), TAG_LEN
-        for fk in window:
-            key = fk[cut:]
-            if keep is not None and not keep(key):
-                continue
-            if expires and expired(fk, now):
-                self._unlink(fk)  # its slot goes to a key at or above `low`: visited or new
-                self.stats["expired"] += 1
-                continue
-            out.append(key)
-        return low, out
-
-    def random_key(self, tag: bytes) -> bytes | None:
-        """A live key of scope `tag` picked at random, or None; expired keys met are reclaimed."""
-        keys = self._keys_of(tag)
-        now = now_ms()
-        while keys:
-            fk = keys[random.randrange(len(keys))]
-            if self.expires and self.ttls.expired(fk, now):
-                self._unlink(fk)
-                self.stats["expired"] += 1
-                keys = self._scope_keys.get(tag)
-                continue
-            return fk[TAG_LEN:]
-        return None
-
-    def facts(self, tag: bytes, key: bytes, expire: bool = True) -> KeyFacts | None:
-        """What is known of `key`'s value, without counting a read or refreshing its LRU
-        place; None when missing. `expire=False` also describes an expired key not yet
-        reclaimed (as MEMORY USAGE does)."""
-        fk = tag + key
-        if expire and not self.contains(tag, key):
-            return None
-        value = self.data.get(fk)
-        if value is None:
-            entry = self.lower.get(fk)
-            if entry is None:
-                return None
-            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0)
-        if value.__class__ is bytes:
-            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value))
-        return KeyFacts(CacheTier.DRAM, value.length, None, max(0.0, time.time() - value.last_access),
-                        page_extent(value.length))
 
     # -- internals ---------------------------------------------------------
     def _added(self, fk: bytes) -> None:
@@ -693,17 +578,17 @@ class Keyspace(ValueParts, Renames, TierMoves):
         self._removed(fk)
         if self.expires:
             self.expires.pop(fk, None)
-        return self._release_value(value)
+        return self._release_value(value, fk)
 
-    def _release_value(self, value: Any) -> bool:
-        """Release a value leaving the keyspace. True when that deletes a copy in the lower
-        tier (its own entry, a block's `lower`, or the copy a write in flight is making):
+    def _release_value(self, value: Any, fk: bytes) -> bool:
+        """Release `fk`'s value leaving the keyspace. True when that deletes a copy in the lower
+        tier (its own entry, a DRAM value's copy, or the copy a write in flight is making):
         the deletion is durable only once `lower_tier.synced()` says so."""
         t = type(value)
         if t is bytes:
             self.inline_bytes -= len(value)
             self.used -= len(value)
-            return False
+            return self.lower_tier is not None and self._small_below(fk)
         if t is not Block:  # a lower tier's entry: its space goes once its deletion is durable
             self.lower_tier.drop(value)
             return True
@@ -732,8 +617,8 @@ class Keyspace(ValueParts, Renames, TierMoves):
     def _make_room(self, need: int) -> None:
         if self.lower_tier is not None and self.lower_tier.active:
             # the demoter keeps use between the watermarks in the background; here only
-            # make room when the arena is really full
-            while self.used + need > self.capacity:
+            # make room when DRAM is really full (maxmemory, or the arena)
+            while self.used + need > self.limit:
                 if not self._evict_one():
                     return
             return
@@ -751,12 +636,18 @@ class Keyspace(ValueParts, Renames, TierMoves):
         when there is none the caller waits for the demoter.
         """
         data = self.data
+        copies = self.small_copies
         if self.lower_tier is not None and self.lower_tier.active:
             for i, (fk, value) in enumerate(data.items()):
                 if i >= LOSSLESS_SCAN:
                     break
-                if type(value) is Block and value.lower is not None and not value.pins:
-                    self.demoted(fk, value, value.lower)
+                if type(value) is Block:
+                    if value.lower is not None and not value.pins:
+                        self.demoted(fk, value, value.lower)
+                        self.stats["evictions_to_ssd"] += 1
+                        return True
+                elif copies and fk in copies:
+                    self.demoted(fk, value, copies[fk])
                     self.stats["evictions_to_ssd"] += 1
                     return True
             self.lower_tier.wake()
@@ -771,18 +662,23 @@ class Keyspace(ValueParts, Renames, TierMoves):
                     self.demoted(fk, value, value.lower)
                     self.stats["evictions_to_ssd"] += 1
                     return True
+            elif copies and fk in copies:
+                self.demoted(fk, value, copies[fk])
+                self.stats["evictions_to_ssd"] += 1
+                return True
             self._removed(fk)
             if self.expires:
                 self.expires.pop(fk, None)
             if self.tracked:
                 self._forget(fk)
-            self._release_value(value)
+            self._release_value(value, fk)
             self.stats["evictions"] += 1
             return True
         return False
 
     def close(self) -> None:
         self.data.clear()
+        self.small_copies.clear()
         try:
             self.arena.close()
         except BufferError:  # a view is still exported somewhere; the OS reclaims it at exit

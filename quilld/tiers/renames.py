@@ -19,7 +19,7 @@ class Renames:
         """Move `src`'s value (and TTL) to `dst` in the same scope, replacing `dst` unless `nx`.
 
         -1 when `src` is missing, 0 when `nx` and `dst` exists (or `nx` and the names are
-        the same), 1 when done. `src` must be in DRAM (see `bring_back`). A block's copy in
+        the same), 1 when done. `src` must be in DRAM (see `bring_back`). A value's copy in
         the lower tier is stored under the old name: it is dropped (`take_unsynced()`).
         """
         fk, nk = tag + src, tag + dst
@@ -38,8 +38,11 @@ class Renames:
         bhash = self.tracked.get(fk)
         if was_tracked:
             self._forget(fk)
-        if value.__class__ is Block and self.lower_tier is not None:
-            if value.lower is not None:
+        if self.lower_tier is not None:  # a copy below is stored under the old name: it goes
+            if value.__class__ is not Block:
+                if self._small_below(fk):
+                    self.unsynced = True
+            elif value.lower is not None:
                 self.lower_tier.drop(value.lower)
                 value.lower = None
                 self.unsynced = True

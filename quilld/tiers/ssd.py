@@ -4,11 +4,12 @@ Files in `directory`:
     seg-NNNNN.dat         segments of `segment_size` bytes, carved into 4 KiB pages by one
                           OffsetAllocator each; a block is an extent of header + payload +
                           identity (formats in ssd_format.py)
-    wal-NNNNNN.log        write-ahead logs of PUT and DEL records (wal.py)
+    wal-NNNNNN.log        write-ahead logs of PUT, DEL and META records (wal.py)
     checkpoint-NNNNNN     the index as of log NNNNNN (it covers the logs below that number);
                           the newest two are kept
-    tier.key              the tier's secret key (the tag of every block header); without it
+    tier-v4.key           the tier's secret key (the tag of every block header); without it
                           nothing on the tier is trusted: recovery starts empty
+    LOCK                  flocked by the owner; its pid and how its run is going (run_state.py)
 
 Publish order is object first: `write_blocks` writes each block's head (header and
 identity, not yet COMMITTED) and payload, page-aligned, from the I/O threads (with
@@ -18,6 +19,13 @@ all or none), fdatasyncs it once, and then marks the heads COMMITTED (no sync: a
 checkpoint syncs them before it drops the records); only then may the loop `publish`
 them. `write_batch` is the two in a row. The tiering overlaps the `write_blocks` of one
 batch with the `commit` of the batch before (commits stay in order, one at a time).
+
+Expiry. Every block carries when its value expires (unix ms, 0: never): in its header and
+its PUT record, as the value had it when it was written. `log_changes` logs a META
+record when it changes later (an EXPIRE, PERSIST, GETEX of a value with a copy here),
+in the same group commit as deletions: the change is durable when the call returns, and
+every later checkpoint holds it. Values that expire on the tier are deleted like any
+other (tiering.py).
 
 Deletion order. A version stops being wanted when a DEL record for it is durable
 (`log_deletes`) or a newer PUT of its key is. Its extent is then *freed*: not given to
@@ -50,15 +58,14 @@ queue and the generation counter; its methods never do I/O and never lock:
     needs_checkpoint, stats
 The blocking methods touch only files and the items handed to them; run them in an
 executor thread:
-    recover, write_batch, write_blocks, commit, log_deletes, scrub, fence, read_into, seal,
-    checkpoint, close
+    recover, write_batch, write_blocks, commit, log_changes (log_deletes), scrub, fence, read_into,
+    seal, checkpoint, write_run, close
 `write_blocks` spreads a batch over the tier's own I/O threads (`io_threads`). Among themselves, WAL appends and checkpoints are serialized by locks that only
 these worker threads take. `recover` runs once, before anything else.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
@@ -69,101 +76,18 @@ from concurrent.futures import ThreadPoolExecutor
 from crc32c import crc32c
 
 from quilld.errors import ConfigError
+from quilld.tiers.run_state import RunState
 from quilld.tiers.offset_alloc import NO_SPACE, OffsetAllocator
+from quilld.tiers.ssd_entries import (Extent, Freed, PendingWrite, SsdEntry, cut_runs, page_aligned,
+                                      spare_pages)
 from quilld.tiers.ssd_files import (ZERO_PAGE, RecoveryPath, RecoveryReport, TierFiles, pread_all, pwrite_all,
                                     seg_name)
 from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, CorruptBlock, Found, Retired, Scope, SsdFailure,
-                                     block_pages, check_block_header, commit_header, head_pages, pack_block_head,
-                                     payload_offset)
-from quilld.tiers.wal import DelRecord, PutRecord, WalWriter, encode_batch, wal_name
+                                     block_pages, check_block_header, commit_header, pack_block_head, payload_offset)
+from quilld.tiers.wal import DelRecord, MetaRecord, PutRecord, WalWriter, encode_batch, wal_name
 
 DELETE_RECORD_OPS = 4096  # DEL operations per log record (one sync for all of a call's records)
-WRITE_CHUNK = 4 << 20  # bytes of adjacent blocks one pwritev writes, at most (one I/O thread's share)
 IOV_MAX = 1024  # buffers one pwritev takes (Linux's UIO_MAXIOV)
-
-
-class Extent:
-    """Space for one block, from `allocate`: `pages` pages at byte `offset` of segment `seg`."""
-
-    __slots__ = ("seg", "offset", "pages", "handle", "generation")
-
-    def __init__(self, seg: int, offset: int, pages: int, handle: int, generation: int) -> None:
-        self.seg, self.offset, self.pages = seg, offset, pages
-        self.handle, self.generation = handle, generation
-
-
-class PendingWrite:
-    """A block on its way to disk. `write_blocks` fills `length` and `crc` (unless given:
-    the CRC32C of `payload`, already known) and `commit` sets `durable` once the batch is
-    in the WAL; only durable writes can be published."""
-
-    __slots__ = ("scope", "key", "payload", "extent", "length", "crc", "durable", "head", "header")
-
-    def __init__(self, scope: Scope, key: bytes, payload, extent: Extent, crc: int | None = None) -> None:
-        self.scope, self.key, self.payload, self.extent = scope, key, payload, extent
-        self.length = 0
-        self.crc = crc
-        self.durable = False
-        self.head = None  # the head's first page as written (between write_blocks and commit)
-        self.header = b""
-
-
-class SsdEntry:
-    """A published block. `pins` > 0 keeps its space while reads are in flight; a
-    `retired` entry (replaced or forgotten) is freed at the last unpin."""
-
-    __slots__ = ("scope", "key", "seg", "offset", "length", "crc", "generation", "handle",
-                 "pins", "retired")
-
-    def __init__(self, scope: Scope, key: bytes, seg: int, offset: int, length: int, crc: int,
-                 generation: int, handle: int) -> None:
-        self.scope, self.key, self.seg, self.offset = scope, key, seg, offset
-        self.length, self.crc, self.generation, self.handle = length, crc, generation, handle
-        self.pins = 0
-        self.retired = False
-
-    def __len__(self) -> int:
-        return self.length
-
-
-Freed = tuple[int, int, int]  # seg, byte offset, allocator handle: an extent waiting for its scrub
-
-
-def _page_aligned(view: memoryview) -> bool:
-    """Whether `view`'s memory starts on a page boundary (only writable memory is looked
-    at: the arena's is; a bytes payload is copied under O_DIRECT)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE == 0
-    except (TypeError, ValueError):
-        return False
-
-
-def _spare_pages(it: PendingWrite, direct: bool) -> int:
-    """Aligned scratch pages `_write_run` needs for `it`: its head, and the part of its
-    payload that cannot be written from where it lies."""
-    view = memoryview(it.payload).cast("B")
-    n = len(view)
-    if direct and not _page_aligned(view):
-        return head_pages(it.scope, it.key) + -(-n // PAGE)
-    return head_pages(it.scope, it.key) + (1 if n % PAGE else 0)
-
-
-def _runs(items: list[PendingWrite]) -> list[list[PendingWrite]]:
-    """`items` (sorted by segment and offset) cut into runs of adjacent extents of at most
-    WRITE_CHUNK bytes (a block larger than that is a run of its own)."""
-    runs: list[list[PendingWrite]] = []
-    end = seg = -1
-    size = 0
-    for it in items:
-        ext = it.extent
-        if ext.seg == seg and ext.offset == end and size + ext.pages * PAGE <= WRITE_CHUNK:
-            runs[-1].append(it)
-            size += ext.pages * PAGE
-        else:
-            runs.append([it])
-            size = ext.pages * PAGE
-        seg, end = ext.seg, ext.offset + ext.pages * PAGE
-    return runs
 
 
 class SsdTier:
@@ -247,7 +171,7 @@ class SsdTier:
                 self._freed.append((ext.seg, ext.offset, ext.handle))
                 continue
             entry = SsdEntry(it.scope, it.key, ext.seg, ext.offset, it.length, it.crc,
-                             ext.generation, ext.handle)
+                             ext.generation, ext.handle, it.expire)
             self.entries[k] = entry
             if old is not None:
                 self._retire(old)
@@ -342,7 +266,7 @@ class SsdTier:
             n = memoryview(it.payload).nbytes
             if block_pages(it.scope, it.key, n) > it.extent.pages:
                 raise ValueError(f"{n} bytes do not fit an extent of {it.extent.pages} pages")
-        runs = _runs(sorted(items, key=lambda it: (it.extent.seg, it.extent.offset)))
+        runs = cut_runs(sorted(items, key=lambda it: (it.extent.seg, it.extent.offset)))
         t0 = time.perf_counter()
         try:
             if len(runs) == 1 or self.io_threads == 1:
@@ -361,7 +285,7 @@ class SsdTier:
         """One pwritev of adjacent blocks (I/O thread)."""
         direct = self.files.direct
         key = self.files.key
-        spare = sum(_spare_pages(it, direct) for it in run)
+        spare = sum(spare_pages(it, direct) for it in run)
         scratch = memoryview(mmap.mmap(-1, spare * PAGE))  # page-aligned and zeroed
         bufs: list = []
         pos = nbytes = 0
@@ -370,14 +294,20 @@ class SsdTier:
             it.length = n = len(view)
             if it.crc is None:
                 it.crc = crc32c(view)
-            head = payload_offset(it.scope, it.key)
+            head = payload_offset(it.scope, it.key, n)
             it.head = scratch[pos:pos + PAGE]
-            header = pack_block_head(it.key, it.scope, it.extent.generation, n, it.crc, committed=False,
-                                     tier_key=key, into=scratch[pos:pos + head])
+            header = pack_block_head(it.key, it.scope, it.extent.generation, n, it.crc, it.expire, committed=False,
+                                     tier_key=key, into=scratch[pos:pos + (head if head % PAGE == 0 else PAGE)])
             it.header = header
+            if head % PAGE:  # packed: the payload inside the head page, one page in all
+                scratch[pos + head:pos + head + n] = view
+                bufs.append(scratch[pos:pos + PAGE])
+                pos += PAGE
+                nbytes += PAGE
+                continue
             bufs.append(scratch[pos:pos + head])
             pos += head
-            full = n - n % PAGE if not direct or _page_aligned(view) else 0
+            full = n - n % PAGE if not direct or page_aligned(view) else 0
             if full:
                 bufs.append(view[:full])
             if full < n:
@@ -406,7 +336,7 @@ class SsdTier:
             for seg in sorted({it.extent.seg for it in items}):
                 self._sync(self.files.dfds[seg])
             record = encode_batch(PutRecord(it.extent.generation, tuple(it.scope), it.key,
-                                            it.extent.seg, it.extent.offset, it.length, it.crc)
+                                            it.extent.seg, it.extent.offset, it.length, it.crc, it.expire)
                                   for it in items)
             with self._wal_lock:
                 self._check_writable()
@@ -431,8 +361,15 @@ class SsdTier:
     def log_deletes(self, entries: Iterable[SsdEntry]) -> None:
         """Durably record that these block versions are deleted (one WAL sync for all of
         them); then `forget` them."""
+        self.log_changes(entries, ())
+
+    def log_changes(self, deleted: Iterable[SsdEntry], retimed: Iterable[SsdEntry]) -> None:
+        """Durably record, with one WAL sync for all of them, that the `deleted` block
+        versions are deleted (then `forget` them) and that the `retimed` ones now expire at
+        their entry's `expire` (a META record each)."""
         self._check_writable()
-        ops = [DelRecord(e.generation, tuple(e.scope), e.key) for e in entries]
+        ops: list = [MetaRecord(e.generation, tuple(e.scope), e.key, e.expire) for e in retimed]
+        ops += [DelRecord(e.generation, tuple(e.scope), e.key) for e in deleted]
         if not ops:
             return
         records = [encode_batch(ops[i:i + DELETE_RECORD_OPS]) for i in range(0, len(ops), DELETE_RECORD_OPS)]
@@ -441,7 +378,7 @@ class SsdTier:
                 self._check_writable()
                 self._append(records)
         except OSError as e:
-            raise self._fail(f"log_deletes: {e}") from e
+            raise self._fail(f"log_changes: {e}") from e
 
     def scrub(self, freed: list[Freed]) -> None:
         """Zero the first page of each freed extent (no sync: the next sync of its segment,
@@ -505,7 +442,7 @@ class SsdTier:
         view = memoryview(buf).cast("B")
         if len(view) < entry.length:
             raise ValueError(f"buffer of {len(view)} bytes for a {entry.length}-byte block")
-        head = bytearray(payload_offset(entry.scope, entry.key))
+        head = bytearray(payload_offset(entry.scope, entry.key, entry.length))
         target = view[:entry.length]
         try:
             n = pread_all(self.files.fds[entry.seg], [head, target], entry.offset)
@@ -531,6 +468,10 @@ class SsdTier:
         payload CRC too (reading the whole tier; otherwise the CRC is checked on every
         read). `progress(done, total)` is called every PROGRESS_EVERY blocks verified.
         Ends with a fresh checkpoint unless nothing was replayed, dropped or damaged.
+
+        Raises ConfigError when the directory cannot be used at all (created, locked, its
+        segments or key created or opened): a start that cannot be right; SsdFailure for an
+        I/O error after that (the node may serve from DRAM only).
         """
         if self.files.fds or self._allocs:
             raise RuntimeError("recover() runs once per SsdTier")
@@ -538,9 +479,15 @@ class SsdTier:
         report = RecoveryReport(verified_payloads=verify_payloads)
         files = self.files
         try:
-            files.open_segments(self.direct_io)
+            try:
+                files.open_segments(self.direct_io)
+                fresh = files.open_key(report)
+            except OSError as e:  # the directory cannot be used at all: a start that cannot be right
+                self.close()
+                where = f" ({e.filename})" if e.filename else ""
+                raise ConfigError(f"ssd.dir {self.directory} cannot be used: {e.strerror or e}{where}") from e
             retired: Retired = []
-            if files.open_key(report):
+            if fresh:
                 state, max_gen, base = {}, 0, None
             else:
                 state, max_gen, base, _ = files.load_state(report, retired=retired)
@@ -609,6 +556,12 @@ class SsdTier:
         finally:
             self._checkpoint_lock.release()
 
+    def write_run(self, run: RunState, sync: bool = False) -> None:
+        """Record how this run is going in LOCK (run_state.py); `sync` makes it durable.
+        Raises OSError."""
+        self.files.run = run
+        self.files.write_run(sync)
+
     def close(self) -> None:
         """Close the files; call when no other method is running."""
         if self._io is not None:
@@ -629,8 +582,8 @@ class SsdTier:
         for seg, found in enumerate(per_seg):
             alloc, handles = OffsetAllocator.from_extents(seg_pages, [(o, p) for o, p, _, _ in found])
             self._allocs.append(alloc)
-            for (_, _, (scope, key), (_, offset, length, crc, gen)), handle in zip(found, handles):
-                entries[(scope, key)] = SsdEntry(scope, key, seg, offset, length, crc, gen, handle)
+            for (_, _, (scope, key), (_, offset, length, crc, gen, expire)), handle in zip(found, handles):
+                entries[(scope, key)] = SsdEntry(scope, key, seg, offset, length, crc, gen, handle, expire)
 
 
 

@@ -8,7 +8,21 @@ only what is damaged:
 3. the logs alone, when they go back to the first (no checkpoint was ever written,
    or every one is damaged and nothing was deleted yet);
 4. a scan of every segment for committed blocks whose tag checks out under the
-   tier key (ssd_format.scan_segment), newest generation per key, then every log.
+   tier key (ssd_format.scan_segment), merged into the best checkpoint that still
+   reads (newest generation per key), then every log that checkpoint needs (every
+   log when none reads).
+Paths 1-3 hold only while every log they replay reads to its end and none is missing:
+a log with any damage (a flipped byte at its start, middle or end, a torn tail, a
+zero-filled stretch: `WalReader` names each one) or a gap in the numbers lost
+records whose blocks may be on the disk, so recovery takes path 4 instead, and the
+replay there still applies every record the damage spared (the reader resynchronizes
+at the next 32 KiB block). A block that is COMMITTED and whose tag checks out comes
+back even if the record that named it is lost; a deleted one does not, because its
+head page was zeroed before its DEL record could ever leave the logs (ssd.py), and
+an imitated one does not, because its tag does not check out. What damage can still
+cost: a change whose only durable trace was the damaged record (a deletion whose
+scrub a crash also lost, an expiry a META record changed since the block's write).
+
 Each step is replayed by the same rules (ssd_format.apply_record), so a version
 that a later record deleted or replaced never comes back by any path; the versions
 the replay retires are listed so their headers can be scrubbed.
@@ -16,9 +30,10 @@ the replay retires are listed so their headers can be scrubbed.
 No tier key means nothing on the tier is trusted: a fenced tier (ssd.py `fence`)
 or one written by an older format. Its checkpoints and logs are removed and it
 starts empty with a new key, so no scan can ever find its blocks again. Each format
-names its key file: format 1 had none, format 2 kept `tier.key`, format 3 keeps
-`tier-v3.key`, so a directory of format 1 or 2 starts empty under format 3 (and says
-so: RecoveryReport.key_error), and one of format 3 starts empty under format 2.
+names its key file: format 1 had none, format 2 kept `tier.key`, format 3
+`tier-v3.key`, format 4 keeps `tier-v4.key`, so a directory of an older format starts
+empty under format 4 (and says so: RecoveryReport.key_error), and one of format 4
+starts empty under an older one.
 
 With ssd.direct_io on, block writes go through a second descriptor per segment opened with
 O_DIRECT where the file system allows it (`open_segments` probes it with one aligned page
@@ -28,6 +43,9 @@ DRAM to the device without the page cache. Otherwise both descriptors are the pl
 One process at a time owns the directory: `open_segments` takes an exclusive flock on
 LOCK_FILE (released when the files close or the process ends), so a second quilld
 pointed at the same directory is refused instead of writing over the first's blocks.
+LOCK also says how the run that owns it is going (run_state.py): `previous_run` is what
+the last owner left there (did it stop cleanly; if not, about how many keys it held only
+in DRAM), read before this run writes its own.
 Reads, scrubs and COMMITTED marks use the plain descriptor: a scrub or mark is a whole
 page, so the page cache never reads before it writes, and the kernel writes such a
 cached page back (and drops it) before a later O_DIRECT write to the same range.
@@ -41,6 +59,7 @@ import errno
 import fcntl
 import mmap
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +68,7 @@ from crc32c import crc32c
 
 from quilld.errors import ConfigError
 from quilld.model import IdentityScope
+from quilld.tiers.run_state import RUNNING, RunState
 from quilld.tiers.ssd_format import (COMMITTED, HEADER_SIZE, KEY_SIZE, PAGE, BadCheckpoint, CheckpointEncoder, Found,
                                      Retired, Scope, SsdFailure, State, apply_record, block_pages, commit_header,
                                      decode_checkpoint_body, decode_checkpoint_header, drop_overlaps, header_matches,
@@ -57,8 +77,8 @@ from quilld.tiers.wal import PutRecord, parse_wal_name, wal_name
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LEGACY_CHECKPOINT = "checkpoint"  # format 1 kept one file of this name
-KEY_FILE = "tier-v3.key"  # the key of a format 3 tier
-OLDER_KEY_FILES = ("tier.key",)  # format 2's: such a tier starts empty (see the module docstring)
+KEY_FILE = "tier-v4.key"  # the key of a format 4 tier
+OLDER_KEY_FILES = {"tier.key": 2, "tier-v3.key": 3}  # such a tier starts empty (see the module docstring)
 PROBE_FILE = "direct-io.probe"
 LOCK_FILE = "LOCK"  # flocked by the process that owns the directory; holds its pid
 KEEP_CHECKPOINTS = 2
@@ -90,7 +110,7 @@ class RecoveryPath(str, enum.Enum):
     CHECKPOINT = "checkpoint"  # the newest checkpoint and the logs after it
     PREVIOUS = "previous-checkpoint"  # the newest checkpoint was damaged: the one before it, and its logs
     LOG = "log"  # no usable checkpoint, but the logs go back to the first: the logs alone
-    SCAN = "segment-scan"  # every checkpoint damaged: the segments' committed blocks, then every log
+    SCAN = "segment-scan"  # a damaged log, or no usable checkpoint: the segments' committed blocks, then the logs
     FENCED = "fenced"  # no tier key (fenced after a failure, or an older format): started empty
 
 
@@ -109,7 +129,8 @@ class RecoveryReport:
     wal_files: int = 0
     wal_records: int = 0  # PUT and DEL operations replayed
     wal_bytes: int = 0
-    wal_stops: list[str] = field(default_factory=list)  # "file@offset: why" per early stop
+    wal_stops: list[str] = field(default_factory=list)  # "file@offset: why" per damaged stretch of a log
+    scan_reason: str = ""  # why recovery scanned the segments (path segment-scan)
     verified_payloads: bool = False
     duration_s: float = 0.0
 
@@ -135,6 +156,8 @@ class TierFiles:
         self.checkpoints: list[int] = []  # checkpoints known good, oldest first
         self._sync = sync
         self._lock_fd = -1
+        self.previous_run: RunState | None = None  # what the last owner left in LOCK (None: nothing)
+        self.run = RunState()  # this run's, as written in LOCK
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -154,13 +177,24 @@ class TierFiles:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            owner = os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip() or "unknown"
             os.close(fd)
             raise ConfigError(f"ssd.dir {self.directory} is in use by another quilld (pid {owner}); "
                               "two processes on one SSD tier would overwrite each other's blocks") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, b"%d\n" % os.getpid(), 0)
         self._lock_fd = fd
+        self.previous_run = RunState.parse(os.pread(fd, 4096, 0))
+        self.run = RunState(os.getpid(), RUNNING, time.time())
+        self.write_run(sync=True)
+
+    def write_run(self, sync: bool = False) -> None:
+        """Write `run` into LOCK (one pwrite, then the file cut to it); `sync` makes it durable."""
+        if self._lock_fd < 0:
+            return
+        data = self.run.encode()
+        os.pwrite(self._lock_fd, data, 0)
+        os.ftruncate(self._lock_fd, len(data))
+        if sync:
+            self._sync(self._lock_fd, False)
 
     @property
     def direct(self) -> bool:
@@ -283,8 +317,9 @@ class TierFiles:
                 os.unlink(self.path(name))
             report.path = (RecoveryPath.FENCED if index_files or older else RecoveryPath.FRESH).value
             if older or LEGACY_CHECKPOINT in index_files:
-                report.key_error = (f"an older format's tier (format {2 if older else 1}): started empty in "
-                                    "format 3, its blocks are never read")
+                fmt = max((OLDER_KEY_FILES[n] for n in older), default=1)
+                report.key_error = (f"an older format's tier (format {fmt}): started empty in "
+                                    "format 4, its blocks are never read")
             self._write_key()
             return True
         if len(data) == KEY_SIZE + 4 and crc32c(data[:KEY_SIZE]) == int.from_bytes(data[KEY_SIZE:], "little"):
@@ -374,9 +409,42 @@ class TierFiles:
         scopes: dict[Scope, IdentityScope] = {}
         logs = [n for n in self.wal_numbers() if upto is None or n < upto]
         checkpoints = [n for n in self.checkpoint_numbers() if upto is None or n <= upto]
-        state: State = {}
-        max_gen = 0
-        base = None
+        state, max_gen, base, first = self._best_checkpoint(checkpoints, report, scopes)
+        if base is not None:
+            logs = [n for n in logs if n >= base]
+            report.path = (RecoveryPath.CHECKPOINT if first else RecoveryPath.PREVIOUS).value
+            why = _gap(logs, base)
+        elif not checkpoints and not logs:
+            return state, max_gen, base, logs  # nothing written yet
+        elif logs and logs[0] == 1:
+            report.path = RecoveryPath.LOG.value
+            why = _gap(logs, 1)
+        else:
+            why = "no readable checkpoint, and the logs do not go back to the first: " + (
+                "; ".join(report.checkpoint_errors) or "checkpoints missing")
+        if why is None:
+            ok: Retired = []
+            gen = self._replay(logs, state, scopes, report, ok)
+            if not report.wal_stops:
+                if retired is not None:
+                    retired += ok
+                return state, max(max_gen, gen), base, logs
+            why = "damaged log: " + "; ".join(report.wal_stops)
+        if not scan:
+            raise SsdFailure(why)
+        # path 4: the segments' committed blocks over the best checkpoint, then the logs it needs
+        report.path, report.scan_reason = RecoveryPath.SCAN.value, why
+        report.wal_files = report.wal_records = report.wal_bytes = report.dropped_torn_wal_records = 0
+        report.wal_stops = []
+        state = {} if base is None else self._read_checkpoint(base, scopes)[0]
+        max_gen = max(max_gen, self._scan(state, scopes, report, retired))
+        gen = self._replay(logs, state, scopes, report, retired)
+        return state, max(max_gen, gen), base, logs
+
+    def _best_checkpoint(self, checkpoints: list[int], report: RecoveryReport,
+                         scopes: dict) -> tuple[State, int, int | None, bool]:
+        """(state, highest generation, number, whether it is the newest) of the newest
+        checkpoint that reads; ({}, 0, None, False) when none does."""
         for i, n in enumerate(reversed(checkpoints)):
             try:
                 state, max_gen = self._read_checkpoint(n, scopes)
@@ -384,40 +452,32 @@ class TierFiles:
                 report.checkpoint_errors.append(f"{checkpoint_name(n)}: {e}")
                 if n in self.checkpoints:
                     self.checkpoints.remove(n)  # never kept in place of a good one
-                state = {}
                 continue
-            base = n
-            report.path = (RecoveryPath.CHECKPOINT if i == 0 else RecoveryPath.PREVIOUS).value
             report.checkpoint_entries = len(state)
-            break
-        else:
-            if not checkpoints and not logs:
-                pass  # nothing written yet
-            elif logs and logs[0] == 1:
-                report.path = RecoveryPath.LOG.value
-            elif scan:
-                report.path = RecoveryPath.SCAN.value
-                max_gen = self._scan(state, scopes, report, retired)
-            else:
-                raise SsdFailure("no readable checkpoint and the logs do not go back to the first: "
-                                 + ("; ".join(report.checkpoint_errors) or "checkpoints missing"))
-        logs = [n for n in logs if base is None or n >= base]
+            return state, max_gen, n, i == 0
+        return {}, 0, None, False
+
+    def _replay(self, logs: list[int], state: State, scopes: dict, report: RecoveryReport,
+                retired: Retired | None) -> int:
+        """Apply every readable record of `logs` to `state`; each damaged stretch is named in
+        `report.wal_stops`. Returns the highest generation met."""
+        max_gen = 0
         for n in logs:
             with open(self.path(wal_name(n)), "rb") as f:
                 data = f.read()
             report.wal_files += 1
             report.wal_bytes += len(data)
-            replayed, gen, stop = replay_log(data, state, scopes, retired)
+            replayed, gen, problems = replay_log(data, state, scopes, retired)
             report.wal_records += replayed
             max_gen = max(max_gen, gen)
-            if stop is not None:
-                report.wal_stops.append(f"{wal_name(n)}@{stop}")
+            if problems:
+                report.wal_stops += [f"{wal_name(n)}@{p}" for p in problems]
                 report.dropped_torn_wal_records += 1
-        return state, max_gen, base, logs
+        return max_gen
 
     def _scan(self, state: State, scopes: dict, report: RecoveryReport, retired: Retired | None) -> int:
-        """Fill `state` with the committed blocks of every segment (newest generation per
-        key); returns the highest generation found."""
+        """Add to `state` the committed blocks of every segment (newest generation per key
+        wins); returns the highest generation found."""
         max_gen = 0
         for seg, fd in enumerate(self.fds):
             with mmap.mmap(fd, self.segment_size, prot=mmap.PROT_READ) as m:
@@ -428,7 +488,7 @@ class TierFiles:
                 s = scopes.get(scope)
                 if s is None:
                     s = scopes[scope] = IdentityScope(*scope)
-                put = PutRecord(loc.generation, scope, key, loc.seg, loc.offset, loc.length, loc.crc)
+                put = PutRecord(loc.generation, scope, key, loc.seg, loc.offset, loc.length, loc.crc, loc.expire)
                 apply_record(state, put, s, retired)
                 max_gen = max(max_gen, loc.generation)
         return max_gen
@@ -469,14 +529,14 @@ class TierFiles:
         for done, (k, loc) in enumerate(state.items(), 1):
             if progress is not None and done % PROGRESS_EVERY == 0:
                 progress(done, total)
-            seg, offset, length, crc, gen = loc
+            seg, offset, length, crc, gen, _ = loc
             pages = block_pages(k[0], k[1], length)
             if not 0 <= seg < len(maps) or offset % PAGE or not 0 <= offset <= seg_size - pages * PAGE:
                 dropped += 1
                 continue
             m = maps[seg]
             header = m[offset:offset + HEADER_SIZE]
-            start = offset + payload_offset(k[0], k[1])
+            start = offset + payload_offset(k[0], k[1], length)
             if not header_matches(header, k[1], k[0], gen, length, crc):
                 dropped += 1
                 continue
@@ -509,6 +569,14 @@ class TierFiles:
                 pwrite_all(self.fds[loc.seg], [ZERO_PAGE], loc.offset)
                 n += 1
         return n
+
+
+def _gap(logs: list[int], first: int) -> str | None:
+    """Why `logs` are not every log from `first` on (a log file is missing), or None."""
+    for want, n in enumerate(logs, first):
+        if n != want:
+            return f"{wal_name(want)} is missing"
+    return None
 
 
 def _rest(bufs: list, skip: int) -> list[memoryview]:

@@ -21,6 +21,7 @@ class LowerEntry(Protocol):
     length: int
     crc: int
     pins: int
+    expire: int  # when its value expires (unix ms, 0: never), as the tier keeps it
 
 
 class LowerTier(Protocol):
@@ -30,9 +31,10 @@ class LowerTier(Protocol):
     def active(self) -> bool:
         """Whether the tier takes writes (it exists and has not failed)."""
 
-    def read(self, entry: Any) -> Awaitable[Pinned | None]:
-        """The entry's verified bytes in DRAM (promoted or not, by policy); None when they failed
-        verification (the entry is then dropped). Pins the entry until the read is done."""
+    def read(self, entry: Any) -> Awaitable[Pinned | bytes | None]:
+        """The entry's verified bytes in DRAM (promoted or not, by policy; bytes for a value of
+        at most `inline_max` bytes); None when they failed verification (the entry is then
+        dropped). Pins the entry until the read is done."""
 
     async def read_bytes(self, entry: Any) -> bytes:
         """The entry's verified bytes, without promoting it."""
@@ -43,10 +45,18 @@ class LowerTier(Protocol):
     def wake(self) -> None:
         """DRAM is short of space for a write: make room (demote) now."""
 
+    def retime(self, entry: Any, expire: int) -> None:
+        """The entry's value now expires at `expire` (unix ms, 0: never): make that durable
+        (`synced()` says when)."""
+
     def writing(self, block: Any) -> bool:
-        """Whether `block` is being written to this tier right now (its copy there will be
-        stale: the tier drops it when the write settles, and `synced()` waits for that)."""
+        """Whether `block` is being written to this tier right now (it changed: the tier drops
+        or retimes its copy when the write settles, and `synced()` waits for that)."""
+
+    def writing_inline(self, fk: bytes) -> bool:
+        """As `writing`, for the inline value of full key `fk`."""
 
     def synced(self) -> Awaitable[None] | None:
-        """What makes every deletion requested so far durable (None: nothing to wait for).
+        """What makes every deletion and TTL change requested so far durable (None: nothing to
+        wait for).
         The keyspace hands it to callers that must not acknowledge before (take_unsynced)."""

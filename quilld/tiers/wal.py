@@ -1,4 +1,4 @@
-"""The SSD tier's write-ahead log: LevelDB-style record framing, PUT/DEL records,
+"""The SSD tier's write-ahead log: LevelDB-style record framing, PUT/DEL/META records,
 and a small file appender.
 
 A log file is a sequence of 32 KiB blocks. A record is stored as one or more
@@ -9,8 +9,8 @@ crosses a block boundary; a block tail too short for a header is zero-filled.
 Because every block starts on a fragment boundary, a reader can always tell
 where the good prefix of a damaged log ends.
 
-A log record is a batch of PUT and DEL operations (`encode_batch`), so a batch
-is replayed whole or not at all. `frame`, `WalReader` and the batch codec are
+A log record is a batch of PUT, DEL and META operations (`encode_batch`), so a
+batch is replayed whole or not at all. `frame`, `WalReader` and the batch codec are
 pure (bytes in, bytes out); `WalWriter` is the only part that touches a file,
 and it never syncs: the SSD tier decides when to fdatasync (group commit).
 """
@@ -87,21 +87,33 @@ class Stop(str, enum.Enum):
 class WalReader:
     """Iterates the complete records of a log held in memory.
 
-    Iteration yields `(offset, record)` and ends at the first problem. Afterwards
-    `stop` says why, `stop_offset` where (the fragment at fault, or the end of
-    the data), `detail` says what in words, and `end` is the offset just past the
-    last complete record: everything before it is good.
+    Iteration yields `(offset, record)`. Without `resync` it ends at the first problem;
+    afterwards `stop` says why, `stop_offset` where (the fragment at fault, or the end of
+    the data), `detail` says what in words, and `end` is the offset just past the last
+    complete record: everything before it is good.
+
+    With `resync` (what recovery uses), a problem does not end it: as LevelDB's reader
+    does, it drops the record under way, skips to the next 32 KiB block (every block
+    starts on a fragment boundary) and goes on with the first record that starts there,
+    so one flipped byte costs the records of one block, not the rest of the log.
+    `skipped` lists each damaged stretch as (offset, Stop, detail), a torn tail
+    included; `stop` and the rest describe the first of them (END when there is none).
     """
 
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview, resync: bool = False) -> None:
         self._data = memoryview(data).cast("B")
+        self._resync = resync
         self.stop: Stop | None = None
         self.stop_offset = 0
         self.end = 0
         self.detail = ""
+        self.skipped: list[tuple[int, Stop, str]] = []
 
     def _halt(self, why: Stop, offset: int, detail: str) -> None:
-        self.stop, self.stop_offset, self.detail = why, offset, detail
+        if self.stop is None or self.stop is Stop.END:
+            self.stop, self.stop_offset, self.detail = why, offset, detail
+        if why is not Stop.END:
+            self.skipped.append((offset, why, detail))
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         data = self._data
@@ -110,41 +122,50 @@ class WalReader:
         pos = 0
         parts: list[memoryview] | None = None  # fragments of the record being joined
         start = 0
+        damaged = False  # skipping ahead after a problem (resync): later problems are the same stretch
         while True:
             room = BLOCK_SIZE - pos % BLOCK_SIZE
             if room < HEADER_SIZE:  # zero-filled block tail
                 pos += room
+            problem = None
             if pos >= size:
-                if parts is not None:
+                if parts is not None and not damaged:
                     self._halt(Stop.TORN, size, f"record at {start} is missing its last fragment")
-                else:
+                elif not self.skipped:
                     self._halt(Stop.END, size, "")
                 return
             if size - pos < HEADER_SIZE:
-                self._halt(Stop.TORN, pos, "partial fragment header")
-                return
-            crc, length, typ = unpack_header(data, pos)
-            if not (crc or length or typ):
-                self._halt(Stop.ZEROS, pos, "zero-filled fragment header")
-                return
-            if typ not in _TYPE_CRC:
-                self._halt(Stop.CORRUPT, pos, f"unknown fragment type {typ}")
-                return
-            if HEADER_SIZE + length > BLOCK_SIZE - pos % BLOCK_SIZE:
-                self._halt(Stop.CORRUPT, pos, f"fragment length {length} crosses a block boundary")
-                return
-            body_end = pos + HEADER_SIZE + length
-            if body_end > size:
-                self._halt(Stop.TORN, pos, "partial fragment")
-                return
+                problem = Stop.TORN, "partial fragment header"
+            else:
+                crc, length, typ = unpack_header(data, pos)
+                body_end = pos + HEADER_SIZE + length
+                if not (crc or length or typ):
+                    problem = Stop.ZEROS, "zero-filled fragment header"
+                elif typ not in _TYPE_CRC:
+                    problem = Stop.CORRUPT, f"unknown fragment type {typ}"
+                elif HEADER_SIZE + length > BLOCK_SIZE - pos % BLOCK_SIZE:
+                    problem = Stop.CORRUPT, f"fragment length {length} crosses a block boundary"
+                elif body_end > size:
+                    problem = Stop.TORN, "partial fragment"
+                elif _fragment_crc(typ, data[pos + HEADER_SIZE:body_end]) != crc:
+                    problem = Stop.CORRUPT, "fragment checksum mismatch"
+                elif (typ in (FULL, FIRST)) != (parts is None):
+                    if damaged and parts is None:  # the tail of a record whose start was skipped
+                        pos = body_end
+                        continue
+                    what = "starts inside" if parts is not None else "continues without"
+                    problem = Stop.CORRUPT, f"fragment type {typ} {what} a record"
+            if problem is not None:
+                if not damaged:
+                    self._halt(problem[0], pos, problem[1])
+                if not self._resync:
+                    return
+                damaged = True
+                parts = None
+                pos = (pos // BLOCK_SIZE + 1) * BLOCK_SIZE
+                continue
+            damaged = False
             fragment = data[pos + HEADER_SIZE:body_end]
-            if _fragment_crc(typ, fragment) != crc:
-                self._halt(Stop.CORRUPT, pos, "fragment checksum mismatch")
-                return
-            if (typ in (FULL, FIRST)) != (parts is None):
-                what = "starts inside" if parts is not None else "continues without"
-                self._halt(Stop.CORRUPT, pos, f"fragment type {typ} {what} a record")
-                return
             if typ == FULL:
                 self.end = body_end
                 yield pos, bytes(fragment)
@@ -164,7 +185,7 @@ class WalReader:
 
 Scope = tuple[str, str, str, str]  # tenant, model, tokenizer, adapter
 
-_PUT, _DEL = 1, 2
+_PUT, _DEL, _META = 1, 2, 3
 
 
 class PutRecord(NamedTuple):
@@ -177,6 +198,7 @@ class PutRecord(NamedTuple):
     offset: int  # bytes from the start of the segment file
     length: int  # payload bytes
     crc: int  # CRC32C of the payload
+    expire: int = 0  # when the value expires (unix ms), 0: never
 
 
 class DelRecord(NamedTuple):
@@ -188,34 +210,54 @@ class DelRecord(NamedTuple):
     key: bytes
 
 
+class MetaRecord(NamedTuple):
+    """(scope, key)'s block of generation `generation` now expires at `expire` (unix ms,
+    0: never): an EXPIRE, PERSIST, GETEX ... of a value with a copy on the tier. A
+    version of any other generation is not changed."""
+
+    generation: int
+    scope: Scope
+    key: bytes
+    expire: int
+
+
 class BadRecord(ValueError):
     """A framed record that is not a batch of PUT and DEL operations of this format."""
 
 
-def encode_batch(ops: Iterable[PutRecord | DelRecord]) -> bytes:
+Record = PutRecord | DelRecord | MetaRecord
+
+
+def encode_batch(ops: Iterable[Record]) -> bytes:
     """One log record holding a batch of operations, applied in order, all or none.
 
     msgpack: an array of [1, generation, tenant, model, tokenizer, adapter, key, seg,
-    offset, length, crc] (PUT) and [2, generation, tenant, model, tokenizer, adapter,
-    key] (DEL) arrays. One record per batch keeps replay cost per batch, not per op.
+    offset, length, crc, expire] (PUT), [2, generation, tenant, model, tokenizer, adapter,
+    key] (DEL) and [3, generation, tenant, model, tokenizer, adapter, key, expire] (META)
+    arrays. One record per batch keeps replay cost per batch, not per op.
     """
     out = []
     for op in ops:
-        if type(op) is PutRecord:
-            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc))
+        t = type(op)
+        if t is PutRecord:
+            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc, op.expire))
+        elif t is MetaRecord:
+            out.append((_META, op.generation, *op.scope, op.key, op.expire))
         else:
             out.append((_DEL, op.generation, *op.scope, op.key))
     return msgpack.packb(out)
 
 
-def decode_batch(data: bytes) -> list[PutRecord | DelRecord]:
-    ops: list[PutRecord | DelRecord] = []
+def decode_batch(data: bytes) -> list[Record]:
+    ops: list[Record] = []
     try:
         for f in msgpack.unpackb(data, use_list=False):
-            if f[0] == _PUT and len(f) == 11:
-                ops.append(PutRecord(f[1], f[2:6], f[6], f[7], f[8], f[9], f[10]))
+            if f[0] == _PUT and len(f) == 12:
+                ops.append(PutRecord(f[1], f[2:6], f[6], f[7], f[8], f[9], f[10], f[11]))
             elif f[0] == _DEL and len(f) == 7:
                 ops.append(DelRecord(f[1], f[2:6], f[6]))
+            elif f[0] == _META and len(f) == 8:
+                ops.append(MetaRecord(f[1], f[2:6], f[6], f[7]))
             else:
                 raise BadRecord(f"unknown operation {f[:2]!r}")
     except BadRecord:

@@ -1,7 +1,7 @@
 """Issue 14, item 8: what an operator sees when quilld starts and stops.
 
 - A clean stop that flushes a large DRAM tier to SSD logs its progress (bytes and
-  blocks flushed, rate, % done) about every second, and the next start has every block.
+  values flushed, rate, % done) about every second, and the next start has every value.
 - A second Ctrl-C while flushing exits at once and says what was not flushed; the next
   start has exactly the blocks the message did not call lost (give or take the group
   commit it says was in flight).
@@ -9,6 +9,11 @@
   or environment), a port in use (naming the listener, its flag and its key), two
   listeners given one port.
 - `conf/quilld.toml` opens only the listeners of the quick start (RESP and admin API).
+- Issue 18.3: a start that cannot be right is refused with one line, as redis refuses an
+  unusable `dir`: an `ssd.dir` that cannot be created or written (before: an ERROR line
+  and a "degraded" node serving DRAM only), and a DRAM arena larger than the machine's
+  memory (before: `--dram 64GiB` on a 24 GiB machine was accepted silently). An arena
+  above 80 % of the memory available starts, with a warning.
 
 The flush is slowed to something a test can watch by a 1 MiB group commit (each batch
 pays its two fdatasyncs), 100 to 300 MB/s on these machines instead of 600+, and its
@@ -73,8 +78,8 @@ def wait_for(q, pattern: str) -> re.Match:
         time.sleep(0.005)
 
 
-PROGRESS = re.compile(r"ssd tier: flushed ([\d.]+) MiB of ([\d.]+) MiB \((\d+)%\), (\d+) of (\d+) blocks, "
-                      r"(\d+) MB/s, (?:about \d+ s left|no block written yet)")
+PROGRESS = re.compile(r"ssd tier: flushed ([\d.]+) MiB of ([\d.]+) MiB \((\d+)%\), (\d+) of (\d+) values, "
+                      r"(\d+) MB/s, (?:about \d+ s left|nothing written yet)")
 
 
 def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
@@ -84,9 +89,9 @@ def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
     q.proc.send_signal(signal.SIGINT)
     assert q.proc.wait(WAIT) == 0, q.log()
     text = q.log()
-    assert f"ssd tier: flushing {VALUES} DRAM blocks ({VALUES}.0 MiB) to SSD; a second Ctrl-C (SIGINT) " \
+    assert f"ssd tier: flushing {VALUES} DRAM values ({VALUES}.0 MiB) to SSD; a second Ctrl-C (SIGINT) " \
            "stops at once without them" in text, text
-    end = re.search(r"ssd tier: flushed (\d+) blocks \(([\d.]+) MiB\) of DRAM in ([\d.]+) s, (\d+) MB/s", text)
+    end = re.search(r"ssd tier: flushed (\d+) values \(([\d.]+) MiB\) of DRAM in ([\d.]+) s, (\d+) MB/s", text)
     assert end and int(end[1]) == VALUES and float(end[2]) == VALUES, text
     took = float(end[3])
     lines = [m for m in PROGRESS.finditer(text)]
@@ -97,6 +102,7 @@ def test_a_clean_stop_shows_flush_progress_and_keeps_every_block(tmp_path):
     assert all(int(m[3]) == int(float(m[1]) * 100 / VALUES) or abs(int(m[3]) - float(m[1]) * 100 / VALUES) <= 1
                for m in lines), text
     assert all(int(m[6]) > 0 for m in lines if float(m[1]) > 0), text
+    assert "ssd tier: every key is on SSD: the next start has them all" in text
     assert text.rstrip().endswith("quilld stopped") and "Traceback" not in text, text
 
     again = ssd_node(tmp_path, ssd)
@@ -120,7 +126,7 @@ def test_ctrl_c_twice_while_flushing_stops_at_once_and_says_what_is_lost(tmp_pat
     assert q.proc.wait(WAIT) == 1, q.log()
     assert time.monotonic() - t0 < 5.0, "the second Ctrl-C did not stop it at once"
     text = q.log()
-    said = re.search(r"SIGINT received again while stopping: exiting now, without a clean stop: (\d+) blocks? "
+    said = re.search(r"SIGINT received again while stopping: exiting now, without a clean stop: (\d+) values? "
                      r"\(([\d.]+) MiB\) were not flushed to the SSD tier: they were only in DRAM and the next "
                      r"start will not have them(?:; (\d+) of them \(([\d.]+) MiB\) were being written and may "
                      r"survive)?$", text, re.M)
@@ -185,6 +191,46 @@ def test_two_listeners_on_one_port_are_refused():
     assert r.returncode == 2
     assert f"quilld: server.port and gateway.port are both {port}: each listener needs its own port" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-file"])
+def test_an_ssd_dir_that_cannot_be_created_refuses_the_start(tmp_path, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    ssd_dir = blocker / "ssd" if where == "under-a-file" else blocker
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", "8MiB", "--ssd-dir", str(ssd_dir),
+                   "--ssd-size", "64MiB")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    why = "Not a directory" if where == "under-a-file" else "File exists"
+    assert re.search(rf"^quilld: ssd\.dir {re.escape(str(ssd_dir))} cannot be used: {why}", r.stderr, re.M), r.stderr
+    assert "quilld ready" not in r.stdout and "Traceback" not in r.stderr
+
+
+def meminfo() -> tuple[int, int]:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["MemTotal"].split()[0]) * 1024, int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def test_a_dram_arena_larger_than_the_machine_refuses_the_start():
+    total, _ = meminfo()
+    size = f"{total // (1 << 30) + 8}GiB"
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", size)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert re.search(r"^quilld: dram\.size [\d.]+ GiB \(--dram\) is larger than this machine's memory "
+                     r"\([\d.]+ GiB\): the arena could never be filled", r.stderr, re.M), r.stderr
+    assert "quilld ready" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_a_dram_arena_near_the_memory_available_starts_with_a_warning(tmp_path):
+    total, avail = meminfo()
+    size = (int(0.8 * avail) + min(total, avail + (1 << 30))) // 2  # above 80 % of available, within the total
+    q = start_quilld(tmp_path, "--dram", str(size // (1 << 20)) + "MiB", admin=False)
+    try:
+        assert q.client().ping()
+        assert re.search(r"WARNING quilld: dram\.size [\d.]+ GiB \(--dram\) is more than 80% of the memory "
+                         r"available now", q.log()), q.log()
+    finally:
+        assert stop_process(q.proc) == 0, q.log()
 
 
 def test_the_sample_config_opens_only_the_quick_start_listeners(tmp_path):

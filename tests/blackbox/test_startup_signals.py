@@ -135,7 +135,7 @@ def test_a_signal_during_ssd_recovery_stops_cleanly(pristine, tmp_path, sig, ign
     text = log.read_text()
     said = f"{sig.name} received while starting (recovering the SSD tier): stopping without serving"
     assert said in text, text
-    assert text.index(said) < text.index(f"recovered {blocks} blocks"), "the signal came after recovery"
+    assert text.index(said) < text.index(f"recovered {blocks} values"), "the signal came after recovery"
     assert "listening on" not in text and "quilld ready" not in text  # it never served
     assert text.rstrip().endswith("quilld stopped") and "Traceback" not in text, text
     assert_intact(tmp_path, ssd_dir, blocks)

@@ -115,6 +115,16 @@ def test_cluster_events_gateway_route_alloc(saved):
     assert saved[-1]["panels"][2].series["across identities"] == [28_333, 0]
     bench("alloc_bench").plot("x.png", [(2.0, 500, 0.2)], 1_000_000)
     assert saved[-1]["panels"][0].series == {"ops/s": [500_000.0]}
+    points = {"aggregated": [(5.0, 0.98), (10.0, 0.85)], "always": [(5.0, 1.0), (10.0, 0.5)],
+              "auto": [(5.0, 1.0), (10.0, 0.95)]}
+    disagg = bench("disagg_bench")
+    disagg.plot("x.png", points, {"aggregated": 8.0, "always": 8.5, "auto": 10.0}, argparse.Namespace(
+        ttft_slo_ms=1000.0, tpot_slo_ms=50.0, seconds=10.0))
+    goodput, kept = saved[-1]["panels"]
+    assert goodput.categories == ["5/s", "10/s"] and goodput.series["auto"] == [100.0, 95.0]
+    assert kept.series == {"requests/s": [8.0, 8.5, 10.0]} and kept.labels == ["1.00x", "1.06x", "1.25x"]
+    assert disagg.rate_at(points["aggregated"]) == pytest.approx(5.0 + 5.0 * (0.98 - 0.9) / (0.98 - 0.85))
+    assert disagg.rate_at(points["auto"]) == 10.0 and disagg.rate_at([(5.0, 0.5)]) == 0.0
 
 
 def test_save_writes_a_small_png(tmp_path):

@@ -220,7 +220,7 @@ def test_replies_that_wait_are_pending_values(ctx, c):
 
     ks = ctx.keyspace
     ks.lower_tier = LowerStandIn()
-    entry = type("Entry", (), {"length": 10, "crc": 0, "pins": 0})()
+    entry = type("Entry", (), {"length": 10, "crc": 0, "pins": 0, "expire": 0})()
     ks.adopt(c.tag + b"k", entry)
     reply = run(ctx, c, "GET", "k")
     assert isinstance(reply, Pending)

@@ -1120,12 +1120,31 @@ def _ssd_only(tmp_path, body):
     run(go())
 
 
-def test_ttl_on_an_ssd_only_value_brings_it_to_dram_and_drops_the_ssd_copy(tmp_path):
+def test_ttl_on_an_ssd_only_value_stays_on_ssd_and_is_logged_there(tmp_path):
+    """The SSD tier keeps TTLs (issue 19.2): EXPIRE and PERSIST of an SSD-only value change
+    its copy's TTL (a META record the caller waits for), without reading it back."""
+    async def body(ks, tag, value):
+        at = now_ms() + 60_000
+        entry = ks.lower[tag + b"k1"]
+        assert ks.set_ttl(tag, b"k1", at)
+        assert ks.below_only(tag, b"k1") and entry.expire == at and ks.unsynced
+        await ks.take_unsynced()
+        assert ks.ttl_ms(tag, b"k1") > 59_000 and ks.expire_time(tag, b"k1") == at
+        assert ks.persist(tag, b"k1") and entry.expire == 0 and ks.unsynced
+        await ks.take_unsynced()
+        assert ks.expire_time(tag, b"k1") == -1
+        assert not ks.persist(tag, b"k1") and not ks.unsynced  # nothing changed: nothing to wait for
+
+    _ssd_only(tmp_path, body)
+
+
+def test_ttl_on_a_promoted_value_keeps_its_ssd_copy_and_retimes_it(tmp_path):
     async def body(ks, tag, value):
         await ks.bring_back(tag, b"k1")
-        assert not ks.below_only(tag, b"k1") and ks.data[tag + b"k1"].lower is not None
+        entry = ks.data[tag + b"k1"].lower
+        assert entry is not None
         assert ks.set_ttl(tag, b"k1", now_ms() + 60_000)
-        assert ks.data[tag + b"k1"].lower is None and ks.unsynced  # the SSD copy is being deleted
+        assert ks.data[tag + b"k1"].lower is entry and entry.expire > 0 and ks.unsynced
         assert bytes(ks.view(ks.data[tag + b"k1"])) == value and ks.ttl_ms(tag, b"k1") > 59_000
 
     _ssd_only(tmp_path, body)

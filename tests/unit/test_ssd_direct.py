@@ -1,4 +1,4 @@
-"""The SSD tier's aligned writes (block format 3): O_DIRECT where the file system allows it,
+"""The SSD tier's aligned writes (block format 4): O_DIRECT where the file system allows it,
 a clean and reported fallback where it does not (tmpfs before Linux 6.6; ssd.direct_io
 off), on /dev/shm and on the test's own disk, and payloads of any
 length, in page-aligned memory (as the arena hands them) or not, byte-identical after a
@@ -71,8 +71,9 @@ def round_trip(path: Path, **kw) -> tuple[str, dict]:
     tier.close()
     for key, e in entries.items():  # the rest of each block's last page is zeros, never the arena's tail
         with open(path / seg_name(e.seg), "rb") as f:
-            f.seek(e.offset + payload_offset(A, key) + e.length)
-            pad = f.read(-e.length % PAGE)
+            end = payload_offset(A, key, e.length) + e.length  # a small one packed in its head page
+            f.seek(e.offset + end)
+            pad = f.read(-end % PAGE)
         assert pad == bytes(len(pad)), key
     tier = SsdTier(str(path), 4 * SEG, SEG, fsync=True, **kw)
     report = tier.recover(verify_payloads=True)
@@ -123,15 +124,16 @@ def test_io_threads_write_the_same_bytes(tmp_path, threads):
     tier.close()
 
 
-def test_a_tier_of_format_2_starts_empty_and_says_so(tmp_path):
+@pytest.mark.parametrize("fmt, key_file", [(2, "tier.key"), (3, "tier-v3.key")])
+def test_a_tier_of_an_older_format_starts_empty_and_says_so(tmp_path, fmt, key_file):
     tier = SsdTier(str(tmp_path), 4 * SEG, SEG)
     tier.recover()
     write(tier, [(b"k", b"v" * 5000)])
     tier.close()
-    os.rename(tmp_path / "tier-v3.key", tmp_path / "tier.key")  # as format 2 named its key
+    os.rename(tmp_path / "tier-v4.key", tmp_path / key_file)  # as that format named its key
     tier = SsdTier(str(tmp_path), 4 * SEG, SEG)
     report = tier.recover()
     assert report.path == "fenced" and report.recovered == 0 and tier.lookup(A, b"k") is None
-    assert "format 2" in report.key_error
-    assert not (tmp_path / "tier.key").exists() and (tmp_path / "tier-v3.key").exists()
+    assert f"format {fmt}" in report.key_error
+    assert not (tmp_path / key_file).exists() and (tmp_path / "tier-v4.key").exists()
     tier.close()

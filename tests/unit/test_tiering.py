@@ -5,7 +5,7 @@ SSD, and shutdown followed by recovery.
 No daemon, no sockets: each test drives the policy's steps (`_demote_batch`, `read`,
 `_flush_deletes`) on its own event loop, bounded by TIMEOUT. Values of VAL bytes take
 exactly one DRAM page and SSD_BLOCK bytes on SSD: a head page (header and identity) and
-one payload page (block format 3).
+one payload page (block format 4; a small value takes one page, packed).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.keyspace import Keyspace, now_ms
 from quilld.tiers.ssd import seg_name
 from quilld.tiers.ssd_format import block_pages, payload_offset
+from quilld.tiers.tier_moves import INLINE_SLACK_SHARE
 from quilld.tiers.tiering import Tiering
 
 SCOPE = IdentityScope("alice", "llama-3-8b", "tok-v1", "")
@@ -48,7 +49,7 @@ async def no_space_wait(timeout: float) -> None:
 
 @contextlib.asynccontextmanager
 async def tiered(ssd_dir, *, pages=32, high=1.0, low=0.9, ssd_pages=64, promote=True,
-                 group_commit=64 << 20):
+                 group_commit=64 << 20, maxmemory=0):
     """A started Tiering over a fresh keyspace; stopped (DRAM flushed, files closed) on exit.
 
     With `high` = 1.0 the background demoter never runs on its own (use cannot exceed the
@@ -56,7 +57,7 @@ async def tiered(ssd_dir, *, pages=32, high=1.0, low=0.9, ssd_pages=64, promote=
     """
     scopes = ScopeRegistry()
     ks = Keyspace(DramConfig(size=pages * PAGE, high_watermark=high, low_watermark=low,
-                             inline_max=INLINE_MAX), scopes)
+                             inline_max=INLINE_MAX, maxmemory=maxmemory), scopes)
     cfg = SsdConfig(dir=str(ssd_dir), size=ssd_pages * PAGE, segment_size=ssd_pages * PAGE,
                     promote_on_read=promote, group_commit_bytes=group_commit)
     tiering = Tiering(ks, cfg, no_space_wait, workers=2)
@@ -118,6 +119,7 @@ async def check_ssd(ks: Keyspace, t: Tiering) -> None:
     await settle_deletes(t)
     copies = dict(ks.lower)
     copies.update({fk: b.lower for fk, b in ks.data.items() if type(b) is Block and b.lower is not None})
+    copies.update(ks.small_copies)
     tag_of = ks.scopes.tag
     indexed = {tag_of(IdentityScope(*scope)) + key: e for (scope, key), e in t.ssd.entries.items()}
     assert indexed.keys() == copies.keys()
@@ -216,10 +218,10 @@ def test_overwrite_during_demotion_leaves_no_stale_ssd_copy(tmp_path, change):
             assert await read_back(ks, tag, b"k") == expected
             check_accounting(ks)
             await check_ssd(ks, t)
-        # after a restart only the newest value can come back (the inline one lives in DRAM only)
+        # after a restart only the newest value can come back (the clean stop wrote it to SSD)
         async with tiered(tmp_path) as (ks, t, tag):
-            assert t.report.recovered == (1 if change == "block" else 0)
-            assert await read_back(ks, tag, b"k") == (new_block if change == "block" else None)
+            assert t.report.recovered == (0 if change == "delete" else 1)
+            assert await read_back(ks, tag, b"k") == expected
             check_accounting(ks)
     run(body())
 
@@ -261,22 +263,113 @@ def test_pipelined_batches_commit_in_order_and_a_release_waits_for_its_own(tmp_p
     run(body())
 
 
-def test_values_with_a_ttl_and_inline_values_stay_in_dram(tmp_path):
+def test_values_with_a_ttl_and_inline_values_are_demoted_with_their_ttl(tmp_path):
+    """Issues 19.1 and 19.2: small values and values with a TTL move to SSD like any block
+    (before, the demoter skipped both, so DRAM filled with them); a small value takes one
+    page there; each keeps its TTL on SSD, across a restart, and expires there."""
+    soon = now_ms() + 60_000
+
     async def body():
         async with tiered(tmp_path) as (ks, t, tag):
-            plain, timed, small = data(2 * PAGE, 4), data(2 * PAGE, 5), data(100, 6)
+            plain, timed, small, small_timed = data(2 * PAGE, 4), data(2 * PAGE, 5), data(100, 6), data(28, 7)
             put(ks, tag, b"plain", plain)
             put(ks, tag, b"timed", timed)
-            ks.set_expire(tag, b"timed", now_ms() + 60_000)
+            ks.set_expire(tag, b"timed", soon)
             put(ks, tag, b"small", small)
+            put(ks, tag, b"small-timed", small_timed)
+            ks.set_expire(tag, b"small-timed", soon + 1)
+            assert ks.take_unsynced() is None  # no copy on SSD yet: nothing to wait for
             await demote_all(t)
-            assert list(ks.lower) == [tag + b"plain"]
-            assert type(ks.data[tag + b"timed"]) is Block and ks.data[tag + b"small"] == small
+            assert set(ks.lower) == {tag + k for k in (b"plain", b"timed", b"small", b"small-timed")}
+            assert ks.used == ks.inline_bytes == ks.arena.used == 0
             assert t._pick(everything=True) == []
-            assert 0 < ks.ttl_ms(tag, b"timed") <= 60_000
-            assert await read_back(ks, tag, b"timed") == timed
+            assert ks.lower[tag + b"small"].length == 100
+            assert t.used == 2 * SSD_BLOCK + 2 * PAGE + 2 * PAGE  # the small ones: one page each
+            assert (ks.lower[tag + b"timed"].expire, ks.lower[tag + b"small-timed"].expire) == (soon, soon + 1)
+            assert ks.expire_time(tag, b"timed") == soon and ks.expire_time(tag, b"small-timed") == soon + 1
+            # a small value comes back as bytes, keeping its SSD copy (so it leaves DRAM again for free)
             assert await read_back(ks, tag, b"small") == small
+            assert ks.data[tag + b"small"] == small and ks.small_copies[tag + b"small"] is t.ssd.lookup(SCOPE, b"small")
+            assert ks.arena.used == 0 and ks.used == 100
+            check_accounting(ks)
+            await check_ssd(ks, t)
+            writes = t.stats["demotions"]
+            await demote_all(t)
+            assert t.stats["demotions"] == writes and t.stats["demoted_clean"] == 1 and ks.used == 0
+            assert await read_back(ks, tag, b"timed") == timed
             assert await read_back(ks, tag, b"plain") == plain
+            check_accounting(ks)
+            await check_ssd(ks, t)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == 4
+            assert ks.expire_time(tag, b"timed") == soon and ks.expire_time(tag, b"small-timed") == soon + 1
+            assert ks.expire_time(tag, b"plain") == -1 and ks.expire_time(tag, b"small") == -1
+            assert await read_back(ks, tag, b"small-timed") == small_timed
+            # expiring on SSD: the key goes, and so does its copy
+            ks.set_expire(tag, b"plain", now_ms() - 1)
+            await settle_deletes(t)
+            assert ks.get(tag, b"plain") is None and tag + b"plain" not in ks.lower
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"plain") is None
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_a_value_expired_while_the_node_was_down_is_not_adopted_and_its_copy_goes(tmp_path, monkeypatch):
+    deadline = now_ms() + 600_000
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            put(ks, tag, b"brief", data(2 * PAGE, 11))
+            put(ks, tag, b"small", b"s" * 10)
+            ks.set_expire(tag, b"brief", deadline)
+            ks.set_expire(tag, b"small", deadline)
+            put(ks, tag, b"lasting", b"l" * 10)
+        # the next start comes after the deadline: both expired while "the node was down"
+        monkeypatch.setattr("quilld.tiers.tiering.now_ms", lambda: deadline + 1)
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == 3 and t.stats["ssd_expired_at_start"] == 2
+            assert set(ks.lower) == {tag + b"lasting"}
+            await settle_deletes(t)
+            assert t.ssd.lookup(SCOPE, b"brief") is None and t.ssd.lookup(SCOPE, b"small") is None
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_maxmemory_bounds_inline_values_and_blocks_with_a_working_ssd_tier(tmp_path):
+    """Issue 19.1: with an SSD tier, a write that would take used_memory past maxmemory gets
+    OutOfMemory before anything changes (the server retries it while the demoter frees
+    DRAM); before, inline values grew DRAM without bound."""
+    from quilld.errors import OutOfMemory
+
+    async def body():
+        async with tiered(tmp_path, pages=32, maxmemory=8 * PAGE) as (ks, t, tag):
+            assert ks.limit == 8 * PAGE and ks.high_bytes == 8 * PAGE  # high = 1.0: no background demotion
+            n = 0
+            with pytest.raises(OutOfMemory):
+                while True:
+                    ks.publish(tag, b"s%03d" % n, data(INLINE_MAX, n))
+                    n += 1
+            # past maxmemory by at most its slack (1/64: one command may finish what it started)
+            slack = ks.limit // INLINE_SLACK_SHARE
+            assert ks.limit < ks.used <= ks.limit + slack < ks.used + INLINE_MAX
+            assert not ks.contains(tag, b"s%03d" % n)  # the refused write changed nothing
+            assert ks.space_may_free()  # so the server waits and retries
+            with pytest.raises(OutOfMemory):
+                ks.reserve(2 * PAGE)  # a block too: the arena has room, maxmemory does not
+            assert t._pressure  # the demoter was woken: it frees DRAM in the background
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + TIMEOUT / 2
+            while ks.used > ks.limit - PAGE and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            assert ks.used <= ks.limit - PAGE
+            ks.publish(tag, b"s%03d" % n, data(INLINE_MAX, n))  # the retry goes through
+            assert ks.used <= ks.limit
+            check_accounting(ks)
+            for i in range(n + 1):
+                assert await read_back(ks, tag, b"s%03d" % i) == data(INLINE_MAX, i)
+                assert ks.used <= ks.limit + slack
             check_accounting(ks)
             await check_ssd(ks, t)
     run(body())
@@ -342,7 +435,7 @@ def test_corrupt_ssd_block_reads_as_a_miss_and_is_counted(tmp_path, where):
             put(ks, tag, b"other", data(VAL, 10))
             await demote_all(t)
             entry = ks.lower[tag + b"k"]
-            offset = entry.offset + (payload_offset(SCOPE, b"k") + 1000 if where == "payload" else 20)
+            offset = entry.offset + (payload_offset(SCOPE, b"k", entry.length) + 1000 if where == "payload" else 20)
             with open(os.path.join(tmp_path, seg_name(entry.seg)), "r+b") as f:
                 f.seek(offset)
                 byte = f.read(1)
@@ -408,14 +501,15 @@ def test_stop_flushes_dram_blocks_and_a_new_tiering_recovers_them(tmp_path):
                 put(ks, tag, key, value)
             put(ks, tag, b"small", b"inline")
             assert not ks.lower
-        assert ks.arena.used == 0 and set(ks.lower) == {tag + k for k in blocks}
+        blocks[b"small"] = b"inline"  # inline values are flushed too (issue 18.1)
+        assert ks.arena.used == ks.used == 0 and set(ks.lower) == {tag + k for k in blocks}
+        assert t.not_kept == 0
         check_accounting(ks)
         async with tiered(tmp_path) as (ks, t, tag):
-            assert t.report.recovered == 3 and t.report.dropped_corrupt == 0
+            assert t.report.recovered == 4 and t.report.dropped_corrupt == 0
             assert set(ks.lower) == {tag + k for k in blocks}
             for key, value in blocks.items():
                 assert await read_back(ks, tag, key) == value
-            assert ks.get(tag, b"small") is None  # inline values live in DRAM only
             check_accounting(ks)
             await check_ssd(ks, t)
     run(body())
@@ -456,7 +550,7 @@ def test_random_sequence_keeps_values_and_accounting(tmp_path):
             for key in keys:
                 assert await read_back(ks, tag, key) == model.get(key)
         async with tiered(tmp_path, pages=64, ssd_pages=256) as (ks, t, tag):
-            survivors = {k: v for k, v in model.items() if len(v) > INLINE_MAX}
+            survivors = model  # a clean stop keeps inline values too
             assert {fk[len(tag):] for fk in ks.lower} == set(survivors)
             for key, value in survivors.items():
                 assert await read_back(ks, tag, key) == value

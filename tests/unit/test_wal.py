@@ -1,5 +1,6 @@
 """WAL framing and records: round trips across blocks, and a reader that stops at the
-first torn, zeroed or corrupt record and keeps everything before it."""
+first torn, zeroed or corrupt record and keeps everything before it, or (with resync, as
+recovery reads) skips the damaged block and keeps everything after it too (issue 19.18)."""
 
 import os
 import random
@@ -15,6 +16,7 @@ from quilld.tiers.wal import (
     MIDDLE,
     BadRecord,
     DelRecord,
+    MetaRecord,
     PutRecord,
     Stop,
     WalReader,
@@ -192,10 +194,13 @@ def test_length_crossing_the_block_is_corrupt():
     assert got == [] and reader.stop is Stop.CORRUPT
 
 
-def test_put_and_del_batch_round_trip():
+def test_put_del_and_meta_batch_round_trip():
     put = PutRecord(7, ("t", "llama", "tok", ""), b"\x00key\xff", 3, 1 << 33, 123456, 0xDEADBEEF)
+    ttl = PutRecord(8, ("t", "llama", "tok", ""), b"k2", 3, 4096, 28, 0xBEEF, 1_767_225_600_123)
     dele = DelRecord(2**63 + 5, ("tenant-é", "m", "", "lora"), b"")
-    assert decode_batch(encode_batch([put, dele, put])) == [put, dele, put]
+    meta = MetaRecord(8, ("t", "llama", "tok", ""), b"k2", 0)
+    assert decode_batch(encode_batch([put, dele, put, ttl, meta])) == [put, dele, put, ttl, meta]
+    assert put.expire == 0 and ttl.expire == 1_767_225_600_123
     assert decode_batch(encode_batch([])) == []
     assert len(encode_batch([put])) < 50
 
@@ -233,8 +238,8 @@ def replay(records, retired=None):
     from quilld.tiers.ssd_format import replay_log
 
     state, scopes = {}, {}
-    applied, max_gen, stop = replay_log(frame([encode_batch(r) for r in records], 0), state, scopes, retired)
-    assert stop is None
+    applied, max_gen, problems = replay_log(frame([encode_batch(r) for r in records], 0), state, scopes, retired)
+    assert problems == []
     return {k[1]: loc.generation for k, loc in state.items()}, applied, max_gen
 
 
@@ -271,3 +276,59 @@ def test_a_group_of_deletions_spans_records_and_replays_whole():
     assert len(chunks) == 2
     state, applied, _ = replay(puts + chunks)
     assert state == {} and applied == 2 * n
+
+
+# -- resync: one damaged stretch costs one block's records, not the rest (issue 19.18) ---------
+
+def expected_after_damage(data, recs, pos):
+    """What a resyncing reader must return when the byte at `pos` is damaged: every record
+    that ended before the fragment holding it, then every record that starts from the next
+    32 KiB block on (the damaged block's own later records are skipped with it)."""
+    spans = fragment_spans(data)
+    bad = next(((a, b) for a, b in spans if a <= pos < b), None)
+    if bad is None:
+        return recs  # a byte of a block's zero-filled tail: never read
+    starts = [off for off, _ in WalReader(data)]
+    ends = [len(frame(recs[:i + 1], 0)) for i in range(len(recs))]
+    resume = (bad[0] // BLOCK_SIZE + 1) * BLOCK_SIZE
+    return [r for r, a, e in zip(recs, starts, ends) if e <= bad[0] or a >= resume]
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_resync_keeps_every_record_the_damage_spared(where):
+    recs = records(60, seed=7)
+    data = frame(recs, 0)
+    spans = fragment_spans(data)
+    rng = random.Random(8)
+    third = len(spans) // 3
+    pool = {"start": spans[:3], "middle": spans[third:2 * third], "end": spans[-3:]}[where]
+    for _ in range(100):
+        start, end = rng.choice(pool)
+        pos = rng.randrange(start, end)
+        bad = bytearray(data)
+        bad[pos] ^= 1 << rng.randrange(8)
+        reader = WalReader(bytes(bad), resync=True)
+        got = [rec for _, rec in reader]
+        assert got == expected_after_damage(data, recs, pos), pos
+        assert reader.skipped and reader.skipped[0][1] in (Stop.CORRUPT, Stop.TORN), reader.skipped
+        assert reader.stop is reader.skipped[0][1] and reader.stop_offset == reader.skipped[0][0]
+        if where == "start":
+            assert len(got) > len(recs) // 2  # the old reader kept nothing here
+
+
+def test_resync_over_a_zeroed_stretch_and_a_torn_tail():
+    recs = [b"r%03d" % i * 200 for i in range(400)]  # 800-byte records, about 40 per block
+    data = bytearray(frame(recs, 0))
+    data[BLOCK_SIZE + 100:3 * BLOCK_SIZE + 50] = bytes(2 * BLOCK_SIZE - 50)  # a hole of zeros
+    torn = bytes(data[:-3])
+    reader = WalReader(torn, resync=True)
+    got = [rec for _, rec in reader]
+    kinds = [why for _, why, _ in reader.skipped]
+    # one damaged stretch (the fragment the zeros cut into, then zeros: one stretch), then the torn tail
+    assert len(kinds) == 2 and kinds[0] in (Stop.CORRUPT, Stop.ZEROS) and kinds[1] is Stop.TORN, reader.skipped
+    assert got[0] == recs[0] and got[-1] == recs[-2]  # the last record was torn
+    kept_after = [r for r in got if int(r[1:4]) > 200]
+    assert kept_after and len(got) > len(recs) // 2
+    # a clean log has nothing to skip
+    reader = WalReader(frame(recs, 0), resync=True)
+    assert [rec for _, rec in reader] == recs and reader.skipped == [] and reader.stop is Stop.END

@@ -702,3 +702,54 @@ def test_put_sends_set_with_the_callers_bytes_and_reads_its_reply():
         server.close()
     assert seen[0] == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$76800\r\n" + payload + b"\r\n"
     assert seen[1] == b"*5\r\n$3\r\nSET\r\n$2\r\nk2\r\n$76800\r\n" + payload + b"\r\n$2\r\nPX\r\n$4\r\n1500\r\n"
+
+
+def test_a_payload_attached_to_a_list_of_buffers_is_scattered_over_them():
+    """attach([b0, b1, ...]): the first len(b0) payload bytes into b0, the next into b1...; at
+    every cut of the stream, and with buffers longer in all than the payload (their tail kept)."""
+    payload = bytes(range(256)) * 3 + b"\r\n$-1\r\n"  # CRLFs inside the payload are data
+    data = b"*2\r\n$%d\r\n%b\r\n:7\r\n" % (len(payload), payload)
+    for sizes in ([len(payload)], [1, 0, 99, len(payload) - 100], [300, 300, 300], [0, len(payload) + 5]):
+        for chunks in splits(data):
+            parts = [bytearray(b"#" * n) for n in sizes]
+            [reply] = read(chunks, 0, lambda r, b: r.attach(parts))
+            assert reply[0] is parts and reply[1] == 7
+            joined = b"".join(parts)
+            assert joined[:len(payload)] == payload and set(joined[len(payload):]) <= {ord("#")}
+
+
+def test_a_list_of_buffers_receives_straight_from_the_socket():
+    """Read as a socket would (get_buffer / buffer_updated): the payload lands in the buffers."""
+    payload = bytes(range(200)) * 50
+    data = b"$%d\r\n%b\r\n+OK\r\n" % (len(payload), payload)
+    for step in (1, 7, 4096, 10**6):
+        parts = [bytearray(3000), bytearray(0), bytearray(7000)]
+        reader = ReplyReader(0)
+        out, pos = [], 0
+        while pos < len(data) or not reader.idle:
+            ev = reader.next_event()
+            if ev is NEED_DATA:
+                view = reader.get_buffer(16)
+                n = min(len(view), step, len(data) - pos)
+                view[:n] = data[pos:pos + n]
+                reader.buffer_updated(n)
+                pos += n
+            elif type(ev) is Bulk:
+                reader.attach(parts)
+            else:
+                out.append(ev)
+        assert out[0] is parts and out[1] == b"OK"
+        assert bytes(parts[0] + parts[2]) == payload
+
+
+def test_a_list_of_buffers_too_short_or_read_only_is_refused():
+    reader = ReplyReader(0)
+    reader.feed(b"$6\r\nabcdef\r\n")
+    assert type(reader.next_event()) is Bulk
+    with pytest.raises(ValueError, match="the bulk is 6 bytes but the buffer holds 5"):
+        reader.attach([bytearray(2), bytearray(3)])
+    with pytest.raises(TypeError, match="writable"):
+        reader.attach([bytearray(2), b"xyzw"])
+    parts = [bytearray(2), bytearray(4)]
+    reader.attach(parts)
+    assert reader.next_event() is parts and parts == [b"ab", b"cdef"]

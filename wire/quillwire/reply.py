@@ -102,6 +102,17 @@ def _parse_int(raw: bytes | bytearray) -> int | None:
     return n if -(1 << 63) <= n < (1 << 63) else None
 
 
+def _writable(view) -> memoryview:
+    mv = memoryview(view)
+    if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
+        if not mv.c_contiguous:
+            raise ValueError("attach() needs a C-contiguous buffer")
+        mv = mv.cast("B")
+    if mv.readonly:
+        raise TypeError("attach() needs a writable buffer")
+    return mv
+
+
 class ReplyReader:
     """Incremental reader of RESP2 replies (plus RESP3's `_` null), several per stream."""
 
@@ -119,6 +130,7 @@ class ReplyReader:
         self._stack: list[list] = []  # open arrays, outermost first: [items, count]
         self._announced: Bulk | None = None  # waiting for attach() / drop() / take()
         self._sink: memoryview | None = None  # where the arriving payload goes (None: dropped)
+        self._sinks: list[memoryview] = []  # where it goes next, once _sink is full (attach of a list)
         self._sink_pos = 0
         self._sink_left = 0  # payload bytes still to come
         self._crlf_due = False  # a payload is (being) received; its CRLF comes next
@@ -170,6 +182,8 @@ class ReplyReader:
                 self._sink = None
                 if self._own:
                     self._value, self._own = bytes(self._value), False
+            elif self._sinks and self._sink_pos == len(self._sink):  # this buffer is full: the next one
+                self._sink, self._sink_pos = self._sinks.pop(0), 0
         else:
             self._end += nbytes
 
@@ -211,22 +225,47 @@ class ReplyReader:
 
     def attach(self, view) -> None:
         """Receive the announced bulk into `view` (writable, at least that long; the payload
-        fills its first `length` bytes). `view` itself stands for the bulk in the reply."""
+        fills its first `length` bytes). `view` itself stands for the bulk in the reply.
+
+        `view` may be a list of buffers: the payload is scattered over them, in order (the
+        first `len(b0)` bytes into b0, the next into b1...), straight from the stream."""
         bulk = self._announced
         if bulk is None:
             raise RuntimeError("no bulk is announced")
         n = bulk.length
-        mv = memoryview(view)
-        if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
-            if not mv.c_contiguous:
-                raise ValueError("attach() needs a C-contiguous buffer")
-            mv = mv.cast("B")
-        if mv.readonly:
-            raise TypeError("attach() needs a writable buffer")
-        if len(mv) < n:
-            raise ValueError(f"the bulk is {n} bytes but the buffer holds {len(mv)}")
+        views = [_writable(v) for v in view] if isinstance(view, list) else [_writable(view)]
+        total = sum(len(v) for v in views)
+        if total < n:
+            raise ValueError(f"the bulk is {n} bytes but the buffer holds {total}")
         self._announced = None
-        self._receive(mv if len(mv) == n else mv[:n], n, view)
+        sinks, left = [], n
+        for v in views:  # the front of the buffers, `n` bytes, no empty piece
+            if left and len(v):
+                sinks.append(v if len(v) <= left else v[:left])
+                left -= len(sinks[-1])
+        if len(sinks) <= 1:
+            self._receive(sinks[0] if sinks else memoryview(bytearray(0)), n, view)
+            return
+        self._receive_scattered(sinks, n, view)
+
+    def _receive_scattered(self, sinks: list[memoryview], n: int, value: Any) -> None:
+        """_receive over several buffers: what is buffered first, the rest as it arrives."""
+        start = self._start
+        for i, v in enumerate(sinks):
+            take = min(len(v), self._end - start)
+            if take:
+                v[:take] = self._mv[start:start + take]
+                start += take
+            if take < len(v):  # the stream fills the rest
+                self._start = start
+                self._sink, self._sink_pos, self._sinks = v, take, sinks[i + 1:]
+                self._sink_left = n - sum(len(s) for s in sinks[:i]) - take
+                break
+        else:
+            self._start = start
+        self._value = value
+        self._own = False
+        self._crlf_due = True
 
     def drop(self, marker: Any = None) -> None:
         """Read the announced bulk and throw it away; `marker` stands for it in the reply."""

@@ -38,12 +38,12 @@ import redis.exceptions as rx
 from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from quillwire.encode import as_readable, pack_command
+from quillwire.encode import pack_command
 
-from quillclient import blocks, shm, zerocopy
+from quillclient import blocks, segments, shm, zerocopy
 from quillclient.config import ClientConfig, Scope
 from quillclient.errors import AuthError, BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
-from quillclient.zerocopy import as_writable
+from quillclient.segments import as_writable
 
 T = TypeVar("T")
 
@@ -293,16 +293,17 @@ class QuillClient:
         """Batched get_into on one connection, pipelined. Per key its length, or -1 for a miss.
 
         A block too large for its buffer is skipped, the others are read, then
-        BufferTooSmall is raised (its `results` holds every key's outcome).
+        BufferTooSmall is raised (its `results` holds every key's outcome). A buffer may be a
+        list of buffers: the block is scattered over them, in order (`quillclient.segments`).
         """
-        views = [as_writable(b) for b in buffers]
+        views = [segments.writable(b) for b in buffers]
+        if len(keys) != len(views):
+            raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
         pool = self._shm_pool()
         if pool is None:
             return zerocopy.get_many_into(self._raw, keys, views)
-        if len(keys) != len(views):
-            raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
         return shm.get_many(pool, keys, views, self.config.verify_crc,
-                            lambda i: zerocopy.get_into(self._raw, keys[i], views[i]))
+                            lambda i: zerocopy.get_many_into(self._raw, [keys[i]], [views[i]])[0])
 
     def delete(self, *keys: str | bytes) -> int:
         """Delete keys; the number that existed."""
@@ -319,17 +320,19 @@ class QuillClient:
                    parallelism: int | None = None, lease_ms: int | None = None) -> list[bool]:
         """Store many blocks with PUT2PHASE: chunked DATA in parallel, COMMIT with CRC32C.
 
-        `items` is a mapping or (key, data) pairs. Returns, per item, True if it
+        `items` is a mapping or (key, data) pairs; a data that is a list of buffers is one
+        block, their concatenation (`quillclient.segments`). Returns, per item, True if it
         was stored and False if the key was already complete (`+EXISTS`; its
         value is kept). See `quillclient.blocks` for the failure rules.
         """
         cfg = self.config
+        pairs = [(key, segments.readable(data)) for key, data in (items.items() if isinstance(items, Mapping)
+                                                                   else items)]
         pool = self._shm_pool()
         if pool is not None:  # written in place through the mapping, committed with their CRC32C
-            pairs = items.items() if isinstance(items, Mapping) else items
-            return shm.put_blocks(pool, [(key, as_readable(data)) for key, data in pairs],
-                                  cfg.lease_ms if lease_ms is None else lease_ms, cfg.put_round_bytes)
-        return blocks.put_blocks(self, items, chunk_size or cfg.chunk_size, parallelism or cfg.parallelism,
+            return shm.put_blocks(pool, pairs, cfg.lease_ms if lease_ms is None else lease_ms, cfg.put_round_bytes)
+        pairs = [(key, data.joined() if isinstance(data, segments.Segments) else data) for key, data in pairs]
+        return blocks.put_blocks(self, pairs, chunk_size or cfg.chunk_size, parallelism or cfg.parallelism,
                                  cfg.put_round_bytes, cfg.lease_ms if lease_ms is None else lease_ms)
 
     # -- placement and routing ----------------------------------------------
@@ -375,10 +378,13 @@ class QuillClient:
         reply = _text(self._call(lambda: self._redis.execute_command(*args), idempotent=not acquire))
         if candidates:
             return reply
-        engine, url, cost, lease, runs = reply
+        engine, url, cost, lease, runs, *pair = reply
         plan = [step for step, n in zip(runs[::2], runs[1::2]) for _ in range(n)]
-        return {"engine": engine, "url": url, "cost": None if cost is None else float(cost), "lease": lease,
-                "plan": plan}
+        out = {"engine": engine, "url": url, "cost": None if cost is None else float(cost), "lease": lease,
+               "plan": plan}
+        if pair:  # the model's engines have roles: which prefills, which decodes (a map)
+            out["pair"] = pair[0] if isinstance(pair[0], dict) else dict(zip(pair[0][::2], pair[0][1::2]))
+        return out
 
     def release(self, lease: str) -> bool:
         """End a request taken with route(acquire=True); False for an unknown or expired lease."""

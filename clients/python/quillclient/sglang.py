@@ -23,25 +23,33 @@ in SGLang 0.5.23, over `sglang/srt/managers/cache_controller.py`):
   [flat page tensor per key]) -> bool` through `put_blocks` (PUT2PHASE, CRC32C). One
   object per page holds its K and V.
 - `"interface_v1": 1` in the extra config: `batch_get_v1` / `batch_set_v1` with host
-  indices. The host pool's `get_page_buffer_meta` gives one (MLA) or two (MHA: K, V)
-  addresses per page, and quilld's bytes go to and from the host pool itself, with no
-  staging tensor. Layouts with more buffers per page (MHA `layer_first`) are refused,
-  as SGLang's Mooncake backend refuses them.
+  indices. The host pool's `get_page_buffer_meta` gives a page's buffers (one for MLA
+  `page_first`, K and V for MHA `page_first`, K and V of every layer for `layer_first`),
+  and quilld's bytes go to and from the host pool itself, with no staging tensor: each
+  page gathered into one object, the same bytes under the same key as the generic
+  path's (see `host_layout`), so the two paths share pages and `get`, `exists` and
+  `batch_exists` mean the same on both.
+
 - the v2 batch calls, for the host pools besides the main KV pool that SGLang registers
   with `register_mem_host_pool_v2` (a speculative-decoding draft model's own KV pool,
   SWA, Mamba state, ...): `batch_set_v2(transfers)` and `batch_get_v2(transfers)` ->
   `{pool name: [ok per page]}`, `batch_exists_v2(keys, pool_transfers)` ->
   `PoolTransferResult` (the KV prefix, cut where a pool's `hit_policy` is not met).
   `HybridCacheController` (every model in SGLang 0.5.23) calls `batch_set_v2` for those
-  pools before it stores the KV pages, so a backend without them stores nothing at all.
+  pools before it stores the KV pages, so a backend without them stores nothing at all;
+  when the KV pages then fail to store, the v2 pages stored for them are deleted again.
   A v2 page is one object, the pool's flat data page (`get_data_page` /
   `set_from_flat_data_page`, as SGLang's file backend does), named `<hash>.<pool>`.
+
+The host pools' layouts are checked when SGLang registers them (`register_mem_pool_host`,
+`register_mem_host_pool_v2`): a layout this backend cannot store raises ValueError there,
+which fails SGLang's attach, instead of every backup failing after a successful start.
 
 A page key is SGLang's page hash (64 hex characters of a SHA-256 chain over the token
 ids, `get_storage_hash_str`) plus what tells ranks apart: `_{tp_rank}_{tp_size}` for MHA
 (each rank holds its own heads), nothing for MLA (one copy, written by rank 0), then
-`_pp{r}_{n}`, `_cp{r}_{n}`, `_dcp{r}_{n}` when those are in use, then `_k` / `_v` on the
-v1 path. Mamba state is split over TP ranks even in an MLA model: its pages always carry
+`_pp{r}_{n}`, `_cp{r}_{n}`, `_dcp{r}_{n}` when those are in use. Mamba state is split over
+TP ranks even in an MLA model: its pages always carry
 the rank. The model goes into quilld's identity scope (`SCOPE model tokenizer`), not the key.
 
 Targets may be anything with the buffer protocol (numpy arrays, bytearray, mmap),
@@ -51,15 +59,17 @@ addresses (ints, with sizes), which is how SGLang's zero-copy calls name host me
 
 from __future__ import annotations
 
-import ctypes
 import difflib
 import logging
-import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from quillclient import host_layout
+from quillclient.host_layout import byte_view
 from quillclient.client import QuillClient
 from quillclient.errors import BufferTooSmall, QuillError
 
@@ -94,6 +104,10 @@ except ImportError:
 
 log = logging.getLogger(__name__)
 
+# v2 pages remembered until their KV page is stored (a rank that stores v2 pages only, such as
+# an MLA rank's Mamba state, never pairs them: the oldest are forgotten, never deleted)
+UNPAIRED_MAX = 65536
+
 # Extra-config keys that belong to SGLang itself, not to us: the factory's, the controller's
 # (`interface_v1`), and `file_storage_path`, which SGLang adds to every backend's extra config
 # when --file-storage-path is given. SGLang pops the prefetch keys, `hicache_storage_pass_prefix_keys`
@@ -117,7 +131,8 @@ class HiCacheSettings:
     tokenizer: str = ""
     adapter: str = ""
     socket_timeout: float = 30.0
-    parallelism: int = 4  # connections uploading one batch_set at once
+    parallelism: int = 4  # connections uploading one batch_set at once (TCP)
+    shared_memory: str = "auto"  # ClientConfig.shared_memory: "auto", "require" or "off"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> HiCacheSettings:
@@ -159,25 +174,6 @@ def key_suffix(config: Any, rank_sharded: bool = False) -> str:
     return suffix
 
 
-def byte_view(target: Any, nbytes: int | None = None) -> memoryview:
-    """A flat byte view of a page: a buffer, a CPU torch tensor, or an address with a size in bytes."""
-    if isinstance(target, int) and not isinstance(target, bool):
-        if nbytes is None or nbytes < 0:
-            raise ValueError("an address target needs its size in bytes")
-        return memoryview((ctypes.c_ubyte * nbytes).from_address(target)).cast("B")
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(target, torch.Tensor):
-        if target.device.type != "cpu":
-            raise ValueError(f"HiCache storage reads host tensors, got one on {target.device}")
-        if not target.is_contiguous():
-            raise ValueError("HiCache storage needs contiguous tensors")
-        target = target.reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(target)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view if nbytes is None else view[:nbytes]
-
-
 class QuillHiCacheStorage(_Base):
     """SGLang's HiCacheStorage over a QuillClient: one instance per TP/PP rank, thread-safe."""
 
@@ -196,14 +192,20 @@ class QuillHiCacheStorage(_Base):
         model = s.model if s.model is not None else (getattr(storage_config, "model_name", None) or "")
         self.client = QuillClient(s.host, s.port, username=s.username, password=s.password,
                                   socket_timeout=s.socket_timeout, parallelism=s.parallelism,
-                                  max_connections=max(32, s.parallelism),
+                                  max_connections=max(32, s.parallelism), shared_memory=s.shared_memory,
                                   scope=(model, s.tokenizer, s.adapter) if model else None)
         try:
             self.client.ping()  # unreachable or refused: fail the attach now, not every page later
+            transport = self.client.transport  # decided now: "require" without shared memory fails the attach
         except BaseException:
             self.client.close()
             raise
+        log.info("QuillHiCacheStorage: pages move over %s%s", "shared memory" if transport == "shm" else "TCP",
+                 f" ({self.client.shm_unavailable_reason})" if transport == "tcp" else "")
         self.mem_pool_host: Any = None
+        self._lock = threading.Lock()
+        self._unpaired: OrderedDict[str, list[str]] = OrderedDict()  # page hash -> v2 objects stored before it
+        self.v1_layout: host_layout.V1PageLayout | None = None  # set by register_mem_pool_host with interface_v1
 
     def __repr__(self) -> str:
         return f"<QuillHiCacheStorage {self.client!r} suffix={self.suffix!r} v1={self.interface_v1}>"
@@ -211,22 +213,24 @@ class QuillHiCacheStorage(_Base):
     # -- keys ------------------------------------------------------------------
 
     def page_key(self, key: str) -> str:
+        """The one quilld object of a KV page, on the generic and the v1 path alike."""
         return key + self.suffix
-
-    def object_keys(self, key: str) -> list[str]:
-        """The quilld objects that make up one page, in `get_page_buffer_meta` order."""
-        base = self.page_key(key)
-        if not self.interface_v1:
-            return [base]
-        return [base + "_k"] if self.is_mla else [base + "_k", base + "_v"]
 
     # -- life cycle ------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The KV host pool. Its layout is checked here, where a ValueError fails SGLang's attach
+        (`CacheController.attach_storage_backend`), rather than at every backup after it."""
+        if self.interface_v1:
+            self.v1_layout = host_layout.v1_page_layout(mem_pool_host, self.is_mla)
+        else:
+            host_layout.check_flat_pages(mem_pool_host, "kv")
         self.mem_pool_host = mem_pool_host
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Another host pool (draft KV, SWA, Mamba...), read and written by the v2 calls."""
+        """Another host pool (draft KV, SWA, Mamba...), read and written by the v2 calls as flat
+        pages: checked here, as the KV pool is."""
+        host_layout.check_flat_pages(host_pool, _pool_name(host_pool_name))
         self.registered_pools[_pool_name(host_pool_name)] = host_pool
 
     def on_host_pools_registered(self) -> None:
@@ -246,26 +250,30 @@ class QuillHiCacheStorage(_Base):
 
     def exists(self, key: str) -> bool:
         try:
-            return all(self.client.exists(k) for k in self.object_keys(key))
+            return self.client.exists(self.page_key(key))
         except QuillError as e:
             log.warning("quilld EXISTS %s failed: %s", key, e)
             return False
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many pages, from the first, are stored: one pipelined round of EXISTS."""
+        """How many pages, from the first, are stored. One `EXISTS` of every page counts them: all
+        or none answers it (the usual cases), and so does a count `c` whose first `c` pages are
+        all stored (the rest then are not: a stored prefix, as SGLang stores pages). Otherwise (a
+        hole) one pipelined EXISTS a page finds the first missing one."""
         if not keys:
             return 0
-        names = [self.object_keys(k) for k in keys]
+        names = [self.page_key(k) for k in keys]
         try:
-            replies = self.client.exists_many([n for group in names for n in group])
+            stored = self.client.execute("EXISTS", *names, idempotent=True)
+            if stored in (0, len(names)):
+                return stored
+            if self.client.execute("EXISTS", *names[:stored], idempotent=True) == stored:
+                return stored
+            replies = self.client.exists_many(names)
         except QuillError as e:
             log.warning("quilld batch EXISTS failed: %s", e)
             return 0
-        it = iter(replies)
-        for i, group in enumerate(names):
-            if not all(next(it) for _ in group):
-                return i
-        return len(keys)
+        return replies.index(False) if False in replies else len(keys)
 
     # -- reads -------------------------------------------------------------------
 
@@ -284,8 +292,9 @@ class QuillHiCacheStorage(_Base):
             raise ValueError("keys, target_locations and target_sizes differ in length")
         out: list[Any] = [None] * len(keys)
         want = []
+        dummy = self.mem_pool_host is not None and (self.v1_layout is None or self.v1_layout.generic_size)
         for i, target in enumerate(targets):
-            if target is None and self.mem_pool_host is not None:
+            if target is None and dummy:
                 targets[i] = target = self.mem_pool_host.get_dummy_flat_data_page()
             if target is None:
                 out[i] = self._get_bytes(keys[i])
@@ -299,11 +308,11 @@ class QuillHiCacheStorage(_Base):
         return out
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        """Pages read straight into the host pool at `host_indices` (SGLang's zero-copy path)."""
-        names, views = self._host_buffers(keys, host_indices)
-        lengths = self._read(names, views)
-        per = len(names) // max(1, len(keys))
-        return [all(lengths[j] == views[j].nbytes for j in range(i * per, (i + 1) * per)) for i in range(len(keys))]
+        """Pages read straight into the host pool at `host_indices` (SGLang's zero-copy path),
+        each scattered over its buffers."""
+        pages = self._host_pages(keys, host_indices)
+        lengths = self._read([self.page_key(k) for k in keys], pages)
+        return [n == self.v1_layout.nbytes for n in lengths]
 
     def _get_bytes(self, key: str) -> bytes | None:
         try:
@@ -346,22 +355,47 @@ class QuillHiCacheStorage(_Base):
             if source is None:
                 raise ValueError(f"no data for page {key}")
             items.append((self.page_key(key), byte_view(source, size)))
-        return self._write(items)
+        return self._write_kv(keys, items)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        """Pages written straight from the host pool at `host_indices`; per page whether it is stored."""
-        names, views = self._host_buffers(keys, host_indices)
-        ok = self._write(list(zip(names, views)))
+        """Pages written straight from the host pool at `host_indices`, each gathered from its
+        buffers into one object; per page whether it is stored."""
+        try:
+            pages = self._host_pages(keys, host_indices)
+        except ValueError as e:
+            log.error("QuillHiCacheStorage: %s", e)
+            self._write_kv(keys, None)
+            return [False] * len(keys)
+        ok = self._write_kv(keys, [(self.page_key(k), page) for k, page in zip(keys, pages)])
         return [ok] * len(keys)
 
-    def _write(self, items: list[tuple[str, memoryview]]) -> bool:
-        # put_blocks answers False for a page some other rank or engine already completed: kept, fine.
+    def _write_kv(self, keys: list[str], items: list[tuple[str, Any]] | None) -> bool:
+        """Store KV pages (None: they could not be read). SGLang stores a page's v2 objects (draft
+        KV...) first: on success they are paired, on failure the ones this backend created
+        without their KV page are deleted, so no page group is left half stored."""
+        ok = items is not None and self._put(items) is not None
+        with self._lock:
+            if ok:
+                for k in keys:
+                    self._unpaired.pop(k, None)
+                return True
+            orphans = [name for names in self._unpaired.values() for name in names]
+            self._unpaired.clear()
+        if orphans:
+            try:
+                self.client.delete(*orphans)
+            except QuillError as e:
+                log.warning("quilld: deleting %d v2 pages left without their KV page failed: %s", len(orphans), e)
+        return False
+
+    def _put(self, items: list[tuple[str, Any]]) -> list[bool] | None:
+        """Per item True if stored now, False if it already was (kept: some other rank or engine
+        completed it); None if the put failed."""
         try:
-            self.client.put_blocks(items)
-            return True
+            return self.client.put_blocks(items)
         except QuillError as e:
             log.warning("quilld put of %d pages failed: %s", len(items), e)
-            return False
+            return None
 
     # -- the v2 interface: pools besides the main KV pool -------------------------
 
@@ -380,8 +414,7 @@ class QuillHiCacheStorage(_Base):
         transfers = list(pool_transfers or [])
         if not keys:
             return PoolTransferResult(0, {}, [])
-        kv_names = [self.object_keys(k) for k in keys]
-        names = [n for group in kv_names for n in group]
+        names = [self.page_key(k) for k in keys]
         names += [self.pool_key(t.name, k) for t in transfers for k in keys]
         try:
             found = self.client.exists_many(names)
@@ -389,7 +422,7 @@ class QuillHiCacheStorage(_Base):
             log.warning("quilld batch EXISTS (v2) failed: %s", e)
             return PoolTransferResult(0, {}, [])
         it = iter(found)
-        kv_present = [all([next(it) for _ in group]) for group in kv_names]
+        kv_present = [next(it) for _ in keys]
         kv_pages = kv_present.index(False) if False in kv_present else len(keys)
         present = {_pool_name(t.name): [next(it) for _ in keys] for t in transfers}
         hits: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
@@ -444,10 +477,17 @@ class QuillHiCacheStorage(_Base):
             if pool is not None:
                 for i, (k, off) in enumerate(zip(keys, offsets)):
                     items.append((self.pool_key(t.name, k), byte_view(pool.get_data_page(off, flat=True))))
-                    owners.append((t.name, i))
-        if items and self._write(items):
-            for name, i in owners:
-                results[name][i] = True
+                    owners.append((t.name, i, k))
+        created = self._put(items) if items else None
+        if created is not None:
+            with self._lock:
+                for (name, i, key), (obj, _), new in zip(owners, items, created):
+                    results[name][i] = True
+                    if new:  # until its KV page is stored (see _write_kv)
+                        self._unpaired.setdefault(key, []).append(obj)
+                        self._unpaired.move_to_end(key)
+                while len(self._unpaired) > UNPAIRED_MAX:
+                    self._unpaired.popitem(last=False)
         return results
 
     def _v2_pages(self, transfer: Any) -> tuple[list[str], Any, list[int]]:
@@ -468,16 +508,13 @@ class QuillHiCacheStorage(_Base):
             return keys, None, []
         return keys, pool, [int(indices[i * page_size]) for i in range(len(keys))]
 
-    def _host_buffers(self, keys: list[str], host_indices: Any) -> tuple[list[str], list[memoryview]]:
+    def _host_pages(self, keys: list[str], host_indices: Any) -> list[Any]:
+        """Per page, its buffers in the host pool (a view, or a list of views in the order of the
+        generic path's flat page: see host_layout)."""
         if self.mem_pool_host is None:
             raise RuntimeError("register_mem_pool_host was not called")
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        names = [name for k in keys for name in self.object_keys(k)]
-        if len(ptrs) != len(names):
-            raise ValueError(f"{len(ptrs)} host buffers for {len(keys)} pages: QuillHiCacheStorage stores one "
-                             f"buffer per {'page' if self.is_mla else 'page for K and one for V'} "
-                             "(use a page_first layout)")
-        return names, [byte_view(p, s) for p, s in zip(ptrs, sizes)]
+        return self.v1_layout.pages(ptrs, sizes, len(keys))
 
 
 def _pool_name(name: Any) -> str:

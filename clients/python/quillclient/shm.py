@@ -33,7 +33,10 @@ stay pinned only while they are copied.
 
 Writes: `PUT2PHASE BEGIN key nbytes [LEASE ms] SHM` answers [handle, offset]; the
 client copies the block into its mapping at offset and commits with its CRC32C
-(mandatory for in-place puts; quilld checks it over the region).
+(mandatory for in-place puts; quilld checks it over the region). A round's BEGINs go
+in one send and their replies are all read before any byte is copied (a refusal stores
+nothing of the round); then COMMITs go out as blocks are copied, a window at a time, so
+quilld checks some blocks while the client copies the next ones.
 
 Every unix connection attaches itself, and the mapping it uses is the one its own
 ATTACH handed over (a quilld that restarted hands a new arena: it is mapped anew,
@@ -56,6 +59,7 @@ from quillwire.reply import NEED_DATA, ReplyError, ReplyReader, Status
 from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
+from quillclient.segments import Segments, crc_of, land, store
 from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
                                 from_wire)
 from quillclient.zerocopy import MISS, RawPool, _kernel_timeouts, setting_up
@@ -64,6 +68,7 @@ BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
 BUSY = "BUSY"  # SHM GET's refusal when no lease can be had (the user's share of the table, or the table, is full)
+COMMIT_WINDOW = 4 << 20  # bytes of blocks copied before their COMMITs go (a put round's replies are read at its end)
 DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
 
 
@@ -187,7 +192,16 @@ class ShmConnection:
 
     def command(self, pieces: list) -> Any:
         """Send one command (after the RELEASEs owed) and return its reply."""
+        self.submit(pieces)
+        return self.result()
+
+    def submit(self, pieces: list) -> None:
+        """Send one command (behind the deferred RELEASEs) without waiting for its reply. Until
+        `result()` has read that reply, no other command may be sent (no `release` either)."""
         self.send(self.with_deferred(pieces))
+
+    def result(self) -> Any:
+        """The reply of the command `submit` sent, after the owed RELEASE replies in front of it."""
         while self.owed:
             self.owed -= 1
             self.next_reply()  # a RELEASE's count (or its error): nothing depends on it
@@ -249,8 +263,9 @@ class ShmPool(RawPool):
 
 # -- reads ---------------------------------------------------------------------
 
-def _copy(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> tuple[int, int | None]:
-    """Land one SHM GET item in `view`: (length or MISS, the lease's slot or None).
+def _copy(conn: ShmConnection, item: Any, view: memoryview | Segments, verify: bool) -> tuple[int, int | None]:
+    """Land one SHM GET item in `view` (a buffer, or Segments to scatter it over): (length or MISS,
+    the lease's slot or None).
     Raises BufferTooSmall with nothing written."""
     if item is None:
         return MISS, None
@@ -258,28 +273,28 @@ def _copy(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> tup
         n = len(item)
         if n > len(view):
             raise BufferTooSmall(n, len(view))
-        view[:n] = item
+        land(view, item)
         return n, None
     if isinstance(item, ReplyError):
         raise from_wire(item.message)
     offset, n, _crc, slot, _gen = item
     if n > len(view):
         raise BufferTooSmall(n, len(view))
-    view[:n] = conn.mapping.arena[offset:offset + n]
+    land(view, conn.mapping.arena[offset:offset + n])
     return n, slot
 
 
-def _intact(conn: ShmConnection, item: Any, view: memoryview, verify: bool) -> str:
+def _intact(conn: ShmConnection, item: Any, view: memoryview | Segments, verify: bool) -> str:
     """After copying a leased block: "" when the copy is good, else why not ("stale", "crc")."""
     _offset, n, crc, slot, gen = item
     if conn.mapping.gens[slot] != gen:  # read after the copy: x86 TSO keeps the copy's loads before it
         return "stale"
-    if verify and crc32c.crc32c(view[:n]) != crc:
+    if verify and (view.crc32c(n) if isinstance(view, Segments) else crc32c.crc32c(view[:n])) != crc:
         return "crc"
     return ""
 
 
-def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify: bool,
+def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segments], verify: bool,
              reread: Callable[[int], int]) -> list[int | None]:
     """Per key its length, MISS, or None (too large for its view: nothing written; BufferTooSmall
     is raised at the end with every result). `reread(i)` reads key i again another way (TCP)."""
@@ -290,15 +305,25 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
 
     def request(conn: ShmConnection) -> None:
         nonlocal too_small
-        for lo in range(0, len(keys), GET_BATCH):
-            hi = min(lo + GET_BATCH, len(keys))
+        def items_of(raw: Any, lo: int, hi: int) -> list:
             try:
-                items = _reply(conn.command(pack_command("SHM", "GET", *keys[lo:hi])))
+                return _reply(raw)
             except QuillError as e:
                 if e.prefix != BUSY:
                     raise
                 busy.extend(range(lo, hi))  # no lease to be had (this user's share is taken): over TCP
-                continue
+                return []
+
+        batches = [(lo, min(lo + GET_BATCH, len(keys))) for lo in range(0, len(keys), GET_BATCH)]
+        conn.submit(pack_command("SHM", "GET", *keys[:batches[0][1]]))
+        items = items_of(conn.result(), *batches[0])
+        for b, (lo, hi) in enumerate(batches):
+            # The next batch's SHM GET goes out before this one is copied: its reply is on the way
+            # (the server answering on the other core) while we copy, so a batch waits once.
+            ahead = b + 1 < len(batches)
+            if ahead:
+                conn.submit(pack_command("SHM", "GET", *keys[hi:batches[b + 1][1]]))
+            in_flight = ahead
             slots: list[int] = []
             leased = 0
             try:
@@ -321,7 +346,17 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
                                 pool.stale_reads += 1
                             else:
                                 pool.crc_rereads += 1
+                if ahead:
+                    reply = conn.result()
+                    in_flight = False
+                    items = items_of(reply, *batches[b + 1])
+            except BaseException:
+                if in_flight:  # a reply left unread: the connection goes, and its leases with it
+                    conn.close()
+                raise
             finally:
+                # released after the next batch's reply was read: a RELEASE must not come
+                # between a command and the reply `result` reads for it
                 if not conn.broken:
                     conn.release(slots, leased)
 
@@ -344,9 +379,10 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview], verify:
 
 # -- writes --------------------------------------------------------------------
 
-def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview]], lease_ms: int | None,
+def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], lease_ms: int | None,
                round_bytes: int) -> list[bool]:
-    """Store each (key, data) in place: BEGIN ... SHM for a round, copy, COMMIT with CRC32C.
+    """Store each (key, data) in place: BEGIN ... SHM for a round, copy (Segments: each piece in
+    turn), COMMIT with CRC32C.
     Per block True if stored, False if the key was already complete."""
     stored = [False] * len(blocks)
     lease = ("LEASE", lease_ms) if lease_ms is not None else ()
@@ -374,6 +410,7 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
             conn.next_reply()
         begun = [conn.next_reply() for _ in order]
         handles: dict[int, bytes] = {}
+        offsets: dict[int, int] = {}
         error: QuillError | None = None
         for i, reply in zip(order, begun):
             if isinstance(reply, ReplyError):
@@ -383,14 +420,22 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
                 else:
                     error = error or err
             elif type(reply) is list:
-                handles[i] = reply[0]
-                offset = reply[1]
-                data = blocks[i][1]
-                conn.mapping.arena[offset:offset + data.nbytes] = data
+                handles[i], offsets[i] = reply[0], reply[1]
         if error is None and handles:
-            commits = [pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc32c.crc32c(blocks[i][1]))
-                       for i in handles]
-            conn.send([piece for cmd in commits for piece in cmd])
+            # Each block copied, then its COMMIT sent (COMMIT_WINDOW bytes of blocks at a time) before
+            # the next is copied: quilld checks one window's CRC32C on the other core meanwhile.
+            window: list = []
+            window_bytes = 0
+            for i in handles:
+                data = blocks[i][1]
+                store(conn.mapping.arena[offsets[i]:offsets[i] + data.nbytes], data)
+                window += pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc_of(data))
+                window_bytes += data.nbytes
+                if window_bytes >= COMMIT_WINDOW:
+                    conn.send(window)
+                    window, window_bytes = [], 0
+            if window:
+                conn.send(window)
             for i in handles:
                 reply = conn.next_reply()
                 if isinstance(reply, ReplyError):

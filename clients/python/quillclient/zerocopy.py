@@ -24,11 +24,12 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Sequence, TypeVar
 
-from quillwire.encode import as_readable, pack_command
+from quillwire.encode import pack_command
 from quillwire.reply import NEED_DATA, Bulk, ReplyError, ReplyReader, Status
 from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
+from quillclient.segments import Segments
 from quillclient.errors import (BufferTooSmall, ProtocolError, QuillConnectionError, QuillError,
                                 QuillTimeout, from_wire)
 
@@ -37,15 +38,6 @@ _IOV_MAX = 1024  # pieces per sendmsg (Linux's UIO_MAXIOV)
 MISS = -1
 
 T = TypeVar("T")
-
-
-def as_writable(buffer) -> memoryview:
-    """A flat writable byte view of `buffer`; TypeError for read-only objects."""
-    view = as_readable(buffer)
-    if view.readonly:
-        raise TypeError(f"{type(buffer).__name__} is read-only: get_into needs a writable buffer "
-                        "(bytearray, numpy array, mmap, memoryview)")
-    return view
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float | None) -> None:
@@ -197,10 +189,10 @@ class RawConnection:
         except QuillError as e:
             return e
 
-    def read_payload(self, view: memoryview) -> None:
+    def read_payload(self, view: memoryview | Segments) -> None:
         """Receive the announced payload into the front of `view` (first what is buffered,
-        then straight from the socket), then its CRLF."""
-        self.reader.attach(view)
+        then straight from the socket; Segments: scattered over its buffers), then its CRLF."""
+        self.reader.attach(view.views if isinstance(view, Segments) else view)
         self.next_event()
 
     def skip_payload(self) -> None:

@@ -72,12 +72,12 @@ def release_args(c, args: list) -> None:
 
 
 def _put2phase_begin(c, args):
-    if not 4 <= len(args) <= 11:
+    if not 4 <= len(args) <= 13:
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
     if nbytes < 0 or nbytes > c.ctx.cfg.server.proto_max_bulk_len:
         raise CommandError(f"block size must be within 0..{c.ctx.cfg.server.proto_max_bulk_len} bytes")
-    lease = bhash = handle = None
+    lease = bhash = handle = parent = None
     in_place = False
     i = 4
     while i < len(args):
@@ -92,6 +92,8 @@ def _put2phase_begin(c, args):
             lease = parse_int(args[i + 1])
         elif opt == b"HASH" and bhash is None:
             bhash = parse_block_hash(text(args[i + 1]))
+        elif opt == b"PARENT" and parent is None:  # the block before it in its chain (the directory's segment)
+            parent = parse_block_hash(text(args[i + 1]))
         elif opt == b"HANDLE" and handle is None:  # chosen by the client: DATA and COMMIT pipelined behind
             handle = bytes(args[i + 1])
         else:
@@ -99,6 +101,12 @@ def _put2phase_begin(c, args):
         i += 2
     if in_place:
         check_map(c, "PUT2PHASE BEGIN ... SHM")
+    if parent is not None:
+        if bhash is None:
+            raise CommandError("PUT2PHASE BEGIN: PARENT names the block before HASH's; give HASH too")
+        cluster = c.ctx.cluster
+        if cluster is not None:
+            cluster.link.note_parent(c.tag, bhash, parent)
     puts = c.puts
     handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place, handle)
     if handle is None:

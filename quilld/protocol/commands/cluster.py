@@ -1,7 +1,7 @@
-"""Cluster commands: NODES for people; PEERAUTH, DIR, PEERGET and PEERMGET between nodes.
+"""Cluster commands: NODES for people; PEERAUTH, DIR, PEERGET, PEERMGET and PEERPULL between nodes.
 
 PEERAUTH gives a connection peer rights only: the node-to-node commands (flagged PEER in
-the table: DIR, PEERGET, PEERMGET, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
+the table: DIR, PEERGET, PEERMGET, PEERPULL, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
 as a user or not. It logs nobody in: a peer that did not AUTH may run nothing else (NOAUTH),
 and one that did keeps its user's rights, never the operator's. Wrong secrets are counted
 (`peerauth_failures`) and slowed as AUTH's wrong passwords are (connection.py's throttle, one
@@ -17,13 +17,14 @@ import time
 from typing import TYPE_CHECKING
 
 from quilld.cluster.cluster import node_line, standalone_meta
+from quilld.cluster.prefetch import MAX_PULL_KEYS, pull
 from quilld.errors import CommandError, PeerOnly, WrongPass
 from quilld.model import IdentityScope, Pending, Pinned
 from quilld.protocol.commands.common import parse_int, text
 from quilld.context.auth_throttle import AuthThrottle
 from quilld.protocol.commands.connection import after_throttle, client_ip
 from quilld.protocol.resp import OK
-from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, CommandTable
+from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, WRITE, CommandTable
 
 if TYPE_CHECKING:  # annotations only: the RDMA module is loaded only on a node that turns RDMA on
     from quilld.cluster.rdma import RdmaTransfer
@@ -167,6 +168,17 @@ def cmd_peermget(c, args):
     return Pending(settle())
 
 
+def cmd_peerpull(c, args):
+    """PEERPULL tenant model tokenizer adapter key [key ...]: read the keys this node lacks from the
+    pool and keep them here (a disaggregated request's prefetch, cluster/prefetch.py); answers how
+    many of the keys this node holds once done."""
+    cluster = _peer(c)
+    keys = [bytes(k) for k in args[5:]]
+    if len(keys) > MAX_PULL_KEYS:
+        raise CommandError(f"PEERPULL: at most {MAX_PULL_KEYS} keys")
+    return Pending(pull(cluster, _scope_of(args), keys))
+
+
 def _rdma(c) -> RdmaTransfer:
     cluster = _peer(c)
     rdma = cluster.transfers.rdma
@@ -213,6 +225,8 @@ def register(t: CommandTable) -> None:
           "quillcache", "0.1.0")
     t.add("peerget", -6, f"{READONLY} {PEER}", cmd_peerget,
           "A peer reads this node's copy of a key, with its CRC32C.", "quillcache", "0.1.0")
+    t.add("peerpull", -6, f"{WRITE} {PEER}", cmd_peerpull,
+          "A peer asks this node to pull keys from the pool and keep them (a prefetch).", "quillcache", "0.1.0")
     t.add("peerrdma", 3, f"{ADMIN} {PEER}", cmd_peerrdma, "A peer sets up an RDMA queue pair with this node.",
           "quillcache", "0.1.0")
     t.add("peerrelease", -2, f"{READONLY} {PEER}", cmd_peerrelease,

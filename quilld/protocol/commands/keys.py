@@ -4,13 +4,13 @@ Replies and error texts are redis 7.0.15's, in its order of checks. Everything
 happens inside the caller's identity scope (`c.tag`): KEYS, SCAN and RANDOMKEY
 see only its keys, RENAME and COPY never leave it (both names get the same tag).
 
-Values kept only on SSD: the SSD tier keeps no TTLs, and its copies are stored
-under their key. EXPIRE (and its siblings), RENAME and COPY of such a value
-therefore first read it back into DRAM (a deferred reply; the key then lives in
-DRAM as after a promoting GET), then run as for any DRAM value: EXPIRE and
-RENAME drop the SSD copy and answer once that deletion is durable, so a crash
-never brings the key back without its TTL or under its old name. A value with
-a TTL stays in DRAM (the demoter skips it).
+Values kept only on SSD: the SSD tier keeps TTLs, so EXPIRE (and its siblings)
+and PERSIST change one where it is, and answer once its copy's new TTL is durable
+(`_reply`), so a crash never brings the key back with its old TTL. Its copies are
+stored under their key: RENAME and COPY of such a value first read it back into
+DRAM (a deferred reply; the key then lives in DRAM as after a promoting GET), then
+run as for any DRAM value; RENAME drops the SSD copy and answers once that
+deletion is durable, so a crash never brings the key back under its old name.
 
 The SCAN cursor is described in `Keyspace.scan` (tiers/keyspace.py): each
 scope's keys sit in an array from which a removal swap-removes, so a key's
@@ -120,7 +120,7 @@ def _expire(c, args, name: str, base_ms: int, seconds: bool):
         when *= 1000
     if when > LLONG_MAX - base_ms:
         raise CommandError(f"invalid expire time in '{name}' command")
-    return _in_dram(c, args[1], _set_expire, c, args[1], when + base_ms, flags)
+    return _set_expire(c, args[1], when + base_ms, flags)  # wherever the value is: the SSD tier keeps TTLs
 
 
 def _set_expire(c, key: bytes, when: int, flags: int):
@@ -161,7 +161,8 @@ def cmd_pexpireat(c, args):
 
 
 def cmd_persist(c, args):
-    return 1 if c.keyspace.persist(c.tag, args[1]) else 0
+    store = c.keyspace
+    return _reply(store, 1 if store.persist(c.tag, args[1]) else 0)  # an SSD copy's TTL goes durably first
 
 
 def cmd_expiretime(c, args):

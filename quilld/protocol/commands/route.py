@@ -10,6 +10,10 @@ a five-item array: engine, url, cost, lease and the plan as runs (step, count, .
 No argument may pass MAX_REQUEST_BYTES (the table's `arg_limit`: refused before it is
 read), and a request of more than LARGE_REQUEST bytes is decoded and checked in a worker
 thread while the event loop serves other clients; only the decision runs on the loop.
+
+When the model's engines have roles, the map has one more entry, `pair` (`pair_reply`:
+which engine prefills and which decodes, whether they differ, why, and the costs
+compared), and COMPACT a sixth item, the same map.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
+from quilld.index.pairing import Pair
 from quilld.index.route_request import (LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest,
                                         hashes_from_args, hashes_from_packed, route)
 from quilld.index.router import Candidate, Decision, Step
 from quilld.model import Pending
 from quilld.protocol.commands.common import text
-from quilld.protocol.resp import (NULL, BulkCache, EncodedById, Raw, array_header, bulk, double, integer,
-                                  map_header)
+from quilld.protocol.resp import (NULL, BulkCache, EncodedById, Raw, array_header, bulk, double, encode,
+                                  integer, map_header)
 from quilld.protocol.table import CommandTable
 
 MAX_EVENTS_BYTES = 1024 * 1024  # a KVEVENTS batch, as POST /v1/kv-events's body (aiohttp's client_max_size)
@@ -57,17 +62,35 @@ def _plan_text(step: Step) -> bytes:
     return f"{step.action}:{step.holder}:{step.tier.value}".encode()
 
 
+def _text_or_nil(s: str | None) -> bytes | None:
+    return None if s is None else s.encode()
+
+
+def pair_reply(p: Pair) -> dict:
+    """A decision's prefill-decode pair as a map: the engines, whether they differ, why, the costs compared."""
+    return {b"prefill": _text_or_nil(p.prefill), b"prefill_url": _text_or_nil(p.prefill_url),
+            b"prefill_lease": _text_or_nil(p.prefill_lease), b"decode": p.decode.encode(),
+            b"disaggregated": p.disaggregated, b"reason": p.reason.encode(),
+            b"local_us": float(p.local_us), b"remote_us": None if p.remote_us is None else float(p.remote_us),
+            b"transfer_us": float(p.transfer_us), b"transfer_bytes": p.transfer_bytes,
+            b"uncached_tokens": p.uncached_tokens, b"prefill_node": p.prefill_node.encode(),
+            b"decode_node": p.decode_node.encode()}
+
+
 def decision_reply(d: Decision) -> dict:
     """A decision as ROUTE's map reply (a flat array on RESP2)."""
     chosen = d.engine is not None
-    return {b"engine": d.engine.encode() if chosen else None,
-            b"url": d.url.encode() if chosen else None,
-            b"cost": float(d.cost) if chosen else None,
-            b"lease": d.lease.encode() if d.lease is not None else None,
-            b"plan": [_plan_text(s) for s in d.plan],
-            b"candidates": [{b"engine": c.engine.encode(), b"overlap_blocks": c.overlap_blocks,
-                             b"credit": float(c.credit), b"cost": float(c.cost), b"in_flight": c.in_flight}
-                            for c in d.candidates]}
+    reply = {b"engine": d.engine.encode() if chosen else None,
+             b"url": d.url.encode() if chosen else None,
+             b"cost": float(d.cost) if chosen else None,
+             b"lease": d.lease.encode() if d.lease is not None else None,
+             b"plan": [_plan_text(s) for s in d.plan],
+             b"candidates": [{b"engine": c.engine.encode(), b"overlap_blocks": c.overlap_blocks,
+                              b"credit": float(c.credit), b"cost": float(c.cost), b"in_flight": c.in_flight}
+                             for c in d.candidates]}
+    if d.pair is not None:
+        reply[b"pair"] = pair_reply(d.pair)
+    return reply
 
 
 def _options(args: list, after: str) -> tuple[int, int, str | None, bool, bool]:
@@ -170,7 +193,7 @@ def _answer(c, req: RouteRequest, compact: bool) -> Raw | Pending:
 # -- the reply, straight to RESP bytes, from the codec's pieces ---------------------------------
 
 _KEYS = {k: bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"candidates", b"overlap_blocks",
-                              b"credit", b"in_flight")}
+                              b"credit", b"in_flight", b"pair")}
 _DECISION_FIELDS, _CANDIDATE_FIELDS = 6, 5
 
 
@@ -204,21 +227,27 @@ def _head(d: Decision, resp3: bool) -> list[bytes]:
 def encode_decision(d: Decision, resp3: bool) -> bytes:
     """`decision_reply(d)` as resp.encode would write it, built from cached pieces."""
     engine, url, cost, lease = _head(d, resp3)
-    out = [map_header(_DECISION_FIELDS, resp3), _KEYS[b"engine"], engine, _KEYS[b"url"], url, _KEYS[b"cost"], cost,
-           _KEYS[b"lease"], lease, _KEYS[b"plan"], array_header(len(d.plan))]
+    out = [map_header(_DECISION_FIELDS + (d.pair is not None), resp3), _KEYS[b"engine"], engine, _KEYS[b"url"], url,
+           _KEYS[b"cost"], cost, _KEYS[b"lease"], lease, _KEYS[b"plan"], array_header(len(d.plan))]
     for step, count in _runs(d.plan):  # a step's bulk string is the same in both protocols
         out.append(_steps.one(step, False) * count)
     out += [_KEYS[b"candidates"], array_header(len(d.candidates))]
     out += _candidates.many(d.candidates, resp3)
+    if d.pair is not None:
+        out.append(_KEYS[b"pair"])
+        encode(pair_reply(d.pair), resp3, out)
     return b"".join(out)
 
 
 def encode_compact(d: Decision, resp3: bool) -> bytes:
-    """ROUTE ... COMPACT: [engine, url, cost, lease, [step, count, step, count, ...]]."""
+    """ROUTE ... COMPACT: [engine, url, cost, lease, [step, count, step, count, ...]], and the pair's
+    map sixth when there is one."""
     runs = _runs(d.plan)
-    out = [array_header(5), *_head(d, resp3), array_header(2 * len(runs))]
+    out = [array_header(5 if d.pair is None else 6), *_head(d, resp3), array_header(2 * len(runs))]
     for step, count in runs:
         out += (_steps.one(step, False), integer(count))
+    if d.pair is not None:
+        encode(pair_reply(d.pair), resp3, out)
     return b"".join(out)
 
 

@@ -422,10 +422,6 @@ def cmd_getdel(c, args):
     return _ack(store, old)
 
 
-def _nothing(view) -> None:
-    return None
-
-
 def cmd_getex(c, args):
     exp_opt = exp_raw = None
     persist = False
@@ -447,11 +443,7 @@ def cmd_getex(c, args):
         store.lookup(c.tag, key)  # counted as a miss, as GET would
         return None
     at = None if exp_opt is None else _expire_at(exp_opt, exp_raw, "getex")
-    if at is not None:  # a TTL lives with a DRAM copy (the SSD tier keeps none): read one back first
-        brought = store.write_range(c.tag, key, 0, 0, _nothing)
-        if brought.__class__ is Pending:
-            return Pending(_rerun(brought, lambda: cmd_getex(c, args)))
-    value = store.get(c.tag, key)
+    value = store.get(c.tag, key)  # a TTL change of a value with an SSD copy is made durable there (_ack)
     if at is not None and exp_opt in (b"EXAT", b"PXAT") and at <= now_ms():
         store.delete(c.tag, key)
     elif at is not None:

@@ -158,6 +158,17 @@ QUILLCACHE = {
             A("pxat", "pure-token", token="PXAT", flags="optional"),
         ),
     ),
+    "peerpull": D(
+        "Pull keys from the pool into this node and keep them: a disaggregated request's prefetch (cluster "
+        "peers)", SINCE, G,
+        complexity="O(N), N being the keys",
+        flags="write no_multi",
+        keys=(K("RW insert", index=5, range=(-1, 1, 0)),),
+        args=(
+            A("tenant", "string"), A("model", "string"), A("tokenizer", "string"), A("adapter", "string"),
+            A("key", "key", key_spec=0, flags="multiple"),
+        ),
+    ),
     "peerrdma": D(
         "Set up an RDMA queue pair with a cluster peer", SINCE, G,
         complexity="O(1)",

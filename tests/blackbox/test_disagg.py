@@ -1,0 +1,358 @@
+"""Disaggregated prefill and decode through a real quilld (issue 21): roles, ROUTE's pair, the gateway
+running vLLM's proxy protocol, the KV handed over through quilld, and the prefetch between nodes.
+
+The engines are tests/fake_kv_engine.py processes doing the real data work: a prefill
+engine writes deterministic KV bytes for every block of the prompt into quilld through
+quillclient (index/handoff.py's key scheme, PUT2PHASE ... HASH) and answers with
+kv_transfer_params; a decode engine reads every block back, checks every byte, and counts
+what it loaded, recomputed (missing) or found corrupt. The client is the official `openai`
+package, streaming and not, on /v1/chat/completions and /v1/completions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import openai
+import pytest
+import redis
+from conftest import ROOT, free_port, http, start_quilld, stop_process, wait_port, wait_until
+from quillclient import QuillClient
+
+from quilld.http.prompt_blocks import chunk_hashes, render_chat
+
+pytestmark = pytest.mark.timeout(90)
+
+ENGINE = ROOT / "tests" / "fake_kv_engine.py"
+SYSTEM = "You are QuillCache's disaggregation test assistant. " * 50  # ~2600 characters: 10 blocks of 256
+BLOCK_BYTES = 32 * 1024
+HTTP_TIMEOUT = 20.0
+
+
+@dataclass
+class Engine:
+    name: str
+    port: int
+    proc: subprocess.Popen
+
+    def stats(self) -> dict:
+        status, _, body = http(self.port, "GET", "/stats")
+        assert status == 200
+        return json.loads(body)
+
+    def control(self, **settings) -> None:
+        status, _, body = http(self.port, "POST", "/control", json.dumps(settings).encode(),
+                               {"Content-Type": "application/json"})
+        assert status == 200, body
+
+
+class Setup:
+    """Nodes (each a quilld; the first runs the gateway), KV fake engines registered on the first."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp_path = tmp_path
+        self.nodes: dict[str, object] = {}
+        self.engines: dict[str, Engine] = {}
+        self.gw_port = 0
+        self.procs: list[subprocess.Popen] = []
+
+    def node(self, name: str, *flags: str, env: dict | None = None, gateway: bool = False):
+        for attempt in range(3):
+            gw = free_port() if gateway else 0
+            extra = ["--node-id", name, "--dram", "64MiB", *flags] + (["--gateway-port", str(gw)] if gateway else [])
+            q = start_quilld(self.tmp_path, *extra, env=env)
+            self.procs.append(q.proc)
+            if not gateway:
+                break
+            try:
+                wait_port(gw, q.proc)
+                self.gw_port = gw
+                break
+            except (RuntimeError, TimeoutError):
+                stop_process(q.proc)
+                if attempt == 2 or "in use" not in q.log():
+                    raise
+        self.nodes[name] = q
+        return q
+
+    def engine(self, name: str, role: str, node: str = "a", *args: str, register: bool = True,
+               locality: str = "") -> Engine:
+        port = free_port()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in ("", "wire", "clients/python")))
+        with open(self.tmp_path / f"engine-{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, str(ENGINE), "--port", str(port), "--model", "m", "--name", name,
+                                     "--role", role, "--quilld", f"127.0.0.1:{self.nodes[node].port}",
+                                     "--tokenizer", "t", "--block-bytes", str(BLOCK_BYTES), *args],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        try:
+            wait_port(port, proc)
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{name}: {e}\n" + (self.tmp_path / f"engine-{name}.log").read_text()) from None
+        self.engines[name] = Engine(name, port, proc)
+        if register:
+            status, body = self.admin("POST", "/v1/engines", {"id": name, "url": f"http://127.0.0.1:{port}",
+                                                              "model": "m", "tokenizer": "t", "role": role,
+                                                              "locality": locality})
+            assert status == 201, body
+        return self.engines[name]
+
+    def admin(self, method: str, path: str, body=None) -> tuple[int, dict]:
+        status, _, raw = http(self.nodes["a"].admin_port, method, path,
+                              None if body is None else json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return status, json.loads(raw)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.gw_port}/v1", api_key="unused", max_retries=0,
+                             timeout=HTTP_TIMEOUT)
+
+    def gw_stats(self) -> dict:
+        status, _, raw = http(self.gw_port, "GET", "/v1/quillcache/stats")
+        assert status == 200
+        return json.loads(raw)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            stop_process(proc)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    s = Setup(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+ALWAYS = {"QUILLD_ROUTER_DISAGGREGATION": "always"}
+
+
+def messages(user: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def prompt_blocks(msgs: list[dict]) -> int:
+    return len(chunk_hashes(render_chat(msgs), 256))
+
+
+def kv(engine: Engine) -> dict:
+    return engine.stats()["kv"]
+
+
+# -- the protocol, end to end -------------------------------------------------------------
+def test_chat_and_completions_streamed_or_not_go_prefill_then_decode_with_the_kv_byte_for_byte(setup):
+    setup.node("a", gateway=True, env=ALWAYS)
+    p, d = setup.engine("p1", "prefill"), setup.engine("d1", "decode")
+    client = setup.client()
+    expected_blocks = 0
+    for i, (kind, stream) in enumerate([("chat", False), ("chat", True), ("completions", False),
+                                        ("completions", True)]):
+        msgs = messages(f"question {i}")
+        if kind == "chat":
+            call = client.chat.completions.with_streaming_response.create(model="m", messages=msgs, stream=stream,
+                                                                          max_tokens=16)
+            blocks = prompt_blocks(msgs)
+        else:
+            text = SYSTEM + f" question {i}"
+            call = client.completions.with_streaming_response.create(model="m", prompt=text, stream=stream,
+                                                                     max_tokens=16)
+            blocks = len(chunk_hashes(text, 256))
+        with call as response:
+            h = response.headers  # before any byte of the body is read
+            assert (h["x-quillcache-prefill-engine"], h["x-quillcache-decode-engine"], h["x-quillcache-engine"],
+                    h["x-quillcache-disaggregated"]) == ("p1", "d1", "d1", "true"), dict(h)
+            assert h["x-quillcache-pair"].startswith("always: local ")
+            assert f"blocks={blocks} resident={blocks} late=0" in h["x-quillcache-handoff"]
+            # the prefill engine's plan: the first prompt of each kind is new to it, the second is in its HBM
+            assert h["x-quillcache-plan"] == (f"hits=0 fetches=0 recomputes={blocks}" if i % 2 == 0
+                                              else f"hits={blocks} fetches=0 recomputes=0")
+            body = response.parse()
+            if stream:
+                pieces = [(c.choices[0].delta.content or "") if kind == "chat" else c.choices[0].text
+                          for c in body if c.choices]
+                text_out = "".join(pieces)
+            else:
+                text_out = body.choices[0].message.content if kind == "chat" else body.choices[0].text
+                assert body.model_extra["quillcache_kv"] == {"loaded": blocks, "recomputed": 0, "corrupt": 0}
+        assert text_out.startswith("served by d1")
+        expected_blocks += blocks
+        got = kv(d)
+        assert got["loaded"] == expected_blocks and got["recomputed"] == 0 and got["corrupt"] == 0, got
+    pstats, dstats = p.stats(), d.stats()
+    assert pstats["kv"]["prefills"] == 4 and pstats["kv"]["misrouted"] == 0
+    last_prefill = pstats["last"]  # vLLM's proxy: one token, not streamed, do_remote_decode
+    assert last_prefill["max_tokens"] == 1 and last_prefill["stream"] is False
+    assert last_prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert dstats["kv"]["decodes"] == 4 and dstats["kv"]["aggregated"] == 0
+    params = dstats["last_kv_params"]  # what the prefill answered, and do_remote_prefill
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "p1"
+    assert params["remote_port"] == p.port and dstats["last"].get("max_tokens") == 16, dstats["last"]
+    stats = setup.gw_stats()
+    assert stats["gateway_disaggregated"] == 4 and stats["gateway_handoff_on_time"] == 4
+    assert stats["gateway_handoff_missing"] == 0 and stats["gateway_handoff_blocks"] == expected_blocks
+
+
+def test_auto_keeps_a_short_prompt_on_the_decode_engine_and_says_why(setup):
+    setup.node("a", gateway=True)
+    p, d = setup.engine("p1", "prefill"), setup.engine("d1", "decode")
+    raw = setup.client().chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "hi " * 100}])  # one block: 64 tokens, under 512
+    h = raw.headers
+    assert (h["x-quillcache-prefill-engine"], h["x-quillcache-decode-engine"], h["x-quillcache-disaggregated"]) == \
+        ("d1", "d1", "false")
+    assert h["x-quillcache-pair"].startswith("short: ") and "uncached 64 tokens" in h["x-quillcache-pair"]
+    assert "x-quillcache-handoff" not in h
+    assert p.stats()["requests"] == 0 and kv(d)["aggregated"] == 1
+
+
+# -- failures -----------------------------------------------------------------------------
+def test_a_failed_prefill_moves_to_the_next_prefill_engine_then_to_the_decode_engine_alone(setup):
+    setup.node("a", gateway=True, env=ALWAYS)
+    p1, p2 = setup.engine("p1", "prefill"), setup.engine("p2", "prefill")
+    d = setup.engine("d1", "decode")
+    client = setup.client()
+    p1.control(status=500)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages("one"))
+    assert raw.headers["x-quillcache-prefill-engine"] == "p2" and raw.headers["x-quillcache-disaggregated"] == "true"
+    assert kv(d)["loaded"] == prompt_blocks(messages("one")) and kv(d)["recomputed"] == 0
+    assert p1.stats()["requests"] == 1 and kv(p2)["prefills"] == 1
+    p2.control(status=503)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages("two"))
+    h = raw.headers
+    assert (h["x-quillcache-prefill-engine"], h["x-quillcache-disaggregated"]) == ("d1", "false")
+    assert h["x-quillcache-pair"].startswith("prefill_failed: ") and "HTTP 503" in h["x-quillcache-pair"]
+    assert raw.parse().choices[0].message.content.startswith("served by d1")
+    assert kv(d)["aggregated"] == 1  # no kv_transfer_params: it prefilled the prompt itself
+    stats = setup.gw_stats()
+    assert stats["gateway_prefill_failures"] >= 3 and stats["gateway_prefill_fallbacks"] == 1
+
+
+def test_a_decode_engine_failing_before_its_first_byte_is_replaced_and_nothing_is_prefilled_again(setup):
+    setup.node("a", gateway=True, env=ALWAYS)
+    p = setup.engine("p1", "prefill")
+    d1, d2 = setup.engine("d1", "decode"), setup.engine("d2", "decode")
+    d1.control(status=500)
+    client = setup.client()
+    msgs = messages("retry the decode")
+    with client.chat.completions.with_streaming_response.create(model="m", messages=msgs, stream=True) as response:
+        assert response.headers["x-quillcache-decode-engine"] == "d2"
+        text = "".join((c.choices[0].delta.content or "") for c in response.parse() if c.choices)
+    assert text.startswith("served by d2")
+    assert d1.stats()["requests"] == 1 and kv(p)["prefills"] == 1  # one prefill for both decode attempts
+    assert kv(d2)["loaded"] == prompt_blocks(msgs) and kv(d2)["recomputed"] == 0
+    assert setup.gw_stats()["gateway_decode_retries"] == 1
+
+
+def test_the_handoff_waits_for_blocks_written_late_and_counts_those_that_never_come(setup):
+    setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "5000"})
+    p, d = setup.engine("p1", "prefill"), setup.engine("d1", "decode")
+    client = setup.client()
+    p.control(write_delay_ms=300)  # the prefill answers, then its connector stores the KV
+    msgs = messages("late blocks")
+    n = prompt_blocks(msgs)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=msgs)
+    assert f"blocks={n} resident={n} late={n}" in raw.headers["x-quillcache-handoff"]
+    assert kv(d)["loaded"] == n and kv(d)["recomputed"] == 0  # the gateway held the decode back until they came
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_late"] == 1 and stats["gateway_handoff_blocks_late"] == n
+
+
+def test_blocks_that_never_land_are_counted_missing_and_recomputed(setup):
+    setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "200"})
+    p, d = setup.engine("p1", "prefill"), setup.engine("d1", "decode")
+    p.control(write_kv=0)
+    msgs = messages("lost blocks")
+    n = prompt_blocks(msgs)
+    raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
+    assert f"blocks={n} resident=0 late=0" in raw.headers["x-quillcache-handoff"]
+    assert kv(d)["recomputed"] == n and kv(d)["loaded"] == 0
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_missing"] == 1 and stats["gateway_handoff_blocks_missing"] == n
+    assert stats["gateway_handoff_wait_p99_ms"] >= 100  # it waited (bucket bounds: 0.1 s to 0.25 s)
+
+
+def test_a_model_with_only_prefill_engines_is_a_clear_error_everywhere(setup):
+    q = setup.node("a", gateway=True)
+    setup.engine("p1", "prefill")
+    with pytest.raises(openai.APIStatusError) as err:
+        setup.client().chat.completions.create(model="m", messages=messages("nobody decodes"))
+    assert err.value.status_code == 503 and err.value.body["code"] == "no_decode_engine"
+    assert "no decode-capable engine serves model 'm'" in err.value.body["message"]
+    status, body = setup.admin("POST", "/v1/route", {"model": "m", "tokenizer": "t", "blocks": [1, 2, 3]})
+    assert status == 503 and "no decode-capable engine" in body["error"]
+    r = redis.Redis(port=q.port)
+    r.execute_command("SCOPE", "m", "t")
+    with pytest.raises(redis.ResponseError, match="no decode-capable engine serves model 'm'"):
+        r.execute_command("ROUTE", json.dumps({"blocks": [1, 2, 3]}))
+
+
+# -- ROUTE's renderings and the engines' views --------------------------------------------
+def test_route_answers_the_pair_in_every_form_and_engines_show_roles_and_loads(setup):
+    q = setup.node("a", env=ALWAYS)
+    setup.engine("p1", "prefill")
+    setup.engine("d1", "decode", locality="b")
+    blocks = list(range(1001, 1041))
+    want = {"prefill": "p1", "decode": "d1", "disaggregated": True, "reason": "always", "prefill_node": "a",
+            "decode_node": "b", "uncached_tokens": 40 * 16, "transfer_bytes": 40 * 16 * 131_072}
+    for protocol in (2, 3):
+        r = redis.Redis(port=q.port, protocol=protocol, decode_responses=True)
+        r.execute_command("SCOPE", "m", "t")
+        reply = r.execute_command("ROUTE", json.dumps({"blocks": blocks, "acquire": True}))
+        d = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2]))
+        pair = d["pair"] if isinstance(d["pair"], dict) else dict(zip(d["pair"][::2], d["pair"][1::2]))
+        assert d["engine"] == "d1" and pair["prefill_url"].startswith("http://127.0.0.1:")
+        assert {k: pair[k] for k in want} == {k: (int(v) if protocol == 2 and isinstance(v, bool) else v)
+                                              for k, v in want.items()}
+        assert r.execute_command("RELEASE", d["lease"]) and r.execute_command("RELEASE", pair["prefill_lease"])
+    compact = QuillClient("127.0.0.1", q.port).scope(model="m", tokenizer="t").route(blocks=blocks, candidates=False)
+    assert compact["engine"] == "d1" and compact["pair"]["prefill"] == "p1"
+    status, body = setup.admin("POST", "/v1/route", {"model": "m", "tokenizer": "t", "blocks": blocks,
+                                                     "acquire": True})
+    assert status == 200 and {k: body["pair"][k] for k in want} == want
+    engines = {e["id"]: e for e in setup.admin("GET", "/v1/engines")[1]["engines"]}
+    assert (engines["p1"]["role"], engines["d1"]["role"], engines["d1"]["kv_node"], engines["p1"]["kv_node"]) == \
+        ("prefill", "decode", "b", "a")
+    assert engines["p1"]["load"] == {"prefills": 1, "prefill_tokens": 640, "decodes": 0}
+    assert engines["d1"]["load"] == {"prefills": 0, "prefill_tokens": 0, "decodes": 1}
+    status, _, raw = http(q.admin_port, "GET", "/metrics")
+    text = raw.decode()
+    assert 'quilld_engine_info{engine="d1",kv_node="b",role="decode"} 1.0' in text
+    assert 'quilld_engine_prefill_tokens{engine="p1"} 640.0' in text
+    assert 'quilld_route_pairs_total{reason="always"} 4.0' in text
+
+
+# -- across nodes: the prefetch -------------------------------------------------------------
+FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
+               "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "1000"}
+
+
+def test_a_decode_engine_on_another_node_reads_the_prefills_kv_locally_pulled_there_before_it_asks(setup):
+    from test_cluster import free_udp_tcp_port, members
+
+    ga, gb = free_udp_tcp_port(), free_udp_tcp_port()
+    setup.node("a", "--gossip-port", str(ga), gateway=True, env=ALWAYS | FAST_GOSSIP)
+    setup.node("b", "--gossip-port", str(gb), "--seeds", f"127.0.0.1:{ga}", env=FAST_GOSSIP)
+    for n in "ab":
+        assert wait_until(lambda n=n: members(redis.Redis(port=setup.nodes[n].port)) == {"a": "alive", "b": "alive"},
+                          timeout=20), f"node {n} did not see both members"
+    p = setup.engine("p1", "prefill", "a", locality="a")
+    d = setup.engine("d1", "decode", "b", "--local-reads", locality="b")  # GETBLK ... LOCAL: node b's copies only
+    msgs = messages("across nodes")
+    n = prompt_blocks(msgs)
+    raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
+    h = raw.headers
+    assert h["x-quillcache-decode-engine"] == "d1" and h["x-quillcache-disaggregated"] == "true"
+    assert f"from=a to=b prefetched={n}" in h["x-quillcache-handoff"], h["x-quillcache-handoff"]
+    assert "transfer " in h["x-quillcache-pair"] and f"{n * 64 * 131_072} bytes" in h["x-quillcache-pair"]
+    got = kv(d)
+    assert got == got | {"loaded": n, "recomputed": 0, "corrupt": 0}, got  # every block read on b, byte for byte
+    assert kv(p)["blocks_written"] == n
+    info = redis.Redis(port=setup.nodes["b"].port).info("cluster")
+    assert info["cluster_prefetch_keys_pulled"] == n and info["cluster_peer_fetch_bytes"] >= n * BLOCK_BYTES
+    stats = setup.gw_stats()
+    assert stats["gateway_prefetches"] == 1 and stats["gateway_prefetch_blocks"] == n
