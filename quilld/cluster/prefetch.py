@@ -63,7 +63,8 @@ async def prefetch(cluster: Any, node_id: str, scope: IdentityScope, keys: list[
     except QuillError:
         cluster.stats["prefetch_errors"] += 1
         return 0
-    cluster.pool.release(conn)
+    finally:  # every acquire is given back: the pool bounds connections per peer
+        cluster.pool.release(conn)
     if type(reply) is not int:
         cluster.stats["prefetch_errors"] += 1
         return 0
