@@ -33,6 +33,9 @@ for SGLang.
     python bench/sglang_bench.py                       # 256 KiB, 768 KiB, 2 MiB, 8 MiB; 5 rounds
     python bench/sglang_bench.py --layout layer_first --rounds 3
     /work/venvs/sglang/bin/python bench/sglang_bench.py  # with SGLang's own classes
+    python bench/sglang_bench.py --plot sglang.png     # also the figure (the `bench` extra)
+
+tools/sglang_check.py, in SGLang's environment, checks the same steps for every host pool layout.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -56,7 +60,10 @@ for path in (os.path.join(ROOT, "clients", "python"), os.path.join(ROOT, "wire")
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from quillclient import QuillClient, QuillError  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from plot import Panel, add_flag, ratio, save  # noqa: E402
+from procs import start_listening, stop_process  # noqa: E402
 from quillclient.sglang import QuillHiCacheStorage  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
@@ -272,37 +279,34 @@ def v1_get(ctl, hashes, host_indices) -> int:
 
 # -- the run ------------------------------------------------------------------------------
 
-def start_quilld(python: str, dram: str, sock: str, log) -> tuple[subprocess.Popen, int]:
-    """A quilld on a free loopback port and on the unix socket `sock`, mappable by `default`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start_quilld(python: str, dram: str, sock: str, log_dir: str) -> tuple[subprocess.Popen, int]:
+    """A quilld run by `python` on a free loopback port (tests/procs.py's) and on the unix socket
+    `sock`, mappable by `default`; its log in `log_dir`. Returned once both listen."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env["PYTHONPATH"] = ROOT
-    proc = subprocess.Popen([python, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port),
-                             "--admin-port", "0", "--dram", dram, "--log-level", "warning",
-                             "--unixsocket", sock, "--map-users", "default"],
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    with QuillClient("127.0.0.1", port, retries=0, connect_timeout=1.0) as c:
-        while True:
+
+    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            return subprocess.Popen([python, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]),
+                                     "--admin-port", "0", "--dram", dram, "--log-level", "warning",
+                                     "--unixsocket", sock, "--map-users", "default"],
+                                    env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+    try:
+        proc, (port,), log = start_listening("quilld", lambda port: Path(log_dir) / f"quilld-{port}.log", spawn)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    deadline = time.monotonic() + 60  # the unix socket is opened after the TCP port
+    while True:
+        with socket.socket(socket.AF_UNIX) as s:
             try:
-                c.ping()
+                s.connect(sock)
                 return proc, port
-            except QuillError:
+            except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     stop_process(proc)
-                    raise SystemExit(f"quilld did not start (see {log.name})")
-                time.sleep(0.1)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+                    raise SystemExit(f"quilld did not listen on {sock} (see {log})") from None
+        time.sleep(0.05)
 
 
 class StorageConfig(SimpleNamespace):
@@ -421,40 +425,70 @@ def main() -> None:
                     help="the Python that runs quilld (SGLang's environment has not quilld's packages)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch's intra-op threads (SGLang's page copies on both sides; more threads spin on a busy machine)")
+    add_flag(ap)
     args = ap.parse_args()
     if SGLANG:
         torch.set_num_threads(args.torch_threads)
     sizes = [int(s[:-1]) * (KiB if s[-1] in "kK" else MiB) for s in args.sizes.split(",")]
     file_dir = tempfile.mkdtemp(prefix="hicache-file-", dir=args.dir or "/tmp")
     sock_dir = tempfile.mkdtemp(prefix="qb", dir="/tmp")
-    log = open(os.path.join(sock_dir, "quilld.log"), "w")
     dram = f"{max(sizes) * args.pages // MiB + 512}MiB"
-    proc, port = start_quilld(args.quilld_python, dram, os.path.join(sock_dir, "q.sock"), log)
     results: dict = {}
     before = loadavg()
+    proc = None
     try:
+        proc, port = start_quilld(args.quilld_python, dram, os.path.join(sock_dir, "q.sock"), sock_dir)
         for size in sizes:
             run_size(size, args, port, file_dir, results, proc.pid)
     finally:
-        stop_process(proc)
-        log.close()
+        if proc is not None:
+            stop_process(proc, 30)
         shutil.rmtree(file_dir, ignore_errors=True)
         shutil.rmtree(sock_dir, ignore_errors=True)
     what = "SGLang 0.5.23's own HiCacheFile, MHATokenToKVPoolHost and CacheController steps" if SGLANG else \
         "copies of SGLang 0.5.23's HiCacheFile I/O, host pool layout and CacheController steps (SGLang not importable)"
+    summary = {key: statistics.median(values) for key, values in results.items()}
     print(f"{what}; quilld over {'TCP' if args.tcp else 'shared memory'}; {args.layout} host pool; "
           f"{args.pages} pages a repetition, {args.rounds} rounds, medians; "
           f"load average {before} before, {loadavg()} after")
     print("| page | op | file MiB/s | quilld generic | /file | quilld v1 | /file | CPU ms/page: file, generic, v1 |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for size in sizes:
-        label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
         for op in ("write", "read"):
-            f, g, v = (statistics.median(results[(size, side, op)]) for side in SIDES)
-            cpu = ", ".join(f"{statistics.median(results[(size, side, op + ' cpu')]) * 1000:.2f}" for side in SIDES)
-            print(f"| {label} | {op} | {f:.0f} | {g:.0f} | {g / f:.2f}x | {v:.0f} | {v / f:.2f}x | {cpu} |")
+            f, g, v = (summary[(size, side, op)] for side in SIDES)
+            cpu = ", ".join(f"{summary[(size, side, op + ' cpu')] * 1000:.2f}" for side in SIDES)
+            print(f"| {size_label(size)} | {op} | {f:.0f} | {g:.0f} | {g / f:.2f}x | {v:.0f} | {v / f:.2f}x | {cpu} |")
     print("(CPU: the bench process's time, plus quilld's for quilld; the kernel's write-back of the file "
           "backend's pages, by its flusher threads, is not counted)")
+    if args.plot:
+        plot(args.plot, summary, sizes, args, SGLANG)
+
+
+def size_label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+
+
+def plot(path: str, summary: dict, sizes: list[int], args: argparse.Namespace, sglang: bool) -> None:
+    """summary: (page size, side, op) -> the median main() prints, op "write", "read", "write cpu"
+    (seconds a page) or "read cpu". MiB/s of writes and of reads per page size, one bar a side, with
+    quilld's ratios to the file backend over each size (generic | v1); then the CPU a page cost."""
+    categories = [size_label(size) for size in sizes]
+    panels = []
+    for op in ("write", "read"):
+        speeds = {side: [summary[(size, side, op)] for size in sizes] for side in SIDES}
+        panels.append(Panel(f"{op}s, {args.pages} pages a batch (over each: generic/file | v1/file)", categories,
+                            speeds, "MiB/s (median)",
+                            [f"{ratio(g, f)} | {ratio(v, f)}" for f, g, v in zip(*speeds.values())]))
+    for op in ("write", "read"):
+        panels.append(Panel(f"CPU per page {op} (bench process, plus quilld's for quilld)", categories,
+                            {side: [summary[(size, side, f"{op} cpu")] * 1000 for size in sizes] for side in SIDES},
+                            "ms (median)"))
+    what = "SGLang 0.5.23's own HiCacheFile, host pool and CacheController steps" if sglang else \
+        "copies of SGLang 0.5.23's HiCacheFile I/O, host pool and CacheController steps (SGLang not importable)"
+    save(path, panels, "SGLang HiCache L3: quilld (QuillHiCacheStorage) vs SGLang's file backend",
+         f"{what}; quilld over {'TCP' if args.tcp else 'shared memory'}; {args.layout} host pool; medians of "
+         f"{args.rounds} rounds; {os.cpu_count()} cores shared with other work (noisy); the file backend's "
+         f"write-back by the kernel is not in its CPU")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,52 @@ def test_cluster_events_gateway_route_alloc(saved):
     assert disagg.rate_at(points["auto"]) == 10.0 and disagg.rate_at([(5.0, 0.5)]) == 0.0
 
 
+def test_dram_bound_bench_draws_each_tree_per_case(saved):
+    m = bench("dram_bound_bench")
+    MiB = m.MiB
+
+    def run(peak, rss, errors=0, refused=0, evicted=0, cpu=1.0):
+        return {"used_peak": peak * MiB, "used": 30 * MiB, "rss": rss * MiB, "evicted": evicted, "demoted": 9,
+                "ssd_keys": 9, "errors": errors, "refused": refused, "keys": 9, "cpu_s": cpu}
+
+    rows = [("this", "small", True, run(32.5, 165)), ("this", "block-ttl", True, run(33.0, 300, refused=4)),
+            ("this", "small", False, run(32.0, 120, evicted=90_000, cpu=2.0))]
+    m.plot("x.png", rows, 100_000)
+    peak, rss, counts, cpu = saved[-1]["panels"]
+    assert peak.categories == ["small", "block-ttl", "small, no SSD"] and peak.series == {"this": [32.5, 33.0, 32.0]}
+    assert peak.labels == ["1.02x", "1.03x", "1.00x"] and "peak / maxmemory" in peak.title  # one tree: vs 32 MiB
+    assert rss.series == {"this": [165.0, 300.0, 120.0]} and cpu.series == {"this": [1.0, 1.0, 2.0]}
+    assert counts.series == {"writes -OOM": [0, 0, 0], "other client refused": [0, 4, 0], "evicted": [0, 0, 90_000]}
+    assert "100,000 values" in saved[-1]["title"]
+    two = [("main", "small", True, run(391.0, 473, errors=7)), ("new", "small", True, run(32.5, 165))]
+    m.plot("x.png", two, 100_000)
+    peak, rss, counts, _ = saved[-1]["panels"]
+    assert peak.series == {"main": [391.0], "new": [32.5]} and peak.labels == ["0.08x"] and "new / main" in peak.title
+    assert counts.series["main writes -OOM"] == [7] and counts.series["new writes -OOM"] == [0]
+
+
+def test_sglang_bench_pairs_each_page_size_with_both_ratios(saved):
+    import argparse
+
+    m = bench("sglang_bench")
+    sizes = [256 * m.KiB, 2 * m.MiB]
+    speeds = {"file": (900.0, 3900.0), "quilld generic": (1800.0, 2400.0), "quilld v1": (2700.0, 7800.0)}
+    summary = {}
+    for i, size in enumerate(sizes):
+        for side, (write, read) in speeds.items():
+            summary |= {(size, side, "write"): write * (i + 1), (size, side, "read"): read * (i + 1),
+                        (size, side, "write cpu"): 0.0002 * (i + 1), (size, side, "read cpu"): 0.0001 * (i + 1)}
+    args = argparse.Namespace(pages=128, rounds=5, tcp=False, layout="page_first")
+    m.plot("x.png", summary, sizes, args, False)
+    writes, reads, write_cpu, read_cpu = saved[-1]["panels"]
+    assert writes.categories == ["256 KiB", "2 MiB"] and list(writes.series) == list(m.SIDES)
+    assert writes.series["file"] == [900.0, 1800.0] and writes.series["quilld v1"] == [2700.0, 5400.0]
+    assert writes.labels == ["2.00x | 3.00x"] * 2 and reads.labels == ["0.62x | 2.00x"] * 2
+    assert write_cpu.series["quilld generic"] == pytest.approx([0.2, 0.4])
+    assert read_cpu.series["file"] == pytest.approx([0.1, 0.2])
+    assert "SGLang not importable" in saved[-1]["note"] and "shared memory" in saved[-1]["note"]
+
+
 def test_save_writes_a_small_png(tmp_path):
     import matplotlib  # noqa: F401  (in the test extra as well as the `bench` extra: this must run)
     panels = [plot.Panel("a", ["x", "y"], {"ref": [1.0, 2.0], "quilld": [2.0, 1.0]}, "GB/s", ["2.00x", "0.50x"]),

@@ -13,11 +13,15 @@ layer_first, page_first_direct), on the generic and the v1 path, over shared mem
 - `get(key)` and `exists(key)` agree, for stored pages and a missing one;
 - the object quilld holds for a page is byte for byte the file SGLang's `HiCacheFile` writes.
 
-    /work/venvs/sglang/bin/python bench/sglang_check.py
+It prints one line a case and exits 1 if any failed: a check, not a bench (no figures; the
+speed of the same steps is bench/sglang_bench.py's, whose quilld start it uses).
+
+    /work/venvs/sglang/bin/python tools/sglang_check.py
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -28,9 +32,11 @@ import tempfile
 import traceback
 from types import SimpleNamespace
 
-from sglang_bench import ROOT, Op, start_quilld, stop_process
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from sglang_bench import ROOT, Op, start_quilld  # noqa: E402  (it puts tests/ and clients/python on the path)
 
-from quillclient import QuillClient
+from procs import stop_process  # noqa: E402
+from quillclient import QuillClient  # noqa: E402
 
 try:
     import torch
@@ -40,8 +46,9 @@ try:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
-except ImportError as e:
-    raise SystemExit(f"SGLang is not importable here ({e}): run this in SGLang's environment") from None
+    MISSING = None
+except ImportError as e:  # said after the arguments are parsed: --help answers anywhere
+    MISSING = e
 
 PAGE, LAYERS, PAGES = 16, 3, 10
 LAYOUTS = {"mha": ["page_first", "layer_first", "page_first_direct", "page_head", "page_unified"],
@@ -117,14 +124,20 @@ def one_case(port: int, recipe: dict, kind: str, layout: str, v1: bool, transpor
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quilld-python", default=shutil.which("python3"),
+                    help="the Python that runs quilld (SGLang's environment has not quilld's packages)")
+    args = ap.parse_args()
+    if MISSING is not None:
+        raise SystemExit(f"SGLang is not importable here ({MISSING}): run this in SGLang's environment")
     recipe = json.loads(re.search(r"<!-- recipe: sglang-hicache -->\s*```\w*\n(.*?)```",
                                   open(os.path.join(ROOT, "docs", "connectors.md")).read(), re.DOTALL).group(1))
     recipe.pop("password")
     sock_dir = tempfile.mkdtemp(prefix="qc", dir="/tmp")
-    log = open(os.path.join(sock_dir, "quilld.log"), "w")
-    proc, port = start_quilld(shutil.which("python3"), "512MiB", os.path.join(sock_dir, "q.sock"), log)
     failed = 0
+    proc = None
     try:
+        proc, port = start_quilld(args.quilld_python, "512MiB", os.path.join(sock_dir, "q.sock"), sock_dir)
         for kind, layouts in LAYOUTS.items():
             for layout in layouts:
                 for v1 in (False, True):
@@ -137,8 +150,8 @@ def main() -> None:
                         failed += outcome.startswith("FAILED")
                         print(f"{kind} {layout:18s} {'v1' if v1 else 'generic':8s} {transport}  {outcome}", flush=True)
     finally:
-        stop_process(proc)
-        log.close()
+        if proc is not None:
+            stop_process(proc, 30)
         shutil.rmtree(sock_dir, ignore_errors=True)
     sys.exit(1 if failed else 0)
 
