@@ -23,10 +23,17 @@ holding every entry in the `ResidencyIndex` it used.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from quilld.cluster.directory import DirectorySettings
-from quilld.cluster.sim_scenarios import Workload, dense_entry_bytes, run
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # this tree's quilld, not an installed one
+from plot import Panel, add_flag, ratio, save  # noqa: E402
+
+from quilld.cluster.directory import DirectorySettings  # noqa: E402
+from quilld.cluster.sim_scenarios import Workload, dense_entry_bytes, run  # noqa: E402
 
 BLOCKS_PER_NODE = 1_000_000  # the issue's target: 1M blocks per node
 
@@ -37,6 +44,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--keys", type=int, default=40, help="pool keys per node")
+    add_flag(ap)
     args = ap.parse_args()
     settings = DirectorySettings(replicas=args.replicas)
     r = args.replicas
@@ -69,6 +77,36 @@ def main() -> None:
               f"{j['all_views_with_them_s']} s / {j['directory_converged_after_views_s']} s / {j['unfindable'][0]} | "
               f"{rr['converged_per_wave_s_max']} s | converged {loss.get('converged')} lost "
               f"{loss.get('unfindable', ('-',))[0]} | {secs:.0f} s wall")
+
+
+    if args.plot:
+        plot(args.plot, [(n, dense, by) for n, by, dense, _ in summary], r)
+
+
+def plot(path: str, rows: list[tuple[int, dict, dict]], replicas: int) -> None:
+    """Per simulated size: directory bytes per node at 1M blocks per node (sharded against full
+    replication), messages per placement (against N - 1), and the convergence times."""
+    sizes = [f"{n} nodes" for n, _, _ in rows]
+    mine = [min(replicas, n) * BLOCKS_PER_NODE * d["bytes_per_entry"] / 2**30 for n, d, _ in rows]
+    today = [n * BLOCKS_PER_NODE * d["today_bytes_per_entry"] / 2**30 for n, d, _ in rows]
+    msgs = [by["placement"]["entry_messages_per_placement"] for _, _, by in rows]
+    crash = [by["crash 5%"]["all_views_without_them_s"] for _, _, by in rows]
+    crash_dir = [by["crash 5%"]["directory_converged_after_views_s"] or 0.0 for _, _, by in rows]
+    join = [by["join 10%"]["all_views_with_them_s"] or 0.0 for _, _, by in rows]
+    join_dir = [by["join 10%"]["directory_converged_after_views_s"] or 0.0 for _, _, by in rows]
+    panels = [
+        Panel("directory per node, 1M blocks per node", sizes, {"full replication": today, "sharded": mine},
+              "GiB", [ratio(t, m) for t, m in zip(today, mine)], logy=True),
+        Panel("entry messages per placement", sizes,
+              {"full replication (N-1)": [n - 1 for n, _, _ in rows], "sharded": msgs}, "messages", logy=True),
+        Panel("5% crash: membership, then directory", sizes, {"views agree": crash, "directory after": crash_dir},
+              "virtual seconds"),
+        Panel("10% join: membership, then directory", sizes, {"views agree": join, "directory after": join_dir},
+              "virtual seconds"),
+    ]
+    save(path, panels, f"The sharded directory, simulated (R={replicas})",
+         "real SWIM and directory code on a virtual clock (quilld/cluster/simulation.py); bytes per entry from "
+         "an owner's store filled as on a large pool; 'views agree': SWIM's detection with the default config")
 
 
 if __name__ == "__main__":
