@@ -137,8 +137,6 @@ class Directory:
         self._unacked: set[str] = set()  # channels with something queued or in flight
         self._timers: list[tuple[float, int, str, Any]] = []  # (when, tie, what, arg): retries, digests, drops
         self._tie = 0
-        self._owned_by: dict[str, set[int]] = {}  # member -> buckets it owns (this ownership version)
-        self._owned_version = -1
         self._view = b""  # the membership, so that two nodes can tell they agree
         self._copy_asks: dict[str, list[int]] = {}  # old owner -> buckets to copy from it
         self._strays: set[int] = set()  # buckets not ours that a holder sent entries for (release pending)
@@ -249,14 +247,8 @@ class Directory:
                         self._send_replace(o, holder, b, held)
                         self.stats["handoff_buckets"] += 1
 
-    def owned_buckets(self, member: str) -> set[int]:
-        if self._owned_version != self.ownership.version:
-            self._owned_by = {}
-            self._owned_version = self.ownership.version
-        got = self._owned_by.get(member)
-        if got is None:
-            got = self._owned_by[member] = set(self.ownership.owned_by(member).tolist())
-        return got
+    def owned_buckets(self, member: str) -> frozenset[int]:
+        return self.ownership.owned_set(member)
 
     # -- this node's own changes (as a holder) ----------------------------------------------
     def add_authority(self, holder: str) -> HeldEntries:
@@ -496,7 +488,7 @@ class Directory:
         theirs = self.owned_buckets(dest)
         touched, ch.touched = ch.touched, set()
         for holder, held in self.authorities.items():
-            buckets = theirs.intersection(held.buckets)
+            buckets = set(theirs.intersection(held.buckets))
             buckets.update(b for h, b in touched if h == holder)
             listed = [(b, *held.digest(b)) for b in sorted(buckets)]
             ch.queue.append((DIGEST, holder, listed, self._view))

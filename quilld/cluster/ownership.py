@@ -86,10 +86,14 @@ class _Table:
     """One view's ranking: `ids[b]` are indices into `names`, best first (-1 pads); the first
     `depth[b]` are exact (the best of all members); the owners are the first `replicas`."""
 
-    __slots__ = ("names", "scores", "ids", "depth")
+    __slots__ = ("names", "scores", "ids", "depth", "rows", "by_member", "sets")
 
     def __init__(self, names: tuple[str, ...], scores: np.ndarray, ids: np.ndarray, depth: np.ndarray) -> None:
         self.names, self.scores, self.ids, self.depth = names, scores, ids, depth
+        # filled as asked, and shared by every node holding this view (the memo hands out one table)
+        self.rows: dict[int, tuple[str, ...]] = {}  # bucket -> owners, best first
+        self.by_member: list[np.ndarray] | None = None  # member index -> its buckets
+        self.sets: dict[str, frozenset[int]] = {}  # member -> its buckets, as a set
 
     @classmethod
     def empty(cls, buckets: int, width: int) -> "_Table":
@@ -143,9 +147,7 @@ class Ownership:
         self.version = 0  # raised by every change of the view
         self._table: _Table | None = None
         self._previous: _Table | None = None  # the view before the last change
-        self._rows: dict[int, tuple[str, ...]] = {}  # bucket -> owners, best first (filled as asked)
         self._index: dict[str, int] = {}  # name -> its index in the table's names
-        self._by_member: list[np.ndarray] | None = None  # member index -> its buckets (filled when asked)
 
     # -- keys ------------------------------------------------------------------------
     def bucket_of(self, shard: bytes) -> int:
@@ -153,13 +155,13 @@ class Ownership:
 
     def owners(self, bucket: int) -> tuple[str, ...]:
         """The bucket's owners, best first (fewer than `replicas` only while there are fewer members)."""
-        row = self._rows.get(bucket)
+        t = self._table
+        if t is None:
+            return ()
+        row = t.rows.get(bucket)
         if row is None:
-            t = self._table
-            if t is None:
-                return ()
             names = t.names
-            row = self._rows[bucket] = tuple(names[i] for i in t.ids[bucket, :self.replicas] if i >= 0)
+            row = t.rows[bucket] = tuple(names[i] for i in t.ids[bucket, :self.replicas] if i >= 0)
         return row
 
     def previous_owners(self, bucket: int) -> tuple[str, ...]:
@@ -178,13 +180,23 @@ class Ownership:
         i = self._index.get(node)
         if t is None or i is None:
             return np.empty(0, dtype=np.int64)
-        if self._by_member is None:  # every member's buckets at once: one sort of the owner columns
+        if t.by_member is None:  # every member's buckets at once: one sort of the owner columns
             flat = t.ids[:, :self.replicas].ravel()
             order = np.argsort(flat, kind="stable")
             cuts = np.searchsorted(flat[order], np.arange(len(t.names) + 1))
             buckets = order // self.replicas
-            self._by_member = [buckets[cuts[j]:cuts[j + 1]] for j in range(len(t.names))]
-        return self._by_member[i]
+            t.by_member = [buckets[cuts[j]:cuts[j + 1]] for j in range(len(t.names))]
+        return t.by_member[i]
+
+    def owned_set(self, node: str) -> frozenset[int]:
+        """`owned_by` as a set (kept with the view, shared by every node that holds it)."""
+        t = self._table
+        if t is None:
+            return frozenset()
+        got = t.sets.get(node)
+        if got is None:
+            got = t.sets[node] = frozenset(self.owned_by(node).tolist())
+        return got
 
     def is_owner(self, node: str, bucket: int) -> bool:
         return node in self.owners(bucket)
@@ -210,8 +222,6 @@ class Ownership:
         self._previous, self._table = old, table
         self.members = members
         self._index = {n: i for i, n in enumerate(table.names)}
-        self._rows = {}
-        self._by_member = None
         self.version += 1
         return changed
 
