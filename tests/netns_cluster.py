@@ -179,12 +179,21 @@ class NetnsCluster:
 
     def converged(self) -> bool:
         """Every live node lists every live node alive, and each other node it lists dead or left
-        (a suspect is neither: its residencies are still in the directory)."""
+        (a suspect is neither: its residencies are still in the directory); and every node's
+        directory applies that membership, with nothing of a handoff still on its way."""
         want = {n.node_id for n in self.live()}
         for view in self.views().values():
             if isinstance(view, str) or {i for i, s in view.items() if s == "alive"} != want:
                 return False
             if any(s not in ("dead", "left") for i, s in view.items() if i not in want):
+                return False
+        for node in self.live():
+            try:
+                info = node.r.info("cluster")
+            except redis.RedisError:
+                return False
+            if (info.get("cluster_directory_view_members") != len(want) or info.get("cluster_directory_view_pending")
+                    or info.get("cluster_directory_buckets_filling")):
                 return False
         return True
 

@@ -316,6 +316,7 @@ class Cluster:
                 ("cluster_lookup_failures", link["lookup_failures"]),
                 ("cluster_route_lookups", link["routes"]),
                 ("cluster_route_owner_round_trips", link["route_owner_trips"]),
+                ("cluster_route_second_waves", link["route_second_waves"]),
                 ("cluster_directory_requests", link["requests"]),
                 ("cluster_directory_message_failures", link["message_failures"]),
                 ("cluster_peer_connection_waits", self.pool.waits + self.link.pool.waits)]

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from quilld.cluster.dir_entries import BLOCK, KEY, TIERS, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.dir_entries import BLOCK, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
 from quilld.cluster.directory import BATCH, LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
@@ -301,17 +301,31 @@ class DirectoryLink:
 
     async def block_holders(self, tag: bytes, hashes: list) -> tuple[list[list[tuple[str, list[CacheTier]]]], int]:
         """For each block of a prompt (from its first): (holder, tiers) of every engine and node
-        holding it; and the owner round trips it took."""
+        holding it; and the owner round trips it took.
+
+        First wave: each prompt segment's owners (a block placed from its chain is there). When
+        the first block is held but a later one was not found in its segment, a second wave asks
+        the owners of those blocks' own shards, all at once (up to a segment's worth): a block
+        placed with no known parent (a pool block stored alone with HASH, by a node that does
+        not hold the block before it) starts a chain of its own, under its own hash."""
         ctag = self.ctag(tag)
         parts = [hash_key(h) for h in hashes]
         items = self.d.block_items(ctag, parts)
         answers, trips = await self.lookup([item for item, _ in items])
-        out: list[list[tuple[str, list[CacheTier]]]] = []
-        for seg in answers:
-            out += [[(h, tiers(code)) for h, code in per] for per in seg]
+        found: list[list] = [per for seg in answers for per in seg]
+        gap = next((i for i, per in enumerate(found) if not per), None)
+        if gap:  # block 0 is held (a prefix may go on), block `gap` was not found in its segment
+            g = self.d.s.group_blocks
+            lone = [i for i in range(gap, min(len(parts), gap + g)) if i % g]  # segment heads were asked
+            if lone:
+                more, trips2 = await self.lookup([(BLOCK, block_shard(ctag, parts[i]), [parts[i]]) for i in lone])
+                trips += trips2
+                for i, seg in zip(lone, more):
+                    found[i] = _union(found[i], seg[0])
+                self.stats["route_second_waves"] += 1
         self.stats["routes"] += 1
         self.stats["route_owner_trips"] += trips
-        return out, trips
+        return [[(h, tiers(code)) for h, code in per] for per in found], trips
 
 
 def _merge(kind: int, a: Any, b: Any) -> Any:

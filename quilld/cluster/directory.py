@@ -699,6 +699,8 @@ class Directory:
     # -- figures ------------------------------------------------------------------------
     def info(self) -> dict[str, int]:
         return {
+            "directory_view_members": len(self.members),  # the membership the directory applies
+            "directory_view_pending": int(self._pending is not None),  # a newer one waits to settle
             "directory_entries_owned": self.owned.entries,
             "directory_buckets_owned": len(self.owned_buckets(self.node_id)) if self.ownership.members else 0,
             "directory_entries_held": sum(len(h) for h in self.authorities.values()),
