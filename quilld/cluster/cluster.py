@@ -153,6 +153,10 @@ class Cluster:
             "admin": [host, usage.pop("admin_port")],
             "dram_capacity": self.keyspace.capacity, "dram_used": self.keyspace.used,
             **usage, "version": __version__, "dir_epoch": self.directory.epoch,
+            # the directory at a glance, for /v1/nodes and the status page of every node
+            "dir": [self.directory.owned.entries, len(self.directory.filling) + len(self.directory._unacked),
+                    self.link.stats["lookups"], self.link.stats["route_owner_trips"], self.link.stats["routes"],
+                    self.directory.stats["ae_repairs"]],
             **self.transfers.advertise(),
         }
 

@@ -309,6 +309,10 @@ async def nodes(request: web.Request) -> web.Response:
                             **(m.meta or {}), **(_own_figures(node) if me else {})})
     for m in members:
         m["current"] = m["state"] == "alive"
+        d = m.pop("dir", None)
+        if isinstance(d, list) and len(d) == 6:  # the directory's figures the node gossips (cluster.meta)
+            m["directory"] = dict(zip(("entries_owned", "handoffs_in_flight", "lookups", "route_owner_round_trips",
+                                       "routes", "anti_entropy_repairs"), d))
         if "started" in m:
             m["uptime_s"] = max(0, round(now - m["started"]))
     return web.json_response({"node_id": node.node_id, "nodes": members})
