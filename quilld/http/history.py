@@ -32,6 +32,7 @@ from quilld.http.command_latency import COMMAND_BUCKETS, CommandLatency
 log = logging.getLogger("quilld.http")
 
 INTERVAL = 2.0  # seconds between two samples
+FIRST_SAMPLE_S = 0.05  # until the first sample is in, the sampler looks this often
 KEPT = 150  # samples kept: five minutes
 LIVE_AFTER = 0.5  # a request adds a point from the last sample to now once it is this old (seconds)
 FAMILY_WINDOW = 60.0  # seconds the per-family table covers
@@ -132,7 +133,8 @@ class History:
                     self.samples.append(self.sample())
             except Exception:  # a bug here must not stop the sampling, nor the node
                 log.exception("status history: sampling failed")
-            await asyncio.sleep(INTERVAL)
+            # the first sample as soon as the node serves: the page's first render has a rate from it
+            await asyncio.sleep(INTERVAL if self.samples else FIRST_SAMPLE_S)
 
     # -- what the page draws ------------------------------------------------------------
     def series(self) -> dict[str, Any]:
@@ -140,7 +142,7 @@ class History:
         samples = list(self.samples)
         if self.node.phase in SAMPLED_PHASES:
             now = self.sample()
-            if not samples or now.mono - samples[-1].mono >= LIVE_AFTER:
+            if len(samples) < 2 or now.mono - samples[-1].mono >= LIVE_AFTER:  # two at least: one point
                 samples.append(now)
             else:
                 samples[-1] = now  # a sample taken this instant: the newest figures, same moment
