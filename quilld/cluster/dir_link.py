@@ -260,7 +260,8 @@ class DirectoryLink:
         pending = list(range(len(items)))
         trips = 0
         for _round in range(2):
-            plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)})
+            plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)},
+                               time.monotonic())
             for j, (answer, _partial) in plan.local.items():
                 i = pending[j]
                 answers[i] = _merge(items[i][0], answers.get(i), answer)

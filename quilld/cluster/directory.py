@@ -127,12 +127,14 @@ class Directory:
         self.channels: dict[str, _Channel] = {}
         self.inbound: dict[str, tuple[str, int]] = {}  # holder-node -> (epoch, last seq applied)
         self.filling: dict[int, set[str]] = {}  # bucket -> holders heard since (a copy not yet in)
+        self.gained: dict[int, float] = {}  # bucket -> until when its answers may lack a late writer's entry
         self.departed: dict[str, float] = {}  # members that died or left -> when (their entries are dropped)
         self.stats: Counter[str] = Counter()
         self.key_changed: Callable[[bytes], None] | None = None  # told of each key an owner hears changed
         self._pending: dict[str, float] | None = None  # a view waiting for the membership to settle
         self._pending_at = 0.0
         self._pending_since = 0.0
+        self._now = 0.0  # the latest time the caller gave (a lookup's answers need it)
         self._ready: set[str] = set()  # channels with something to send and nothing in flight
         self._unacked: set[str] = set()  # channels with something queued or in flight
         self._timers: list[tuple[float, int, str, Any]] = []  # (when, tie, what, arg): retries, digests, drops
@@ -158,6 +160,7 @@ class Directory:
     def set_members(self, members: dict[str, float], now: float) -> None:
         """Apply a view of the live members (this node among them) now: move what it moves."""
         self._pending = None
+        self._now = now
         members = dict(members)
         members.setdefault(self.node_id, 1.0)
         gone = set(self.members) - set(members)
@@ -219,7 +222,9 @@ class Directory:
         me, own = self.node_id, self.ownership
         mine = self.owned_buckets(me)
         gained = mine if alone else mine - mine_before
+        young = now + self.s.handoff_grace_s
         for b in gained:
+            self.gained[b] = young  # a holder that has not seen this view yet places elsewhere meanwhile
             old, new = own.previous_owners(b), own.owners(b)
             if b not in mine_before and self.owned.digests.get(b):  # kept from an earlier spell: stale
                 self.owned.drop_bucket(b)
@@ -431,6 +436,7 @@ class Directory:
 
     def poll(self, now: float) -> list[tuple[str, tuple]]:
         """The requests to send now: batches on idle channels, copies, retries and digests due."""
+        self._now = now
         if self._pending is not None and now >= self._pending_at:
             self.set_members(self._pending, now)
         out: list[tuple[str, tuple]] = []
@@ -567,6 +573,7 @@ class Directory:
 
     # -- requests from peers ------------------------------------------------------------
     def handle(self, src: str, msg: tuple, now: float) -> tuple:
+        self._now = now
         kind = msg[0]
         if kind == BATCH:
             return self._apply_batch(src, msg, now)
@@ -652,8 +659,18 @@ class Directory:
         return self.owned.segment(b, shard, parts), self._partial(b)
 
     def _partial(self, bucket: int) -> bool:
-        """Whether an answer from this bucket may miss entries (still filling, or not ours)."""
-        return bucket in self.filling or not self.ownership.is_owner(self.node_id, bucket)
+        """Whether an answer from this bucket may miss entries: still filling, not ours, or gained
+        so recently (`handoff_grace_s`) that a holder may not know yet we own it, and placed a
+        write with the old owners."""
+        if bucket in self.filling or not self.ownership.is_owner(self.node_id, bucket):
+            return True
+        until = self.gained.get(bucket)
+        if until is None:
+            return False
+        if self._now < until:
+            return True
+        del self.gained[bucket]
+        return False
 
     # -- lookups ---------------------------------------------------------------------------
     def owners_to_ask(self, shard: bytes) -> list[str]:
@@ -664,9 +681,12 @@ class Directory:
             owners.insert(0, self.node_id)
         return owners
 
-    def plan(self, items: list[tuple], asked: dict[int, set[str]] | None = None) -> LookupPlan:
+    def plan(self, items: list[tuple], asked: dict[int, set[str]] | None = None,
+             now: float | None = None) -> LookupPlan:
         """Group LOOKUP items by the owner to ask; answer those this node owns (and is not
         filling) itself. `asked`: item -> owners already asked (a second round skips them)."""
+        if now is not None:
+            self._now = now
         plan = LookupPlan(items)
         for i, item in enumerate(items):
             shard = key_shard(item[1]) if item[0] == KEY else item[1]

@@ -127,7 +127,8 @@ def run(n: int, seed: int = 1, workload: Workload = Workload(), settings: Direct
         "full_replication_bytes_per_entry": round(old_bytes / max(1, old_entries), 1),
     }))
 
-    # -- lookups -------------------------------------------------------------------------------
+    # -- lookups (in steady state: past the grace during which a bucket just gained asks another owner too)
+    sim.run(settings.handoff_grace_s + 0.5)
     live = sim.live()
     trips, rounds = [], []
     engines = sorted(chains_of)

@@ -370,7 +370,7 @@ class Simulation:
         pending = list(range(len(items)))
         while pending:
             sub = [items[i] for i in pending]
-            plan = d.plan(sub, {j: asked.get(i, set()) for j, i in enumerate(pending)})
+            plan = d.plan(sub, {j: asked.get(i, set()) for j, i in enumerate(pending)}, self.now)
             for j, (ans, _partial) in plan.local.items():
                 answers[pending[j]] = _merge(answers.get(pending[j]), ans)
             if not plan.asks:

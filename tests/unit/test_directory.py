@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from quilld.cluster.dir_entries import BLOCK, KEY, block_shard, scope_digest
+from quilld.cluster.dir_entries import BLOCK, KEY, block_shard, key_shard, scope_digest
 from quilld.cluster.directory import BATCH, DEL, Directory, DirectorySettings
 from quilld.cluster.simulation import CTAG, Simulation, chain
 
@@ -46,6 +46,7 @@ def test_each_placement_goes_to_its_owners_only() -> None:
 
 def test_with_no_more_nodes_than_replicas_every_node_owns_everything() -> None:
     sim = cluster(3)
+    sim.run(SETTINGS.handoff_grace_s + 0.5)  # steady state: buckets gained long enough ago
     held = sum(len(h) for n in sim.live() for h in n.directory.authorities.values())
     assert all(n.directory.owned.entries == held for n in sim.live())
     node = sim.live()[0]
@@ -75,6 +76,7 @@ def test_a_key_lookup_costs_one_owner_round_trip_and_a_prompt_of_32_blocks_one()
     sim.place_engine(nodes[3], "vllm-a", [prompt[:40]])
     sim.place_keys(nodes[5], 10)
     assert sim.run_until(sim.converged, 30) is not None
+    sim.run(settings.handoff_grace_s + 0.5)  # steady state: buckets gained long enough ago
     asker = next(n for n in nodes if n.node_id not in ("n0003", "n0005"))
     d = asker.directory
     items = [item for item, _ in d.block_items(CTAG, prompt[:32])]
@@ -192,6 +194,29 @@ def test_a_batch_sent_again_is_applied_once_and_a_gap_asks_for_a_resync() -> Non
     assert owner.owned.entries == 1
     assert owner.handle("h", (BATCH, "ep", 3, [put]), 0.0) == ("resync",)  # 2 never came
     assert owner.handle("h", (BATCH, "other-epoch", 2, [put]), 0.0) == ("resync",)
+
+
+def test_right_after_a_join_the_new_owner_also_asks_an_old_one() -> None:
+    """A holder that has not seen the new member yet places its writes with the old owners: the new
+    owner answers from a bucket it gained so recently as partial, and the asker asks the next owner."""
+    sim = cluster(3, seed=9, keys=0, chains=0)
+    sim.run(SETTINGS.handoff_grace_s + 0.5)
+    a = sim.live()[0]
+    late = sim.add("late", [a.node_id])
+    assert sim.run_until(lambda: len(late.directory.members) == 4, 10) is not None
+    # a writer whose view lacks `late`: with four members and three owners, find a key it places
+    # with owners that do not include `late` but `late` owns in its own view
+    writer = a
+    writer.directory.set_members({n: 1.0 for n in writer.directory.members if n != "late"}, sim.now)
+    eid = next(CTAG + b"k%d" % i for i in range(10000)
+               if "late" in late.directory.ownership.owners_of(key_shard(CTAG + b"k%d" % i))
+               and "late" not in writer.directory.ownership.owners_of(key_shard(CTAG + b"k%d" % i)))
+    writer.keys.add(eid)
+    writer.directory.place_key(writer.node_id, eid, "dram", 10)
+    sim._pump(writer.node_id)
+    sim.run(0.05)
+    answers, trips, rounds = sim.lookup(late, [Directory.key_item(eid)])
+    assert [h for h, _ in answers[0]] == [writer.node_id] and rounds >= 1
 
 
 def test_a_scope_digest_is_the_same_on_every_node_and_differs_per_scope() -> None:
