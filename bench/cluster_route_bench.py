@@ -35,6 +35,7 @@ from netns_cluster import NetnsCluster  # noqa: E402
 from plot import Panel, add_flag, ratio, save  # noqa: E402
 
 MODEL, TOKENIZER = "bench-model", "bench-tok"
+STEADY_S = 11.0  # directory.handoff_grace_s (10 s) and a little: buckets gained at the joins answer fully
 ENGINES = f"""
 [[engines]]
 id = "vllm-0"
@@ -90,6 +91,7 @@ def main() -> None:
         (single,) = alone.start(1)
         push_events(nodes[0], "vllm-1", chains)
         push_events(single, "vllm-1", chains)
+        time.sleep(STEADY_S)  # past the handoff grace after the joins: the cluster's steady state
         scope = (MODEL, TOKENIZER)
         clients = [n.client(scope) for n in nodes]
         one = single.client(scope)

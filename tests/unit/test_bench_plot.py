@@ -191,6 +191,13 @@ def test_directory_sim_draws_bytes_messages_and_convergence_per_size(saved):
     assert join.series["directory after"] == [0.0, 0.0]
 
 
+def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):
+    bench("cluster_route_bench").plot("x.png", [("single node", 0.2, 3.6), ("12 hosts", 1.0, 4.8)], 12, 0.74)
+    (panel,) = saved[-1]["panels"]
+    assert panel.categories == ["single node", "12 hosts"] and panel.series == {"p50": [0.2, 1.0], "p99": [3.6, 4.8]}
+    assert panel.labels == ["1.00x", "5.00x"] and "0.74 owner round trips" in saved[-1]["note"]
+
+
 def test_save_writes_a_small_png(tmp_path):
     import matplotlib  # noqa: F401  (in the test extra as well as the `bench` extra: this must run)
     panels = [plot.Panel("a", ["x", "y"], {"ref": [1.0, 2.0], "quilld": [2.0, 1.0]}, "GB/s", ["2.00x", "0.50x"]),
