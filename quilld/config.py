@@ -170,6 +170,11 @@ class ClusterConfig:
     transfer: str = "auto"  # auto, tcp or rdma
     keep_fetched: bool = True  # keep a local copy of blocks fetched from peers
     pool_reads: bool = True  # GET, MGET and EXISTS see the whole pool (a local miss asks the peers); false: local only
+    directory_replicas: int = 3  # owners each directory entry has (every node when fewer)
+    directory_buckets: int = 16384  # virtual buckets the directory is sharded into (a power of two)
+    directory_group_blocks: int = 32  # blocks of a prompt whose entries share owners (one lookup)
+    directory_weighted: bool = False  # members own buckets in proportion to their DRAM capacity
+    directory_anti_entropy_ms: int = 30_000  # how often a holder compares digests with each owner
 
 
 @dataclass(frozen=True)
@@ -325,6 +330,16 @@ class Config:
         passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:
             raise ConfigError(f"cluster.transfer must be one of {', '.join(TRANSFERS)}, got {c.transfer!r}")
+        if c.directory_replicas < 1:
+            raise ConfigError(f"cluster.directory_replicas must be at least 1, got {c.directory_replicas}")
+        b = c.directory_buckets
+        if b < 256 or b > 1 << 20 or b & (b - 1):
+            raise ConfigError(f"cluster.directory_buckets must be a power of two from 256 to 1048576, got {b}")
+        if not 1 <= c.directory_group_blocks <= 255:
+            raise ConfigError(f"cluster.directory_group_blocks must be 1..255, got {c.directory_group_blocks}")
+        if c.directory_anti_entropy_ms < 100:
+            raise ConfigError(f"cluster.directory_anti_entropy_ms must be at least 100, got "
+                              f"{c.directory_anti_entropy_ms}")
         if min(c.probe_interval_ms, c.probe_timeout_ms, c.push_pull_interval_ms, c.seed_warning_ms) <= 0 \
                 or c.indirect_probes < 0 \
                 or c.suspicion_mult < 1 or c.probe_timeout_ms >= c.probe_interval_ms:
@@ -384,7 +399,7 @@ class Config:
 RESERVED_FDS = 32
 SSD_FDS = 8  # the SSD tier's WAL, lock, directory, key and checkpoint files, beyond one per segment
 CLUSTER_PEERS_RESERVED = 16  # peers whose outgoing connections are counted in the reserve
-PEER_FDS = 16  # per peer: its follower, PeerPool's idle connections (8) and reads in flight
+PEER_FDS = 16  # per peer: PeerPool's connections (8), the directory's (4) and room for a reconnect
 ENGINE_FDS = 8  # per engine: its ZMQ KV-event and replay sockets and their share of the ZMQ context
 
 

@@ -83,12 +83,6 @@ class ConfigError(QuillError):
     """Bad configuration: a startup error, never sent on the wire."""
 
 
-class Behind(QuillError):
-    """A replication follower asked for log entries the node no longer keeps."""
-
-    prefix = "BEHIND"
-
-
 class NoPerm(QuillError):
     """The user may not do this (redis's ACL refusals share the prefix)."""
 

@@ -61,14 +61,48 @@ RESP, ADMIN, GOSSIP, GATEWAY = (("RESP", "--port", "server.port"), ("admin API",
                                 ("gateway", "--gateway-port", "gateway.port"))
 
 
+def port_holder(port: int) -> str:
+    """Who holds `port` (TCP or UDP, any address): "pid N (command)", or "" when it cannot be
+    told (another user's process, or no /proc)."""
+    inodes = set()
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if int(parts[1].rsplit(":", 1)[1], 16) == port and (table.startswith("udp") or parts[3] == "0A"):
+                        inodes.add(parts[9])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+    if not inodes:
+        return ""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {pid} ({cmd[:80]})"
+        except OSError:
+            continue
+    return ""
+
+
 @contextlib.asynccontextmanager
 async def _listening(listener: tuple[str, str, str], bind: str, port: int):
-    """Turn an OSError from opening `listener` into a ListenError that says which one it was."""
+    """Turn an OSError from opening `listener` into a ListenError that says which one it was (and,
+    when its port is taken, by whom)."""
     try:
         yield
     except OSError as e:
         what, flag, key = listener
-        reason = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        if e.errno == errno.EADDRINUSE:
+            holder = port_holder(port) if port else ""
+            reason = "the port is in use" + (f" by {holder}" if holder else "")
+        else:
+            reason = e.strerror or str(e)
         raise ListenError(e.errno, f"the {what} listener cannot open {bind}:{port}: {reason} "
                                    f"(set another with {flag} or {key}; [Errno {e.errno}])") from e
 
@@ -133,6 +167,8 @@ class Node:
         control = ControlPlane(cfg, scopes)
         self.feed = ResidencyFeed(control.index, node_id, scopes)
         keyspace.listener = self.feed
+        # in a cluster every value is placed in the directory, small ones too (from the first write)
+        keyspace.track_all = bool(cfg.cluster.gossip_port)
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
         control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(

@@ -81,9 +81,13 @@ class KvEngine(FakeEngine):
         return chunk_hashes(prompt, self.chunk_chars)
 
     def write_blocks(self, hashes: list[int]) -> None:
+        parent = None
         for h in hashes:
             data = kv_bytes(h, self.block_bytes)
-            handle = self.client.execute("PUT2PHASE", "BEGIN", kv_key(h), len(data), "HASH", h & ((1 << 64) - 1))
+            chain = () if parent is None else ("PARENT", parent)  # the block's place in its prompt's chain
+            handle = self.client.execute("PUT2PHASE", "BEGIN", kv_key(h), len(data), "HASH", h & ((1 << 64) - 1),
+                                         *chain)
+            parent = h & ((1 << 64) - 1)
             if handle in (b"EXISTS", "EXISTS"):
                 continue
             self.client.execute("PUT2PHASE", "DATA", handle, 0, data, "CRC32C", crc32c.crc32c(data))

@@ -115,9 +115,11 @@ class NetnsCluster:
     """quilld nodes on `topo`'s hosts, one a host; the first node started is every later one's seed."""
 
     def __init__(self, topo: Topology, workdir: Path, config: str = "", env: dict[str, str] | None = None,
-                 dram: str = "64MiB") -> None:
-        """`config`: TOML text every node reads (--config); `env`: QUILLD_* settings over FAST_GOSSIP."""
-        self.topo, self.workdir, self.dram = topo, Path(workdir), dram
+                 dram: str = "64MiB", gossip: bool = True) -> None:
+        """`config`: TOML text every node reads (--config); `env`: QUILLD_* settings over FAST_GOSSIP;
+        `gossip=False`: nodes outside any cluster (single nodes to compare with)."""
+        self.topo, self.workdir, self.dram, self.gossip = topo, Path(workdir), dram, gossip
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.nodes: dict[str, Node] = {}
         self.config_path: Path | None = None
         if config:
@@ -139,9 +141,11 @@ class NetnsCluster:
     def _spawn(self, host: Host, seed: Node | None) -> Node:
         node_id = f"n{host.index}"
         argv = [sys.executable, "-m", "quilld", "--node-id", node_id, "--bind", host.addr,
-                "--port", str(RESP_PORT), "--admin-port", str(ADMIN_PORT), "--gossip-port", str(GOSSIP_PORT),
-                "--dram", self.dram, "--requirepass", PASSWORD]
-        if seed is not None:
+                "--port", str(RESP_PORT), "--admin-port", str(ADMIN_PORT), "--dram", self.dram,
+                "--requirepass", PASSWORD]
+        if self.gossip:
+            argv += ["--gossip-port", str(GOSSIP_PORT)]
+        if seed is not None and self.gossip:
             argv += ["--seeds", seed.gossip]
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
@@ -179,12 +183,21 @@ class NetnsCluster:
 
     def converged(self) -> bool:
         """Every live node lists every live node alive, and each other node it lists dead or left
-        (a suspect is neither: its residencies are still in the directory)."""
+        (a suspect is neither: its residencies are still in the directory); and every node's
+        directory applies that membership, with nothing of a handoff still on its way."""
         want = {n.node_id for n in self.live()}
         for view in self.views().values():
             if isinstance(view, str) or {i for i, s in view.items() if s == "alive"} != want:
                 return False
             if any(s not in ("dead", "left") for i, s in view.items() if i not in want):
+                return False
+        for node in self.live():
+            try:
+                info = node.r.info("cluster")
+            except redis.RedisError:
+                return False
+            if (info.get("cluster_directory_view_members") != len(want) or info.get("cluster_directory_view_pending")
+                    or info.get("cluster_directory_buckets_filling")):
                 return False
         return True
 

@@ -1,20 +1,15 @@
-"""The node's side of the cluster: membership, residency replication, peer fetch.
+"""The node's side of the cluster: membership, the sharded directory, peer fetch.
 
-Gossip (SWIM) tells who is alive and where its RESP port is. For every live
-peer a follower keeps the directory current from that peer's replication
-log; a peer declared dead (or that left) is forgotten everywhere at once.
-`fetch` reads a block held only by peers straight into this node's arena,
-verifies its CRC32C, and keeps a local copy when configured to. It returns
-the same plain values as a local read (bytes, a `Pinned` view, or None).
-`pool_read` is GET's, MGET's and EXISTS's read of a key this node lacks
-(`cluster.pool_reads`): from the holders the directory names, else from
-whichever live peer has it, all asked at once (values of at most
-`dram.inline_max` bytes are not in the replication log, and a write may not
-have reached it yet); a miss, never an error, when nobody can serve it.
-The cluster reaches storage only through the keyspace's front door.
+Gossip (SWIM) tells who is alive and where its RESP port is. The live members are the
+directory's view (directory.py: each entry has `cluster.directory_replicas` owner nodes by
+rendezvous hashing), applied once the view settles; `DirectoryLink` (dir_link.py) moves the
+directory's messages and answers this node's lookups. A member declared dead (or that left)
+loses its entries at every owner at once; a member that restarted (a new directory epoch in
+its gossip meta) is told everything anew. Reads of values this node lacks go to the holders
+the directory names (pool_reads.py), never to every peer.
 
-Membership changes are logged, one line each: a peer joins, is suspected,
-comes back, leaves or is declared dead (gossip.py warns when no seed answers).
+Membership changes are logged, one line each: a peer joins, is suspected, comes back,
+restarts, leaves or is declared dead (gossip.py warns when no seed answers).
 """
 
 from __future__ import annotations
@@ -25,28 +20,27 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-import crc32c
-
 from quilld import __version__
-from quilld.cluster.directory import Directory
-from quilld.cluster.follower import Follower
+from quilld.cluster.dir_link import DirectoryLink
+from quilld.cluster.directory import Directory, DirectorySettings
 from quilld.cluster.gossip import Gossip
 from quilld.cluster.local_secret import local_secret
-from quilld.cluster.peer_client import PeerError, PeerPool
-from quilld.cluster.replog import ReplicationLog
+from quilld.cluster.peer_client import PeerPool
+from quilld.cluster.pool_reads import PoolReads
 from quilld.cluster.transfer import Transfers
 from quilld.config import Config
-from quilld.errors import QuillError
 from quilld.index.control import ControlPlane
+from quilld.index.residency import ResidencyIndex
+from quilld.index.route_request import RouteRequest
+from quilld.index.router import Decision
 from quilld.index.residency_feed import ResidencyFeed
-from quilld.model import IdentityScope, Pinned
-from quilld.scopes import TAG_LEN, ScopeRegistry
+from quilld.model import CacheTier, IdentityScope
+from quilld.scopes import ScopeRegistry
 from quilld.tiers.keyspace import Keyspace
 
 log = logging.getLogger("quilld.cluster")
 
 META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
-ASK_TIMEOUT = 2.0  # seconds a peer asked for a key the directory does not place has to answer it
 
 
 def advertised_host(bind: str) -> str:
@@ -70,8 +64,11 @@ def node_line(node_id: str, state: str, incarnation: int, meta: dict, myself: bo
             f"{meta.get('dram_used', 0)}/{meta.get('dram_capacity', 0)}")
 
 
-def _ignore(seconds: float) -> None:
-    """No observer of peer fetches (the default; node.py gives the node's metrics)."""
+def directory_settings(cfg: Config) -> DirectorySettings:
+    c = cfg.cluster
+    return DirectorySettings(replicas=c.directory_replicas, buckets=c.directory_buckets,
+                             group_blocks=c.directory_group_blocks, weighted=c.directory_weighted,
+                             anti_entropy_s=c.directory_anti_entropy_ms / 1000)
 
 
 class Cluster:
@@ -86,25 +83,25 @@ class Cluster:
         self.control = control
         self.feed = feed
         self.usage = usage
-        self.log = ReplicationLog(self._snapshot_source)
-        self.log.on_append = self._wake
-        self.directory = Directory(scopes, control.index)
-        self.followers: dict[str, Follower] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # peer -> RESP address
         # what peers authenticate with (PEERAUTH): cluster.secret, else this host's (local_secret.py)
         self.peer_secret = self.cfg.secret or local_secret()
-        self.pool = PeerPool(hello=(("PEERAUTH", self.peer_secret),))
+        hello = (("PEERAUTH", self.peer_secret),)
+        self.pool = PeerPool(hello=hello)
         self.transfers = Transfers(self.cfg.transfer, self.pool)
+        self.directory = Directory(node_id, directory_settings(cfg))
+        self.link = DirectoryLink(self.directory, scopes, hello, self.addresses)
         self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
-        self.suspects: set[str] = set()  # peers gossip suspects now: not asked by pool reads
+        self.members: dict[str, float] = {node_id: 1.0}  # live (alive or suspect) members -> weight
+        self.suspects: set[str] = set()  # peers gossip suspects now
+        self.epochs: dict[str, str] = {}  # peer -> the directory epoch its meta last named
         self.pool_reads = self.cfg.pool_reads
         # pool reads are shown (in INFO cluster) before the first one
-        self.stats: Counter[str] = Counter(pool_reads=0, pool_read_hits=0, pool_read_asks=0, pool_read_errors=0)
-        self.observe_fetch: Callable[[float], None] = _ignore  # seconds of each verified peer fetch
+        self.stats: Counter[str] = Counter(pool_reads=0, pool_read_hits=0, pool_read_errors=0)
+        self.reads = PoolReads(self.cfg, node_id, keyspace, self.link, self.transfers, self.addresses,
+                               self.peer_meta, self.stats)
         self.gossip: Any = None
         self.started = time.time()
-        self._changed = asyncio.Event()
-        self._waiters = 0
         self._meta_task: asyncio.Task | None = None
 
     # -- lifecycle ----------------------------------------------------------
@@ -112,28 +109,40 @@ class Cluster:
         ks = self.keyspace
         # ConfigError here (cluster.transfer = "rdma" without RDMA) stops the start
         self.transfers.open(ks.arena.region, self.node_id, ks.inline_max)
-        self.feed.log = self.log
+        self.keyspace.track_all = True  # every value, small ones too: a pool read never broadcasts
+        for fk, tier, nbytes, bhash in list(self.keyspace.tracked_values()):  # recovered, or written already
+            self.link.placed(fk, tier, nbytes, bhash)
+        self.feed.log = self.link  # this node's values become directory entries ...
+        self.control.placements = self.link  # ... and so do the blocks of the engines whose events it consumes
+        self.directory.note_members(self.members, time.monotonic())
+        self.link.start()
         self.gossip = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
                              self.cfg, self._on_event)
         await self.gossip.start()
         self._meta_task = asyncio.create_task(self._refresh_meta(), name="cluster-meta")
 
     async def stop(self) -> None:
-        """Leave gracefully (peers mark us LEFT, not dead), stop following, close connections."""
+        """Leave gracefully (peers mark us LEFT, not dead, and drop our entries), close connections."""
         if self._meta_task is not None:
             self._meta_task.cancel()
             await asyncio.gather(self._meta_task, return_exceptions=True)
         if self.gossip is not None:
             await self.gossip.stop(leave=True)
-        for f in list(self.followers.values()):
-            await f.stop()
-        self.followers.clear()
+        await self.link.stop()
         self.transfers.close()
         self.pool.close()
 
     @property
     def gossip_port(self) -> int:
         return self.gossip.port if self.gossip is not None else self.cfg.gossip_port
+
+    @property
+    def observe_fetch(self) -> Callable[[float], None]:
+        return self.reads.observe_fetch
+
+    @observe_fetch.setter
+    def observe_fetch(self, fn: Callable[[float], None]) -> None:
+        self.reads.observe_fetch = fn
 
     # -- membership -----------------------------------------------------------
     def meta(self) -> dict:
@@ -143,7 +152,11 @@ class Cluster:
             "resp": [host, usage.pop("port")],
             "admin": [host, usage.pop("admin_port")],
             "dram_capacity": self.keyspace.capacity, "dram_used": self.keyspace.used,
-            **usage, "version": __version__,
+            **usage, "version": __version__, "dir_epoch": self.directory.epoch,
+            # the directory at a glance, for /v1/nodes and the status page of every node
+            "dir": [self.directory.owned.entries, len(self.directory.filling) + len(self.directory._unacked),
+                    self.link.stats["lookups"], self.link.stats["route_owner_trips"], self.link.stats["routes"],
+                    self.directory.stats["ae_repairs"]],
             **self.transfers.advertise(),
         }
 
@@ -163,279 +176,154 @@ class Cluster:
         if m.node_id == self.node_id:
             return
         kind = event.kind.value
+        now = time.monotonic()
         if kind == "suspect":
             self.suspects.add(m.node_id)
             log.info("cluster: %s is suspect (missed its probes at %s:%d)", m.node_id, *m.addr)
             return
         self.suspects.discard(m.node_id)
         if kind in ("joined", "updated", "alive"):
-            moved = self._follow(m.node_id, m.meta)
+            moved = self._address(m.node_id, m.meta or {})
+            epoch = (m.meta or {}).get("dir_epoch")
+            restarted = epoch is not None and self.epochs.get(m.node_id, epoch) != epoch
+            if epoch is not None:
+                self.epochs[m.node_id] = epoch
+            if restarted:
+                self.directory.restarted(m.node_id, epoch, now)
+            self.members[m.node_id] = 1.0
+            self.directory.note_members(self.members, now)
+            self.link.kick()
             resp = "%s:%s" % self.addresses[m.node_id] if m.node_id in self.addresses else "no RESP address"
             if kind == "joined":
                 back = f" (back after {event.previous.name.lower()})" if event.previous is not None else ""
                 log.info("cluster: %s joined%s: gossip %s:%d, RESP %s", m.node_id, back, *m.addr, resp)
             elif kind == "alive":
                 log.info("cluster: %s is alive again (refuted the suspicion)", m.node_id)
+            elif restarted:
+                log.info("cluster: %s restarted (a new process); its entries are placed anew", m.node_id)
             elif moved:
                 log.info("cluster: %s now serves RESP at %s", m.node_id, resp)
         elif kind in ("dead", "left"):
             self._forget(m.node_id, kind)
 
-    def _follow(self, peer: str, meta: dict) -> bool:
-        """Follow `peer`'s log at the RESP address its meta names; whether a follower was (re)started."""
+    def _address(self, peer: str, meta: dict) -> bool:
+        """Note the RESP address `peer`'s meta names; whether it changed."""
         try:
             host, port = meta["resp"][0], int(meta["resp"][1])
         except (KeyError, IndexError, TypeError, ValueError):
             self.stats["members_without_address"] += 1
             return False
         self.peer_meta[peer] = meta
-        if self.addresses.get(peer) == (host, port) and peer in self.followers:
+        if self.addresses.get(peer) == (host, port):
             return False
-        old = self.followers.pop(peer, None)
+        old = self.addresses.get(peer)
         if old is not None:
-            asyncio.ensure_future(old.stop())
+            self.pool.drop(*old)
+            self.link.pool.drop(*old)
         self.addresses[peer] = (host, port)
-        follower = Follower(peer, host, port, self.directory, (("PEERAUTH", self.peer_secret),))
-        self.followers[peer] = follower
-        follower.start()
         if peer not in self.control.pool:
             self.control.pool.append(peer)
         return True
 
     def _forget(self, peer: str, why: str) -> None:
-        follower = self.followers.pop(peer, None)
-        if follower is not None:
-            asyncio.ensure_future(follower.stop())
         addr = self.addresses.pop(peer, None)
         if addr is not None:
             self.pool.drop(*addr)
+            self.link.pool.drop(*addr)
         self.peer_meta.pop(peer, None)
         self.transfers.peer_gone(peer)
-        dropped = self.directory.forget(peer)
+        self.members.pop(peer, None)
+        now = time.monotonic()
+        dropped = self.directory.holder_gone(peer, now)
+        self.directory.note_members(self.members, now)
+        self.link.kick()
         if peer in self.control.pool:
             self.control.pool.remove(peer)
         self.stats[f"members_{why}"] += 1
         if why == "left":
-            log.info("cluster: %s left; dropped its %d residencies", peer, dropped)
+            log.info("cluster: %s left; dropped the %d directory entries of its values kept here", peer, dropped)
         else:
-            log.warning("cluster: %s is dead; dropped its %d residencies", peer, dropped)
+            log.warning("cluster: %s is dead; dropped the %d directory entries of its values kept here", peer, dropped)
 
-    def members(self) -> list:
+    def members_list(self) -> list:
         return self.gossip.members() if self.gossip is not None else []
 
     def state_age(self, member: Any) -> float:
-        """Seconds since `member` (one of `members()`) last changed state, on gossip's clock."""
+        """Seconds since `member` (one of `members_list()`) last changed state, on gossip's clock."""
         return max(0.0, time.monotonic() - member.since)
 
     def node_lines(self) -> list[str]:
         """NODES: `id state incarnation resp admin dram_used/dram_capacity`, this node first."""
         return [node_line(m.node_id, m.state.name.lower(), m.incarnation, m.meta or {}, m.node_id == self.node_id)
-                for m in sorted(self.members(), key=lambda m: (m.node_id != self.node_id, m.node_id))]
+                for m in sorted(self.members_list(), key=lambda m: (m.node_id != self.node_id, m.node_id))]
 
-    # -- the replication log ----------------------------------------------------
-    def _snapshot_source(self):
-        scope_of = self.scopes.scope_of
-        for fk, tier, nbytes, bhash in self.keyspace.tracked_values():
-            yield scope_of(fk[:TAG_LEN]), fk[TAG_LEN:], tier, nbytes, bhash
-
-    def _wake(self) -> None:
-        if self._waiters:
-            ev, self._changed = self._changed, asyncio.Event()
-            ev.set()
-
-    async def wait_log(self, after: int, timeout: float) -> None:
-        """Return once the log has entries past `after`, or after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while self.log.seq <= after:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._waiters += 1
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                return
-            finally:
-                self._waiters -= 1
-
-    # -- peer fetch ---------------------------------------------------------------
+    # -- reads of what peers hold (pool_reads.py) ----------------------------------------
     async def fetch(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
-        """A key held only by peers: read it into this node, verified; None if nobody has it."""
-        last_error: QuillError | None = None
-        for peer, _tier in self.directory.holders(tag, key):
-            addr = self.addresses.get(peer)
-            if addr is None:
-                continue
-            try:
-                got = await self._fetch_from(peer, addr, scope, key)
-            except QuillError as e:
-                last_error = e
-                continue
-            if got is not None:
-                return self._deliver(tag, key, *got)
-        if last_error is not None:
-            raise PeerError(f"no peer could serve the block: {last_error.message}")
-        return None
+        return await self.reads.fetch(scope, tag, key)
 
-    async def _fetch_from(self, peer: str, addr: tuple[str, int], scope: IdentityScope,
-                          key: bytes) -> tuple[Any, bytearray | None, int] | None:
-        """`key` from `peer`, verified: (arena block, None, expiry) or (None, buffer of an inline-sized
-        value, expiry), the expiry being when the key expires there (unix ms) or -1; None when the
-        peer does not have it. Raises QuillError when it failed (counted); whatever
-        it reserved is given back on every way out but success, cancellation included."""
-        store = self.keyspace
-        block = None
-        buf: bytearray | None = None
-
-        def target(length: int) -> memoryview:
-            nonlocal block, buf
-            if block is not None:  # called again (a fallback to TCP): the first reservation goes
-                store.discard(block)
-                block = None
-            if length <= store.inline_max:
-                buf = bytearray(length)
-                return memoryview(buf)
-            block = store.reserve(length)
-            return store.write_view(block)
-
-        t0 = time.perf_counter()
-        try:
-            crc, view, expires = await self.transfers.fetch_into(peer, addr, self.peer_meta.get(peer), scope, key,
-                                                                  target)
-        except QuillError as e:
-            if block is not None:
-                store.discard(block)
-            self.stats["peer_fetch_errors"] += 1
-            log.warning("cluster: fetching from %s failed: %s", peer, e.message)
-            raise
-        except BaseException:  # cancelled (shutdown, a pool read answered by another peer) mid-transfer
-            if block is not None:
-                store.discard(block)
-            raise
-        if view is None:  # the peer does not have it (for a directory holder: the directory was behind)
-            if block is not None:  # memory named by an attempt before the nil (RDMA, then TCP)
-                store.discard(block)
-            self.stats["peer_fetch_stale"] += 1
-            return None
-        if crc32c.crc32c(view) != crc:
-            if block is not None:
-                store.discard(block)
-            self.stats["peer_fetch_checksum_failures"] += 1
-            raise PeerError(f"block from {peer} failed its checksum")
-        if block is not None:
-            block.crc = crc  # verified: a later peer reading it from here needs no recompute
-        self.stats["peer_fetches"] += 1
-        self.stats["peer_fetch_bytes"] += len(view)
-        elapsed = time.perf_counter() - t0  # request to verified
-        self.stats["peer_fetch_usec"] += int(elapsed * 1e6)
-        self.observe_fetch(elapsed)
-        return block, buf, expires
-
-    # -- pool reads (GET, MGET, EXISTS) -----------------------------------------------
     async def pool_read(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
-        """A key this node lacks, from the pool: bytes, a Pinned view, or None (nobody has it, or
-        nobody could serve it: a miss, counted in pool_read_errors, never an error reply)."""
-        self.stats["pool_reads"] += 1
-        asked: set[str] = set()
-        try:
-            holders = self.directory.holders(tag, key)
-            if holders:
-                asked = {peer for peer, _tier in holders}
-                value = await self.fetch(scope, tag, key)
-                if value is not None:
-                    self.stats["pool_read_hits"] += 1
-                    return value
-            value = await self._ask(scope, tag, key, asked)
-        except QuillError:
-            self.stats["pool_read_errors"] += 1
-            return None
-        if value is not None:
-            self.stats["pool_read_hits"] += 1
-        return value
-
-    async def pool_has(self, scope: IdentityScope, tag: bytes, key: bytes) -> bool:
-        """EXISTS of a key this node lacks: the directory's word, else whether a peer has it (read
-        into this node as pool_read does, so the GET that usually follows is local)."""
-        if self.directory.holders(tag, key):
-            return True
-        value = await self.pool_read(scope, tag, key)
-        if value.__class__ is Pinned:
-            value.release()
-        return value is not None
+        return await self.reads.pool_read(scope, tag, key)
 
     async def pool_read_many(self, scope: IdentityScope, tag: bytes, keys: list[bytes]) -> list:
-        """pool_read of each key, all at once."""
-        return list(await asyncio.gather(*(self.pool_read(scope, tag, k) for k in keys)))
+        return await self.reads.pool_read_many(scope, tag, keys)
 
-    async def _ask(self, scope: IdentityScope, tag: bytes, key: bytes, skip: set[str]) -> Any:
-        """`key` from whichever live peer (not suspect, not in `skip`) has it, all asked at once, each
-        for at most ASK_TIMEOUT: the first verified copy wins, the others are cancelled or given back.
-        None if nobody has it."""
-        peers = [(p, a) for p, a in self.addresses.items() if p not in skip and p not in self.suspects]
-        if not peers:
-            return None
-        self.stats["pool_read_asks"] += 1
-        tasks = [asyncio.ensure_future(asyncio.wait_for(self._fetch_from(p, a, scope, key), ASK_TIMEOUT))
-                 for p, a in peers]
-        winner = None
-        try:
-            pending = set(tasks)
-            while pending and winner is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if winner is None and not t.cancelled() and t.exception() is None:
-                        winner = t.result()
-        finally:
-            for t in tasks:
-                t.cancel()  # a transfer still running gives its reservation back
-            # awaited, so that a copy completing as it was cancelled is seen below and given back
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        unexpected = None
-        for got in outcomes:
-            if isinstance(got, asyncio.TimeoutError):
-                self.stats["pool_read_ask_timeouts"] += 1
-            elif isinstance(got, BaseException):
-                if not isinstance(got, (QuillError, asyncio.CancelledError)):
-                    unexpected = got  # a bug: raised once every reservation is given back
-            elif got is not None and got is not winner and got[0] is not None:
-                self.keyspace.discard(got[0])
-        if unexpected is not None:
-            if winner is not None and winner[0] is not None:
-                self.keyspace.discard(winner[0])
-            raise unexpected
-        return None if winner is None else self._deliver(tag, key, *winner)
+    async def pool_has_many(self, tag: bytes, keys: list[bytes]) -> list[bool]:
+        return await self.reads.pool_has_many(tag, keys)
 
-    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | None, expires: int) -> bytes | Pinned:
-        """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does."""
-        store = self.keyspace
-        value = bytes(buf or b"") if block is None else block
-        if not self.cfg.keep_fetched:
-            return value if block is None else Pinned(store.view(block), lambda: store.discard(block))
-        store.publish(tag, key, value)
-        if expires >= 0:
-            store.set_expire(tag, key, expires)
-        return value if block is None else store.pinned(block)
+    async def locate(self, tag: bytes, keys: list[bytes]) -> list:
+        return await self.reads.locate(tag, keys)
+
+    # -- ROUTE over the directory --------------------------------------------------------
+    async def route_view(self, tag: bytes, blocks: list) -> ResidencyIndex:
+        """The residencies of a prompt's blocks, as the directory's owners know them (every
+        engine's and every node's, one owner round trip per segment of blocks, none when this
+        node owns them), in an index ROUTE scores against."""
+        holders, _trips = await self.link.block_holders(tag, blocks)
+        view = ResidencyIndex()
+        for h, per in zip(blocks, holders):
+            for holder, tiers in per:
+                for t in tiers:
+                    view.put(tag, h, holder, t)
+        return view
+
+    async def pool_resident(self, tag: bytes, blocks: list) -> int:
+        """How many of a prompt's blocks have a copy on some pool node (DRAM or SSD), by the
+        directory's owners: the gateway's handoff check in a cluster."""
+        holders, _trips = await self.link.block_holders(tag, blocks)
+        pool = {CacheTier.DRAM, CacheTier.SSD}
+        return sum(1 for per in holders if any(h in self.members and pool.intersection(t) for h, t in per))
+
+    async def route(self, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:
+        """ROUTE in a cluster: the same decision on every node, from the directory's view."""
+        view = await self.route_view(tag, req.blocks)
+        return self.control.route(scope, tag, req.blocks, req.decode_blocks, req.session, req.acquire, view=view)
 
     # -- reporting ------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
-        members = self.members()
+        members = self.members_list()
         states = Counter(m.state.name.lower() for m in members)
-        now = time.monotonic()
-        lags = [now - f.last_applied for f in self.followers.values() if f.last_applied]
+        d = self.directory
         out: list[tuple[str, Any]] = [
             ("cluster_enabled", 1), ("cluster_node_id", self.node_id),
             ("cluster_gossip_port", self.gossip_port), ("cluster_members", len(members)),
             ("cluster_members_alive", states.get("alive", 0)), ("cluster_members_suspect", states.get("suspect", 0)),
             ("cluster_members_dead", states.get("dead", 0)), ("cluster_members_left", states.get("left", 0)),
-            ("cluster_followers", len(self.followers)), ("cluster_log_seq", self.log.seq),
-            ("cluster_log_epoch", self.log.epoch), ("cluster_log_snapshots", self.log.snapshots),
-            ("cluster_follow_max_idle_ms", int(max(lags) * 1000) if lags else 0),
-            ("cluster_peer_keys", len(self.directory.keys)),
+            ("cluster_directory_replicas", min(d.s.replicas, max(1, len(d.members)))),
+            ("cluster_directory_epoch", d.epoch),
         ]
-        follow = Counter()
-        for f in self.followers.values():
-            follow.update(f.stats)
-        out += [(f"cluster_follow_{k}", v) for k, v in sorted(follow.items())]
+        out += [(f"cluster_{k}", v) for k, v in d.info().items()]
+        link = self.link.stats
+        out += [("cluster_lookups", link["lookups"]),
+                ("cluster_lookups_local", link["lookups_0_trips"]),
+                ("cluster_lookups_one_hop", link["lookups_1_trips"]),
+                ("cluster_lookups_two_hops", link["lookups_2_trips"] + link["lookups_3_trips"]),
+                ("cluster_lookup_failures", link["lookup_failures"]),
+                ("cluster_route_lookups", link["routes"]),
+                ("cluster_route_owner_round_trips", link["route_owner_trips"]),
+                ("cluster_route_second_waves", link["route_second_waves"]),
+                ("cluster_directory_requests", link["requests"]),
+                ("cluster_directory_message_failures", link["message_failures"]),
+                ("cluster_peer_connection_waits", self.pool.waits + self.link.pool.waits)]
         out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
         out += self.transfers.info()
         if self.gossip is not None:

@@ -201,8 +201,16 @@ class Gossip:
         """UDP and TCP on one port number; with port 0, retry until a number is free for both."""
         attempts = BIND_ATTEMPTS if self.port == 0 else 1
         for attempt in range(attempts):
-            transport, _ = await loop.create_datagram_endpoint(
-                lambda: _Udp(self), local_addr=(self.bind_host, self.port))
+            # the socket bound here, not by the loop: uvloop's local_addr loses the error number
+            # ("could not bind ... [Errno None]"), and "in use" is what an operator needs to read
+            family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                sock.bind((self.bind_host, self.port))
+            except OSError:
+                sock.close()
+                raise
+            transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), sock=sock)
             port = transport.get_extra_info("sockname")[1]
             try:
                 self._server = await asyncio.start_server(self._serve, self.bind_host, port)

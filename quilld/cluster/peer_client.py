@@ -244,24 +244,46 @@ class PeerConnection:
 
 
 class PeerPool:
-    """Idle connections per peer address, reused across calls."""
+    """Connections per peer address, reused across calls, at most `per_peer` at once to each peer.
+
+    A caller past the bound waits for a connection to be given back (`waits` counts it), so a
+    burst of requests (one MGET of thousands of keys) never opens a socket per request. Every
+    `acquire` must be paired with a `release`, also when the call failed (a closed connection
+    is dropped and its slot freed)."""
 
     def __init__(self, hello: tuple[tuple, ...] = (), per_peer: int = 8) -> None:
         self.hello = hello
         self.per_peer = per_peer
         self._idle: dict[tuple[str, int], list[PeerConnection]] = {}
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self.waits = 0
+        self.opened = 0
 
     async def acquire(self, host: str, port: int) -> PeerConnection:
-        idle = self._idle.get((host, port))
-        while idle:
-            conn = idle.pop()
-            if not conn.closed:
-                return conn
-        conn = PeerConnection(host, port, self.hello)
-        await conn.connect()
-        return conn
+        slots = self._slots.get((host, port))
+        if slots is None:
+            slots = self._slots[(host, port)] = asyncio.Semaphore(self.per_peer)
+        if slots.locked():
+            self.waits += 1
+        await slots.acquire()
+        try:
+            idle = self._idle.get((host, port))
+            while idle:
+                conn = idle.pop()
+                if not conn.closed:
+                    return conn
+            conn = PeerConnection(host, port, self.hello)
+            await conn.connect()
+            self.opened += 1
+            return conn
+        except BaseException:
+            slots.release()
+            raise
 
     def release(self, conn: PeerConnection) -> None:
+        slots = self._slots.get((conn.host, conn.port))
+        if slots is not None:
+            slots.release()
         if conn.closed:
             return
         idle = self._idle.setdefault((conn.host, conn.port), [])
@@ -271,6 +293,7 @@ class PeerPool:
             conn.close()
 
     def drop(self, host: str, port: int) -> None:
+        """Close the idle connections to a peer that is gone (its slots stay, for those waiting)."""
         for conn in self._idle.pop((host, port), []):
             conn.close()
 

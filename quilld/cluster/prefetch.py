@@ -6,8 +6,8 @@ as soon as the prefill has answered, so the decode engine's connector reads them
 locally. `prefetch` is that one call, whatever node the gateway runs on: on this node it
 pulls directly, on another it sends `PEERPULL` over the cluster's authenticated peer
 connections. `pull` is what the pulling node does: every key it lacks is read from the
-pool as GET's pool read does (from the holders the directory names, else from whichever
-peer has it) and kept, as `cluster.keep_fetched` keeps a peer's copy (with keep_fetched
+pool as MGET's pool read does (from the holders the directory names, small values many to
+a request) and kept, as `cluster.keep_fetched` keeps a peer's copy (with keep_fetched
 off nothing is kept and a prefetch brings nothing).
 """
 
@@ -19,7 +19,6 @@ from typing import Any
 from quilld.errors import QuillError
 from quilld.model import IdentityScope, Pinned
 
-PULL_PARALLEL = 16  # keys read from the pool at once by one pull
 MAX_PULL_KEYS = 65536  # keys one PEERPULL may name (ROUTE's MAX_BLOCKS)
 
 
@@ -28,16 +27,12 @@ async def pull(cluster: Any, scope: IdentityScope, keys: list[bytes]) -> int:
     store = cluster.keyspace
     tag = cluster.scopes.tag(scope)
     missing = [k for k in keys if not store.contains(tag, k)]
-    gate = asyncio.Semaphore(PULL_PARALLEL)
-
-    async def one(key: bytes) -> bool:
-        async with gate:
-            value = await cluster.pool_read(scope, tag, key)
+    values = await cluster.pool_read_many(scope, tag, missing) if missing else []
+    got = []
+    for key, value in zip(missing, values):
         if value.__class__ is Pinned:
             value.release()
-        return value is not None and store.contains(tag, key)
-
-    got = await asyncio.gather(*map(one, missing))
+        got.append(value is not None and store.contains(tag, key))
     cluster.stats["prefetch_pulls"] += 1
     cluster.stats["prefetch_keys_pulled"] += sum(got)
     return len(keys) - len(missing) + sum(got)
@@ -68,7 +63,8 @@ async def prefetch(cluster: Any, node_id: str, scope: IdentityScope, keys: list[
     except QuillError:
         cluster.stats["prefetch_errors"] += 1
         return 0
-    cluster.pool.release(conn)
+    finally:  # every acquire is given back: the pool bounds connections per peer
+        cluster.pool.release(conn)
     if type(reply) is not int:
         cluster.stats["prefetch_errors"] += 1
         return 0

@@ -362,10 +362,8 @@ class RdmaTransfer:
                 self.stats["rdma_read_bytes"] += length
             else:
                 raise RdmaError(f"peer {peer}: unexpected PEERGET RDMA reply")
-        except QuillError:
+        finally:
             self.pool.release(conn)  # closed (and so dropped) when the connection itself broke
-            raise
-        self.pool.release(conn)
         return result
 
     async def _queue_pair(self, peer: str, addr: tuple[str, int]) -> _ClientQp:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from quilld.cluster.fabric import ZERO_GID, Fetched, RdmaInfo, Target, Transfer
-from quilld.cluster.peer_client import PeerPool
+from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import ConfigError, QuillError
 from quilld.model import IdentityScope
 
@@ -185,13 +185,23 @@ class TcpTransfer:
                          target: Target) -> Fetched:
         conn = await self.pool.acquire(*addr)
         try:
-            result = await conn.fetch_into(
+            return await conn.fetch_into(
                 ("PEERGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, key, "PXAT"), target)
-        except QuillError:
-            self.pool.release(conn)  # a no-op: peer_client closed it, and the pool keeps no closed one
-            raise
-        self.pool.release(conn)
-        return result
+        finally:  # a connection that broke (or was cancelled mid-reply) is closed, and dropped here
+            self.pool.release(conn)
+
+    async def fetch_many(self, peer: str, addr: tuple[str, int], scope: IdentityScope, keys: list[bytes],
+                         timeout: float) -> list:
+        """Small values of `keys` in one PEERMGET: per key `[crc32c, bytes, pxat]` or None."""
+        conn = await self.pool.acquire(*addr)
+        try:
+            reply = await conn.call("PEERMGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, *keys,
+                                    timeout=timeout)
+        finally:
+            self.pool.release(conn)
+        if not isinstance(reply, list) or len(reply) != len(keys):
+            raise PeerError(f"{peer}: unexpected PEERMGET reply {reply!r:.60}")
+        return reply
 
     def close(self) -> None:
         pass  # the pool belongs to the cluster
@@ -319,6 +329,11 @@ class Transfers:
         if self.rdma is not None:
             stats.update(self.rdma.stats)
         return out + [(f"cluster_{k}", v) for k, v in sorted(stats.items())]
+
+    async def fetch_many(self, peer: str, addr: tuple[str, int], scope: IdentityScope, keys: list[bytes],
+                         timeout: float) -> list:
+        """Small values, many at once: always over TCP (an RDMA read pays off for large blocks)."""
+        return await self.tcp.fetch_many(peer, addr, scope, keys, timeout)
 
     def close(self) -> None:
         if self.rdma is not None:

@@ -238,7 +238,11 @@ async def route(request: web.Request) -> web.Response:
         return _json_error(400, "the body must be a JSON object")
     try:
         scope = _route_scope(body)
-        d = route_in_scope(node.control, scope, node.scopes.tag(scope), RouteRequest.parse(body))
+        req, tag = RouteRequest.parse(body), node.scopes.tag(scope)
+        if node.cluster is None:
+            d = route_in_scope(node.control, scope, tag, req)
+        else:  # the same decision on every node: the blocks' residencies from the directory's owners
+            d = await node.cluster.route(scope, tag, req)
     except NoDecodeEngine as e:
         return _json_error(503, e.message)
     except QuillError as e:
@@ -294,17 +298,21 @@ async def nodes(request: web.Request) -> web.Response:
         ks = node.keyspace
         meta = standalone_meta(node.cfg.server.bind, node.port, node.admin_port, ks.used, ks.capacity)
         members = [{"id": node.node_id, "state": "alive", "incarnation": 0, "gossip": None, "self": True,
-                    "following": False, "state_s": round(now - node.started, 1), **meta, **_own_figures(node)}]
+                    "state_s": round(now - node.started, 1), **meta, **_own_figures(node)}]
     else:
         cluster, members = node.cluster, []
-        for m in cluster.members():
+        for m in cluster.members_list():
             me = m.node_id == node.node_id
             members.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
                             "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": me,
-                            "following": m.node_id in cluster.followers, "state_s": round(cluster.state_age(m), 1),
+                            "state_s": round(cluster.state_age(m), 1),
                             **(m.meta or {}), **(_own_figures(node) if me else {})})
     for m in members:
         m["current"] = m["state"] == "alive"
+        d = m.pop("dir", None)
+        if isinstance(d, list) and len(d) == 6:  # the directory's figures the node gossips (cluster.meta)
+            m["directory"] = dict(zip(("entries_owned", "handoffs_in_flight", "lookups", "route_owner_round_trips",
+                                       "routes", "anti_entropy_repairs"), d))
         if "started" in m:
             m["uptime_s"] = max(0, round(now - m["started"]))
     return web.json_response({"node_id": node.node_id, "nodes": members})

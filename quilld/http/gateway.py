@@ -254,9 +254,11 @@ class Gateway:
             blocks = await self.prompt_blocks(req, fam, hashes)
             scope, tag = self.scope_tag(req, fam)
             per_block = self.hasher.tokens_per_block(fam)
+            cluster = self.node.cluster  # in a cluster, the blocks' residencies from the directory's owners
+            view = None if cluster is None else await cluster.route_view(tag, blocks)
             d = self.control.route(scope, tag, blocks, req.decode_tokens / per_block,
                                    session=None if tried else req.session,  # a retry may leave it
-                                   block_tokens=per_block)
+                                   block_tokens=per_block, view=view)
             split = not tried and d.pair is not None and d.pair.prefill is not None  # gateway_disagg.py orders
             for c in d.candidates:                                                    # its engines itself
                 if c.engine not in ids:
@@ -264,24 +266,24 @@ class Gateway:
                 cooling = self.cooling.get(c.engine, 0.0) > now and not (split and c.engine == d.engine)
                 key = (cooling, c.engine != d.engine, c.cost, c.engine)
                 if best is None or key < best[0]:
-                    best = (key, c, d, tag, blocks, per_block)
+                    best = (key, c, d, tag, blocks, per_block, view)
         if best is None:
             return None
-        _, c, d, tag, blocks, per_block = best
+        _, c, d, tag, blocks, per_block, view = best
         engine = self.control.engines.get(c.engine)
         if c.engine != d.engine:  # not the router's pick (it failed or cools down)
-            d = self._decision_for(engine, c, d, tag, blocks)
+            d = self._decision_for(engine, c, d, tag, blocks, view)
         uncached = int(round(max(0.0, len(blocks) - c.credit) * per_block))
         return Choice(engine, d, tag, blocks, uncached)
 
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
-                      blocks: list[int]) -> Decision:
+                      blocks: list[int], view=None) -> Decision:
         """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan
         (and, with roles, the engine alone: it prefills and decodes)."""
         pair = None if d.pair is None else replace(d.pair, decode=engine.id, prefill=None, prefill_url=None,
                                                    prefill_lease=None)
-        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks), engine.url,
-                        None, pair)
+        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks, view),
+                        engine.url, None, pair)
 
     def _record(self, choice: Choice) -> None:
         """The engine prefilled the prompt (or loaded its KV): its blocks are in that engine's HBM now."""

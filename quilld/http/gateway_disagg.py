@@ -219,9 +219,14 @@ class Disaggregation:
         wait = gw.cfg.handoff_wait_ms / 1000
         t0 = time.perf_counter()
         pull = asyncio.ensure_future(self._pull(dst, scope, blocks)) if dst != src and blocks else None
+        cluster = gw.node.cluster
+
+        async def resident() -> int:  # this node's index, or in a cluster the directory's owners
+            return control.resident(tag, blocks) if cluster is None else await cluster.pool_resident(tag, blocks)
+
         try:
             n = len(blocks)
-            first = have = control.resident(tag, blocks) if n else 0
+            first = have = await resident() if n else 0
             deadline, delay = t0 + wait, POLL_FIRST
             while have < n:
                 left = deadline - time.perf_counter()
@@ -229,7 +234,7 @@ class Disaggregation:
                     break
                 await asyncio.sleep(min(delay, left))
                 delay = min(delay * 2, POLL_MAX)
-                have = control.resident(tag, blocks)
+                have = await resident()
             if pull is not None:
                 pulled[dst] = await pull
         finally:

@@ -158,10 +158,10 @@ SSD_HELP = {
 # A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py
 # compares a fresh node's names with a busy one's).
 CLUSTER_GAUGES = ("cluster_enabled", "cluster_members", "cluster_members_alive", "cluster_members_suspect",
-                  "cluster_members_dead", "cluster_members_left", "cluster_followers", "cluster_log_seq",
-                  "cluster_log_epoch", "cluster_follow_max_idle_ms", "cluster_peer_keys")
-CLUSTER_COUNTERS = ("cluster_log_snapshots", "cluster_follow_errors", "cluster_follow_malformed",
-                    "cluster_follow_resyncs", "cluster_peer_fetches", "cluster_peer_fetch_bytes",
+                  "cluster_members_dead", "cluster_members_left", "cluster_directory_replicas",
+                  "cluster_directory_entries_owned", "cluster_directory_buckets_owned", "cluster_directory_entries_held",
+                  "cluster_directory_handoffs_in_flight", "cluster_directory_buckets_filling")
+CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_peer_fetch_usec", "cluster_peer_fetch_errors", "cluster_peer_fetch_stale",
                     "cluster_peer_fetch_checksum_failures", "cluster_members_without_address",
                     "cluster_peer_connections", "cluster_peer_gets_served", "cluster_rdma_leases_granted",
@@ -175,15 +175,32 @@ CLUSTER_COUNTERS = ("cluster_log_snapshots", "cluster_follow_errors", "cluster_f
                         "internal_errors", "seed_unresolved", "push_pull_ok", "push_pull_failed",
                         "push_pull_refused", "push_pull_served", "push_pull_skipped")),
                     "cluster_peers_declared_dead", "cluster_peers_left", "cluster_pool_reads",
-                    "cluster_pool_read_hits", "cluster_pool_read_asks", "cluster_pool_read_errors",
-                    "cluster_pool_read_ask_timeouts")
+                    "cluster_pool_read_hits", "cluster_pool_read_errors", "cluster_pool_read_ask_failures",
+                    "cluster_pool_read_batches", "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
+                    "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_route_lookups",
+                    "cluster_route_owner_round_trips", "cluster_directory_requests",
+                    "cluster_directory_message_failures", "cluster_peer_connection_waits",
+                    *(f"cluster_directory_{k}" for k in (
+                        "placements", "placement_items", "batches_sent", "batches_applied", "full_syncs",
+                        "retries", "message_failures", "resyncs_asked", "digests_sent", "ae_mismatches",
+                        "ae_repairs", "handoff_buckets", "buckets_gained", "buckets_lost", "buckets_copied",
+                        "copy_failures", "entries_released", "holders_dropped", "peer_restarts",
+                        "blocks_unanchored")))
 CLUSTER_HELP = {
     "cluster_members": "Cluster members this node knows (itself included).",
     "cluster_members_alive": "Members alive.", "cluster_members_suspect": "Members suspected of failure.",
     "cluster_peer_fetches": "Blocks fetched from peers.", "cluster_peer_fetch_bytes": "Bytes fetched from peers.",
     "cluster_peers_declared_dead": "Peers declared dead (events).", "cluster_peers_left": "Peers that left (events).",
     "cluster_peer_fetch_usec": "Time spent in peer fetches, in seconds.",
-    "cluster_follow_max_idle_ms": "Longest time since a followed peer's log last said anything, in seconds.",
+    "cluster_directory_replicas": "Owners each directory entry has (cluster.directory_replicas, or every node when fewer).",
+    "cluster_directory_entries_owned": "Directory entries this node keeps as an owner (every holder's, its buckets).",
+    "cluster_directory_entries_held": "Directory entries this node is the authority for (its values, its engines' blocks).",
+    "cluster_directory_handoffs_in_flight": "Buckets being filled and channels with placements not yet acknowledged.",
+    "cluster_lookups_local": "Directory lookups this node answered itself (it owns the bucket).",
+    "cluster_lookups_one_hop": "Directory lookups that took one owner round trip.",
+    "cluster_lookups_two_hops": "Directory lookups that took two owner round trips (an owner failed or was filling).",
+    "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
+    "cluster_directory_ae_repairs": "Buckets replaced after an anti-entropy digest differed.",
     "cluster_gossip_bytes_in": "Gossip bytes received.", "cluster_gossip_bytes_out": "Gossip bytes sent.",
 }
 NOT_METRICS = {"cluster_gossip_port"}

@@ -127,6 +127,9 @@ class ControlPlane:
         self._subscribers: dict[str, KvEventSubscriber] = {}  # engine id -> its KV-event subscriber
         self.pool: list[str] = []  # pool node ids (this node, then peers) holding blocks ROUTE can fetch
         self.observe_route: Callable[[float], None] = _ignore  # each decision's seconds (the node's metrics)
+        # in a cluster, the sharded directory (cluster/dir_link.py): told of the residencies of the
+        # engines this node consumes the KV events of, so every node's ROUTE sees them
+        self.placements: Any = None
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
@@ -189,6 +192,8 @@ class ControlPlane:
                         if group is None:
                             self._whole.setdefault(engine_id, set()).add(tier)
                         index.put_many(tag, ev.block_hashes, engine_id, tier)
+                        if self.placements is not None:
+                            self.placements.engine_stored(engine_id, tag, ev.block_hashes, ev.parent, tier)
                         continue
                     grouped = self._group_up(engine_id)
                 if group is not None:
@@ -201,6 +206,8 @@ class ControlPlane:
                 if grouped is None:
                     for tag in tags:
                         index.remove_many(tag, ev.block_hashes, engine_id, tier)
+                        if self.placements is not None:
+                            self.placements.engine_removed(engine_id, tag, ev.block_hashes, tier)
                     continue
                 if group is not None:
                     grouped.learn(group)
@@ -209,6 +216,8 @@ class ControlPlane:
                     grouped.removed(tag, ev.block_hashes, tier, mask)
             elif kind is Cleared:
                 index.clear_holder(engine_id)
+                if self.placements is not None:
+                    self.placements.engine_cleared(engine_id)
                 if grouped is not None:
                     grouped.clear()
         return len(events)
@@ -274,6 +283,8 @@ class ControlPlane:
         forget it; returns the residencies dropped. `reason` (gap, beyond_buffer, restart) is
         logged; a loss also counts in kv_gaps."""
         dropped = self.index.clear_holder(engine_id)
+        if self.placements is not None:
+            self.placements.engine_cleared(engine_id)
         self._grouped.pop(engine_id, None)
         hybrid = self._hybrid.get(engine_id)
         if hybrid is not None:
@@ -291,7 +302,8 @@ class ControlPlane:
 
     # -- routing ----------------------------------------------------------------
     def route(self, scope: IdentityScope, tag: bytes, blocks: list, decode_blocks: float = 0.0,
-              session: str | None = None, acquire: bool = False, block_tokens: float = 16.0) -> Decision:
+              session: str | None = None, acquire: bool = False, block_tokens: float = 16.0,
+              view: ResidencyIndex | None = None) -> Decision:
         """The engine for a request of `scope` (its `tag`) over `blocks`, with its URL and, with
         `acquire`, an in-flight lease on it (give it back with `engines.release`).
 
@@ -299,7 +311,9 @@ class ControlPlane:
         serves the model; an id over MAX_SESSION_ID_BYTES raises SessionIdTooLong first.
         When the model's engines have roles the decision carries its prefill-decode `pair`
         (pairing.py; `block_tokens`: tokens a block stands for), and with `acquire` a prefill
-        lease on the prefill engine too; a model with only prefill engines raises NoDecodeEngine."""
+        lease on the prefill engine too; a model with only prefill engines raises NoDecodeEngine.
+        `view`: the residencies to score against instead of this node's index (in a cluster, what
+        the directory's owners answered for these blocks)."""
         t0 = time.perf_counter()
         if session:
             check_session_id(session)
@@ -315,9 +329,10 @@ class ControlPlane:
         paired = bool(engines) and self.engines.has_roles(scope.model)
         if paired:
             engines_considered = engines  # every engine may prefill; the session keeps its decode engine
-        engine_id, cost, candidates, plan = score(self.index, tag, blocks, engines_considered, self.pool,
+        index = self.index if view is None else view
+        engine_id, cost, candidates, plan = score(index, tag, blocks, engines_considered, self.pool,
                                                   self.engines.in_flight, decode_blocks, self.weights, None,
-                                                  self._hybrid)
+                                                  self._hybrid if view is None else {})
         if blocks and not any(map(_OVERLAP, candidates)):
             others = self.index.held_elsewhere(tag, blocks[0])
             if others:
@@ -329,7 +344,7 @@ class ControlPlane:
                               kept if kept in engines else None)
             serving = pair.prefill or pair.decode
             if serving != engine_id:
-                plan = self.plan_for(serving, tag, blocks)
+                plan = self.plan_for(serving, tag, blocks, view)
             engine_id = pair.decode
             cost = next(c.cost for c in candidates if c.engine == engine_id)
         self.observe_route(time.perf_counter() - t0)
@@ -394,6 +409,8 @@ class ControlPlane:
         if hybrid is not None:
             return hybrid.stored(tag, blocks, CacheTier.HBM, hybrid.rule.every)
         put = self.index.put
+        if self.placements is not None:
+            self.placements.engine_stored(engine_id, tag, blocks, None, CacheTier.HBM)
         return sum(put(tag, h, engine_id, CacheTier.HBM) for h in blocks)
 
     def unrecord(self, engine_id: str, tag: bytes, block) -> None:
@@ -403,12 +420,14 @@ class ControlPlane:
             hybrid.removed(tag, (block,), CacheTier.HBM, hybrid.rule.every)
         else:
             self.index.remove(tag, block, engine_id, CacheTier.HBM)
+            if self.placements is not None:
+                self.placements.engine_removed(engine_id, tag, (block,), CacheTier.HBM)
 
-    def plan_for(self, engine_id: str, tag: bytes, blocks: list) -> list[Step]:
+    def plan_for(self, engine_id: str, tag: bytes, blocks: list, view: ResidencyIndex | None = None) -> list[Step]:
         """The per-block plan of `blocks` on `engine_id`, as `route` would give it had it chosen that
         engine (the gateway's, when it falls back to another engine than the router's pick)."""
-        return choose(self.index, tag, blocks, [engine_id], self.pool, self.engines.in_flight, 0.0, self.weights,
-                      None, self._hybrid).plan
+        return choose(self.index if view is None else view, tag, blocks, [engine_id], self.pool,
+                      self.engines.in_flight, 0.0, self.weights, None, self._hybrid if view is None else {}).plan
 
     # -- engines and their subscriptions ------------------------------------------
     async def add_engine(self, engine: EngineConfig) -> bool:
@@ -444,6 +463,8 @@ class ControlPlane:
         self._whole.pop(engine_id, None)
         self.feeds.pop(engine_id, None)
         self.sessions.forget_engine(engine_id)
+        if self.placements is not None:
+            self.placements.engine_cleared(engine_id)
         return self.index.clear_holder(engine_id)
 
     @property

@@ -3,8 +3,8 @@
 The store reports every placement of a tracked value (an arena block, or any
 value published with an engine block hash) and every removal. The feed
 mirrors block hashes into the control plane's residency index, so ROUTE
-credits this pool's own copies, and appends every change to the cluster's
-replication log, so peers can find the key here.
+credits this pool's own copies, and hands every change to the cluster's directory,
+so peers can find the key here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class ResidencyFeed:
         self.index = index
         self.holder = holder
         self.scopes = scopes
-        self.log: Any = None  # quilld.cluster.replog.ReplicationLog once the node is in a cluster
+        self.log: Any = None  # the cluster's directory (cluster/dir_link.py) once the node is in a cluster
 
     def placed(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
         """The value of `fk` is now (only) in `tier` of this node."""
@@ -35,7 +35,7 @@ class ResidencyFeed:
                     index.remove(tag, bhash, holder, other)
             index.put(tag, bhash, holder, tier)
         if self.log is not None:
-            self.log.placed(self.scopes.scope_of(tag), fk[TAG_LEN:], tier, nbytes, bhash)
+            self.log.placed(fk, tier, nbytes, bhash)
 
     def removed(self, fk: bytes, bhash: int | bytes | None) -> None:
         """The value of `fk` is gone from this node."""
@@ -44,4 +44,4 @@ class ResidencyFeed:
             for t in _LOCAL:
                 self.index.remove(tag, bhash, self.holder, t)
         if self.log is not None:
-            self.log.removed(self.scopes.scope_of(tag), fk[TAG_LEN:], bhash)
+            self.log.removed(fk, bhash)

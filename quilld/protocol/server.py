@@ -222,6 +222,8 @@ class RespConnection(asyncio.BufferedProtocol):
         session, out, pins = self.session, [], []
         self._out = out
         ncmds = 0
+        cluster = self.ctx.cluster
+        placed = cluster.link.placements if cluster is not None else 0
         while not session.closing:
             batch = self._next_batch(out)
             if not batch:
@@ -244,6 +246,11 @@ class RespConnection(asyncio.BufferedProtocol):
                 release()
             self.transport.abort()
             return
+        if out and cluster is not None and cluster.link.placements != placed and not session.closing:
+            acked = cluster.link.acknowledged()  # the batch's writes reach their owners before its replies
+            if acked is not None:
+                self._write_when(acked, out, pins)
+                return
         if out:
             if self._more_input and not pins and not session.closing:
                 if not self._held:
@@ -255,6 +262,24 @@ class RespConnection(asyncio.BufferedProtocol):
             self._flush_held()
         if session.closing:
             self.transport.close()
+
+    def _write_when(self, acked: Any, out: list, pins: list) -> None:
+        """Hold `out` (and reading) until the owners have acknowledged the writes it answers."""
+        self._deferred = asyncio.ensure_future(acked)
+        self.transport.pause_reading()
+
+        def done(fut: asyncio.Future) -> None:
+            self._deferred = None
+            if self.transport.is_closing():
+                for release in pins:
+                    release()
+                return
+            self._write(out, pins)
+            if not self._write_paused:
+                self.transport.resume_reading()
+            self._process()
+
+        self._deferred.add_done_callback(done)
 
     def _flush_held(self) -> None:
         if self._held and not self.transport.is_closing():

@@ -152,12 +152,14 @@ class Watches:
             at = expires.get(fk)
             watched[fk] = at is not None and at <= now and self._present(keyspace, fk)
             self.keys.setdefault(fk, {})[client.id] = client
+        cluster = client.ctx.cluster
+        if cluster is not None:
+            cluster.link.ctag(tag)  # the directory names scopes by digest: this one's is known from now on
         if self.keys and self.keyspace is None:
             self.keyspace = keyspace
             keyspace.touched = self.touched
-            cluster = client.ctx.cluster
             if cluster is not None:
-                self.directory = cluster.directory
+                self.directory = cluster.link
                 self.directory.touched = self.touched
 
     def unwatch(self, client: Any) -> None:

@@ -121,6 +121,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
         self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
+        self.track_all = False  # in a cluster every value is tracked: the directory places them all
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
         # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
         self.touched: Callable[[bytes], None] | None = None
@@ -418,7 +419,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         if self.tracked:
             self._forget(fk)
         listener = self.listener
-        if listener is not None and (bhash is not None or value.__class__ is Block):
+        if listener is not None and (bhash is not None or value.__class__ is Block or self.track_all):
             self.tracked[fk] = bhash
             listener.placed(fk, CacheTier.DRAM, len(value), bhash)
         old = data.pop(fk, None)

@@ -55,7 +55,7 @@ class Renames:
             self.touched(nk)
         if at is not None:
             self.set_expire(tag, dst, at)
-        if self.listener is not None and (was_tracked or value.__class__ is Block):
+        if self.listener is not None and (was_tracked or value.__class__ is Block or self.track_all):
             self.tracked[nk] = bhash
             self.listener.placed(nk, CacheTier.DRAM, len(value), bhash)
         return 1

@@ -1,4 +1,4 @@
-"""Three real quilld nodes on 127.0.0.1: gossip, residency replication, peer fetch."""
+"""Three real quilld nodes on 127.0.0.1: gossip, the sharded directory, peer fetch."""
 
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ def test_a_block_put_on_a_is_read_identical_through_b_and_c(cluster):
     print(f"replication visible on c after {delay * 1000:.0f} ms")
     assert b.execute_command("GETBLK", "blk:1") == payload
     assert c.execute_command("GETBLK", "blk:1") == payload
-    # small (inline) values are not tracked blocks: only arena blocks are replicated
-    assert c.execute_command("GETBLK", "small") is None
+    # small (inline) values are placed in the directory too: a pool read never asks every peer
+    assert c.execute_command("GETBLK", "small") == small
     # LOCAL never fetches; a fetched copy is kept (cluster.keep_fetched), so b now has it locally
     assert c.execute_command("GETBLK", "blk:1", "LOCAL") == payload
     assert a.execute_command("GETBLK", "missing") is None
@@ -217,7 +217,7 @@ def test_with_passwords_peers_authenticate_with_the_cluster_secret(cluster):
     with pytest.raises(redis.AuthenticationError, match="invalid cluster secret"):
         b.execute_command("PEERAUTH", "guess")
     with pytest.raises(redis.exceptions.NoPermissionError, match="PEERAUTH first"):
-        b.execute_command("REPLOG", "SNAPSHOT")
+        b.execute_command("DIR", "x", "")
 
 
 def test_rdma_is_used_only_when_available_and_rdma_mode_fails_loudly(cluster, tmp_path):
@@ -322,14 +322,14 @@ def test_membership_changes_are_logged_one_line_each(cluster):
     c_node = cluster.nodes["c"]
     os.kill(c_node.proc.pid, signal.SIGKILL)
     c_node.proc.wait(5)
-    until(lambda: "WARNING quilld.cluster: cluster: c is dead; dropped its" in log_a(), DEAD_BOUND, "a: c is dead")
+    until(lambda: "WARNING quilld.cluster: cluster: c is dead; dropped the" in log_a(), DEAD_BOUND, "a: c is dead")
     logs = log_a() + cluster.nodes["b"].log()
     assert "INFO quilld.cluster: cluster: c is suspect" in logs, logs  # before dead, on a or b
     cluster.start("c", ["a"])
     until(lambda: "INFO quilld.cluster: cluster: c joined (back after dead): gossip" in log_a(), 15,
           "a to log that c came back")
     stop_process(cluster.nodes["b"].proc)
-    until(lambda: "INFO quilld.cluster: cluster: b left; dropped its" in log_a(), 10, "a to log that b left")
+    until(lambda: "INFO quilld.cluster: cluster: b left; dropped the" in log_a(), 10, "a to log that b left")
     said = [ln for ln in log_a().splitlines() if "quilld.cluster: cluster: c " in ln]
     kinds = [re.sub(r".*cluster: c ((joined( \(back after dead\))?)|is suspect|is dead|is alive again).*", r"\1", ln)
              for ln in said]

@@ -162,16 +162,18 @@ def test_an_unknown_log_level_is_refused_by_name():
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("flag, listener, key", [
-    ("--port", "RESP", "server.port"),
-    ("--admin-port", "admin API", "admin.port"),
-    ("--gateway-port", "gateway", "gateway.port"),
-    ("--gossip-port", "gossip", "cluster.gossip_port"),
+@pytest.mark.parametrize("flag, listener, key, kind", [
+    ("--port", "RESP", "server.port", socket.SOCK_STREAM),
+    ("--admin-port", "admin API", "admin.port", socket.SOCK_STREAM),
+    ("--gateway-port", "gateway", "gateway.port", socket.SOCK_STREAM),
+    ("--gossip-port", "gossip", "cluster.gossip_port", socket.SOCK_STREAM),
+    ("--gossip-port", "gossip", "cluster.gossip_port", socket.SOCK_DGRAM),  # uvloop lost its errno (issue 18.9)
 ])
-def test_a_port_in_use_names_the_listener_and_its_flag(flag, listener, key):
-    with socket.socket() as held:
+def test_a_port_in_use_names_the_listener_its_flag_and_who_holds_it(flag, listener, key, kind):
+    with socket.socket(socket.AF_INET, kind) as held:
         held.bind(("127.0.0.1", 0))
-        held.listen()
+        if kind == socket.SOCK_STREAM:
+            held.listen()
         busy = held.getsockname()[1]
         ports = {"--port": "0", "--admin-port": "0"}
         ports[flag] = str(busy)
@@ -179,8 +181,9 @@ def test_a_port_in_use_names_the_listener_and_its_flag(flag, listener, key):
         r = run_quilld("--bind", "127.0.0.1", *args)
     assert r.returncode == 1, (r.stdout, r.stderr)
     want = (f"quilld: cannot start: the {listener} listener cannot open 127.0.0.1:{busy}: the port is in use "
-            f"(set another with {flag} or {key}; [Errno 98])")
+            f"by pid {os.getpid()} (")
     assert want in r.stderr, r.stderr
+    assert f"(set another with {flag} or {key}; [Errno 98])" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "quilld ready" not in r.stdout
     assert r.stderr.count("quilld stopped") == 1  # what had opened before it was closed
 

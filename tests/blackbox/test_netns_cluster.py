@@ -106,13 +106,13 @@ def assert_found(node: Node, key: str, want: bytes, what: str) -> None:
         pytest.fail(f"{what}: {key} read from {node.node_id} differs from what was written, first at byte {first}")
 
 
-def assert_gone(node: Node, key: str, what: str, exists_kv: bool = True) -> None:
-    """A miss through LMCache's calls (EXISTS metadata, GETs), and EXISTS kv_bytes too unless told:
-    until a killed holder is declared dead, the directory still names it, and EXISTS of a key the
-    directory names answers 1 without a transfer (README, "Pool-wide reads"); LMCache never asks it."""
+def assert_gone(node: Node, key: str, what: str, exists: bool = True) -> None:
+    """A miss through LMCache's calls (GETs), and EXISTS 0 too unless told: until a killed holder
+    is declared dead the directory still names it, and EXISTS of a key the directory names answers 1
+    without a transfer (README, "Pool-wide reads"); LMCache's GET that follows is then a miss."""
     r = node.r
-    assert r.exists(key + "metadata") == 0, f"{what}: EXISTS {key}metadata from {node.node_id}"
-    if exists_kv:
+    if exists:
+        assert r.exists(key + "metadata") == 0, f"{what}: EXISTS {key}metadata from {node.node_id}"
         assert r.exists(key + "kv_bytes") == 0, f"{what}: EXISTS {key}kv_bytes from {node.node_id}"
     assert r.get(key + "metadata") is None, f"{what}: GET {key}metadata from {node.node_id}"
     assert r.get(key + "kv_bytes") is None, f"{what}: GET {key}kv_bytes from {node.node_id}"
@@ -228,7 +228,7 @@ def test_twelve_hosts_share_chunks_route_alike_and_survive_three_kills(cluster):
     # gets a miss, and a chunk a survivor copied is still found (from the copy), never an error.
     probe = cluster.nodes["n2"]
     for name in victim_only:
-        assert_gone(probe, chunk_key(name), "read right after the kill", exists_kv=False)
+        assert_gone(probe, chunk_key(name), "read right after the kill", exists=False)
     for name, (v, kv) in copied.items():
         assert_found(probe, chunk_key(name), kv, f"copy of {v}'s chunk read right after the kill")
 
@@ -303,7 +303,7 @@ def test_a_host_cut_off_the_network_is_a_miss_then_found_again_when_plugged_back
     topo.cut(cut.host)
     t0 = time.monotonic()
     for node in others:  # at once, and on while the others find out
-        assert_gone(node, chunk_key("only"), "its holder cut off", exists_kv=False)
+        assert_gone(node, chunk_key("only"), "its holder cut off", exists=False)
         assert_found(node, chunk_key("copied"), copied, "a copy of a chunk of the cut host")
     first_round = time.monotonic() - t0
     deadline = time.monotonic() + 60

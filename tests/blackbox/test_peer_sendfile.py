@@ -48,7 +48,7 @@ def test_peer_fetch_is_byte_identical_around_page_and_buffer_sizes(pair):
     values = {f"sf:{n}": os.urandom(n) for n in SIZES}
     for k, v in values.items():
         ra.set(k, v)
-    assert wait_until(lambda: rb.info("cluster")["cluster_peer_keys"] >= len(values), 20)
+    assert wait_until(lambda: all(len(p) == 1 for p in rb.execute_command("LOCATE", *values)), 20)
     before = rb.info("cluster").get("cluster_peer_fetches", 0)
     for k, v in values.items():
         assert rb.execute_command("GETBLK", k) == v, k

@@ -38,15 +38,15 @@ def test_a_cluster_without_a_secret_refuses_the_empty_one_and_counts_and_slows_g
     q = start_quilld(tmp_path, "--dram", "16MiB", "--gossip-port", str(free_udp_port()),
                      env={"QUILLD_SECURITY_AUTH_DELAY_MAX_MS": "400"})
     try:
-        assert exchange(q.port, cmd("PEERAUTH", "") + cmd("REPLOG", "SNAPSHOT"), lines=2)[0] == \
+        assert exchange(q.port, cmd("PEERAUTH", "") + cmd("DIR", "x", ""), lines=2)[0] == \
             WRONG + b"-NOPERM node-to-node command: PEERAUTH first\r\n"
         # the host's secret: a file of this user's alone, the one every node of this user shares
         path = os.path.join(secret_dir(), FILE_NAME)
         st = os.stat(path)
         assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o600
         secret = local_secret()
-        assert exchange(q.port, cmd("PEERAUTH", secret) + cmd("REPLOG", "SNAPSHOT"), lines=2)[0].startswith(
-            b"+OK\r\n*3\r\n")
+        assert exchange(q.port, cmd("PEERAUTH", secret) + cmd("DIR", "x", b"\x92\xa1l\x90"), lines=2)[0].startswith(
+            b"+OK\r\n$")
         # one connection pipelines 3,000 guesses: before the fix all were answered within ~0.25 s
         with socket.create_connection(("127.0.0.1", q.port), timeout=30) as s:
             s.sendall(cmd("PEERAUTH", "guess") * 3000)

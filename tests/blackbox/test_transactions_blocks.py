@@ -51,7 +51,7 @@ def test_block_commands_inside_a_transaction(quilld):
     text = _refused_while_queueing(r, "PUT2PHASE", "BEGIN", "k", "10")
     assert text.startswith("Command not allowed inside a transaction: PUT2PHASE BEGIN, DATA, COMMIT and ABORT")
     for cmd in (("SHM", "HELLO"), ("SHM", "GET", "blk"), ("PEERGET", "t", "m", "k", "a", "blk"),
-                ("REPLOG", "SNAPSHOT")):
+                ("DIR", "x", "")):
         r.execute_command("MULTI")
         assert _refused_while_queueing(r, *cmd) == "Command not allowed inside a transaction"
     assert r.exists("k") == 0

@@ -173,6 +173,31 @@ def test_sglang_bench_pairs_each_page_size_with_both_ratios(saved):
     assert "SGLang not importable" in saved[-1]["note"] and "shared memory" in saved[-1]["note"]
 
 
+def test_directory_sim_draws_bytes_messages_and_convergence_per_size(saved):
+    def by(n, views, after):
+        return {"placement": {"entry_messages_per_placement": 2.9},
+                "crash 5%": {"all_views_without_them_s": views, "directory_converged_after_views_s": after},
+                "join 10%": {"all_views_with_them_s": views / 2, "directory_converged_after_views_s": None}}
+    rows = [(10, {"bytes_per_entry": 70.0, "today_bytes_per_entry": 118.0}, by(10, 3.0, 0.25)),
+            (1000, {"bytes_per_entry": 55.0, "today_bytes_per_entry": 420.0}, by(1000, 14.0, 0.5))]
+    bench("directory_sim").plot("x.png", rows, 3)
+    size, msgs, crash, join = saved[-1]["panels"]
+    assert size.categories == ["10 nodes", "1000 nodes"]
+    assert size.series["sharded"] == pytest.approx([3 * 1e6 * 70 / 2**30, 3 * 1e6 * 55 / 2**30])
+    assert size.series["full replication"] == pytest.approx([10 * 1e6 * 118 / 2**30, 1000 * 1e6 * 420 / 2**30])
+    assert size.labels[1] == "2545.45x"
+    assert msgs.series == {"full replication (N-1)": [9, 999], "sharded": [2.9, 2.9]}
+    assert crash.series == {"views agree": [3.0, 14.0], "directory after": [0.25, 0.5]}
+    assert join.series["directory after"] == [0.0, 0.0]
+
+
+def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):
+    bench("cluster_route_bench").plot("x.png", [("single node", 0.2, 3.6), ("12 hosts", 1.0, 4.8)], 12, 0.74)
+    (panel,) = saved[-1]["panels"]
+    assert panel.categories == ["single node", "12 hosts"] and panel.series == {"p50": [0.2, 1.0], "p99": [3.6, 4.8]}
+    assert panel.labels == ["1.00x", "5.00x"] and "0.74 owner round trips" in saved[-1]["note"]
+
+
 def test_save_writes_a_small_png(tmp_path):
     import matplotlib  # noqa: F401  (in the test extra as well as the `bench` extra: this must run)
     panels = [plot.Panel("a", ["x", "y"], {"ref": [1.0, 2.0], "quilld": [2.0, 1.0]}, "GB/s", ["2.00x", "0.50x"]),

@@ -1,8 +1,8 @@
 """`Cluster.fetch` (cluster/cluster.py): a key held only by peers, read into this node.
 
 Real keyspace, scope registry, control plane, residency feed and directory; gossip is
-never started. The directory learns who holds what from the peers' replication log
-entries (`Directory.apply`), as a follower would. Only the network is replaced:
+never started. The directory holds the peers' entries as an owner would (`place`: every
+node owns everything in a cluster this small, so lookups are local). Only the network is replaced:
 `Peers` stands in for `Transfers.fetch_into` (TCP or RDMA), writing each peer's answer
 into the memory `target(length)` names, as the real transfers do.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from quilld.cluster.cluster import Cluster
 from quilld.cluster.peer_client import PeerError
-from quilld.cluster.replog import ReplicationLog
+from quilld.cluster.dir_entries import KEY as KEY_ENTRY, TIER_BIT, code_of, key_shard
 from quilld.config import ClusterConfig, Config, DramConfig
 from quilld.index.control import ControlPlane
 from quilld.index.residency_feed import ResidencyFeed
@@ -93,14 +93,21 @@ def make_cluster(answers: dict, holders: dict[str, CacheTier], keep: bool = True
     keyspace.listener = feed
     cluster = Cluster(cfg, "n1", keyspace, scopes, control, feed,
                       lambda: {"port": 7379, "admin_port": 0})
+    tag = scopes.tag(SCOPE)
     for port, (peer, tier) in enumerate(holders.items(), 17000):
-        peer_log = ReplicationLog(lambda: [])
         size = len(answers[peer][1]) if isinstance(answers.get(peer), tuple) else 1
-        peer_log.placed(SCOPE, KEY, tier, size, None)
-        cluster.directory.apply(peer, peer_log.since(peer_log.epoch, 0, 100))
+        place(cluster, tag, peer, KEY, tier, size)
         cluster.addresses[peer] = ("127.0.0.1", port)
-    cluster.transfers = Peers(answers, keyspace)
-    return cluster, keyspace, scopes.tag(SCOPE)
+    cluster.transfers = cluster.reads.transfers = Peers(answers, keyspace)
+    return cluster, keyspace, tag
+
+
+def place(cluster: Cluster, tag: bytes, peer: str, key: bytes, tier: CacheTier, size: int) -> None:
+    """`peer` holds `key` in `tier`, as the directory's owner (this node) hears it from that peer."""
+    d = cluster.directory
+    d.set_members({**d.members, cluster.node_id: 1.0, peer: 1.0}, 0.0)
+    eid = cluster.link.ctag(tag) + key
+    d.owned.put(peer, KEY_ENTRY, eid, key_shard(eid), d.bucket_of(key_shard(eid)), code_of(TIER_BIT[tier], size))
 
 
 def check_nothing_held(ks) -> None:

@@ -68,7 +68,7 @@ BLOCKS = chain_hashes(PROMPT, 16)
 def gateway_with(*engines: EngineConfig) -> Gateway:
     cfg = Config(engines=engines)
     control = ControlPlane(cfg, ScopeRegistry())
-    node = SimpleNamespace(cfg=cfg, control=control, scopes=control.scopes)
+    node = SimpleNamespace(cfg=cfg, control=control, scopes=control.scopes, cluster=None)
     return Gateway(node)
 
 

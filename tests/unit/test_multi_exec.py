@@ -290,26 +290,36 @@ def test_client_pause_write_holds_an_exec_of_writes_queued_before_it():
     asyncio.run(main())
 
 
-def test_a_peer_log_entry_for_a_watched_key_counts_as_a_change():
-    """In a cluster, a block another node places, moves or removes (its replication log, applied
-    here by the directory) touches the key here: this node reads that copy on a local miss."""
-    from quilld.cluster.directory import Directory
-    from quilld.cluster.replog import PLACED, Entry
+def test_a_peers_placement_of_a_watched_key_counts_as_a_change():
+    """In a cluster, a key another node places or removes (its directory entry, applied here when
+    this node owns the key's bucket) touches the key here: this node reads that copy on a local miss."""
+    from quilld.cluster.dir_entries import KEY, TIER_BIT, code_of, key_shard
+    from quilld.cluster.dir_link import DirectoryLink
+    from quilld.cluster.directory import BATCH, Directory
 
-    class Joined:  # what NodeContext.cluster offers WATCH: the directory
-        def __init__(self, directory):
-            self.directory = directory
+    class Joined:  # what NodeContext.cluster offers WATCH: the directory's link
+        link = None
 
-    joined = Joined(None)
+    joined = Joined()
     ctx = make_context(cluster=joined)
-    directory = joined.directory = Directory(ctx.scopes, ctx.control.index)
+    directory = Directory("me")
+    directory.set_members({"me": 1.0, "peer-1": 1.0}, 0.0)  # two nodes: each owns every bucket
+    joined.link = DirectoryLink(directory, ctx.scopes, (), {})
     w, _ = watching(ctx, b"blk")
-    assert directory.touched is not None
-    directory.apply("peer-1", [Entry(1, PLACED, w.scope, b"other", "dram", 10, b"")])
+    assert joined.link.touched is not None
+    ctag = joined.link.ctag(w.tag)
+
+    def put(seq, key, begin=False):
+        eid = ctag + key
+        items = [("S",)] if begin else []
+        items.append(("P", "peer-1", KEY, eid, key_shard(eid), code_of(TIER_BIT["dram"], 10)))
+        assert directory.handle("peer-1", (BATCH, "ep", seq, items), 0.0)[0] == "ok"
+
+    put(1, b"other", begin=True)
     assert not w.cas_dirty
-    directory.apply("peer-1", [Entry(2, PLACED, w.scope, b"blk", "dram", 10, b"")])
+    put(2, b"blk")
     assert w.cas_dirty
-    assert directory.touched is None  # nothing watched any more: the hook is off
+    assert joined.link.touched is None  # nothing watched any more: the hook is off
 
 
 def test_monitor_sees_a_waiting_exec_after_the_commands_it_ran():

@@ -72,12 +72,12 @@ def release_args(c, args: list) -> None:
 
 
 def _put2phase_begin(c, args):
-    if not 4 <= len(args) <= 11:
+    if not 4 <= len(args) <= 13:
         raise CommandError("wrong number of arguments for 'put2phase|begin' command")
     nbytes = parse_int(args[3])
     if nbytes < 0 or nbytes > c.ctx.cfg.server.proto_max_bulk_len:
         raise CommandError(f"block size must be within 0..{c.ctx.cfg.server.proto_max_bulk_len} bytes")
-    lease = bhash = handle = None
+    lease = bhash = handle = parent = None
     in_place = False
     i = 4
     while i < len(args):
@@ -92,6 +92,8 @@ def _put2phase_begin(c, args):
             lease = parse_int(args[i + 1])
         elif opt == b"HASH" and bhash is None:
             bhash = parse_block_hash(text(args[i + 1]))
+        elif opt == b"PARENT" and parent is None:  # the block before it in its chain (the directory's segment)
+            parent = parse_block_hash(text(args[i + 1]))
         elif opt == b"HANDLE" and handle is None:  # chosen by the client: DATA and COMMIT pipelined behind
             handle = bytes(args[i + 1])
         else:
@@ -99,6 +101,12 @@ def _put2phase_begin(c, args):
         i += 2
     if in_place:
         check_map(c, "PUT2PHASE BEGIN ... SHM")
+    if parent is not None:
+        if bhash is None:
+            raise CommandError("PUT2PHASE BEGIN: PARENT names the block before HASH's; give HASH too")
+        cluster = c.ctx.cluster
+        if cluster is not None:
+            cluster.link.note_parent(c.tag, bhash, parent)
     puts = c.puts
     handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place, handle)
     if handle is None:
@@ -212,15 +220,22 @@ def _place(node: str, tier: CacheTier, nbytes: int | None = None, last_ms: int |
 
 
 def cmd_locate(c, args):
+    """LOCATE key [key ...]: this node's copies, the other nodes' (the directory's word, with their
+    bytes; in a cluster a deferred reply when an owner is elsewhere), then the engines' (a key
+    that is a block hash)."""
     ks, node_id, index, cluster = c.keyspace, c.ctx.node_id, c.control.index, c.ctx.cluster
-    out = []
-    for key in args[1:]:
-        places = [_place(node_id, tier, nbytes, last) for tier, nbytes, last in ks.places(c.tag, key)]
-        if cluster is not None:
-            places += [_place(holder, tier) for holder, tier in cluster.directory.holders(c.tag, bytes(key))]
-        places += [_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
-        out.append(places)
-    return out
+    own = [[_place(node_id, tier, nbytes, last) for tier, nbytes, last in ks.places(c.tag, key)] for key in args[1:]]
+    engines = [[_place(holder, tier) for holder, tier in index.locate(c.tag, [_engine_hash(key)])[0]]
+               for key in args[1:]]
+    if cluster is None:
+        return [a + b for a, b in zip(own, engines)]
+    tag, keys = c.tag, [bytes(k) for k in args[1:]]
+
+    async def with_peers():
+        peers = await cluster.locate(tag, keys)
+        return [a + [_place(h, t, n) for h, t, n in p] + b for a, p, b in zip(own, peers, engines)]
+
+    return Pending(with_peers())
 
 
 def register(t: CommandTable) -> None:

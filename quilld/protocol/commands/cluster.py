@@ -1,7 +1,7 @@
-"""Cluster commands: NODES for people; PEERAUTH, REPLOG, PEERGET and PEERPULL between nodes.
+"""Cluster commands: NODES for people; PEERAUTH, DIR, PEERGET, PEERMGET and PEERPULL between nodes.
 
 PEERAUTH gives a connection peer rights only: the node-to-node commands (flagged PEER in
-the table: REPLOG, PEERGET, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
+the table: DIR, PEERGET, PEERMGET, PEERPULL, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
 as a user or not. It logs nobody in: a peer that did not AUTH may run nothing else (NOAUTH),
 and one that did keeps its user's rights, never the operator's. Wrong secrets are counted
 (`peerauth_failures`) and slowed as AUTH's wrong passwords are (connection.py's throttle, one
@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 
 from quilld.cluster.cluster import node_line, standalone_meta
 from quilld.cluster.prefetch import MAX_PULL_KEYS, pull
-from quilld.cluster.replog import Behind as LogBehind
-from quilld.errors import Behind, CommandError, PeerOnly, WrongPass
-from quilld.model import IdentityScope, Pending
+from quilld.errors import CommandError, PeerOnly, WrongPass
+from quilld.model import IdentityScope, Pending, Pinned
 from quilld.protocol.commands.common import parse_int, text
 from quilld.context.auth_throttle import AuthThrottle
 from quilld.protocol.commands.connection import after_throttle, client_ip
@@ -69,43 +68,14 @@ def cmd_peerauth(c, args, throttle: AuthThrottle):
     return after_throttle(c, throttle, PEER_KEY, check, "peerauth_throttled")
 
 
-def cmd_replog(c, args):
-    """REPLOG SNAPSHOT | REPLOG SINCE epoch seq [COUNT n] [WAIT ms]"""
+def cmd_dir(c, args):
+    """DIR from-node msgpack: a peer's request to this node's part of the directory (a batch of
+    placements, a lookup, a copy of buckets); answered with the directory's reply, msgpacked."""
     cluster = _peer(c)
-    sub = bytes(args[1]).upper()
-    log = cluster.log
-    if sub == b"SNAPSHOT" and len(args) == 2:
-        seq, entries = log.snapshot()
-        return [log.epoch.encode(), seq, [e.wire() for e in entries]]
-    if sub != b"SINCE" or len(args) < 4 or len(args) % 2:
-        raise CommandError("syntax: REPLOG SNAPSHOT | REPLOG SINCE epoch seq [COUNT n] [WAIT ms]")
-    epoch, after = text(args[2]), parse_int(args[3])
-    count, wait_ms = 1000, 0
-    for i in range(4, len(args), 2):
-        opt, value = bytes(args[i]).upper(), parse_int(args[i + 1])
-        if opt == b"COUNT" and 0 < value <= MAX_BATCH:
-            count = value
-        elif opt == b"WAIT" and 0 <= value <= MAX_WAIT_MS:
-            wait_ms = value
-        else:
-            raise CommandError(f"REPLOG: COUNT must be 1..{MAX_BATCH}, WAIT 0..{MAX_WAIT_MS}")
-
-    def answer():
-        try:
-            entries = log.since(epoch, after, count)
-        except LogBehind as e:
-            raise Behind(f"{e}: load REPLOG SNAPSHOT") from None
-        return [log.epoch.encode(), log.seq, [e.wire() for e in entries]]
-
-    reply = answer()
-    if reply[2] or not wait_ms:
-        return reply
-
-    async def later():
-        await cluster.wait_log(after, wait_ms / 1000)
-        return answer()
-
-    return Pending(later())
+    try:
+        return cluster.link.handle(text(args[1]), bytes(args[2]))
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise CommandError(f"DIR: malformed request ({type(e).__name__}: {e})") from None
 
 
 def _scope_of(args) -> IdentityScope:
@@ -147,6 +117,55 @@ def cmd_peerget(c, args):
             return reply + [ks.expire_time(tag, key)] if pxat else reply
     cluster.stats["peer_gets_served"] += 1
     return ks.peer_copy(tag, key, with_expiry=pxat)
+
+
+MAX_MGET_KEYS = 1024  # keys one PEERMGET may ask for
+MAX_MGET_BYTES = 64 << 20  # bytes of values one PEERMGET answers; past it, nil (read one at a time)
+
+
+def cmd_peermget(c, args):
+    """PEERMGET tenant model tokenizer adapter key [key ...]: for each key `[crc32c, bytes, pxat]`
+    of this node's copy (pxat: when it expires, unix ms, or -1), or nil (no copy, or past the
+    reply's byte budget). Peers read small values this way, many per request."""
+    cluster = _peer(c)
+    keys = args[5:]
+    if len(keys) > MAX_MGET_KEYS:
+        raise CommandError(f"PEERMGET: at most {MAX_MGET_KEYS} keys")
+    tag = c.ctx.scopes.tag(_scope_of(args))
+    ks = c.ctx.keyspace
+    out: list = []
+    pending: list[int] = []
+    budget = MAX_MGET_BYTES
+    for key in keys:
+        got = ks.peer_copy(tag, bytes(key), with_expiry=True)
+        if got is None:
+            out.append(None)
+        elif type(got) is Pending:
+            pending.append(len(out))
+            out.append(got)
+        else:
+            crc, value, pxat = got
+            if value.__class__ is Pinned:
+                data = bytes(value.view) if len(value.view) <= budget else None
+                value.release()
+            else:
+                data = value if len(value) <= budget else None
+            budget -= len(data) if data is not None else 0
+            out.append(None if data is None else [crc, data, pxat])
+    cluster.stats["peer_gets_served"] += len(keys)
+    if not pending:
+        return out
+
+    async def settle():
+        for i in pending:
+            try:
+                crc, data, pxat = await out[i].awaitable
+                out[i] = [crc, data, pxat]
+            except Exception:  # a lower-tier copy that cannot be read: the peer asks elsewhere
+                out[i] = None
+        return out
+
+    return Pending(settle())
 
 
 def cmd_peerpull(c, args):
@@ -199,7 +218,10 @@ def register(t: CommandTable) -> None:
     throttle = AuthThrottle()  # PEERAUTH's own: AUTH guessers do not slow the peers, nor the reverse
     t.add("peerauth", 2, NOAUTH, lambda c, args: cmd_peerauth(c, args, throttle),
           "Authenticates a cluster peer connection.", "quillcache", "0.1.0")
-    t.add("replog", -2, f"{ADMIN} {PEER}", cmd_replog, "A peer follows this node's residency log.",
+    t.add("dir", 3, f"{ADMIN} {PEER}", cmd_dir, "A peer's request to this node's part of the directory.",
+          "quillcache", "0.1.0")
+    t.add("peermget", -6, f"{READONLY} {PEER}", cmd_peermget,
+          "A peer reads this node's copies of small values, many at once, with their CRC32C.",
           "quillcache", "0.1.0")
     t.add("peerget", -6, f"{READONLY} {PEER}", cmd_peerget,
           "A peer reads this node's copy of a key, with its CRC32C.", "quillcache", "0.1.0")

@@ -63,13 +63,13 @@ def pool_mget(c, keys: list, values: list):
 
 def pool_exists(c, found: int, missing: list):
     """EXISTS's count when some keys missed locally on a node in a cluster: those a peer holds count
-    too (the directory's word, else asked of the peers), unless cluster.pool_reads is off."""
+    too (the directory's word: no transfer), unless cluster.pool_reads is off."""
     cluster = c.ctx.cluster
     if not (cluster.pool_reads and cluster.addresses):
         return found
 
     async def count():
-        held = await asyncio.gather(*(cluster.pool_has(c.scope, c.tag, bytes(k)) for k in missing))
+        held = await cluster.pool_has_many(c.tag, [bytes(k) for k in missing])
         return found + sum(held)
 
     return Pending(count())

@@ -172,12 +172,22 @@ def cmd_route(c, args):
 
 async def _route_large(c, args: list):
     req, compact = await asyncio.to_thread(parse_request, args)
-    return _answer(c, req, compact)
+    answer = _answer(c, req, compact)
+    return await answer.awaitable if answer.__class__ is Pending else answer
 
 
-def _answer(c, req: RouteRequest, compact: bool) -> Raw:
-    d = route(c.control, c.scope, c.tag, req)
-    return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
+def _answer(c, req: RouteRequest, compact: bool) -> Raw | Pending:
+    cluster = c.ctx.cluster
+    if cluster is None:
+        d = route(c.control, c.scope, c.tag, req)
+        return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
+    scope, tag, resp3 = c.scope, c.tag, c.resp3
+
+    async def from_directory():  # the blocks' residencies from their owners
+        d = await cluster.route(scope, tag, req)
+        return Raw(encode_compact(d, resp3) if compact else encode_decision(d, resp3))
+
+    return Pending(from_directory())
 
 
 # -- the reply, straight to RESP bytes, from the codec's pieces ---------------------------------

@@ -133,18 +133,19 @@ QUILLCACHE = {
         args=(A("secret", "string"),),
         redact=_peer_secret,
     ),
-    "replog": D(
-        "Follow this node's residency log (cluster peers)", SINCE, G,
-        complexity="O(N), N being the entries returned",
+    "dir": D(
+        "A request to this node's part of the sharded directory (cluster peers)", SINCE, G,
+        complexity="O(N), N being the entries the request names",
         flags=_PEER_ONLY,
-        args=(A("from", "oneof", args=(
-            A("snapshot", "pure-token", token="SNAPSHOT"),
-            A("since", "block", token="SINCE", args=(
-                A("epoch", "string"), A("seq", "integer"),
-                A("n", "integer", token="COUNT", flags="optional"),
-                A("ms", "integer", token="WAIT", flags="optional"),
-            )),
-        )),),
+        args=(A("from", "string"), A("request", "string")),
+    ),
+    "peermget": D(
+        "Read this node's copies of small values for another node, with their CRC32C (cluster peers)", SINCE, G,
+        complexity="O(N), N being the keys",
+        flags="readonly no_multi",
+        keys=(K("RO access", index=5, range=(-1, 1, 0)),),
+        args=(A("tenant", "string"), A("model", "string"), A("tokenizer", "string"), A("adapter", "string"),
+              A("key", "key", key_spec=0, flags="multiple")),
     ),
     "peerget": D(
         "Read this node's copy of a key in another node's request, with its CRC32C (cluster peers)", SINCE, G,

@@ -1,0 +1,343 @@
+"""The sharded directory's asyncio shell: its messages over RESP, its timers, this node's lookups.
+
+`Directory` (directory.py) is sans-IO; this module drives it on the event loop:
+
+* **Messages.** Whatever `Directory.poll` hands back is sent as `DIR <from> <msgpack>` on
+  pooled peer connections of its own (at most `PER_PEER` to each peer, apart from block
+  fetches), and the reply or the failure goes back to the directory. The pump runs once per
+  loop iteration after a change (`kick`), and at the directory's next deadline.
+* **Requests from peers.** `handle` answers a peer's `DIR` (the RESP command in
+  protocol/commands/cluster.py).
+* **This node's lookups.** `key_holders` (pool reads, GETBLK, LOCATE) and `block_holders`
+  (ROUTE) ask each owner once for everything it owns, all owners at once, and a second owner
+  only for what the first could not answer fully (a bucket still filling, an owner that
+  failed): at most two round trips, one in the common case, none when this node owns it.
+* **What this node places.** `placed`/`removed` (the keyspace's values, through the
+  residency feed) and `engine_stored`/`engine_removed`/`engine_cleared` (the KV events of the
+  engines this node is home to) become the directory's entries.
+
+Identity scopes have a per-node tag; the directory names them by `scope_digest` (`ctag`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import msgpack
+
+from quilld.cluster.dir_entries import BLOCK, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.directory import BATCH, LOOKUP, Directory
+from quilld.cluster.peer_client import PeerError, PeerPool
+from quilld.errors import QuillError
+from quilld.index.residency import hash_key
+from quilld.model import CacheTier
+from quilld.scopes import TAG_LEN, ScopeRegistry
+
+log = logging.getLogger("quilld.cluster")
+
+PER_PEER = 4  # directory connections to one peer at once
+ACK_WAIT = 2.0  # seconds a write's reply waits for its owners' acknowledgement at most
+CALL_TIMEOUT = 5.0  # seconds a directory request may take
+MAX_WAIT = 1.0  # the pump looks at the directory at least this often
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def tiers(code: int) -> list[CacheTier]:
+    bits = tiers_of(code)
+    return [t for i, t in enumerate(TIERS) if bits >> i & 1]
+
+
+class DirectoryLink:
+    def __init__(self, directory: Directory, scopes: ScopeRegistry, hello: tuple[tuple, ...],
+                 addresses: dict[str, tuple[str, int]]) -> None:
+        self.d = directory
+        self.node_id = directory.node_id
+        self.scopes = scopes
+        self.addresses = addresses  # peer -> RESP address (the cluster's, kept current by it)
+        self.pool = PeerPool(hello=hello, per_peer=PER_PEER)
+        self.stats: Counter[str] = Counter()
+        self.touched: Callable[[bytes], None] | None = None  # WATCH: a key changed on another node
+        self.parents: dict[bytes, bytes] = {}  # ctag + hash -> parent hash, for a block about to be placed
+        self._ctags: dict[bytes, bytes] = {}
+        self._tags: dict[bytes, bytes] = {}
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._kicked = False
+        self._inflight: set[asyncio.Task] = set()
+        self._barriers: list[tuple[dict[str, int], asyncio.Future]] = []
+        self.placements = 0  # changes placed so far (the server shell compares it around a batch)
+        directory.key_changed = self._key_changed
+        scopes.on_release.append(self._released)
+
+    # -- scopes ------------------------------------------------------------------------
+    def ctag(self, tag: bytes) -> bytes:
+        ctag = self._ctags.get(tag)
+        if ctag is None:
+            ctag = self._ctags[tag] = scope_digest(*self.scopes.scope_of(tag))
+            self._tags[ctag] = tag
+        return ctag
+
+    def _released(self, tag: bytes, scope: Any) -> None:
+        ctag = self._ctags.pop(tag, None)
+        if ctag is not None:
+            self._tags.pop(ctag, None)
+
+    def _key_changed(self, eid: bytes) -> None:
+        touched = self.touched
+        if touched is not None:
+            tag = self._tags.get(eid[:8])
+            if tag is not None:
+                touched(tag + eid[8:])
+
+    # -- the pump ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="directory")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._inflight) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self.pool.close()
+
+    def kick(self) -> None:
+        """Something changed: the pump looks at the directory once the current callbacks are done."""
+        if not self._kicked:
+            self._kicked = True
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._kicked = False
+            self._wake.clear()
+            try:
+                for dest, msg in self.d.poll(time.monotonic()):
+                    self._send(dest, msg)
+                if self._barriers:  # an owner that left answers nothing more: its part is met
+                    self._check_barriers()
+            except Exception:
+                log.exception("directory: the pump failed")  # a bug: logged, the pump goes on
+            wait = min(MAX_WAIT, max(0.0, self.d.next_deadline() - time.monotonic()))
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+
+    def _send(self, dest: str, msg: tuple) -> None:
+        task = asyncio.ensure_future(self._request(dest, msg))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _request(self, dest: str, msg: tuple) -> None:
+        try:
+            reply = await self.call(dest, msg)
+        except (QuillError, ValueError, TypeError) as e:
+            self.stats["message_failures"] += 1
+            log.debug("directory: %s to %s failed: %s", msg[0], dest, e)
+            self.d.on_failure(dest, msg, time.monotonic())
+        else:
+            self.d.on_reply(dest, msg, reply, time.monotonic())
+        if self._barriers:
+            self._check_barriers()
+        self.kick()
+
+    # -- writes answered once their owners have them ---------------------------------------
+    def acknowledged(self) -> Any:
+        """An awaitable that resolves once every owner has answered the placements made so far
+        (ACK_WAIT at most: a slow owner delays a write, it never fails it; counted), or None
+        when none is on its way. The server shell holds a batch's replies on it, so a value
+        written on this node is found from every node once its write is answered."""
+        barrier = self.d.barrier()
+        if barrier is None or self.d.passed(barrier):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._barriers.append((barrier, fut))
+        return self._wait_acked(fut)
+
+    async def _wait_acked(self, fut: asyncio.Future) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), ACK_WAIT)
+        except asyncio.TimeoutError:
+            self.stats["placement_ack_timeouts"] += 1
+            self._barriers = [(b, f) for b, f in self._barriers if f is not fut]
+
+    def _check_barriers(self) -> None:
+        keep = []
+        for barrier, fut in self._barriers:
+            if fut.done():
+                continue
+            if self.d.passed(barrier):
+                fut.set_result(None)
+            else:
+                keep.append((barrier, fut))
+        self._barriers = keep
+
+    async def call(self, dest: str, msg: tuple) -> Any:
+        """One request to `dest`'s directory; its reply (raises QuillError when it failed)."""
+        addr = self.addresses.get(dest)
+        if addr is None:
+            raise PeerError(f"no address for {dest}")
+        conn = await self.pool.acquire(*addr)
+        try:
+            reply = await conn.call("DIR", self.node_id, pack(msg), timeout=CALL_TIMEOUT)
+        finally:
+            self.pool.release(conn)
+        if not isinstance(reply, bytes):
+            raise PeerError(f"{dest} refused DIR: {reply}")
+        self.stats["requests"] += 1
+        return unpack(reply)
+
+    def handle(self, src: str, payload: bytes) -> bytes:
+        """A peer's DIR request: its reply, packed."""
+        reply = self.d.handle(src, unpack(payload), time.monotonic())
+        if reply[0] == "ok" or reply[0] == "r":
+            self.kick()  # applying it may have moved nothing, but a copy or a gained bucket may
+        return pack(reply)
+
+    # -- this node's own values and engines ------------------------------------------------
+    def placed(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
+        self.placements += 1
+        ctag = self.ctag(fk[:TAG_LEN])
+        self.d.place_key(self.node_id, ctag + fk[TAG_LEN:], tier.value, nbytes)
+        if bhash is not None:
+            h = hash_key(bhash)
+            self.d.place_block(self.node_id, ctag, h, self.parents.pop(ctag + h, None), tier.value, exact=True)
+        self.kick()
+
+    def removed(self, fk: bytes, bhash: int | bytes | None) -> None:
+        self.placements += 1
+        ctag = self.ctag(fk[:TAG_LEN])
+        self.d.remove_key(self.node_id, ctag + fk[TAG_LEN:])
+        if bhash is not None:
+            self.d.unplace_block(self.node_id, ctag, hash_key(bhash), None)
+        self.kick()
+
+    def note_parent(self, tag: bytes, bhash: int | bytes, parent: int | bytes) -> None:
+        """The block `bhash` about to be stored here follows `parent` in its chain."""
+        ctag = self.ctag(tag)
+        if len(self.parents) >= 65536:  # puts begun and never committed: forget the oldest
+            self.parents.pop(next(iter(self.parents)))
+        self.parents[ctag + hash_key(bhash)] = hash_key(parent)
+
+    def engine_stored(self, engine: str, tag: bytes, hashes: Iterable, parent: Any, tier: CacheTier) -> None:
+        ctag = self.ctag(tag)
+        prev = None if parent is None else hash_key(parent)
+        for h in hashes:
+            hb = hash_key(h)
+            self.d.place_block(engine, ctag, hb, prev, tier.value)
+            prev = hb
+        self.kick()
+
+    def engine_removed(self, engine: str, tag: bytes, hashes: Iterable, tier: CacheTier | None) -> None:
+        ctag = self.ctag(tag)
+        for h in hashes:
+            self.d.unplace_block(engine, ctag, hash_key(h), None if tier is None else tier.value)
+        self.kick()
+
+    def engine_cleared(self, engine: str) -> None:
+        self.d.clear_holder(engine)
+        self.kick()
+
+    # -- lookups --------------------------------------------------------------------------
+    async def lookup(self, items: list[tuple]) -> tuple[list, int]:
+        """LOOKUP `items` through their owners: (answers, owner round trips). An answer is what
+        the owners hold: for a key [(holder, code)], for a segment [[(holder, code)] per block]."""
+        answers: dict[int, Any] = {}
+        asked: dict[int, set[str]] = {}
+        pending = list(range(len(items)))
+        trips = 0
+        for _round in range(2):
+            plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)},
+                               time.monotonic())
+            for j, (answer, _partial) in plan.local.items():
+                i = pending[j]
+                answers[i] = _merge(items[i][0], answers.get(i), answer)
+            if not plan.asks:
+                break
+            owners = list(plan.asks)
+            trips += len(owners)
+            replies = await asyncio.gather(*(self.call(o, (LOOKUP, plan.asks[o])) for o in owners),
+                                           return_exceptions=True)
+            got = dict(zip(owners, replies))
+            again = []
+            for j, (owner, k) in plan.route.items():
+                i = pending[j]
+                asked.setdefault(i, set()).add(owner)
+                reply = got[owner]
+                if isinstance(reply, BaseException):
+                    if not isinstance(reply, (QuillError, ValueError, TypeError)):
+                        raise reply
+                    self.stats["lookup_failures"] += 1
+                    again.append(i)
+                    continue
+                answer, partial = reply[1][k]
+                answers[i] = _merge(items[i][0], answers.get(i), answer)
+                if partial:
+                    again.append(i)
+            pending = again
+            if not pending:
+                break
+        self.stats["lookups"] += 1
+        self.stats[f"lookups_{min(trips, 3)}_trips"] += 1
+        return [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))], trips
+
+    async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
+        """For each key of scope `tag`: (holder, tiers, bytes) of every node the directory names."""
+        ctag = self.ctag(tag)
+        answers, _ = await self.lookup([Directory.key_item(ctag + k) for k in keys])
+        return [[(h, tiers(code), nbytes_of(code)) for h, code in a] for a in answers]
+
+    async def block_holders(self, tag: bytes, hashes: list) -> tuple[list[list[tuple[str, list[CacheTier]]]], int]:
+        """For each block of a prompt (from its first): (holder, tiers) of every engine and node
+        holding it; and the owner round trips it took.
+
+        First wave: each prompt segment's owners (a block placed from its chain is there). When
+        the first block is held but a later one was not found in its segment, a second wave asks
+        the owners of those blocks' own shards, all at once (up to a segment's worth): a block
+        placed with no known parent (a pool block stored alone with HASH, by a node that does
+        not hold the block before it) starts a chain of its own, under its own hash."""
+        ctag = self.ctag(tag)
+        parts = [hash_key(h) for h in hashes]
+        items = self.d.block_items(ctag, parts)
+        answers, trips = await self.lookup([item for item, _ in items])
+        found: list[list] = [per for seg in answers for per in seg]
+        gap = next((i for i, per in enumerate(found) if not per), None)
+        if gap:  # block 0 is held (a prefix may go on), block `gap` was not found in its segment
+            g = self.d.s.group_blocks
+            lone = [i for i in range(gap, min(len(parts), gap + g)) if i % g]  # segment heads were asked
+            if lone:
+                more, trips2 = await self.lookup([(BLOCK, block_shard(ctag, parts[i]), [parts[i]]) for i in lone])
+                trips += trips2
+                for i, seg in zip(lone, more):
+                    found[i] = _union(found[i], seg[0])
+                self.stats["route_second_waves"] += 1
+        self.stats["routes"] += 1
+        self.stats["route_owner_trips"] += trips
+        return [[(h, tiers(code)) for h, code in per] for per in found], trips
+
+
+def _merge(kind: int, a: Any, b: Any) -> Any:
+    """Two owners' answers to one item, together (a key's holders, or a segment's, block by block)."""
+    if a is None:
+        return b
+    if kind == BLOCK:
+        return [_union(x, y) for x, y in zip(a, b)]
+    return _union(a, b)
+
+
+def _union(a: list, b: list) -> list:
+    seen = {(h, c) for h, c in a}
+    return list(a) + [(h, c) for h, c in b if (h, c) not in seen]
