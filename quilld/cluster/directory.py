@@ -69,6 +69,7 @@ BATCH, LOOKUP, COPY, DUMP = "b", "l", "c", "h"
 # items of a batch
 PUT, DEL, CLEAR, SYNCED, DIGEST, BEGIN = "P", "R", "C", "E", "D", "S"
 COPY_BUCKETS = 256  # buckets per COPY request
+SETTLE_FROM = 32  # views of more members than this wait `membership_settle_s` (bursts of joins at scale)
 SWEEP_ROUNDS = 8  # every this many anti-entropy rounds, a digest goes to every owner
 
 
@@ -145,12 +146,16 @@ class Directory:
 
     # -- membership --------------------------------------------------------------------
     def note_members(self, members: dict[str, float], now: float) -> None:
-        """A new view of the live members; applied once it has not changed for
-        `membership_settle_s` (a burst of joins or deaths moves the buckets once), and at most
-        four times that after the first change."""
+        """A new view of the live members: at once while this node was alone or the cluster is
+        small (SETTLE_FROM members); else once it has not changed for `membership_settle_s` (a
+        burst of joins or deaths moves the buckets once), and at most four times that after the
+        first change."""
         members = dict(members)
         members.setdefault(self.node_id, 1.0)
         if members == (self._pending if self._pending is not None else self.members):
+            return
+        if len(self.members) <= 1 or len(members) <= SETTLE_FROM:  # alone, or a small cluster: at once
+            self.set_members(members, now)
             return
         if self._pending is None:
             self._pending_since = now
