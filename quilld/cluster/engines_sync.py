@@ -1,0 +1,340 @@
+"""Engines across the cluster: one table on every node, one home per engine, load summed.
+
+* **The table** (engine_table.py) holds every engine any node knows, merged last-writer-wins.
+  A registration (`POST /v1/engines`) or a removal (`DELETE /v1/engines/{id}`) on any node
+  writes it here (`register`, `remove`), and the node's gossip meta then names the table's
+  new digest (`announce`, at once). A node that sees a peer's digest differ from its own
+  pulls that peer's table (`PEERENGINES` over the cluster's authenticated peer connections:
+  one pull at a time per peer, at most one per `PULL_GAP_S`, none again while the peer's
+  digest is the one it last pulled) and merges it; its own digest changes and spreads the
+  same way. Every engine in the merged table is registered in the local `ControlPlane`, so
+  every node's ROUTE, LOCATE and gateway know it.
+* **A home per engine** (`home_of`): the node it was registered on while that node is alive,
+  else (and for the config file's engines) the live member with the highest rendezvous hash.
+  Only the home subscribes to the engine's ZMQ publisher and applies its pushed KV events
+  (another node forwards a KVEVENTS or `POST /v1/kv-events` batch there: `forward`); its
+  residencies go to the sharded directory with the engine as their holder (dir_link.py).
+  When the membership changes an engine's home, the new home gathers the engine's entries
+  from their owners (the directory's DUMP, asked of every live member), becomes their
+  authority (`Directory.adopt`), then subscribes (the subscriber catches up from the
+  publisher's replay buffer); the old home, if alive, unsubscribes and drops its authority.
+  A registration is not adopted (nothing was known of it), nor a replaced engine (replacing
+  forgets what was known).
+* **Load**: `own_loads` (this node's leases, per engine with any) go in the gossip meta; the
+  sum of the peers' last advertised loads is the registry's remote part (`remote_loads`).
+
+Every change to the control plane's engines runs under one lock, in `_settle`, which
+brings the local registry and subscriptions to what the table and the membership say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import msgpack
+
+from quilld.cluster.dir_entries import Entry
+from quilld.cluster.dir_link import DirectoryLink
+from quilld.cluster.directory import DUMP, Directory
+from quilld.cluster.engine_table import EngineTable, Version, home_of
+from quilld.cluster.peer_client import PeerError, PeerPool
+from quilld.config import EngineConfig
+from quilld.errors import CommandError, QuillError
+from quilld.index.control import ControlPlane
+from quilld.index.engines import Load
+
+log = logging.getLogger("quilld.cluster")
+
+PULL_GAP_S = 0.5  # seconds between two pulls of one peer's table
+SETTLE_DELAY_S = 0.3  # a membership change is acted on once it has not changed for this long
+CALL_TIMEOUT = 5.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class EngineSync:
+    def __init__(self, node_id: str, control: ControlPlane, directory: Directory, link: DirectoryLink,
+                 pool: PeerPool, addresses: dict[str, tuple[str, int]], members: dict[str, float],
+                 announce: Callable[[], None]) -> None:
+        """`members`, `addresses`: the cluster's (kept current by it); `announce()`: gossip this
+        node's meta now (the table's digest changed)."""
+        self.node_id = node_id
+        self.control = control
+        self.directory = directory
+        self.link = link
+        self.pool = pool
+        self.addresses = addresses
+        self.members = members
+        self.announce = announce
+        self.table = EngineTable(control.engines.engines.values())
+        self.applied: dict[str, Version] = {}  # engine -> the version registered in the control plane
+        self.homes: dict[str, str] = {}  # engine -> its home, as last settled here
+        self.stats: Counter[str] = Counter(engine_table_pulls=0, engine_table_merges=0, engine_rehomes=0)
+        self._fresh: set[str] = set()  # engines registered here whose first settle must not adopt
+        self._pulled: dict[str, str] = {}  # peer -> the digest its table had when we last pulled it
+        self._pulling: set[str] = set()
+        self._next_pull: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._delay = 0.0
+        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.applied = {e.id: self.table.entries[e.id].version for e in control.engines.engines.values()}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engines")
+        self.kick()
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    def kick(self, delay: float = 0.0) -> None:
+        """Settle the registry and homes once the current callbacks are done (after `delay`)."""
+        self._delay = max(self._delay, delay)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            while self._delay:  # a burst of membership changes: once it is over
+                delay, self._delay = self._delay, 0.0
+                await asyncio.sleep(delay)
+            self._wake.clear()
+            try:
+                await self._settle()
+            except Exception:
+                log.exception("engines: settling the engine table failed")  # a bug: logged, goes on
+
+    # -- this node's writes ---------------------------------------------------------------
+    async def register(self, engine: EngineConfig) -> bool:
+        """`POST /v1/engines` here: the engine is the cluster's, homed here while this node lives
+        (an engine with no locality stores its KV through this node). True when it is new."""
+        if not engine.locality:
+            engine = dataclasses.replace(engine, locality=self.node_id)
+        old = self.table.get(engine.id)
+        async with self._lock:
+            self.table.put(engine, self.node_id, now_ms())
+            self._fresh.add(engine.id)
+            await self._settle_locked()
+        self.announce()
+        return old is None or old.removed
+
+    async def remove(self, engine_id: str) -> int:
+        """`DELETE /v1/engines/{id}` here: removed on every node; the residencies dropped here.
+        CommandError when no such engine is known."""
+        async with self._lock:
+            if self.table.remove(engine_id, self.node_id, now_ms()) is None:
+                raise CommandError(f"no engine {engine_id!r}")
+            dropped = await self._unregister(engine_id)
+        self.announce()
+        return dropped
+
+    # -- the table over gossip ------------------------------------------------------------
+    def meta(self) -> dict:
+        return {"eng": self.table.digest()}
+
+    def own_loads(self) -> list[tuple[str, list[int]]]:
+        """This node's leases per engine, busiest first (the cluster puts what fits in its meta)."""
+        loads = self.control.engines.own_loads()
+        return sorted(((e, list(load)) for e, load in loads.items()), key=lambda x: -x[1][0])
+
+    def remote_loads(self, peer_meta: dict[str, dict]) -> None:
+        """The peers' advertised loads, summed, as the registry's remote part."""
+        total: dict[str, list[int]] = {}
+        for peer, meta in peer_meta.items():
+            if peer not in self.members:
+                continue
+            loads = meta.get("load")
+            if not isinstance(loads, dict):
+                continue
+            for engine, load in loads.items():
+                if isinstance(load, list) and len(load) == 4 and all(isinstance(n, int) and n >= 0 for n in load):
+                    acc = total.setdefault(engine, [0, 0, 0, 0])
+                    for i, n in enumerate(load):
+                        acc[i] += n
+        self.control.engines.set_remote({e: Load(*v) for e, v in total.items()})
+
+    def peer_meta(self, peer: str, meta: dict) -> None:
+        """A peer's meta: pull its table when its digest differs from ours (and from the one we
+        last pulled of it), one pull at a time, not more often than PULL_GAP_S."""
+        digest = meta.get("eng")
+        if not isinstance(digest, str) or digest == self.table.digest() or digest == self._pulled.get(peer):
+            return
+        if peer in self._pulling or time.monotonic() < self._next_pull.get(peer, 0.0):
+            return  # the periodic `tick` looks again
+        self._pulling.add(peer)
+        task = asyncio.ensure_future(self._pull(peer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def tick(self, peer_meta: dict[str, dict]) -> None:
+        """Every meta refresh: forget old removals, look at every peer's digest again."""
+        if self.table.expire(now_ms()):
+            self.announce()
+        for peer, meta in list(peer_meta.items()):
+            if peer in self.members:
+                self.peer_meta(peer, meta)
+
+    async def _pull(self, peer: str) -> None:
+        self._next_pull[peer] = time.monotonic() + PULL_GAP_S
+        try:
+            reply = await self._call(peer, "PEERENGINES", self.node_id)
+            digest, rows = reply["digest"], reply["rows"]
+            if not isinstance(rows, list) or not isinstance(digest, str):
+                raise ValueError("PEERENGINES: a map of digest and rows")
+        except (QuillError, ValueError, TypeError, KeyError) as e:
+            self.stats["engine_table_pull_failures"] += 1
+            log.debug("engines: pulling %s's engine table failed: %s", peer, e)
+            return
+        finally:
+            self._pulling.discard(peer)
+        self.stats["engine_table_pulls"] += 1
+        changed, bad = self.table.merge(rows, now_ms())
+        self._pulled[peer] = digest
+        if bad:
+            self.stats["engine_table_rows_refused"] += bad
+            log.warning("engines: %d malformed row(s) in %s's engine table were ignored", bad, peer)
+        if changed:
+            self.stats["engine_table_merges"] += len(changed)
+            for old, new in changed:
+                if new.removed:
+                    log.info("engines: %s was removed (by %s)", new.engine_id, new.version[1])
+                elif old is None or old.removed:
+                    log.info("engines: %s registered on %s is known here", new.engine_id, new.origin or "config")
+            self.kick()
+            self.announce()
+
+    def rows_reply(self) -> bytes:
+        """PEERENGINES' reply: this node's table and its digest, msgpacked."""
+        return msgpack.packb({"digest": self.table.digest(), "rows": self.table.rows()}, use_bin_type=True)
+
+    async def _call(self, peer: str, *args: Any) -> Any:
+        addr = self.addresses.get(peer)
+        if addr is None:
+            raise PeerError(f"no address for {peer}")
+        conn = await self.pool.acquire(*addr)
+        try:
+            reply = await conn.call(*args, timeout=CALL_TIMEOUT)
+        finally:
+            self.pool.release(conn)
+        if isinstance(reply, Exception):
+            raise PeerError(f"{peer} refused {args[0]}: {reply}")
+        if isinstance(reply, bytes) and args[0] == "PEERENGINES":
+            return msgpack.unpackb(reply, raw=False)
+        return reply
+
+    # -- homes -----------------------------------------------------------------------------
+    def home(self, engine_id: str) -> str | None:
+        """The engine's home in this node's view now (None: no such engine)."""
+        entry = self.table.get(engine_id)
+        if entry is None or entry.removed:
+            return None
+        return home_of(engine_id, entry.origin, self.members)
+
+    def origin(self, engine_id: str) -> str:
+        entry = self.table.get(engine_id)
+        return "" if entry is None else entry.origin
+
+    def members_changed(self) -> None:
+        self.kick(SETTLE_DELAY_S)
+
+    async def forward(self, home: str, engine_id: str, raw: bytes) -> int:
+        """A pushed batch of KV events for an engine homed on another node: applied there."""
+        reply = await self._call(home, "PEERKVEVENTS", engine_id, raw)
+        if not isinstance(reply, int):
+            raise PeerError(f"{home} answered PEERKVEVENTS with {reply!r:.60}")
+        self.stats["engine_events_forwarded"] += 1
+        return reply
+
+    async def _settle(self) -> None:
+        async with self._lock:
+            await self._settle_locked()
+
+    async def _settle_locked(self) -> None:
+        live = self.table.live()
+        for engine_id in [e for e in self.applied if e not in live]:
+            await self._unregister(engine_id)
+        for engine_id, entry in live.items():
+            first = engine_id not in self.applied
+            if self.applied.get(engine_id) != entry.version:
+                if not first:  # replaced: what was known of the old one is forgotten (everywhere)
+                    self._fresh.add(engine_id)
+                    self.homes.pop(engine_id, None)
+                ms, writer, _ = entry.version  # the same place among the candidates on every node
+                rank = (ms, writer, 0, engine_id) if ms else (0, "", 1 << 30, engine_id)
+                await self.control.add_engine(entry.config, follow=False, rank=rank)
+                self.applied[engine_id] = entry.version
+            home = home_of(engine_id, entry.origin, self.members)
+            prev = self.homes.get(engine_id)
+            fresh = engine_id in self._fresh
+            self._fresh.discard(engine_id)
+            if home == self.node_id and prev != self.node_id:
+                if not fresh:
+                    await self._adopt(engine_id, prev)
+                self.homes[engine_id] = home
+                if await self.control.follow(engine_id):
+                    log.info("engines: subscribed to %s's KV events (its home is this node)", engine_id)
+            elif home != self.node_id and prev == self.node_id:
+                await self.control.unfollow(engine_id)
+                self.directory.drop_authority(engine_id)
+                self.stats["engine_homes_left"] += 1
+                log.info("engines: %s's home is now %s; this node stopped consuming its KV events", engine_id, home)
+            if home is not None:
+                self.homes[engine_id] = home
+
+    async def _unregister(self, engine_id: str) -> int:
+        self.applied.pop(engine_id, None)
+        self.homes.pop(engine_id, None)
+        self._fresh.discard(engine_id)
+        try:
+            dropped = await self.control.remove_engine(engine_id)
+        except CommandError:
+            return 0
+        self.directory.drop_authority(engine_id)
+        return dropped
+
+    async def _adopt(self, engine_id: str, prev: str | None) -> None:
+        """Become the authority for the engine's directory entries: gather them from their
+        owners (every live member is asked: DUMP), keep them as ours."""
+        entries: dict[bytes, tuple[int, Entry]] = {}
+        for bucket, e in self.directory.owned.entries_of(engine_id):
+            entries[e.eid] = (bucket, e)
+        peers = [m for m in self.members if m != self.node_id and m in self.addresses]
+        replies = await asyncio.gather(*(self.link.call(p, (DUMP, engine_id)) for p in peers), return_exceptions=True)
+        failed = 0
+        for peer, reply in zip(peers, replies):
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, (QuillError, ValueError, TypeError)):
+                    raise reply
+                failed += 1
+                continue
+            for bucket, e in reply[1]:
+                entry = Entry(*e)
+                entries.setdefault(entry.eid, (bucket, entry))
+        self.directory.adopt(engine_id, entries.values())
+        self.stats["engine_entries_adopted"] += len(entries)
+        if prev is not None:
+            self.stats["engine_rehomes"] += 1
+        log.info("engines: this node is now %s's home%s; adopted its %d directory entries from %d owner(s)%s",
+                 engine_id, f" (was {prev})" if prev else "", len(entries), len(peers) + 1 - failed,
+                 f", {failed} did not answer" if failed else "")
+
+    # -- reporting -------------------------------------------------------------------------
+    def info(self) -> list[tuple[str, Any]]:
+        live = self.table.live()
+        return [("cluster_engines_known", len(live)),
+                ("cluster_engines_homed", sum(1 for e in live if self.homes.get(e) == self.node_id)),
+                ("cluster_engine_table_digest", self.table.digest()),
+                *((f"cluster_{k}", v) for k, v in sorted(self.stats.items()))]

@@ -1,0 +1,268 @@
+"""Engines across the cluster (issue 20.5): the engine table's last-writer-wins merge, its
+tombstones and digest, the home rule, re-homing on a membership change (with a real
+directory and control plane: the new home adopts the engine's entries, the old one steps
+down), and the load every node's leases put on an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from quilld.cluster.dir_link import DirectoryLink
+from quilld.cluster.directory import Directory, DirectorySettings
+from quilld.cluster.engine_table import EngineTable, home_of
+from quilld.cluster.engines_sync import EngineSync
+from quilld.config import Config, EngineConfig
+from quilld.index.control import ControlPlane
+from quilld.index.engines import EngineRegistry, Load
+from quilld.index.events import Batch, Removed, Stored
+from quilld.model import IdentityScope
+from quilld.scopes import ScopeRegistry
+
+X = EngineConfig(id="vllm-x", url="http://10.0.0.1:8000", model="m")
+Y = EngineConfig(id="vllm-y", url="http://10.0.0.2:8000", model="m")
+SCOPE = IdentityScope("default", "m", "", "")
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+def test_the_last_writer_wins_whatever_order_the_rows_arrive_in():
+    a, b, c = EngineTable(), EngineTable(), EngineTable()
+    a.put(X, "a", 1000)
+    b.put(dataclasses.replace(X, url="http://10.0.0.9:8000"), "b", 2000)
+    c.put(Y, "c", 1500)
+    assert len({a.digest(), b.digest(), c.digest()}) == 3
+    for first, second in ((b, c), (c, b)):  # a hears b then c, a copy of a hears c then b
+        t = EngineTable()
+        t.merge(a.rows(), 3000)
+        t.merge(first.rows(), 3000)
+        t.merge(second.rows(), 3000)
+        assert t.get("vllm-x").config.url == "http://10.0.0.9:8000" and t.get("vllm-x").origin == "b"
+        assert t.get("vllm-y").origin == "c"
+    ab, ba = EngineTable(), EngineTable()
+    for rows in (a.rows(), b.rows(), c.rows()):
+        ab.merge(rows, 3000)
+    for rows in (c.rows(), b.rows(), a.rows()):
+        ba.merge(rows, 3000)
+    assert ab.digest() == ba.digest()
+    assert sorted(map(str, ab.rows())) == sorted(map(str, ba.rows()))
+    changed, bad = ab.merge(a.rows(), 3000)  # an older write changes nothing
+    assert changed == [] and bad == 0
+
+
+def test_a_write_on_a_node_whose_clock_is_behind_still_replaces_what_it_saw():
+    a, b = EngineTable(), EngineTable()
+    a.put(X, "a", 5000)
+    b.merge(a.rows(), 100)
+    b.put(dataclasses.replace(X, url="http://new"), "b", 100)  # b's clock says 100 ms
+    assert b.get("vllm-x").version[0] == 5001
+    changed, _ = a.merge(b.rows(), 5000)
+    assert [new.config.url for _, new in changed] == ["http://new"]
+
+
+def test_a_removal_wins_over_the_registration_it_saw_and_is_forgotten_after_its_time():
+    a, c = EngineTable(tombstone_s=60), EngineTable(tombstone_s=60)
+    a.put(X, "a", 1000)
+    c.merge(a.rows(), 1000)
+    stone = c.remove("vllm-x", "c", 2000)
+    assert stone is not None and stone.removed and stone.origin == "a"
+    assert c.remove("vllm-x", "c", 2001) is None  # already removed
+    changed, _ = a.merge(c.rows(), 2000)
+    assert [(old.removed, new.removed) for old, new in changed] == [(False, True)]
+    assert a.live() == {} and a.digest() == c.digest()
+    late = EngineTable()
+    late.put(X, "a", 1000)  # a node that still has the registration offers it: refused
+    assert a.merge(late.rows(), 2500) == ([], 0) and a.live() == {}
+    assert a.expire(61_000) == 0  # kept 60 s after its write
+    assert a.expire(62_001) == 1 and a.get("vllm-x") is None
+    assert a.merge(c.rows(), 62_001) == ([], 0) and a.get("vllm-x") is None  # a slower peer's old removal
+
+
+def test_config_engines_agree_without_a_pull_and_any_api_write_replaces_them():
+    a, b = EngineTable([X, Y]), EngineTable([Y, X])
+    assert a.digest() == b.digest()
+    other = EngineTable([dataclasses.replace(X, url="http://elsewhere")])
+    a.merge(other.rows(), 0)
+    other.merge(a.rows(), 0)
+    assert a.digest() == other.digest()  # differing config files still converge (content hash order)
+    b.put(dataclasses.replace(X, url="http://api"), "b", 10)
+    a.merge(b.rows(), 10)
+    assert a.get("vllm-x").config.url == "http://api" and a.get("vllm-x").origin == "b"
+
+
+def test_malformed_rows_are_refused_and_the_rest_applies():
+    good = EngineTable()
+    good.put(X, "a", 1000)
+    rows = [["vllm-z", "a", 1, "a", 0, {"id": "vllm-other", "model": "m"}],  # id and config disagree
+            ["vllm-z", "a", "soon", "a", 0, None], "garbage", ["vllm-z", "a", 1, "a", 0, {"bogus": 1}],
+            *good.rows()]
+    t = EngineTable()
+    changed, bad = t.merge(rows, 1000)
+    assert bad == 4 and [new.engine_id for _, new in changed] == ["vllm-x"]
+
+
+# -- the home rule ---------------------------------------------------------------------------
+
+def test_the_home_is_the_origin_while_it_lives_then_one_rendezvous_choice_everywhere():
+    members = ["a", "b", "c", "d"]
+    assert home_of("vllm-x", "b", members) == "b"
+    after = home_of("vllm-x", "b", ["a", "c", "d"])
+    assert after in ("a", "c", "d")
+    assert home_of("vllm-x", "b", ["d", "c", "a"]) == after  # the order of the view does not matter
+    # a member that is not the home leaving moves nothing; engines spread over the members
+    for other in set(members) - {after, "b"}:
+        assert home_of("vllm-x", "b", [m for m in ("a", "c", "d") if m != other]) == after
+    homes = {home_of(f"e{i}", "", members) for i in range(64)}
+    assert homes == set(members)
+    assert home_of("vllm-x", "", []) is None
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+def test_an_engines_load_is_its_own_leases_plus_what_the_peers_advertise():
+    reg = EngineRegistry((X, Y))
+    lease = reg.acquire("vllm-x", "request", 64)
+    reg.acquire("vllm-y", "decode")
+    assert reg.own_loads() == {"vllm-x": Load(1, 1, 64, 1), "vllm-y": Load(1, 0, 0, 1)}
+    reg.set_remote({"vllm-x": Load(3, 2, 100, 1), "unknown": Load(5, 0, 0, 5)})
+    assert reg.load("vllm-x") == Load(4, 3, 164, 2) and reg.in_flight["vllm-x"] == 4
+    assert reg.own_loads()["vllm-x"] == Load(1, 1, 64, 1)  # only this node's go in its meta
+    reg.set_remote({"vllm-x": Load(1, 0, 0, 1)})  # replaced, not added
+    assert reg.load("vllm-x") == Load(2, 1, 64, 2)
+    reg.release(lease)
+    assert reg.load("vllm-x") == Load(1, 0, 0, 1) and "vllm-x" not in reg.own_loads()
+    reg.set_remote({})
+    assert reg.in_flight["vllm-x"] == 0
+
+
+# -- re-homing with a real directory and control plane ------------------------------------------
+
+def pump(dirs: dict[str, Directory], now: float) -> None:
+    """Deliver every message between the directories until none is left (an in-memory network)."""
+    for _ in range(100):
+        sent = False
+        for name, d in dirs.items():
+            for dest, msg in d.poll(now):
+                sent = True
+                if dest in dirs:
+                    d.on_reply(dest, msg, dirs[dest].handle(name, msg, now), now)
+                else:
+                    d.on_failure(dest, msg, now)
+        if not sent:
+            return
+    raise AssertionError("the directories never went quiet")
+
+
+def node(name: str, *engines: EngineConfig) -> tuple[EngineSync, Directory, ControlPlane]:
+    scopes = ScopeRegistry()
+    control = ControlPlane(Config(engines=engines), scopes)
+    control.node_id = name
+    directory = Directory(name, DirectorySettings(buckets=64), random.Random(1))
+    link = DirectoryLink(directory, scopes, (), {})
+    control.placements = link
+    members = {name: 1.0}
+    sync = EngineSync(name, control, directory, link, None, {}, members, lambda: None)
+    return sync, directory, control
+
+
+def engine_homed_on(second: str, members: list[str]) -> EngineConfig:
+    """A config engine (with a KV-event endpoint) whose rendezvous home among `members` is `second`."""
+    for i in range(1000):
+        e = EngineConfig(id=f"vllm-{i}", model="m", kv_events="tcp://127.0.0.1:1")
+        if home_of(e.id, "", members) == second:
+            return e
+    raise AssertionError("no such engine id")
+
+
+def test_a_new_home_adopts_the_engines_entries_and_the_old_home_steps_down():
+    async def main():
+        e = engine_homed_on("b", ["a", "b"])
+        a, da, ca = node("a", e)
+        db = Directory("b", DirectorySettings(buckets=64), random.Random(2))
+        await a._settle()
+        assert a.homes[e.id] == "a" and ca.follows(e.id)  # alone: its home
+        # a consumes its events: blocks 1..4 placed with the engine as holder
+        tag = ca.engine_tag(e.id, None)
+        ca.apply(e.id, Batch(0.0, (Stored((1, 2, 3, 4), None, (), 16, None, "GPU"),), None, None))
+        assert len(da.authorities[e.id]) == 4
+        # b joins: the engine's home is b now; a stops consuming and is no longer its authority
+        for d in (da, db):
+            d.set_members({"a": 1.0, "b": 1.0}, 0.0)
+        pump({"a": da, "b": db}, 0.0)
+        assert len(db.owned.entries_of(e.id)) == 4  # b owns every bucket too (2 nodes, 3 replicas)
+        a.members["b"] = 1.0
+        await a._settle()
+        assert a.homes[e.id] == "b" and not ca.follows(e.id) and e.id not in da.authorities
+        assert a.stats["engine_homes_left"] == 1
+        # b's removal of a block (it is the authority there) reaches a as an owner
+        db.adopt(e.id, da.owned.entries_of(e.id))
+        db.unplace_block(e.id, link_ctag(ca, tag), block(4), None)
+        pump({"a": da, "b": db}, 0.0)
+        assert len(da.owned.entries_of(e.id)) == 3
+        # b dies: a is the home again, adopts the 3 entries its owners (itself) have, subscribes
+        da.holder_gone("b", 1.0)
+        da.set_members({"a": 1.0}, 1.0)
+        del a.members["b"]
+        await a._settle()
+        assert a.homes[e.id] == "a" and ca.follows(e.id)
+        assert len(da.authorities[e.id]) == 3 and a.stats["engine_rehomes"] == 1
+        assert a.stats["engine_entries_adopted"] == 3
+        # as their authority, a's removal of block 1 leaves the owners (before adoption it would not have)
+        ca.apply(e.id, Batch(0.0, (Removed((1,), "GPU"),), None, None))
+        assert len(da.owned.entries_of(e.id)) == 2
+        await ca.stop()
+
+    asyncio.run(main())
+
+
+def link_ctag(control: ControlPlane, tag: bytes) -> bytes:
+    return control.placements.ctag(tag)
+
+
+def block(h: int) -> bytes:
+    from quilld.index.residency import hash_key
+    return hash_key(h)
+
+
+def test_a_registration_here_is_homed_here_with_nothing_adopted_and_a_removal_leaves_no_trace():
+    async def main():
+        a, da, ca = node("a")
+        a.members["b"] = 1.0  # b is a member; a's registration stays a's
+        e = dataclasses.replace(X, kv_events="tcp://127.0.0.1:1")
+        assert await a.register(e) is True
+        assert a.homes[e.id] == "a" and ca.follows(e.id) and a.stats["engine_entries_adopted"] == 0
+        assert ca.engines.get(e.id).locality == "a"  # stores its KV through the node it was registered on
+        assert await a.register(e) is False  # a replacement
+        ca.apply(e.id, Batch(0.0, (Stored((7, 8), None, (), 16, None, "GPU"),), None, None))
+        assert len(da.authorities[e.id]) == 2
+        assert await a.remove(e.id) == 2
+        assert not ca.follows(e.id) and e.id not in ca.engines.engines and e.id not in da.authorities
+        assert a.table.get(e.id).removed
+        with pytest.raises(Exception, match="no engine"):
+            await a.remove(e.id)
+
+    asyncio.run(main())
+
+
+def test_a_merged_table_registers_every_engine_in_the_same_candidate_order_on_every_node():
+    async def main():
+        b, _, cb = node("b")
+        c, _, cc = node("c")
+        for s in (b, c):
+            s.members.update({"b": 1.0, "c": 1.0})
+        await b.register(X)
+        await c.register(Y)
+        # each merges the other's table (what PEERENGINES carries)
+        for me, other in ((b, c), (c, b)):
+            changed, _ = me.table.merge(other.table.rows(), 0)
+            assert changed
+            await me._settle()
+        assert b.table.digest() == c.table.digest()
+        assert cb.engines.ids_for_model("m") == cc.engines.ids_for_model("m")
+        assert b.home("vllm-x") == "b" and c.home("vllm-x") == "b" and b.home("vllm-y") == "c"
+        assert not cb.follows("vllm-y") and cb.engines.get("vllm-y").locality == "c"
+
+    asyncio.run(main())
