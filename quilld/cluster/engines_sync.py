@@ -324,6 +324,7 @@ class EngineSync:
                 entry = Entry(*e)
                 entries.setdefault(entry.eid, (bucket, entry))
         self.directory.adopt(engine_id, entries.values())
+        self.control.note_scope(engine_id)  # its removals reach what it stored without a LoRA adapter
         self.stats["engine_entries_adopted"] += len(entries)
         if prev is not None:
             self.stats["engine_rehomes"] += 1

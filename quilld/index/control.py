@@ -142,6 +142,11 @@ class ControlPlane:
             scope = per[adapter] = IdentityScope(e.tenant, e.model, e.tokenizer, adapter or "")
         return self.scopes.tag(scope)
 
+    def note_scope(self, engine_id: str, adapter: str | None = None) -> None:
+        """The engine's blocks may be stored under this adapter's scope (a removal tries it): in a
+        cluster, its new home knows the engine's entries without having seen its stores."""
+        self._tags.setdefault(engine_id, set()).add(self.engine_tag(engine_id, adapter))
+
     def feed(self, engine_id: str) -> FeedStats:
         """The figures of `engine_id`'s KV-event feed (created with the engine)."""
         feed = self.feeds.get(engine_id)
