@@ -8,6 +8,11 @@ loses its entries at every owner at once; a member that restarted (a new directo
 its gossip meta) is told everything anew. Reads of values this node lacks go to the holders
 the directory names (pool_reads.py), never to every peer.
 
+Engines are the cluster's (engines_sync.py): every node holds the same engine table (its digest
+in the gossip meta, a differing peer's table pulled), each engine's KV events are consumed by
+one home node, re-homed when that node dies or leaves, and the leases on each engine are summed
+over the nodes (each node's own in its meta).
+
 Membership changes are logged, one line each: a peer joins, is suspected, comes back,
 restarts, leaves or is declared dead (gossip.py warns when no seed answers).
 """
