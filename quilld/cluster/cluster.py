@@ -125,7 +125,8 @@ class Cluster:
         for fk, tier, nbytes, bhash in list(self.keyspace.tracked_values()):  # recovered, or written already
             self.link.placed(fk, tier, nbytes, bhash)
         self.feed.log = self.link  # this node's values become directory entries ...
-        self.control.placements = self.link  # ... and so do the blocks of the engines whose events it consumes
+        # ... and so do the blocks of the engines it is home to (handed to their home otherwise)
+        self.control.placements = self.engines.placements
         self.directory.note_members(self.members, time.monotonic())
         self.link.start()
         self.gossip = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),

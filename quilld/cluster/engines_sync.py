@@ -19,7 +19,10 @@
   authority (`Directory.adopt`), then subscribes (the subscriber catches up from the
   publisher's replay buffer); the old home, if alive, unsubscribes and drops its authority.
   A registration is not adopted (nothing was known of it), nor a replaced engine (replacing
-  forgets what was known).
+  forgets what was known). The home is an engine's one authority in the directory: what
+  another node places for it (the gateway's record of a prompt it sent an engine without KV
+  events) is handed to the home (`HomePlacements`, the control plane's placements in a
+  cluster), not placed there, so two nodes never repair each other's entries away.
 * **Load**: `own_loads` (this node's leases, per engine with any) go in the gossip meta; the
   sum of the peers' last advertised loads is the registry's remote part (`remote_loads`).
 
@@ -39,7 +42,7 @@ from typing import Any, Callable
 import msgpack
 
 from quilld.cluster.dir_entries import Entry
-from quilld.cluster.dir_link import DirectoryLink
+from quilld.cluster.dir_link import ENGINE_ITEMS, REMOVED, STORED, DirectoryLink
 from quilld.cluster.directory import DUMP, Directory
 from quilld.cluster.engine_table import EngineTable, Version, home_of
 from quilld.cluster.peer_client import PeerError, PeerPool
@@ -47,6 +50,8 @@ from quilld.config import EngineConfig
 from quilld.errors import CommandError, QuillError
 from quilld.index.control import ControlPlane
 from quilld.index.engines import Load
+from quilld.index.residency import hash_key
+from quilld.model import CacheTier
 
 log = logging.getLogger("quilld.cluster")
 
@@ -87,6 +92,8 @@ class EngineSync:
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.applied = {e.id: self.table.entries[e.id].version for e in control.engines.engines.values()}
+        self.placements = HomePlacements(self)
+        self._outbox: dict[str, list] = {}  # home -> placements to hand it
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -332,6 +339,31 @@ class EngineSync:
                  engine_id, f" (was {prev})" if prev else "", len(entries), len(peers) + 1 - failed,
                  f", {failed} did not answer" if failed else "")
 
+    def send_home(self, home: str, item: tuple) -> None:
+        """Queue a placement for an engine's home; one request in flight per home carries what
+        queued meanwhile."""
+        queue = self._outbox.get(home)
+        if queue is not None:
+            queue.append(item)
+            return
+        self._outbox[home] = [item]
+        task = asyncio.ensure_future(self._hand_over(home))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hand_over(self, home: str) -> None:
+        try:
+            while self._outbox.get(home):
+                items, self._outbox[home] = self._outbox[home], []
+                try:
+                    await self.link.call(home, (ENGINE_ITEMS, items))
+                    self.stats["engine_placements_handed_over"] += len(items)
+                except (QuillError, ValueError, TypeError) as e:
+                    self.stats["engine_placements_lost"] += len(items)
+                    log.debug("engines: handing %d placements to %s failed: %s", len(items), home, e)
+        finally:
+            self._outbox.pop(home, None)
+
     # -- reporting -------------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
         live = self.table.live()
@@ -339,3 +371,37 @@ class EngineSync:
                 ("cluster_engines_homed", sum(1 for e in live if self.homes.get(e) == self.node_id)),
                 ("cluster_engine_table_digest", self.table.digest()),
                 *((f"cluster_{k}", v) for k, v in sorted(self.stats.items()))]
+
+
+class HomePlacements:
+    """The control plane's `placements` in a cluster: an engine's residencies go to the directory
+    from its home; another node hands them to the home (a clear made elsewhere is that node's
+    own forgetting, not the engine's: the home clears on the engine's own word)."""
+
+    def __init__(self, sync: EngineSync) -> None:
+        self.sync = sync
+        self.link = sync.link
+
+    def _home(self, engine: str) -> str | None:
+        home = self.sync.home(engine)
+        return None if home is None or home == self.sync.node_id else home
+
+    def engine_stored(self, engine: str, tag: bytes, hashes: Any, parent: Any, tier: CacheTier) -> None:
+        home = self._home(engine)
+        if home is None:
+            self.link.engine_stored(engine, tag, hashes, parent, tier)
+        else:
+            self.sync.send_home(home, (engine, STORED, self.link.ctag(tag), [hash_key(h) for h in hashes],
+                                       None if parent is None else hash_key(parent), tier.value))
+
+    def engine_removed(self, engine: str, tag: bytes, hashes: Any, tier: CacheTier | None) -> None:
+        home = self._home(engine)
+        if home is None:
+            self.link.engine_removed(engine, tag, hashes, tier)
+        else:
+            self.sync.send_home(home, (engine, REMOVED, self.link.ctag(tag), [hash_key(h) for h in hashes], None,
+                                       None if tier is None else tier.value))
+
+    def engine_cleared(self, engine: str) -> None:
+        if self._home(engine) is None:
+            self.link.engine_cleared(engine)

@@ -266,3 +266,49 @@ def test_a_merged_table_registers_every_engine_in_the_same_candidate_order_on_ev
         assert not cb.follows("vllm-y") and cb.engines.get("vllm-y").locality == "c"
 
     asyncio.run(main())
+
+
+class WiredLink(DirectoryLink):
+    """A directory link whose requests reach the other nodes' links in memory (the RESP hop left out)."""
+
+    peers: dict[str, DirectoryLink]
+
+    async def call(self, dest, msg):
+        from quilld.cluster.dir_link import pack, unpack
+        return unpack(self.peers[dest].handle(self.node_id, pack(msg)))
+
+
+def test_what_a_node_places_for_an_engine_homed_elsewhere_goes_to_the_home_its_one_authority():
+    async def main():
+        peers: dict[str, DirectoryLink] = {}
+        nodes = {}
+        for name in ("a", "b"):
+            scopes = ScopeRegistry()
+            control = ControlPlane(Config(), scopes)
+            directory = Directory(name, DirectorySettings(buckets=64), random.Random(1))
+            link = WiredLink(directory, scopes, (), {})
+            link.peers = peers
+            peers[name] = link
+            sync = EngineSync(name, control, directory, link, None, {}, {"a": 1.0, "b": 1.0}, lambda: None)
+            control.placements = sync.placements
+            nodes[name] = (sync, directory, control)
+        (a, da, ca), (b, db, cb) = nodes["a"], nodes["b"]
+        await b.register(X)  # homed on b
+        a.table.merge(b.table.rows(), 0)
+        await a._settle()
+        assert a.home(X.id) == "b" and X.id in ca.engines.engines
+        # a's gateway records a prompt it sent vllm-x: b places it, a holds no authority for it
+        tag = ca.scopes.tag(SCOPE)
+        ca.record(X.id, tag, [11, 12, 13])
+        ca.unrecord(X.id, tag, 13)
+        for _ in range(100):
+            if not a._outbox and not a._tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert X.id not in da.authorities
+        assert len(db.authorities[X.id]) == 2 and a.stats["engine_placements_handed_over"] == 2
+        # a clear made on a (its own forgetting, as when it replaces the engine) does not reach b
+        ca.placements.engine_cleared(X.id)
+        assert len(db.authorities[X.id]) == 2
+
+    asyncio.run(main())
