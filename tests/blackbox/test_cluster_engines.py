@@ -143,3 +143,43 @@ def test_an_engine_registered_on_b_is_the_clusters_and_survives_b(cluster):
     other = "a" if home == "c" else "c"
     assert r[other].execute_command("KVEVENTS", "vllm-b", removed([blocks[4]])) == 1
     routes_agree(cluster, "ac", blocks, [HBM] * 4 + ["recompute"] * 2, "a removal after the re-home")
+
+
+def test_only_the_home_subscribes_and_a_new_home_catches_up_from_the_replay_socket(cluster):
+    """An engine with a ZMQ publisher, registered on b: only b subscribes; its events are credited
+    on every node; when b dies, its new home subscribes and replays the publisher's buffer, so
+    what the engine published after b died is credited too."""
+    import vllm_schema as vllm
+    from test_kv_events import Publisher
+
+    pub = Publisher()
+    try:
+        three(cluster)
+        status, body = admin(cluster, "b", "POST", "/v1/engines", {
+            "id": "vllm-b", "url": "http://127.0.0.1:9", "model": MODEL, "tokenizer": TOKENIZER,
+            "kv_events": f"tcp://127.0.0.1:{pub.pub_port}", "replay": f"tcp://127.0.0.1:{pub.replay_port}"})
+        assert status == 201, body
+        until(lambda: all("vllm-b" in engines(cluster, n) for n in "abc"), SETTLE, "every node to know vllm-b")
+        pub.publish(vllm.gpu([1, 2]))
+        pub.publish(vllm.gpu([3], parent=2))
+        hit = "hit:vllm-b:hbm"
+        routes_agree(cluster, "abc", [1, 2, 3, 4], [hit] * 3 + ["recompute"], "events published to b's subscription")
+        subscribed = {n: engines(cluster, n)["vllm-b"]["feed"]["subscribed"] for n in "abc"}
+        assert subscribed == {"a": False, "b": True, "c": False}, subscribed
+        replays_before = len(pub.requests)
+
+        os.kill(cluster.nodes["b"].proc.pid, signal.SIGKILL)
+        cluster.nodes["b"].proc.wait(10)
+        pub.publish(vllm.gpu([4], parent=3))  # nobody subscribed hears it: only the replay buffer has it
+        for n in "ac":
+            until(lambda n=n: members(cluster.client(n)).get("b") == "dead", DEAD_BOUND, f"{n} to declare b dead")
+        routes_agree(cluster, "ac", [1, 2, 3, 4], [hit] * 4, "the new home's catch-up")
+        views = {n: engines(cluster, n)["vllm-b"] for n in "ac"}
+        home = views["a"]["home"]
+        assert home in "ac" and views["c"]["home"] == home, views
+        feed = views[home]["feed"]
+        assert feed["subscribed"] and feed["last_seq"] == 2 and feed["missed"] == 0, feed
+        assert not views["c" if home == "a" else "a"]["feed"]["subscribed"]
+        assert len(pub.requests) > replays_before and 0 in pub.requests[replays_before:]  # replayed from the start
+    finally:
+        pub.close()
