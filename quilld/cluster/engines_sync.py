@@ -187,9 +187,11 @@ class EngineSync:
         task.add_done_callback(self._tasks.discard)
 
     def tick(self, peer_meta: dict[str, dict]) -> None:
-        """Every meta refresh: forget old removals, look at every peer's digest again."""
+        """Every meta refresh: forget old removals, look at every peer's digest again, and at
+        their loads (an engine merged since their last meta change has its load now)."""
         if self.table.expire(now_ms()):
             self.announce()
+        self.remote_loads(peer_meta)
         for peer, meta in list(peer_meta.items()):
             if peer in self.members:
                 self.peer_meta(peer, meta)
@@ -274,28 +276,30 @@ class EngineSync:
         for engine_id in [e for e in self.applied if e not in live]:
             await self._unregister(engine_id)
         for engine_id, entry in live.items():
-            first = engine_id not in self.applied
+            replaced = False
             if self.applied.get(engine_id) != entry.version:
-                if not first:  # replaced: what was known of the old one is forgotten (everywhere)
+                # replaced: what was known of the old one is forgotten (unsubscribed, and cleared
+                # at the owners by its authority), everywhere
+                replaced = engine_id in self.applied
+                if replaced:
                     self._fresh.add(engine_id)
-                    self.homes.pop(engine_id, None)
                 ms, writer, _ = entry.version  # the same place among the candidates on every node
                 rank = (ms, writer, 0, engine_id) if ms else (0, "", 1 << 30, engine_id)
                 await self.control.add_engine(entry.config, follow=False, rank=rank)
                 self.applied[engine_id] = entry.version
             home = home_of(engine_id, entry.origin, self.members)
-            prev = self.homes.get(engine_id)
+            prev = None if replaced else self.homes.get(engine_id)
             fresh = engine_id in self._fresh
             self._fresh.discard(engine_id)
             if home == self.node_id and prev != self.node_id:
                 if not fresh:
                     await self._adopt(engine_id, prev)
-                self.homes[engine_id] = home
                 if await self.control.follow(engine_id):
                     log.info("engines: subscribed to %s's KV events (its home is this node)", engine_id)
-            elif home != self.node_id and prev == self.node_id:
+            elif home != self.node_id and (prev == self.node_id or engine_id in self.directory.authorities
+                                           or self.control.follows(engine_id)):
                 await self.control.unfollow(engine_id)
-                self.directory.drop_authority(engine_id)
+                self.directory.drop_authority(engine_id)  # its entries stay with their owners
                 self.stats["engine_homes_left"] += 1
                 log.info("engines: %s's home is now %s; this node stopped consuming its KV events", engine_id, home)
             if home is not None:
@@ -375,8 +379,9 @@ class EngineSync:
 
 class HomePlacements:
     """The control plane's `placements` in a cluster: an engine's residencies go to the directory
-    from its home; another node hands them to the home (a clear made elsewhere is that node's
-    own forgetting, not the engine's: the home clears on the engine's own word)."""
+    from its home; another node hands them to the home. A clear reaches the owners from the
+    engine's authority only (its home, or the home it was until a replacement moved it): on
+    any other node it is that node's own forgetting, not the engine's."""
 
     def __init__(self, sync: EngineSync) -> None:
         self.sync = sync
@@ -403,5 +408,5 @@ class HomePlacements:
                                        None if tier is None else tier.value))
 
     def engine_cleared(self, engine: str) -> None:
-        if self._home(engine) is None:
+        if engine in self.sync.directory.authorities:
             self.link.engine_cleared(engine)

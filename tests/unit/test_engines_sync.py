@@ -312,3 +312,50 @@ def test_what_a_node_places_for_an_engine_homed_elsewhere_goes_to_the_home_its_o
         assert len(db.authorities[X.id]) == 2
 
     asyncio.run(main())
+
+
+def wired(*names: str) -> dict[str, tuple[EngineSync, Directory, ControlPlane]]:
+    """Nodes whose directories agree on the membership and whose links reach each other in memory."""
+    peers: dict[str, DirectoryLink] = {}
+    nodes = {}
+    for name in names:
+        scopes = ScopeRegistry()
+        control = ControlPlane(Config(), scopes)
+        control.node_id = name
+        directory = Directory(name, DirectorySettings(buckets=64), random.Random(1))
+        directory.set_members(dict.fromkeys(names, 1.0), 0.0)
+        link = WiredLink(directory, scopes, (), {})
+        link.peers = peers
+        peers[name] = link
+        sync = EngineSync(name, control, directory, link, None, {}, dict.fromkeys(names, 1.0), lambda: None)
+        control.placements = sync.placements
+        nodes[name] = (sync, directory, control)
+    return nodes
+
+
+def test_an_engine_registered_again_elsewhere_moves_home_and_its_old_entries_are_cleared():
+    async def main():
+        nodes = wired("a", "b")
+        (a, da, ca), (b, db, cb) = nodes["a"], nodes["b"]
+        dirs = {"a": da, "b": db}
+        await b.register(X)
+        a.table.merge(b.table.rows(), 0)
+        await a._settle()
+        cb.apply(X.id, Batch(0.0, (Stored((1, 2), None, (), 16, None, "GPU"),), None, None))
+        pump(dirs, 0.0)
+        assert len(da.owned.entries_of(X.id)) == 2 == len(db.owned.entries_of(X.id))
+        # registered again on a, with another URL: a is its origin and home now
+        await a.register(dataclasses.replace(X, url="http://moved"))
+        b.table.merge(a.table.rows(), 0)
+        await b._settle()
+        pump(dirs, 0.0)
+        assert a.home(X.id) == b.home(X.id) == "a"
+        assert cb.engines.get(X.id).url == "http://moved"
+        assert da.owned.entries_of(X.id) == [] == db.owned.entries_of(X.id)  # b, its authority, cleared them
+        assert X.id not in db.authorities and b.stats["engine_homes_left"] == 1
+        # the new home's own entries are not touched by the old home: b has no say any more
+        ca.apply(X.id, Batch(0.0, (Stored((5,), None, (), 16, None, "GPU"),), None, None))
+        pump(dirs, 0.0)
+        assert len(db.owned.entries_of(X.id)) == 1 and len(da.authorities[X.id]) == 1
+
+    asyncio.run(main())
