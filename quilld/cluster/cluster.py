@@ -177,7 +177,7 @@ class Cluster:
                 advertised[engine] = load
                 if len(msgpack.packb(meta, use_bin_type=True)) > MAX_META_BYTES - 16:
                     del advertised[engine]
-                    self.stats["engine_loads_unadvertised"] += 1
+                    self.engines.stats["engine_loads_unadvertised"] += 1
                     break
         return meta
 

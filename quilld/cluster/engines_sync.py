@@ -55,6 +55,11 @@ from quilld.model import CacheTier
 
 log = logging.getLogger("quilld.cluster")
 
+# what INFO cluster counts of the engines (each from the start, at 0)
+COUNTERS = ("engine_table_pulls", "engine_table_pull_failures", "engine_table_merges", "engine_table_rows_refused",
+            "engine_rehomes", "engine_homes_left", "engine_entries_adopted", "engine_events_forwarded",
+            "engine_placements_handed_over", "engine_placements_lost", "engine_placements_taken",
+            "engine_loads_unadvertised")
 PULL_GAP_S = 0.5  # seconds between two pulls of one peer's table
 SETTLE_DELAY_S = 0.3  # a membership change is acted on once it has not changed for this long
 CALL_TIMEOUT = 5.0
@@ -81,7 +86,7 @@ class EngineSync:
         self.table = EngineTable(control.engines.engines.values())
         self.applied: dict[str, Version] = {}  # engine -> the version registered in the control plane
         self.homes: dict[str, str] = {}  # engine -> its home, as last settled here
-        self.stats: Counter[str] = Counter(engine_table_pulls=0, engine_table_merges=0, engine_rehomes=0)
+        self.stats: Counter[str] = Counter()
         self._fresh: set[str] = set()  # engines registered here whose first settle must not adopt
         self._pulled: dict[str, str] = {}  # peer -> the digest its table had when we last pulled it
         self._pulling: set[str] = set()
@@ -371,10 +376,11 @@ class EngineSync:
     # -- reporting -------------------------------------------------------------------------
     def info(self) -> list[tuple[str, Any]]:
         live = self.table.live()
+        self.stats["engine_placements_taken"] = self.link.stats["engine_items_taken"]
         return [("cluster_engines_known", len(live)),
                 ("cluster_engines_homed", sum(1 for e in live if self.homes.get(e) == self.node_id)),
                 ("cluster_engine_table_digest", self.table.digest()),
-                *((f"cluster_{k}", v) for k, v in sorted(self.stats.items()))]
+                *((f"cluster_{k}", self.stats[k]) for k in COUNTERS)]
 
 
 class HomePlacements:
