@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import xxhash
 
@@ -158,11 +158,10 @@ class EngineTable:
         return self._digest
 
 
-def home_of(engine_id: str, origin: str, members: Iterable[str]) -> str | None:
+def home_of(engine_id: str, origin: str, members: Collection[str]) -> str | None:
     """The node that consumes an engine's KV events: the node it was registered on while that
     node is a live member; otherwise (and for the config file's engines) the live member with
     the highest rendezvous hash of (engine, member). None with no member."""
-    members = list(members)
     if origin and origin in members:
         return origin
     if not members:

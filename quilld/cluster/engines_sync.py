@@ -251,7 +251,12 @@ class EngineSync:
 
     # -- homes -----------------------------------------------------------------------------
     def home(self, engine_id: str) -> str | None:
-        """The engine's home in this node's view now (None: no such engine)."""
+        """The engine's home as this node last settled it (what its subscriptions and authority
+        follow; a membership change moves it once settled), or by the rule when not settled yet;
+        None: no such engine. On every KV event: a dict lookup."""
+        home = self.homes.get(engine_id)
+        if home is not None:
+            return home
         entry = self.table.get(engine_id)
         if entry is None or entry.removed:
             return None
@@ -296,6 +301,8 @@ class EngineSync:
             prev = None if replaced else self.homes.get(engine_id)
             fresh = engine_id in self._fresh
             self._fresh.discard(engine_id)
+            if home is not None:
+                self.homes[engine_id] = home  # what arrives while it adopts is placed here, and kept
             if home == self.node_id and prev != self.node_id:
                 if not fresh:
                     await self._adopt(engine_id, prev)
@@ -307,8 +314,6 @@ class EngineSync:
                 self.directory.drop_authority(engine_id)  # its entries stay with their owners
                 self.stats["engine_homes_left"] += 1
                 log.info("engines: %s's home is now %s; this node stopped consuming its KV events", engine_id, home)
-            if home is not None:
-                self.homes[engine_id] = home
 
     async def _unregister(self, engine_id: str) -> int:
         self.applied.pop(engine_id, None)
