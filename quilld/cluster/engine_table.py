@@ -16,8 +16,13 @@ the engine back; past that it is forgotten (and ignored when a slower peer still
 A node cut off for longer than that may bring a removed engine back: the bound is the
 price of a table that does not grow forever.
 
-`digest()` is a short hash of (id, version) over the table: equal digests, equal tables.
-Nodes gossip it and pull a peer's `rows()` when theirs differ (engines_sync.py).
+`summary()` is what nodes gossip: a short hash of (id, version) over the table (equal
+digests, equal tables), the number of entries and the newest version's ms. A node pulls a
+peer's `rows()` when the digests differ and the peer may have something it lacks
+(`worth_pulling`: more entries, a newer write, or the same of both): a node that just joined,
+with the config file's engines only, pulls the others' tables, and they do not pull its.
+Whatever one lacks, the two converge: the side with less pulls first, then (with more
+entries, or the same of both) the other pulls it back.
 
 `home_of` is the home rule: the node that consumes an engine's KV events.
 """
@@ -85,6 +90,7 @@ class EngineTable:
         self.entries: dict[str, EngineEntry] = {
             e.id: EngineEntry(e.id, e, "", (0, "", config_hash(e))) for e in configured}
         self._digest: str | None = None
+        self._summary: list | None = None
 
     def get(self, engine_id: str) -> EngineEntry | None:
         return self.entries.get(engine_id)
@@ -156,6 +162,23 @@ class EngineTable:
                 h.update(repr((k, e.version, e.removed)).encode())
             self._digest = h.hexdigest()
         return self._digest
+
+    def summary(self) -> list:
+        """[digest, entries, newest write's ms]: what a node gossips of its table."""
+        if self._summary is None or self._summary[0] != self.digest():
+            newest = max((e.version[0] for e in self.entries.values()), default=0)
+            self._summary = [self.digest(), len(self.entries), newest]
+        return self._summary
+
+
+def worth_pulling(mine: list, theirs: Any) -> bool:
+    """Whether a peer whose table's summary is `theirs` may hold a write ours lacks."""
+    if not (isinstance(theirs, list) and len(theirs) == 3 and isinstance(theirs[0], str)
+            and isinstance(theirs[1], int) and isinstance(theirs[2], int)):
+        return False
+    if theirs[0] == mine[0]:
+        return False
+    return theirs[1] > mine[1] or theirs[2] > mine[2] or (theirs[1] == mine[1] and theirs[2] == mine[2])
 
 
 def home_of(engine_id: str, origin: str, members: Collection[str]) -> str | None:

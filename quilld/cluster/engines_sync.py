@@ -3,12 +3,13 @@
 * **The table** (engine_table.py) holds every engine any node knows, merged last-writer-wins.
   A registration (`POST /v1/engines`) or a removal (`DELETE /v1/engines/{id}`) on any node
   writes it here (`register`, `remove`), and the node's gossip meta then names the table's
-  new digest (`announce`, at once). A node that sees a peer's digest differ from its own
-  pulls that peer's table (`PEERENGINES` over the cluster's authenticated peer connections:
-  one pull at a time per peer, at most one per `PULL_GAP_S`, none again while the peer's
-  digest is the one it last pulled) and merges it; its own digest changes and spreads the
-  same way. Every engine in the merged table is registered in the local `ControlPlane`, so
-  every node's ROUTE, LOCATE and gateway know it.
+  new summary (`announce`, at once: digest, entries, newest write). A node that sees a
+  peer's digest differ from its own, when the peer may hold a write it lacks
+  (`worth_pulling`), pulls that peer's table (`PEERENGINES` over the cluster's authenticated
+  peer connections: at most `MAX_PULLS` at once, one at a time per peer and one per
+  `PULL_GAP_S`, none again while the peer's digest is the one it last pulled) and merges it;
+  its own summary changes and spreads the same way. Every engine in the merged table is
+  registered in the local `ControlPlane`, so every node's ROUTE, LOCATE and gateway know it.
 * **A home per engine** (`home_of`): the node it was registered on while that node is alive,
   else (and for the config file's engines) the live member with the highest rendezvous hash.
   Only the home subscribes to the engine's ZMQ publisher and applies its pushed KV events
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -44,7 +46,7 @@ import msgpack
 from quilld.cluster.dir_entries import Entry
 from quilld.cluster.dir_link import ENGINE_ITEMS, REMOVED, STORED, DirectoryLink
 from quilld.cluster.directory import DUMP, Directory
-from quilld.cluster.engine_table import EngineTable, Version, home_of
+from quilld.cluster.engine_table import EngineTable, Version, home_of, worth_pulling
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.config import EngineConfig
 from quilld.errors import CommandError, QuillError
@@ -61,6 +63,7 @@ COUNTERS = ("engine_table_pulls", "engine_table_pull_failures", "engine_table_me
             "engine_placements_handed_over", "engine_placements_lost", "engine_placements_taken",
             "engine_loads_unadvertised")
 PULL_GAP_S = 0.5  # seconds between two pulls of one peer's table
+MAX_PULLS = 2  # pulls in flight at once (a node that joins sees every peer differ)
 SETTLE_DELAY_S = 0.3  # a membership change is acted on once it has not changed for this long
 CALL_TIMEOUT = 5.0
 
@@ -155,7 +158,7 @@ class EngineSync:
 
     # -- the table over gossip ------------------------------------------------------------
     def meta(self) -> dict:
-        return {"eng": self.table.digest()}
+        return {"eng": self.table.summary()}
 
     def own_loads(self) -> list[tuple[str, list[int]]]:
         """This node's leases per engine, busiest first (the cluster puts what fits in its meta)."""
@@ -180,11 +183,13 @@ class EngineSync:
 
     def peer_meta(self, peer: str, meta: dict) -> None:
         """A peer's meta: pull its table when its digest differs from ours (and from the one we
-        last pulled of it), one pull at a time, not more often than PULL_GAP_S."""
-        digest = meta.get("eng")
-        if not isinstance(digest, str) or digest == self.table.digest() or digest == self._pulled.get(peer):
+        last pulled of it) and it may hold a write ours lacks; one pull at a time per peer,
+        MAX_PULLS in all, not more often than PULL_GAP_S."""
+        theirs = meta.get("eng")
+        if not worth_pulling(self.table.summary(), theirs) or theirs[0] == self._pulled.get(peer):
             return
-        if peer in self._pulling or time.monotonic() < self._next_pull.get(peer, 0.0):
+        if (peer in self._pulling or len(self._pulling) >= MAX_PULLS
+                or time.monotonic() < self._next_pull.get(peer, 0.0)):
             return  # the periodic `tick` looks again
         self._pulling.add(peer)
         task = asyncio.ensure_future(self._pull(peer))
@@ -197,9 +202,10 @@ class EngineSync:
         if self.table.expire(now_ms()):
             self.announce()
         self.remote_loads(peer_meta)
-        for peer, meta in list(peer_meta.items()):
-            if peer in self.members:
-                self.peer_meta(peer, meta)
+        peers = [p for p in peer_meta if p in self.members]
+        random.shuffle(peers)  # MAX_PULLS at once: not always the same peers first
+        for peer in peers:
+            self.peer_meta(peer, peer_meta[peer])
 
     async def _pull(self, peer: str) -> None:
         self._next_pull[peer] = time.monotonic() + PULL_GAP_S

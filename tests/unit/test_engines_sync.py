@@ -13,7 +13,7 @@ import pytest
 
 from quilld.cluster.dir_link import DirectoryLink
 from quilld.cluster.directory import Directory, DirectorySettings
-from quilld.cluster.engine_table import EngineTable, home_of
+from quilld.cluster.engine_table import EngineTable, home_of, worth_pulling
 from quilld.cluster.engines_sync import EngineSync
 from quilld.config import Config, EngineConfig
 from quilld.index.control import ControlPlane
@@ -102,6 +102,54 @@ def test_malformed_rows_are_refused_and_the_rest_applies():
     t = EngineTable()
     changed, bad = t.merge(rows, 1000)
     assert bad == 4 and [new.engine_id for _, new in changed] == ["vllm-x"]
+
+
+def gossip_rounds(tables: dict[str, EngineTable], now: int, limit: int = 10) -> tuple[int, list[tuple[str, str]]]:
+    """Pull as the nodes do, in rounds (each node looks at every peer's summary, pulls when
+    `worth_pulling` says so and the digest is not the one it last pulled of that peer) until no
+    node pulls; (rounds, every (puller, peer) pull)."""
+    pulled: dict[tuple[str, str], str] = {}
+    pulls = []
+    for rnd in range(limit):
+        summaries = {n: t.summary() for n, t in tables.items()}
+        this_round = 0
+        for me, table in tables.items():
+            for peer, theirs in summaries.items():
+                if peer != me and worth_pulling(table.summary(), theirs) and pulled.get((me, peer)) != theirs[0]:
+                    table.merge(tables[peer].rows(), now)
+                    pulled[(me, peer)] = theirs[0]
+                    pulls.append((me, peer))
+                    this_round += 1
+        if not this_round:
+            return rnd, pulls
+    raise AssertionError(f"still pulling after {limit} rounds")
+
+
+def test_nodes_pull_only_from_peers_that_may_know_more_and_always_converge():
+    rng = random.Random(5)
+    for trial in range(50):
+        tables = {n: EngineTable([Y]) for n in "abcde"}
+        for i in range(rng.randint(1, 12)):  # writes on random nodes, each seeing a random part
+            node = rng.choice("abcde")
+            t = tables[node]
+            if rng.random() < 0.2 and t.live():
+                t.remove(rng.choice(sorted(t.live())), node, 1000 + rng.randint(0, 50))
+            else:
+                cfg = dataclasses.replace(X, id=f"e{rng.randint(0, 5)}", url=f"http://{i}")
+                t.put(cfg, node, 1000 + rng.randint(0, 50))
+            if rng.random() < 0.3:
+                other = rng.choice("abcde")
+                tables[other].merge(t.rows(), 2000)
+        gossip_rounds(tables, 2000)
+        assert len({t.digest() for t in tables.values()}) == 1, trial
+    # a node that joins with the config file's engines pulls the others; none of them pulls it
+    tables = {n: EngineTable([Y]) for n in "abc"}
+    tables["a"].put(X, "a", 1000)
+    gossip_rounds(tables, 2000)
+    tables["new"] = EngineTable([Y])
+    _, pulls = gossip_rounds(tables, 2000)
+    assert not [p for p in pulls if p[1] == "new"] and [p for p in pulls if p[0] == "new"]
+    assert len({t.digest() for t in tables.values()}) == 1
 
 
 # -- the home rule ---------------------------------------------------------------------------
