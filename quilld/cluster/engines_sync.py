@@ -87,7 +87,8 @@ class EngineSync:
         self.members = members
         self.announce = announce
         self.table = EngineTable(control.engines.engines.values())
-        self.applied: dict[str, Version] = {}  # engine -> the version registered in the control plane
+        # engine -> the version registered in the control plane (the config file's, from the start)
+        self.applied: dict[str, Version] = {e: entry.version for e, entry in self.table.entries.items()}
         self.homes: dict[str, str] = {}  # engine -> its home, as last settled here
         self.stats: Counter[str] = Counter()
         self._fresh: set[str] = set()  # engines registered here whose first settle must not adopt
@@ -99,7 +100,6 @@ class EngineSync:
         self._delay = 0.0
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.applied = {e.id: self.table.entries[e.id].version for e in control.engines.engines.values()}
         self.placements = HomePlacements(self)
         self._outbox: dict[str, list] = {}  # home -> placements to hand it
 
@@ -309,10 +309,10 @@ class EngineSync:
             self._fresh.discard(engine_id)
             if home is not None:
                 self.homes[engine_id] = home  # what arrives while it adopts is placed here, and kept
-            if home == self.node_id and prev != self.node_id:
-                if not fresh:
+            if home == self.node_id:
+                if prev != self.node_id and not fresh:
                     await self._adopt(engine_id, prev)
-                if await self.control.follow(engine_id):
+                if await self.control.follow(engine_id):  # subscribed already: nothing
                     log.info("engines: subscribed to %s's KV events (its home is this node)", engine_id)
             elif home != self.node_id and (prev == self.node_id or engine_id in self.directory.authorities
                                            or self.control.follows(engine_id)):
