@@ -407,3 +407,39 @@ def test_an_engine_registered_again_elsewhere_moves_home_and_its_old_entries_are
         assert len(db.owned.entries_of(X.id)) == 1 and len(da.authorities[X.id]) == 1
 
     asyncio.run(main())
+
+
+def test_the_gossiped_loads_fit_the_meta_busiest_first_and_the_rest_are_counted():
+    from quilld.cluster.cluster import Cluster
+    from quilld.cluster.wire import MAX_META_BYTES, check_meta
+    from quilld.config import ClusterConfig, DramConfig
+    from quilld.index.residency_feed import ResidencyFeed
+    from quilld.tiers.keyspace import Keyspace
+
+    engines = tuple(dataclasses.replace(X, id=f"vllm-{i:03d}") for i in range(60))
+    cfg = Config(dram=DramConfig(size=64 * 4096), cluster=ClusterConfig(transfer="tcp"), engines=engines)
+    scopes = ScopeRegistry()
+    control = ControlPlane(cfg, scopes)
+    keyspace = Keyspace(cfg.dram, scopes)
+    cluster = Cluster(cfg, "n1", keyspace, scopes, control, ResidencyFeed(control.index, "n1", scopes),
+                      lambda: {"port": 7379, "admin_port": 7380})
+    for i, e in enumerate(engines):
+        for _ in range(i % 7 + 1):
+            control.engines.acquire(e.id)
+    meta = cluster.meta()
+    check_meta(meta)  # travels as gossip meta (raises over MAX_META_BYTES)
+    loads = meta["load"]
+    assert 5 < len(loads) < len(engines)
+    left_out = [load.requests for e, load in control.engines.own_loads().items() if e not in loads]
+    assert min(v[0] for v in loads.values()) >= max(left_out)  # the busiest first
+    assert cluster.engines.stats["engine_loads_unadvertised"] == 1
+    control.engines.set_remote({})  # a node with few leases advertises them all
+    for e in engines[5:]:
+        control.engines.remove(e.id)
+    meta = cluster.meta()
+    assert len(meta["load"]) == 5 and len(msgpack_size(meta)) <= MAX_META_BYTES
+
+
+def msgpack_size(meta: dict) -> bytes:
+    import msgpack
+    return msgpack.packb(meta, use_bin_type=True)
