@@ -11,15 +11,23 @@ import os
 import signal
 
 import pytest
-import redis
 
 from conftest import http, wait_until
-from test_cluster import DEAD_BOUND, cluster, members, three, until  # noqa: F401 (cluster: the fixture)
+from test_cluster import DEAD_BOUND, Cluster, members, three, until
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL, TOKENIZER = "meta-llama/Llama-3.1-8B", "llama3"
 SETTLE = 15.0  # gossip, a table pull, the directory's owners: a bound on a loaded machine
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()
 
 
 def admin(cluster, node: str, method: str, path: str, body=None) -> tuple[int, object]:

@@ -340,7 +340,7 @@ def test_what_a_node_places_for_an_engine_homed_elsewhere_goes_to_the_home_its_o
             sync = EngineSync(name, control, directory, link, None, {}, {"a": 1.0, "b": 1.0}, lambda: None)
             control.placements = sync.placements
             nodes[name] = (sync, directory, control)
-        (a, da, ca), (b, db, cb) = nodes["a"], nodes["b"]
+        (a, da, ca), (b, db, _) = nodes["a"], nodes["b"]
         await b.register(X)  # homed on b
         a.table.merge(b.table.rows(), 0)
         await a._settle()
