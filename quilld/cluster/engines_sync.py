@@ -258,10 +258,11 @@ class EngineSync:
     # -- homes -----------------------------------------------------------------------------
     def home(self, engine_id: str) -> str | None:
         """The engine's home as this node last settled it (what its subscriptions and authority
-        follow; a membership change moves it once settled), or by the rule when not settled yet;
-        None: no such engine. On every KV event: a dict lookup."""
+        follow; a membership change moves it once settled), or by the rule when not settled yet
+        or when that node is no longer a member; None: no such engine. On every KV event: two
+        dict lookups."""
         home = self.homes.get(engine_id)
-        if home is not None:
+        if home is not None and home in self.members:
             return home
         entry = self.table.get(engine_id)
         if entry is None or entry.removed:
