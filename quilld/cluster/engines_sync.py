@@ -351,13 +351,13 @@ class EngineSync:
             for bucket, e in reply[1]:
                 entry = Entry(*e)
                 entries.setdefault(entry.eid, (bucket, entry))
-        self.directory.adopt(engine_id, entries.values())
+        taken = self.directory.adopt(engine_id, entries.values())  # not those placed here meanwhile
         self.control.note_scope(engine_id)  # its removals reach what it stored without a LoRA adapter
-        self.stats["engine_entries_adopted"] += len(entries)
+        self.stats["engine_entries_adopted"] += taken
         if prev is not None:
             self.stats["engine_rehomes"] += 1
         log.info("engines: this node is now %s's home%s; adopted its %d directory entries from %d owner(s)%s",
-                 engine_id, f" (was {prev})" if prev else "", len(entries), len(peers) + 1 - failed,
+                 engine_id, f" (was {prev})" if prev else "", taken, len(peers) + 1 - failed,
                  f", {failed} did not answer" if failed else "")
 
     def send_home(self, home: str, item: tuple) -> None:
