@@ -243,7 +243,7 @@ class Node:
                 s.unixsocket, s.unixsocketperm, lambda: RespConnection(ctx, large_target, release_args))
         self.phase = "subscribing to engines"
         self._control_started = True
-        await ctx.control.start()
+        await ctx.control.start(follow=not self.cfg.cluster.gossip_port)  # in a cluster, each engine's home
         if self.cfg.cluster.gossip_port:
             self.phase = "joining the cluster"
             cluster = Cluster(self.cfg, ctx.node_id, ctx.keyspace, ctx.scopes, ctx.control, self.feed, self._usage)

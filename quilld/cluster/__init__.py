@@ -8,7 +8,9 @@ The directory: `ownership.py` (rendezvous owners of virtual buckets),
 `dir_entries.py` (holders' and owners' entry stores), `directory.py` (one node's
 part, sans-IO), `dir_link.py` (its asyncio shell and this node's lookups);
 `simulation.py` and `sim_scenarios.py` drive the same code for a thousand
-simulated nodes. Reads: `pool_reads.py`. Transfer: `transfer.py` routes
+simulated nodes. Engines: `engine_table.py` (the table every node shares, merged
+last-writer-wins) and `engines_sync.py` (its gossip, each engine's home, the load
+summed over the nodes). Reads: `pool_reads.py`. Transfer: `transfer.py` routes
 fetches over TCP (`peer_client.py`) or RDMA (`rdma.py`), with `fabric.py` the
 shared seam.
 """

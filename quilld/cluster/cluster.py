@@ -8,6 +8,11 @@ loses its entries at every owner at once; a member that restarted (a new directo
 its gossip meta) is told everything anew. Reads of values this node lacks go to the holders
 the directory names (pool_reads.py), never to every peer.
 
+Engines are the cluster's (engines_sync.py): every node holds the same engine table (its digest
+in the gossip meta, a differing peer's table pulled), each engine's KV events are consumed by
+one home node, re-homed when that node dies or leaves, and the leases on each engine are summed
+over the nodes (each node's own in its meta).
+
 Membership changes are logged, one line each: a peer joins, is suspected, comes back,
 restarts, leaves or is declared dead (gossip.py warns when no seed answers).
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import msgpack
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -23,11 +30,13 @@ from typing import Any, Callable
 from quilld import __version__
 from quilld.cluster.dir_link import DirectoryLink
 from quilld.cluster.directory import Directory, DirectorySettings
+from quilld.cluster.engines_sync import EngineSync
 from quilld.cluster.gossip import Gossip
 from quilld.cluster.local_secret import local_secret
 from quilld.cluster.peer_client import PeerPool
 from quilld.cluster.pool_reads import PoolReads
 from quilld.cluster.transfer import Transfers
+from quilld.cluster.wire import MAX_META_BYTES
 from quilld.config import Config
 from quilld.index.control import ControlPlane
 from quilld.index.residency import ResidencyIndex
@@ -100,6 +109,9 @@ class Cluster:
         self.stats: Counter[str] = Counter(pool_reads=0, pool_read_hits=0, pool_read_errors=0)
         self.reads = PoolReads(self.cfg, node_id, keyspace, self.link, self.transfers, self.addresses,
                                self.peer_meta, self.stats)
+        # the cluster's engine table, each engine's home, the engines' load summed (engines_sync.py)
+        self.engines = EngineSync(node_id, control, self.directory, self.link, self.pool, self.addresses,
+                                  self.members, self._announce)
         self.gossip: Any = None
         self.started = time.time()
         self._meta_task: asyncio.Task | None = None
@@ -113,12 +125,14 @@ class Cluster:
         for fk, tier, nbytes, bhash in list(self.keyspace.tracked_values()):  # recovered, or written already
             self.link.placed(fk, tier, nbytes, bhash)
         self.feed.log = self.link  # this node's values become directory entries ...
-        self.control.placements = self.link  # ... and so do the blocks of the engines whose events it consumes
+        # ... and so do the blocks of the engines it is home to (handed to their home otherwise)
+        self.control.placements = self.engines.placements
         self.directory.note_members(self.members, time.monotonic())
         self.link.start()
         self.gossip = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
                              self.cfg, self._on_event)
         await self.gossip.start()
+        self.engines.start()
         self._meta_task = asyncio.create_task(self._refresh_meta(), name="cluster-meta")
 
     async def stop(self) -> None:
@@ -126,6 +140,7 @@ class Cluster:
         if self._meta_task is not None:
             self._meta_task.cancel()
             await asyncio.gather(self._meta_task, return_exceptions=True)
+        await self.engines.stop()
         if self.gossip is not None:
             await self.gossip.stop(leave=True)
         await self.link.stop()
@@ -148,7 +163,7 @@ class Cluster:
     def meta(self) -> dict:
         usage = self.usage()
         host = self._advertised_host()
-        return {
+        meta = {
             "resp": [host, usage.pop("port")],
             "admin": [host, usage.pop("admin_port")],
             "dram_capacity": self.keyspace.capacity, "dram_used": self.keyspace.used,
@@ -157,8 +172,26 @@ class Cluster:
             "dir": [self.directory.owned.entries, len(self.directory.filling) + len(self.directory._unacked),
                     self.link.stats["lookups"], self.link.stats["route_owner_trips"], self.link.stats["routes"],
                     self.directory.stats["ae_repairs"]],
-            **self.transfers.advertise(),
+            **self.transfers.advertise(), **self.engines.meta(),
         }
+        loads = self.engines.own_loads()  # this node's leases per engine, busiest first, as many as fit
+        if loads:
+            meta["load"] = advertised = {}
+            for engine, load in loads:
+                advertised[engine] = load
+                if len(msgpack.packb(meta, use_bin_type=True)) > MAX_META_BYTES - 16:
+                    del advertised[engine]
+                    self.engines.stats["engine_loads_unadvertised"] += 1
+                    break
+        return meta
+
+    def _announce(self) -> None:
+        """Gossip this node's meta now (its engine table changed), not at the next refresh."""
+        if self.gossip is not None:
+            try:
+                self.gossip.update_meta(self.meta())
+            except ValueError:
+                log.exception("cluster meta update failed")
 
     def _advertised_host(self) -> str:
         return advertised_host(self.node_cfg.server.bind)
@@ -168,6 +201,7 @@ class Cluster:
             await asyncio.sleep(META_INTERVAL)
             try:
                 self.gossip.update_meta(self.meta())
+                self.engines.tick(self.peer_meta)
             except Exception:
                 log.exception("cluster meta refresh failed")
 
@@ -190,9 +224,15 @@ class Cluster:
                 self.epochs[m.node_id] = epoch
             if restarted:
                 self.directory.restarted(m.node_id, epoch, now)
+            joined = m.node_id not in self.members
             self.members[m.node_id] = 1.0
             self.directory.note_members(self.members, now)
             self.link.kick()
+            if joined or restarted:
+                self.engines.members_changed()  # an engine's home may move to it
+            if m.node_id in self.peer_meta:
+                self.engines.peer_meta(m.node_id, self.peer_meta[m.node_id])
+                self.engines.remote_loads(self.peer_meta)
             resp = "%s:%s" % self.addresses[m.node_id] if m.node_id in self.addresses else "no RESP address"
             if kind == "joined":
                 back = f" (back after {event.previous.name.lower()})" if event.previous is not None else ""
@@ -239,6 +279,8 @@ class Cluster:
         self.link.kick()
         if peer in self.control.pool:
             self.control.pool.remove(peer)
+        self.engines.members_changed()  # the engines homed on it move
+        self.engines.remote_loads(self.peer_meta)
         self.stats[f"members_{why}"] += 1
         if why == "left":
             log.info("cluster: %s left; dropped the %d directory entries of its values kept here", peer, dropped)
@@ -325,6 +367,7 @@ class Cluster:
                 ("cluster_directory_message_failures", link["message_failures"]),
                 ("cluster_peer_connection_waits", self.pool.waits + self.link.pool.waits)]
         out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
+        out += self.engines.info()
         out += self.transfers.info()
         if self.gossip is not None:
             out += [(f"cluster_{k}", v) for k, v in sorted(self.gossip.stats.items())]

@@ -14,7 +14,10 @@
   failed): at most two round trips, one in the common case, none when this node owns it.
 * **What this node places.** `placed`/`removed` (the keyspace's values, through the
   residency feed) and `engine_stored`/`engine_removed`/`engine_cleared` (the KV events of the
-  engines this node is home to) become the directory's entries.
+  engines this node is home to) become the directory's entries; so do the placements another
+  node hands over for an engine this node is home to (`ENGINE_ITEMS`: the gateway's record of
+  what it sent an engine, made on whichever node served the request; engines_sync.py), so an
+  engine has one authority.
 
 Identity scopes have a per-node tag; the directory names them by `scope_digest` (`ctag`).
 """
@@ -44,6 +47,9 @@ PER_PEER = 4  # directory connections to one peer at once
 ACK_WAIT = 2.0  # seconds a write's reply waits for its owners' acknowledgement at most
 CALL_TIMEOUT = 5.0  # seconds a directory request may take
 MAX_WAIT = 1.0  # the pump looks at the directory at least this often
+# a DIR message of this kind: [(engine, op, ctag, hashes, parent, tier)], op STORED or REMOVED,
+# placements of an engine this node is home to, handed over by the node that made them
+ENGINE_ITEMS, STORED, REMOVED = "e", "s", "r"
 
 
 def pack(obj: Any) -> bytes:
@@ -202,7 +208,11 @@ class DirectoryLink:
 
     def handle(self, src: str, payload: bytes) -> bytes:
         """A peer's DIR request: its reply, packed."""
-        reply = self.d.handle(src, unpack(payload), time.monotonic())
+        msg = unpack(payload)
+        if msg[0] == ENGINE_ITEMS:
+            self.engine_items(msg[1])
+            return pack(("ok", []))
+        reply = self.d.handle(src, msg, time.monotonic())
         if reply[0] == "ok" or reply[0] == "r":
             self.kick()  # applying it may have moved nothing, but a copy or a gained bucket may
         return pack(reply)
@@ -249,6 +259,22 @@ class DirectoryLink:
 
     def engine_cleared(self, engine: str) -> None:
         self.d.clear_holder(engine)
+        self.kick()
+
+    def engine_items(self, items: list) -> None:
+        """Placements of engines this node is home to, made on another node (ENGINE_ITEMS)."""
+        for engine, op, ctag, hashes, parent, tier in items:
+            if op == STORED:
+                prev = parent
+                for hb in hashes:
+                    self.d.place_block(engine, ctag, hb, prev, tier)
+                    prev = hb
+            elif op == REMOVED:
+                for hb in hashes:
+                    self.d.unplace_block(engine, ctag, hb, tier)
+            else:
+                raise ValueError(f"unknown engine placement {op!r}")
+        self.stats["engine_items_taken"] += len(items)
         self.kick()
 
     # -- lookups --------------------------------------------------------------------------

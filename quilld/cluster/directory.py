@@ -328,11 +328,15 @@ class Directory:
         if holder != self.node_id:
             self.authorities.pop(holder, None)
 
-    def adopt(self, holder: str, entries: Iterable[tuple[int, Entry]]) -> None:
-        """Become `holder`'s authority with these entries (an engine's, gathered from its owners)."""
+    def adopt(self, holder: str, entries: Iterable[tuple[int, Entry]]) -> int:
+        """Become `holder`'s authority with these entries (an engine's, gathered from its owners);
+        an entry placed here meanwhile is newer and stays. Returns how many were taken."""
         held = self.add_authority(holder)
+        taken = 0
         for bucket, e in entries:
-            held.put(e.kind, e.eid, e.shard, bucket, e.code)
+            if held.get(e.eid) is None:
+                taken += held.put(e.kind, e.eid, e.shard, bucket, e.code)
+        return taken
 
     def _put(self, holder: str, kind: int, eid: bytes, shard: bytes, code: int) -> None:
         held = self.add_authority(holder)

@@ -157,15 +157,25 @@ async def _body(request: web.Request) -> Any:
 
 
 async def list_engines(request: web.Request) -> web.Response:
-    """GET /v1/engines: the engines registered on this node (`node`: engines are per node for now)."""
+    """GET /v1/engines: every engine this node knows (in a cluster, every engine of the cluster)
+    with its load (every node's leases), `origin` (the node it was registered on through this
+    API; null for the config file's), `home` (the node that consumes its KV events; its `feed`
+    and `blocks` are that node's figures) and `kv_node` (where it stores its KV)."""
     node = request.app[NODE]
-    control = node.control
+    control, cluster = node.control, node.cluster
     index = control.index
-    return web.json_response({"node": node.node_id, "engines": [
-        dataclasses.asdict(e) | {"in_flight": control.engines.in_flight[e.id], "load": _load(control, e.id),
-                                 "feed": control.feed_view(e.id), "blocks": _blocks_of(index, e.id),
-                                 "node": node.node_id, "kv_node": e.locality or node.node_id}
-        for e in control.engines.engines.values()]})
+    out = []
+    for e in control.engines.engines.values():
+        origin = home = None
+        if cluster is not None:
+            origin = cluster.engines.origin(e.id) or None
+            home = cluster.engines.home(e.id)
+        out.append(dataclasses.asdict(e) | {
+            "in_flight": control.engines.in_flight[e.id], "load": _load(control, e.id),
+            "feed": control.feed_view(e.id), "blocks": _blocks_of(index, e.id),
+            "node": origin or node.node_id, "origin": origin, "home": home or node.node_id,
+            "kv_node": e.locality or node.node_id})
+    return web.json_response({"node": node.node_id, "cluster": cluster is not None, "engines": out})
 
 
 def _load(control, engine_id: str) -> dict[str, int]:
@@ -185,15 +195,22 @@ async def add_engine(request: web.Request) -> web.Response:
         engine = engine_from(await _body(request), "engine")
     except QuillError as e:
         return _json_error(400, e.message)
-    new = await node.control.add_engine(engine)
+    if node.cluster is None:
+        new = await node.control.add_engine(engine)
+    else:  # the cluster's: known on every node, homed here while this node lives
+        new = await node.cluster.engines.register(engine)
+        engine = node.control.engines.get(engine.id)
     return web.json_response(dataclasses.asdict(engine), status=201 if new else 200)
 
 
 async def delete_engine(request: web.Request) -> web.Response:
-    control = request.app[NODE].control
+    node = request.app[NODE]
     engine_id = request.match_info["engine_id"]
     try:
-        dropped = await control.remove_engine(engine_id)
+        if node.cluster is None:
+            dropped = await node.control.remove_engine(engine_id)
+        else:  # removed on every node
+            dropped = await node.cluster.engines.remove(engine_id)
     except QuillError as e:
         return _json_error(404, e.message)
     return web.json_response({"removed": engine_id, "residencies_dropped": dropped})
@@ -262,6 +279,14 @@ async def kv_events(request: web.Request) -> web.Response:
     except QuillError as e:
         node.control.stats["kv_malformed"] += 1
         return _json_error(400, e.message)
+    cluster = node.cluster
+    home = None if cluster is None else cluster.engines.home(engine_id)
+    if home is not None and home != cluster.node_id:  # the engine's home applies its events
+        try:
+            applied = await cluster.engines.forward(home, engine_id, raw)
+        except QuillError as e:
+            return _json_error(503, f"engine {engine_id}'s home node {home}: {e.message}")
+        return web.json_response({"engine_id": engine_id, "applied": applied, "home": home})
     return web.json_response({"engine_id": engine_id, "applied": node.control.apply(engine_id, batch)})
 
 

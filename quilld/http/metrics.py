@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from quilld import __version__
+from quilld.cluster.engines_sync import COUNTERS as ENGINE_COUNTERS
 from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, handoff_histogram, ttft_histogram
@@ -160,7 +161,8 @@ SSD_HELP = {
 CLUSTER_GAUGES = ("cluster_enabled", "cluster_members", "cluster_members_alive", "cluster_members_suspect",
                   "cluster_members_dead", "cluster_members_left", "cluster_directory_replicas",
                   "cluster_directory_entries_owned", "cluster_directory_buckets_owned", "cluster_directory_entries_held",
-                  "cluster_directory_handoffs_in_flight", "cluster_directory_buckets_filling")
+                  "cluster_directory_handoffs_in_flight", "cluster_directory_buckets_filling",
+                  "cluster_engines_known", "cluster_engines_homed")
 CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_peer_fetch_usec", "cluster_peer_fetch_errors", "cluster_peer_fetch_stale",
                     "cluster_peer_fetch_checksum_failures", "cluster_members_without_address",
@@ -185,7 +187,8 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                         "retries", "message_failures", "resyncs_asked", "digests_sent", "ae_mismatches",
                         "ae_repairs", "handoff_buckets", "buckets_gained", "buckets_lost", "buckets_copied",
                         "copy_failures", "entries_released", "holders_dropped", "peer_restarts",
-                        "blocks_unanchored")))
+                        "blocks_unanchored")),
+                    *(f"cluster_{k}" for k in ENGINE_COUNTERS))
 CLUSTER_HELP = {
     "cluster_members": "Cluster members this node knows (itself included).",
     "cluster_members_alive": "Members alive.", "cluster_members_suspect": "Members suspected of failure.",
@@ -196,6 +199,13 @@ CLUSTER_HELP = {
     "cluster_directory_entries_owned": "Directory entries this node keeps as an owner (every holder's, its buckets).",
     "cluster_directory_entries_held": "Directory entries this node is the authority for (its values, its engines' blocks).",
     "cluster_directory_handoffs_in_flight": "Buckets being filled and channels with placements not yet acknowledged.",
+    "cluster_engines_known": "Engines of the cluster this node knows (its engine table, removals left out).",
+    "cluster_engines_homed": "Engines this node is home to (it consumes their KV events).",
+    "cluster_engine_table_pulls": "Peers' engine tables pulled (PEERENGINES) because their digest differed.",
+    "cluster_engine_table_merges": "Engine table entries a pull changed here.",
+    "cluster_engine_rehomes": "Engines this node took over as home from another node (their entries adopted).",
+    "cluster_engine_homes_left": "Engines whose home moved away from this node.",
+    "cluster_engine_events_forwarded": "KV-event batches forwarded to the engine's home node.",
     "cluster_lookups_local": "Directory lookups this node answered itself (it owns the bucket).",
     "cluster_lookups_one_hop": "Directory lookups that took one owner round trip.",
     "cluster_lookups_two_hops": "Directory lookups that took two owner round trips (an owner failed or was filling).",

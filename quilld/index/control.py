@@ -142,6 +142,11 @@ class ControlPlane:
             scope = per[adapter] = IdentityScope(e.tenant, e.model, e.tokenizer, adapter or "")
         return self.scopes.tag(scope)
 
+    def note_scope(self, engine_id: str, adapter: str | None = None) -> None:
+        """The engine's blocks may be stored under this adapter's scope (a removal tries it): in a
+        cluster, its new home knows the engine's entries without having seen its stores."""
+        self._tags.setdefault(engine_id, set()).add(self.engine_tag(engine_id, adapter))
+
     def feed(self, engine_id: str) -> FeedStats:
         """The figures of `engine_id`'s KV-event feed (created with the engine)."""
         feed = self.feeds.get(engine_id)
@@ -430,25 +435,49 @@ class ControlPlane:
                       self.engines.in_flight, 0.0, self.weights, None, self._hybrid if view is None else {}).plan
 
     # -- engines and their subscriptions ------------------------------------------
-    async def add_engine(self, engine: EngineConfig) -> bool:
-        """Register an engine and follow its KV events; True when it is new.
+    async def add_engine(self, engine: EngineConfig, follow: bool = True, rank: tuple | None = None) -> bool:
+        """Register an engine and, with `follow`, subscribe to its KV events; True when it is new.
 
-        Replacing an engine forgets what was known of the old one.
+        Replacing an engine forgets what was known of the old one. In a cluster only the
+        engine's home follows it (cluster/engines_sync.py decides, and calls `follow`), and
+        `rank` puts it among its model's candidates in the same place on every node.
         """
         if engine.id in self.engines.engines:
             await self.remove_engine(engine.id)
             new = False
         else:
             new = True
-        self.engines.add(engine)
+        self.engines.add(engine, rank)
         self._declare(engine)
-        feed = self.feeds[engine.id] = FeedStats(self.stats)
-        if engine.kv_events:
-            sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply_events, self.reset_engine,
-                                    engine.replay or None, stats=feed)
-            await sub.start()
-            self._subscribers[engine.id] = sub
+        self.feeds[engine.id] = FeedStats(self.stats)
+        if follow:
+            await self.follow(engine.id)
         return new
+
+    async def follow(self, engine_id: str) -> bool:
+        """Subscribe to the engine's KV-event publisher (from its replay buffer's start: a
+        catch-up, subscriber.py), unless it names none or is followed already; True when it
+        subscribed now."""
+        engine = self.engines.get(engine_id)
+        if not engine.kv_events or engine_id in self._subscribers:
+            return False
+        sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply_events, self.reset_engine,
+                                engine.replay or None, stats=self.feed(engine_id))
+        await sub.start()
+        self._subscribers[engine.id] = sub
+        return True
+
+    async def unfollow(self, engine_id: str) -> bool:
+        """Stop consuming the engine's KV events (another node is its home now); what was applied
+        stays. True when it was followed."""
+        sub = self._subscribers.pop(engine_id, None)
+        if sub is None:
+            return False
+        await sub.stop()
+        return True
+
+    def follows(self, engine_id: str) -> bool:
+        return engine_id in self._subscribers
 
     async def remove_engine(self, engine_id: str) -> int:
         """Forget an engine: its subscription, residencies, load and sessions; returns residencies dropped."""
@@ -471,10 +500,11 @@ class ControlPlane:
     def subscriptions(self) -> int:
         return len(self._subscribers)
 
-    async def start(self) -> None:
-        """Subscribe to every configured engine that names a KV-event endpoint."""
+    async def start(self, follow: bool = True) -> None:
+        """Subscribe to every configured engine that names a KV-event endpoint (in a cluster,
+        `follow` is False: each engine's home subscribes)."""
         for engine in list(self.engines.engines.values()):
-            await self.add_engine(engine)
+            await self.add_engine(engine, follow)
 
     async def stop(self) -> None:
         for sub in self._subscribers.values():

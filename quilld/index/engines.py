@@ -11,6 +11,11 @@ whole request on one engine (it prefills `tokens` uncached tokens, then decodes;
 request's prefill (its `tokens`), a `decode` lease its decode. `in_flight`
 counts every lease, as the router's cost always has.
 
+In a cluster the leases of an engine are held on whichever nodes routed to it: each node
+advertises its own (`own_loads`) and hands the sum of its peers' to `set_remote`; the
+counters `load()`, `in_flight` and the others answer with both, so every node's router
+weighs the same load.
+
 Each engine has a `FeedStats`: what its KV events did (batches, events, malformed,
 gaps, replays, restarts, missed batches, the last sequence number), kept by whoever
 feeds it (the ZMQ subscriber, or POST /v1/kv-events and KVEVENTS) and shown per engine
@@ -110,20 +115,31 @@ class EngineRegistry:
         self.prefill_tokens: Counter[str] = Counter()
         self.decodes: Counter[str] = Counter()
         self._leases: dict[str, _Lease] = {}
+        self._remote: dict[str, Load] = {}  # engine -> the load its leases on other nodes add (a cluster's)
         self.expired_leases = 0
         self._ids_of: dict[str, list[str]] = {}  # model -> its engines' ids (ROUTE's), until add or remove
+        # engine -> where it stands among its model's candidates: registration order, or in a
+        # cluster the order of the engine table's versions, the same on every node
+        self._rank: dict[str, tuple] = {e.id: (0, "", i) for i, e in enumerate(engines)}
+        self._added = len(engines)
         self._roles_of: dict[str, bool] = {}  # model -> whether any of its engines has a role but `both`
 
-    def add(self, engine: EngineConfig) -> bool:
-        """Register or replace an engine; True when it is new."""
+    def add(self, engine: EngineConfig, rank: tuple | None = None) -> bool:
+        """Register or replace an engine; True when it is new. `rank` (int, str, int): where it
+        stands among its model's candidates (default: after every engine registered so far)."""
         new = engine.id not in self.engines
         self.engines[engine.id] = engine
+        if rank is None:
+            self._added += 1
+            rank = (0, "", self._added)
+        self._rank[engine.id] = rank
         self._ids_of.clear()
         self._roles_of.clear()
         return new
 
     def remove(self, engine_id: str) -> EngineConfig:
         engine = self.engines.pop(engine_id, None)
+        self._rank.pop(engine_id, None)
         self._ids_of.clear()
         self._roles_of.clear()
         if engine is None:
@@ -133,7 +149,37 @@ class EngineRegistry:
                 del self._leases[lease]
         for counts in (self.in_flight, self.prefills, self.prefill_tokens, self.decodes):
             counts.pop(engine_id, None)
+        self._remote.pop(engine_id, None)
         return engine
+
+    def _counters(self) -> tuple[Counter[str], ...]:
+        return self.in_flight, self.prefills, self.prefill_tokens, self.decodes
+
+    def set_remote(self, loads: dict[str, Load]) -> None:
+        """The load other nodes' leases put on each engine (their sum; engines not named: none);
+        replaces what was set before. Engines not registered here are left out."""
+        counters = self._counters()
+        for engine_id, old in self._remote.items():
+            for counts, n in zip(counters, old):
+                counts[engine_id] -= n
+        self._remote = {e: Load(*load) for e, load in loads.items() if e in self.engines and any(load)}
+        for engine_id, new in self._remote.items():
+            for counts, n in zip(counters, new):
+                counts[engine_id] += n
+
+    def remote_load(self, engine_id: str) -> Load:
+        return self._remote.get(engine_id, Load())
+
+    def own_loads(self) -> dict[str, Load]:
+        """The load of this node's own leases, per engine that has any."""
+        out = {}
+        for engine_id, total in self.in_flight.items():
+            remote = self._remote.get(engine_id)
+            own = self.load(engine_id) if remote is None else Load(*(a - b for a, b in zip(self.load(engine_id),
+                                                                                             remote)))
+            if own.requests > 0:
+                out[engine_id] = own
+        return out
 
     def has_roles(self, model: str) -> bool:
         """Whether any engine of `model` is a prefill or a decode engine (then ROUTE decides a pair)."""
@@ -167,13 +213,15 @@ class EngineRegistry:
         return [e for e in self.engines.values() if e.model == model]
 
     def ids_for_model(self, model: str) -> list[str]:
-        """The ids of `model`'s engines, in registration order (kept until an engine is added or
+        """The ids of `model`'s engines, in rank order (registration order; kept until an engine is added or
         removed; the caller must not change the list)."""
         ids = self._ids_of.get(model)
         if ids is None:
             if len(self._ids_of) >= 1024:  # models named by requests, most with no engine
                 self._ids_of.clear()
-            ids = self._ids_of[model] = [e.id for e in self.engines.values() if e.model == model]
+            rank = self._rank
+            ids = self._ids_of[model] = sorted((e.id for e in self.engines.values() if e.model == model),
+                                               key=lambda e: rank.get(e, ()))
         return ids
 
     def acquire(self, engine_id: str, kind: str = "request", tokens: int = 0) -> str:

@@ -265,12 +265,9 @@ def test_twelve_hosts_share_chunks_route_alike_and_survive_three_kills(cluster):
           f"{reads2:.1f} s; total {time.monotonic() - t0:.1f} s")
 
 
-# An engine told to one node (admin API, KV events) is today that node's alone: ROUTE on any other
-# node does not know it (answers vllm-0 and recompute). DESIGN.md's next step makes engines the
-# cluster's; then this passes, strict xfail fails CI, and the mark goes.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="engines registered through one node's admin API, and their KV events, are that node's only")
 def test_an_engine_registered_on_one_node_is_routed_to_from_every_node(cluster):
+    """An engine told to one node (admin API, KV events) is the cluster's: every node lists it
+    and ROUTE on every node credits its KV events (issue 20.5)."""
     cluster.start(4)
     cluster.wait_converged()
     n0 = cluster.nodes["n0"]

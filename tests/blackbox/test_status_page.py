@@ -237,14 +237,14 @@ def test_the_status_page_shows_what_the_json_routes_say(quilld_factory, engine, 
     engines = {e["id"]: e for e in admin_json(q.admin_port, "/v1/engines")["engines"]}
     assert set(page.rows["data-engine"]) == set(engines) == {"vllm-a", "fake-1"}
     a = page.rows["data-engine"]["vllm-a"]
-    assert [c["text"] for c in a[:3]] == ["vllm-a", "llama", stats["node_id"]]  # registered on this node
+    assert [c["text"] for c in a[:3]] == ["vllm-a", "llama", stats["node_id"]]  # homed on this node
     assert float(a[3]["value"]) == engines["vllm-a"]["in_flight"] == 1
     assert float(a[5]["value"]) == sum(engines["vllm-a"]["blocks"].values()) == 3
     hot = admin_json(q.admin_port, "/v1/hot")
     assert hot["top"][0]["holders"] == [{"holder": "vllm-a", "tier": "hbm"}]
     assert a[6]["text"] == f"1 of {len(hot['top'])}"
     assert float(page.rows["data-engine"]["fake-1"][3]["value"]) == 0
-    assert "registered per node" in page.text("engines-note") and stats["node_id"] in page.text("engines-note")
+    assert page.text("engines-note") == f"The engines registered on {stats['node_id']}."
     # the node itself: its SSD, version and uptime beside its DRAM
     me = page.rows["data-node"][stats["node_id"]]
     assert me[2]["text"] == stats["version"] and float(me[3]["value"]) >= 0
@@ -385,8 +385,8 @@ def test_a_cluster_page_shows_every_node_marks_the_dead_one_and_draws_the_last_m
     # the header says the cluster is not whole
     assert page.ids["health-dot"]["attrs"]["data-state"] == "degraded"
     assert "1 of 3 nodes dead" in page.text("meta"), page.text("meta")
-    # engines are per node: the page says on which
+    # engines are the cluster's: the page says where each is homed
     assert page.rows["data-engine"]["vllm-a"][2]["text"] == "a"
-    assert "registered per node" in page.text("engines-note")
+    assert "Every engine of the cluster" in page.text("engines-note")
     assert "Traceback" not in a.log()
     assert shot.stat().st_size > 20_000

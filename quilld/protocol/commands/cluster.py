@@ -1,7 +1,9 @@
-"""Cluster commands: NODES for people; PEERAUTH, DIR, PEERGET, PEERMGET and PEERPULL between nodes.
+"""Cluster commands: NODES for people; PEERAUTH, DIR, PEERGET, PEERMGET, PEERPULL, PEERENGINES and
+PEERKVEVENTS between nodes.
 
 PEERAUTH gives a connection peer rights only: the node-to-node commands (flagged PEER in
-the table: DIR, PEERGET, PEERMGET, PEERPULL, PEERRDMA, PEERRELEASE), which a peer may run whether it logged in
+the table: DIR, PEERGET, PEERMGET, PEERPULL, PEERRDMA, PEERRELEASE, PEERENGINES, PEERKVEVENTS),
+which a peer may run whether it logged in
 as a user or not. It logs nobody in: a peer that did not AUTH may run nothing else (NOAUTH),
 and one that did keeps its user's rights, never the operator's. Wrong secrets are counted
 (`peerauth_failures`) and slowed as AUTH's wrong passwords are (connection.py's throttle, one
@@ -19,10 +21,12 @@ from typing import TYPE_CHECKING
 from quilld.cluster.cluster import node_line, standalone_meta
 from quilld.cluster.prefetch import MAX_PULL_KEYS, pull
 from quilld.errors import CommandError, PeerOnly, WrongPass
+from quilld.index.events import decode_json
 from quilld.model import IdentityScope, Pending, Pinned
 from quilld.protocol.commands.common import parse_int, text
 from quilld.context.auth_throttle import AuthThrottle
 from quilld.protocol.commands.connection import after_throttle, client_ip
+from quilld.protocol.commands.route import MAX_EVENTS_BYTES  # a forwarded batch: KVEVENTS's own bound
 from quilld.protocol.resp import OK
 from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, WRITE, CommandTable
 
@@ -76,6 +80,22 @@ def cmd_dir(c, args):
         return cluster.link.handle(text(args[1]), bytes(args[2]))
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise CommandError(f"DIR: malformed request ({type(e).__name__}: {e})") from None
+
+
+def cmd_peerengines(c, args):
+    """PEERENGINES from-node: this node's engine table and its digest, msgpacked (a peer whose
+    digest differs pulls it: cluster/engines_sync.py)."""
+    return _peer(c).engines.rows_reply()
+
+
+def cmd_peerkvevents(c, args):
+    """PEERKVEVENTS engine-id <json batch>: a batch of KV events another node received for an
+    engine this node is home to (the sender checked who sent it); the events applied."""
+    _peer(c)
+    control = c.control
+    engine_id = text(args[1])
+    control.engines.get(engine_id)  # an unknown engine: an error, as KVEVENTS answers
+    return control.apply(engine_id, decode_json(bytes(args[2])))
 
 
 def _scope_of(args) -> IdentityScope:
@@ -231,4 +251,9 @@ def register(t: CommandTable) -> None:
           "quillcache", "0.1.0")
     t.add("peerrelease", -2, f"{READONLY} {PEER}", cmd_peerrelease,
           "A peer releases blocks leased for RDMA READ.", "quillcache", "0.1.0")
+    t.add("peerengines", 2, f"{READONLY} {PEER}", cmd_peerengines,
+          "A peer pulls this node's engine table.", "quillcache", "0.1.0")
+    t.add("peerkvevents", 3, f"{ADMIN} {PEER}", cmd_peerkvevents,
+          "A peer hands over KV events of an engine this node is home to.", "quillcache", "0.1.0",
+          arg_limit=MAX_EVENTS_BYTES)
     t.add("nodes", 1, READONLY, cmd_nodes, "Lists the cluster's members.", "quillcache", "0.1.0")

@@ -256,14 +256,22 @@ def cmd_release(c, args):
 
 
 def cmd_kvevents(c, args):
+    """KVEVENTS engine-id <json batch>: applied here, or in a cluster on the engine's home node
+    (the one that consumes its events: cluster/engines_sync.py), where this node forwards it."""
     control = c.control
     engine_id = text(args[1])
     control.engines.event_sender(engine_id, c.user)
+    raw = bytes(args[2])
     try:
-        batch = decode_json(bytes(args[2]))
+        batch = decode_json(raw)
     except CommandError:
         control.stats["kv_malformed"] += 1
         raise
+    cluster = c.ctx.cluster
+    if cluster is not None:
+        home = cluster.engines.home(engine_id)
+        if home is not None and home != cluster.node_id:
+            return Pending(cluster.engines.forward(home, engine_id, raw))
     return control.apply(engine_id, batch)
 
 
