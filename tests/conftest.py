@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import procs
+
 # The hundreds of quilld processes the suite starts may cache their compiled modules (about
 # 0.6 s of each start on these machines when PYTHONDONTWRITEBYTECODE forbids it).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -174,18 +176,8 @@ def require_tool(name: str) -> str:
 
 
 def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1",)) -> tuple[int, subprocess.Popen]:
-    """A real redis-server on a free port (no persistence, one database); (port, process).
-    `bind` must include 127.0.0.1: the start is waited for there."""
-    binary = require_tool("redis-server")
-
-    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as f:
-            return subprocess.Popen([binary, "--port", str(ports[0]), "--bind", *bind, "--save", "", "--appendonly",
-                                     "no", "--databases", "1", "--dir", str(tmp_path), *extra],
-                                    stdout=f, stderr=subprocess.STDOUT)
-
-    proc, ports, _ = start_listening("redis-server", lambda port: tmp_path / f"redis-{port}.log", spawn)
-    return ports[0], proc
+    """procs.start_redis, failing the test (not erroring) when redis-server is not installed."""
+    return procs.start_redis(tmp_path, *extra, bind=bind, binary=require_tool("redis-server"))
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -218,3 +219,21 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
 
     proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 1 + admin)
     return Quilld(ports[0], ports[1] if admin else 0, proc, log, list(argv), full_env.get("QUILLD_ADMIN_TOKEN", ""))
+
+
+def start_redis(tmp_path: Path, *extra: str, bind: tuple[str, ...] = ("127.0.0.1",),
+                binary: str | None = None) -> tuple[int, subprocess.Popen]:
+    """A real redis-server on a free port (no persistence, one database); (port, process).
+    `bind` must include 127.0.0.1: the start is waited for there."""
+    binary = binary or shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
+
+    def spawn(ports: list[int], log: Path) -> subprocess.Popen:
+        with open(log, "wb") as f:
+            return subprocess.Popen([binary, "--port", str(ports[0]), "--bind", *bind, "--save", "", "--appendonly",
+                                     "no", "--databases", "1", "--dir", str(tmp_path), *extra],
+                                    stdout=f, stderr=subprocess.STDOUT)
+
+    proc, ports, _ = start_listening("redis-server", lambda port: tmp_path / f"redis-{port}.log", spawn)
+    return ports[0], proc

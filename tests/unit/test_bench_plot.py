@@ -198,6 +198,17 @@ def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):
     assert panel.labels == ["1.00x", "5.00x"] and "0.74 owner round trips" in saved[-1]["note"]
 
 
+def test_pool_mget_bench_sets_the_pool_beside_one_node_and_redis(saved):
+    rows = [("missing, 3 nodes", 70.0, 0, 94, 60, "-"), ("missing, 1 node", 11.0, 0, 65, "-", "-"),
+            ("missing, redis", 5.0, 0, 14, "-", "-"), ("held on a, 3 nodes", 400.0, 8000, 113, 132, 96),
+            ("held, 1 node", 10.0, 8000, 67, "-", "-"), ("held, redis", 4.0, 8000, 15, "-", "-")]
+    bench("pool_mget_bench").plot("x.png", rows, 8000)
+    (panel,) = saved[-1]["panels"]
+    assert panel.categories == ["missing", "held"]
+    assert panel.series == {"3 nodes": [70.0, 400.0], "1 node": [11.0, 10.0], "redis-server": [5.0, 4.0]}
+    assert panel.labels == ["14.00x", "100.00x"] and "8000 keys" in panel.title
+
+
 def test_save_writes_a_small_png(tmp_path):
     import matplotlib  # noqa: F401  (in the test extra as well as the `bench` extra: this must run)
     panels = [plot.Panel("a", ["x", "y"], {"ref": [1.0, 2.0], "quilld": [2.0, 1.0]}, "GB/s", ["2.00x", "0.50x"]),
