@@ -92,6 +92,25 @@ ApplyFn = Callable[[str, Sequence[Event]], int]
 ResetFn = Callable[[str, str, int], int]
 
 
+class Cursor(NamedTuple):
+    """Where an engine's feed stands: the last batch applied in full, its payload's digest and
+    timestamp. Persisted beside the residencies it produced (persistent.py), it is where a
+    restarted quilld resumes: the replay is asked from `seq`, and the batch it gives under `seq`
+    must have `digest`, or the publisher is a new process."""
+
+    seq: int
+    digest: int
+    ts: float
+
+
+# (engine id, cursor): a batch was applied in full
+AppliedFn = Callable[[str, Cursor], None]
+
+
+def _ignore_applied(engine_id: str, cursor: Cursor) -> None:
+    """No one keeps the cursor (the default)."""
+
+
 class ReplayFailed(Exception):
     """The replay socket did not answer, or not with a contiguous run of batches."""
 
@@ -139,6 +158,8 @@ class KvEventSubscriber:
         topic: bytes = b"",
         ctx: zmq.Context | None = None,
         stats: FeedStats | None = None,
+        resume: Cursor | None = None,
+        on_applied: AppliedFn = _ignore_applied,
     ) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
@@ -160,6 +181,11 @@ class KvEventSubscriber:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._logged: dict[str, float] = {}
+        self._on_applied = on_applied
+        if resume is not None:  # a restarted quilld: what was applied before is still in the index
+            self._next, self._known, self._last_ts = resume.seq + 1, True, resume.ts
+            self._recent[resume.seq] = resume.digest
+            self.stats.last_seq = resume.seq
 
     # ------------------------------------------------------------ lifecycle
 
@@ -341,12 +367,14 @@ class KvEventSubscriber:
             work = 1 if type(events[0]) is Cleared else len(events[0].block_hashes)
         else:
             work = sum(1 if type(e) is Cleared else len(e.block_hashes) for e in events)
+        cursor = Cursor(batch.seq, payload_digest, batch.ts)
         if work > SLICE_WORK:
-            return self._apply_in_parts(events)
+            return self._apply_in_parts(events, cursor)
         stats.add("events", self._apply(self.engine_id, events))
+        self._on_applied(self.engine_id, cursor)
         return None
 
-    async def _apply_in_parts(self, events: Sequence[Event]) -> None:
+    async def _apply_in_parts(self, events: Sequence[Event], cursor: Cursor) -> None:
         part: list[Event] = []
         size = 0
         for ev in events:
@@ -365,6 +393,8 @@ class KvEventSubscriber:
                 part, size = [], 0
         if part:
             await self._apply_part(part)
+        if self._next == cursor.seq + 1:  # no reset meanwhile: the batch is applied in full
+            self._on_applied(self.engine_id, cursor)
 
     async def _apply_part(self, events: list[Event]) -> None:
         self.stats.add("events", self._apply(self.engine_id, events))
