@@ -61,8 +61,11 @@ from quilld.index.events import (
 
 log = logging.getLogger(__name__)
 
-# A replay is abandoned (and treated as failed) after this long, end marker or not.
+# A replay is abandoned (and treated as failed) when the replay socket sends nothing for this
+# long, or when it has not ended after REPLAY_MAX_S (a restarted quilld may catch up on thousands
+# of batches: on a busy machine that takes longer than one silence).
 REPLAY_TIMEOUT_S = 2.0
+REPLAY_MAX_S = 30.0
 # vLLM's publisher keeps `buffer_steps` = 10 000 batches; a longer gap cannot be replayed.
 MAX_REPLAY_BATCHES = 10_000
 # stop() waits this long for the receive task to finish after cancelling it.
@@ -176,6 +179,7 @@ class KvEventSubscriber:
         self.connected = False
         self._reconnects = 0  # CONNECTED events (and tail probes) not yet answered by a catch-up
         self._probed = False  # the replay socket was asked since the last message arrived
+        self._catch_up_failed: float | None = None  # when the last catch-up failed (retried by housekeeping)
         self._sub: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._wake = asyncio.Event()
@@ -236,8 +240,14 @@ class KvEventSubscriber:
         return sock
 
     def housekeeping(self, now: float, idle_warning_s: float) -> None:
-        """Called periodically: probe the replay socket once per quiet spell, warn about silence."""
+        """Called periodically: probe the replay socket once per quiet spell, try a failed catch-up
+        again, warn about silence."""
         stats = self.stats
+        failed = self._catch_up_failed
+        if failed is not None and self.connected and now - failed >= TAIL_PROBE_S:
+            self._catch_up_failed = None
+            self._reconnects += 1  # a catch-up, as after a reconnect
+            self._wake.set()
         if (not self._probed and self.replay_endpoint is not None and self.connected
                 and stats.last_heard is not None and now - stats.last_heard >= TAIL_PROBE_S):
             self._probed = True
@@ -485,8 +495,11 @@ class KvEventSubscriber:
             try:
                 got = await self._replay(start)
             except ReplayFailed as e:
-                log.warning("engine %s: catch-up from seq %d after connecting failed: %s", self.engine_id, start, e)
+                log.warning("engine %s: catch-up from seq %d after connecting failed: %s; trying again in %.0f s",
+                            self.engine_id, start, e, TAIL_PROBE_S)
+                self._catch_up_failed = time.monotonic()
                 return
+            self._catch_up_failed = None
             if self._known and not got:
                 await self._restart(f"its newest batch is older than seq {start}")
             else:
@@ -539,9 +552,9 @@ class KvEventSubscriber:
         if self.replay_endpoint is None:
             raise ReplayFailed("no replay endpoint")
         try:
-            return await asyncio.wait_for(self._request(start), REPLAY_TIMEOUT_S)
+            return await asyncio.wait_for(self._request(start), REPLAY_MAX_S)
         except TimeoutError:
-            raise ReplayFailed(f"no end marker within {REPLAY_TIMEOUT_S} s") from None
+            raise ReplayFailed(f"no end marker within {REPLAY_MAX_S} s") from None
         except (MalformedEvent, zmq.ZMQError) as e:
             raise ReplayFailed(str(e) or type(e).__name__) from None
 
@@ -563,7 +576,11 @@ class KvEventSubscriber:
                 except zmq.Again:
                     ready.clear()
                     if not dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await ready.wait()
+                        try:
+                            await asyncio.wait_for(ready.wait(), REPLAY_TIMEOUT_S)
+                        except TimeoutError:
+                            raise ReplayFailed(f"nothing from the replay socket for {REPLAY_TIMEOUT_S} s "
+                                               f"({len(got)} batches received)") from None
                     continue
                 if frames and len(frames[0]) == 0:
                     frames = frames[1:]  # the ROUTER's empty delimiter
