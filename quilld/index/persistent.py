@@ -66,6 +66,7 @@ FORMAT = b"1"
 _ENTRY, _GROUPED, _HYBRID, _HOLDER, _SCOPE, _STATE, _VERSION = b"e", b"g", b"h", b"n", b"s", b"f", b"v"
 _ID = 4  # bytes of a scope id and of a holder number in a record key
 _INT_KEY = 1 + _ID + 8  # an entry record's key length when its hash is an int
+YIELD_ROWS = 1024  # the writer thread gives the interpreter back this often (stores.py does the same)
 
 
 def _no(n: int) -> bytes:
@@ -119,19 +120,23 @@ class Job(NamedTuple):
 
 
 def encode(job: Job) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
-    """The puts and deletes of a commit (the writer thread's work)."""
+    """The puts and deletes of a commit (the writer thread's work). Every YIELD_ROWS rows it lets the
+    event loop's thread have the interpreter (sleep(0) releases the GIL), so ROUTE never waits for a
+    whole commit's encoding."""
     puts: list[tuple[bytes, bytes]] = []
     dels: list[bytes] = []
     put, delete, durable = puts.append, dels.append, job.durable
     for sid, marks in job.entries:
         prefix = _ENTRY + sid
-        for key, mask in marks.items():
+        for n, (key, mask) in enumerate(marks.items(), 1):
             k = prefix + (key.to_bytes(8, "big") if key.__class__ is int else key)
             m = mask & durable
             if m:
                 put((k, m.to_bytes((m.bit_length() + 7) >> 3, "big")))
             else:
                 delete(k)
+            if not n % YIELD_ROWS:
+                time.sleep(0)
     for prefix, sid, rows in job.groups:
         for key, value in rows.items():
             if sid is None:  # a grouped row: tag + hash key + tier
