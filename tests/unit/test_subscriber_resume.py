@@ -144,3 +144,66 @@ def test_the_cursor_is_reported_after_the_last_slice_of_a_big_batch() -> None:
         await pub.close()
 
     run(body)
+
+
+class SlowReplay(Publisher):
+    """A replay socket that answers one batch at a time, `gap` seconds apart."""
+
+    gap = 0.03
+
+    async def _serve(self) -> None:
+        while True:
+            request = await self.router.recv_multipart()
+            if len(request) != 3:
+                continue
+            client, _, start_bytes = request
+            start = int.from_bytes(start_bytes, "big")
+            self.requests.append(start)
+            if not self.answer:
+                continue
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await asyncio.sleep(self.gap)
+                    await self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", vllm.END_SEQ, b""])
+
+
+def test_a_long_replay_that_keeps_coming_is_not_cut_off(monkeypatch) -> None:
+    """A restarted quilld may catch up on thousands of batches: the replay is abandoned after a silence
+    of REPLAY_TIMEOUT_S, not when it has lasted that long."""
+    monkeypatch.setattr(subscriber_mod, "REPLAY_TIMEOUT_S", 0.2)
+
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = SlowReplay(ctx)
+        for i in range(12):  # 12 x 0.03 s: longer than 0.2 s in all, never silent for 0.2 s
+            await pub.publish(vllm.gpu([i]))
+        h = Resumed(ctx, pub, cursor_of(pub, 0), {0})
+        await h.sub.start()
+        await until(lambda: h.hashes == set(range(12)))
+        assert h.resets == [] and h.cursors[-1].seq == 11
+        await h.sub.stop()
+        await pub.close()
+
+    run(body)
+
+
+def test_a_failed_catch_up_is_tried_again(monkeypatch) -> None:
+    monkeypatch.setattr(subscriber_mod, "REPLAY_TIMEOUT_S", 0.2)
+
+    async def body(ctx: zmq.asyncio.Context) -> None:
+        pub = Publisher(ctx, answer=False)
+        for i in range(4):
+            await pub.publish(vllm.gpu([i]))
+        h = Resumed(ctx, pub, cursor_of(pub, 1), {0, 1})
+        await h.sub.start()
+        await until(lambda: h.sub._catch_up_failed is not None)  # asked, never answered
+        pub.answer = True
+        h.sub.housekeeping(time.monotonic(), 0)  # too soon: not yet
+        assert len(pub.requests) == 1
+        h.sub.housekeeping(time.monotonic() + subscriber_mod.TAIL_PROBE_S, 0)
+        await until(lambda: h.hashes == {0, 1, 2, 3})
+        assert pub.requests == [1, 1] and h.resets == []
+        await h.sub.stop()
+        await pub.close()
+
+    run(body)
