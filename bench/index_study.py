@@ -514,8 +514,10 @@ def daemon_start(backend: str, d: Path, work: Path, expected: dict) -> dict:
 
     conf = work / f"quilld-{backend}.toml"
     name, _, variant = backend.partition("-")
-    conf.write_text(f'[index]\nbackend = "{name}"\npath = "{d}"\nfsync = {str(variant != "nosync").lower()}\n\n' + "".join(
-        f'[[engines]]\nid = "e{i}"\nurl = "http://127.0.0.1:{9000 + i}"\nmodel = "{MODEL}"\n\n' for i in range(ENGINES)))
+    fsync = str(variant != "nosync").lower()
+    conf.write_text(f'[index]\nbackend = "{name}"\npath = "{d}"\nfsync = {fsync}\n\n' + "".join(
+        f'[[engines]]\nid = "e{i}"\nurl = "http://127.0.0.1:{9000 + i}"\nmodel = "{MODEL}"\n\n'
+        for i in range(ENGINES)))
     port = free_port()
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "quilld", "--port", str(port), "--admin-port", "0", "--config",
@@ -605,7 +607,8 @@ def main() -> int:
     shape = make_trace(trace, blocks)
     probes = work / "probes.json"
     probes.write_text(json.dumps(shape.pop("probes")[:4000]))
-    print(f"trace: {shape['entries']:,} entries ({shape['residencies']:,} residencies) on {ENGINES} engines at the end; "
+    print(f"trace: {shape['entries']:,} entries ({shape['residencies']:,} residencies) on {ENGINES} engines at "
+          "the end; "
           f"{shape['events']:,} events ({shape['blocks']:,} block hashes) in {shape['batches']:,} batches of "
           f"{BATCH}, {shape['turns']:,} turns; HBM {shape['hbm_cap']:,} + CPU {shape['cpu_cap']:,} blocks an engine "
           f"({time.monotonic() - t0:.0f} s to generate)")
@@ -654,7 +657,8 @@ def report(results: dict, shape: dict, args) -> None:
     mem = results.get("memory")
     print()
     print(f"ingest as fast as it goes, then the last {args.paced_share:.0%} of the batches at {args.rate:,.0f} "
-          "events/s; write figures of that paced part (B/ev, WA: /proc/self/io write_bytes over the bytes of the entries committed)")
+          "events/s; write figures of that paced part (B/ev, WA: /proc/self/io write_bytes over the bytes of "
+          "the entries committed)")
     print(f"{'backend':<15}{'walk p50/p99 us':>17}{'ROUTE p50/p99 us':>18}{'events/s':>10}{'CPU us/ev':>10}"
           f"{'B/ev':>7}{'WA':>6}{'commits':>8}{'disk MiB':>9}{'RSS anon':>9}{'RSS file':>9}")
     for name, r in results.items():
@@ -679,12 +683,14 @@ def report(results: dict, shape: dict, args) -> None:
             events = r["ingest"]["events"] + r["ingest"]["paced_events"]
             line = (f"{name}, whole run: {d['commits']:,} commits, {d['committed_rows']:,} rows, "
                     f"{mib(d['committed_bytes'])} MiB of entries committed; {mib(r['write_bytes'])} MiB written "
-                    f"({r['write_bytes'] / events:.0f} B/event, {r['write_bytes'] / max(1, d['committed_bytes']):.1f}x)")
+                    f"({r['write_bytes'] / events:.0f} B/event, "
+                    f"{r['write_bytes'] / max(1, d['committed_bytes']):.1f}x)")
             if "wal_bytes" in es:
                 rocks = es["wal_bytes"] + es["flush_write_bytes"] + es["compact_write_bytes"]
                 debt = r.get("compaction_debt", 0)
                 line += (f"; RocksDB's statistics: WAL {mib(es['wal_bytes'])} + flush {mib(es['flush_write_bytes'])} "
-                         f"+ compaction {mib(es['compact_write_bytes'])} MiB = {rocks / max(1, es['bytes_written']):.1f}x "
+                         f"+ compaction {mib(es['compact_write_bytes'])} MiB = "
+                         f"{rocks / max(1, es['bytes_written']):.1f}x "
                          f"its user bytes ({mib(es['bytes_written'])} MiB); a full compaction afterwards writes "
                          f"{mib(debt)} MiB more ({(rocks + debt) / max(1, es['bytes_written']):.1f}x in all) and "
                          f"leaves {mib(r.get('disk_bytes_compacted', 0))} MiB on disk")
@@ -695,11 +701,11 @@ def report(results: dict, shape: dict, args) -> None:
             c = r.get(how)
             if not c:
                 continue
-            total = c["t_route"] - c["t_spawn"]
-            line = (f"{name} after {'a clean stop' if how == 'clean' else 'kill -9'}: first ROUTE {total * 1000:.0f} ms "
-                    f"after exec (interpreter and the control plane's imports {(c['t_imported'] - c['t_spawn']) * 1000:.0f} ms, "
-                    f"open and load {c['entries']:,} entries {(c['t_opened'] - c['t_imported']) * 1000:.0f} ms, "
-                    f"ROUTE {(c['t_route'] - c['t_opened']) * 1000:.1f} ms)")
+            ms = {k: (c[k] - c[since]) * 1000 for k, since in (("t_imported", "t_spawn"), ("t_opened", "t_imported"))}
+            line = (f"{name} after {'a clean stop' if how == 'clean' else 'kill -9'}: first ROUTE "
+                    f"{(c['t_route'] - c['t_spawn']) * 1000:.0f} ms after exec (interpreter and the control plane's "
+                    f"imports {ms['t_imported']:.0f} ms, open and load {c['entries']:,} entries "
+                    f"{ms['t_opened']:.0f} ms, ROUTE {(c['t_route'] - c['t_opened']) * 1000:.1f} ms)")
             if how == "clean":
                 line += f"; as before the stop: first ROUTE {c['first_correct']}, every probe {c['all_correct']}"
             else:
@@ -713,11 +719,12 @@ def report(results: dict, shape: dict, args) -> None:
                   f"plan before the stop: {dm['correct']}")
     if mem:
         print()
+        mem_eps = mem["ingest"]["events"] / mem["ingest"]["busy_s"]
         for name, r in results.items():
             if name != "memory":
+                eps = r["ingest"]["events"] / r["ingest"]["busy_s"]
                 print(f"{name}/memory: ROUTE p50 {r['route'][0] / mem['route'][0]:.2f}x, walk p50 "
-                      f"{r['walk'][0] / mem['walk'][0]:.2f}x, events/s "
-                      f"{(r['ingest']['events'] / r['ingest']['busy_s']) / (mem['ingest']['events'] / mem['ingest']['busy_s']):.2f}x")
+                      f"{r['walk'][0] / mem['walk'][0]:.2f}x, events/s {eps / mem_eps:.2f}x")
 
 
 def figure(results: dict, shape: dict, path: str) -> None:

@@ -3,11 +3,11 @@
 Everything above the index (KV events, ROUTE, LOCATE, the feed of this node's own blocks, the
 cluster's directory) calls the operations below and nothing else, whatever the backend:
 
-| backend | what | reads | writes | after a restart |
-|---|---|---|---|---|
-| `memory` | `ResidencyIndex` (residency.py), the reference | dicts of int masks | in place | empty |
-| `lmdb` | `PersistentIndex` over LMDB (a copy-on-write B+tree, mmap) | the same dicts | write-through, group commits | the last commit |
-| `rocksdb` | `PersistentIndex` over RocksDB (an LSM tree) | the same dicts | write-through, group commits | the last commit |
+- `memory`: `ResidencyIndex` (residency.py), the reference: dicts of int masks, updated in
+  place; empty after a restart.
+- `lmdb`: `PersistentIndex` (persistent.py) over LMDB, a copy-on-write B+tree opened by mmap;
+  reads the same dicts, writes through in group commits; after a restart, the last commit.
+- `rocksdb`: the same over RocksDB, an LSM tree.
 
 A persistent backend keeps the in-memory index as its mirror for reads and writes its durable
 holders' changes through to the storage engine (persistent.py); the README's storage study
