@@ -435,6 +435,65 @@ def expected_route(control, probes: list[list[int]]) -> dict:
     raise SystemExit("no probe has half its blocks held: the trace is too small")
 
 
+def child_owned(args) -> None:
+    """The cluster directory's owner store (quilld/cluster/dir_entries.py, OwnedEntries: an owner's
+    packed runs of each holder's blocks per prompt segment) against ResidencyIndex on the same
+    (holder, block) residencies: chains of one segment (32 blocks) each held by 1-3 of 16 engines,
+    as many residencies as the trace ends with. Its lookup is of one segment, ROUTE's 32 blocks."""
+    import tracemalloc
+
+    if args.tree:
+        sys.path.insert(0, args.tree)
+    from quilld.cluster.dir_entries import BLOCK, TIER_BIT, OwnedEntries, block_shard, code_of, scope_digest
+    from quilld.index.residency import ResidencyIndex
+
+    rng = random.Random(7)
+    ctag, tag = scope_digest("default", MODEL, "", ""), b"\0\0\0\1"
+    chains, total = [], 0
+    while total < args.residencies:
+        chain = [rng.getrandbits(64) for _ in range(WALK)]
+        holders = rng.sample(range(ENGINES), rng.choice([1, 1, 1, 2, 3]))
+        chains.append((chain, holders))
+        total += WALK * len(holders)
+
+    def owned():
+        o = OwnedEntries()
+        for chain, holders in chains:
+            shard, bucket = block_shard(ctag, chain[0].to_bytes(8, "big")), chain[0] & 1023
+            for h in holders:
+                for i, b in enumerate(chain):
+                    o.put(f"e{h}", BLOCK, ctag + b.to_bytes(8, "big"), shard, bucket, code_of(TIER_BIT["hbm"], i))
+        return o, lambda chain: o.segment(chain[0] & 1023, block_shard(ctag, chain[0].to_bytes(8, "big")),
+                                          [b.to_bytes(8, "big") for b in chain])
+
+    def index():
+        ix = ResidencyIndex()
+        for chain, holders in chains:
+            for h in holders:
+                ix.put_many(tag, chain, f"e{h}", "hbm")
+        return ix, lambda chain: ix.leading_masks(tag, chain)
+
+    out = {"residencies": total}
+    for name, build in (("owned", owned), ("index", index)):
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        store, lookup = build()
+        built = time.perf_counter() - t0
+        nbytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        lat = []
+        probes = rng.sample(chains, min(3000, len(chains)))
+        for round_ in range(2):
+            for chain, _ in probes:
+                t0 = time.perf_counter_ns()
+                lookup(chain)
+                if round_:
+                    lat.append((time.perf_counter_ns() - t0) / 1000)
+        out[name] = {"bytes_each": nbytes / total, "build_s": built, "lookup": percentiles(lat)}
+        del store, lookup
+    print(json.dumps(out))
+
+
 def child_crash(args) -> None:
     """Ingest and say how far it got; the parent kills this process with SIGKILL midway."""
     control = control_plane(args.backend, args.dir)
@@ -585,12 +644,18 @@ def main() -> int:
     ap.add_argument("--answers", help=argparse.SUPPRESS)
     ap.add_argument("--art", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--residencies", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", default="", help="a source tree whose quilld/cluster/dir_entries.py (the directory's "
+                    "owner store) is measured beside the index, when this one has none")
     from plot import add_flag
 
     add_flag(ap)
     args = ap.parse_args()
     if args.child == "ingest":
         child_ingest(args)
+        return 0
+    if args.child == "owned":
+        child_owned(args)
         return 0
     if args.child == "crash":
         child_crash(args)
@@ -634,6 +699,9 @@ def main() -> int:
         res["daemon"]["correct"] = all(x["correct"] for x in starts)
         results[backend] = res
         print(f"{backend}: done ({time.monotonic() - t0:.0f} s so far)", flush=True)
+    owner = ROOT / "quilld" / "cluster" / "dir_entries.py"
+    if args.tree or owner.exists():
+        results["_owned"] = run_child("owned", residencies=shape["residencies"], tree=args.tree)
     report(results, shape, args)
     if args.plot:
         figure(results, shape, args.plot)
@@ -654,6 +722,8 @@ def paced(r: dict) -> tuple[float, float]:
 
 
 def report(results: dict, shape: dict, args) -> None:
+    owned = results.get("_owned")
+    results = {k: v for k, v in results.items() if not k.startswith("_")}
     mem = results.get("memory")
     print()
     print(f"ingest as fast as it goes, then the last {args.paced_share:.0%} of the batches at {args.rate:,.0f} "
@@ -717,6 +787,12 @@ def report(results: dict, shape: dict, args) -> None:
             print(f"{name}: a whole quilld (python -m quilld) from exec to its first ROUTE over RESP: "
                   f"{dm['first_route_s'] * 1000:.0f} ms (median of 3), {dm['hits']} of {WALK} blocks credited, the "
                   f"plan before the stop: {dm['correct']}")
+    if owned:
+        o, i = owned["owned"], owned["index"]
+        print(f"the directory's owner store (OwnedEntries) on {owned['residencies']:,} residencies: "
+              f"{o['bytes_each']:.0f} B each (ResidencyIndex {i['bytes_each']:.0f}), built in {o['build_s']:.1f} s "
+              f"({i['build_s']:.1f}), a {WALK}-block segment looked up in p50 {o['lookup'][0]:.1f} us, p99 "
+              f"{o['lookup'][1]:.1f} us (leading_masks {i['lookup'][0]:.1f} / {i['lookup'][1]:.1f} us)")
     if mem:
         print()
         mem_eps = mem["ingest"]["events"] / mem["ingest"]["busy_s"]
@@ -730,6 +806,7 @@ def report(results: dict, shape: dict, args) -> None:
 def figure(results: dict, shape: dict, path: str) -> None:
     from plot import Panel, save
 
+    results = {k: v for k, v in results.items() if not k.startswith("_")}
     names = list(results)
     walk_cats, p50, p99 = [], [], []
     for name, r in results.items():
