@@ -1,8 +1,11 @@
 """The residency index's storage study (issue 23): every backend on one trace of vLLM-shaped events.
 
-    python bench/index_study.py                       # 1M resident blocks (about 15 minutes)
+    python bench/index_study.py                       # 1M resident blocks (about 7 minutes here)
     python bench/index_study.py --quick               # 100k
     python bench/index_study.py --plot docs/img/index_study.png   # also the figure (the `bench` extra)
+    python bench/index_study.py --tree ../dir         # and the cluster directory's owner store of that tree
+
+Backends: memory, lmdb, rocksdb, and lmdb-nosync / rocksdb-nosync (the same with index.fsync off).
 
 The trace: 16 engines serving one model; 32 shared system prompts (4-16 blocks); 512 live
 multi-turn sessions, each turn the previous prompt plus 2-8 new blocks (chained hashes), served by
@@ -21,7 +24,9 @@ plane's real path (ControlPlane.apply_events, the subscriber's cursor, housekeep
   for LMDB and RocksDB also the walk read through the store itself (a read transaction or `get`
   per block), and for an in-memory adaptive radix tree (blart-py) built from the same entries;
 - bytes physically written (/proc/self/io write_bytes: pages this process dirtied; RocksDB's own
-  statistics beside it) per event and per byte of the entries committed (write amplification);
+  statistics beside it) per event and per byte of the entries committed (write amplification),
+  over the trace's last third applied at `--rate` events/s (a steady state's pace: how much is
+  written depends on how many changes a commit gathers);
 - on-disk size, RSS (anonymous and file-backed);
 - recovery: a new process from exec to its first ROUTE, checked against the answer before the
   stop, after a clean stop and after kill -9 mid-ingest; after the kill, the recovered index is
@@ -808,19 +813,18 @@ def figure(results: dict, shape: dict, path: str) -> None:
 
     results = {k: v for k, v in results.items() if not k.startswith("_")}
     names = list(results)
-    walk_cats, p50, p99 = [], [], []
+    base = results.get("memory") or next(iter(results.values()))
+    walk_cats, p50, p99 = ["dicts\n(every backend)"], [base["walk"][0]], [base["walk"][1]]
     for name, r in results.items():
-        walk_cats.append(f"{name}\n(dicts)")
-        p50.append(r["walk"][0])
-        p99.append(r["walk"][1])
-        if "store_walk" in r:
-            walk_cats.append(f"{name}\nread-through")
-            p50.append(r["store_walk"][0])
-            p99.append(r["store_walk"][1])
         if "art_walk" in r:
             walk_cats.append("ART\n(blart-py)")
             p50.append(r["art_walk"][0])
             p99.append(r["art_walk"][1])
+    for name, r in results.items():
+        if "store_walk" in r and not name.endswith("-nosync"):
+            walk_cats.append(f"{name}\nread-through")
+            p50.append(r["store_walk"][0])
+            p99.append(r["store_walk"][1])
     eps = [r["ingest"]["events"] / r["ingest"]["busy_s"] / 1000 for r in results.values()]
     per_event = [paced(r)[0] for r in results.values()]
     wa = [f"{paced(r)[1]:.1f}x" if paced(r)[1] else "-" for r in results.values()]
@@ -830,12 +834,14 @@ def figure(results: dict, shape: dict, path: str) -> None:
     anon = [r["rss_anon"] / 2**20 for r in results.values()]
     disk = [r.get("disk_bytes", 0) / 2**20 for r in results.values()]
     panels = [
-        Panel(f"ROUTE's walk of {WALK} blocks, {shape['entries'] / 1e6:.2f}M entries (us)", walk_cats,
-              {"p50": p50, "p99": p99}, "microseconds"),
+        Panel(f"ROUTE's walk of {WALK} blocks, {shape['entries'] / 1e6:.2f}M entries (us, log)", walk_cats,
+              {"p50": p50, "p99": p99}, "microseconds", logy=True),
         Panel(f"events applied per second, {BATCH} per batch (thousands)", names, {"events/s": eps}, "k events/s",
               labels=[f"{e / eps[0]:.2f}x" for e in eps]),
-        Panel("bytes written per event at a steady pace, and write amplification", names,
-              {"bytes/event": per_event}, "bytes", labels=wa),
+        Panel("bytes written per event at a steady pace (log), write amplification",
+              [n for n in names if n != "memory"],
+              {"bytes/event": [b for n, b in zip(names, per_event) if n != "memory"]}, "bytes",
+              labels=[w for n, w in zip(names, wa) if n != "memory"], logy=True),
         Panel("first correct ROUTE after exec (ms)", persistent, {"after a clean stop": clean, "after kill -9": crash},
               "milliseconds"),
         Panel("memory and disk (MiB)", names, {"RSS beyond the trace (anon)": anon, "on disk": disk}, "MiB"),
