@@ -25,6 +25,12 @@ This module is the IO shell around `quilld.index.events`. What it guarantees:
 - **Bad input never costs good input**: a bad event is skipped by the decoder and the rest
   of its batch applies; a batch whose payload is broken still counts as that sequence
   number (so it is never mistaken for a gap).
+- **A restarted quilld resumes where it stood**: with a persistent residency index, the
+  subscriber starts from the cursor committed beside the residencies (`resume`: the last batch
+  applied in full, its digest and timestamp), so the catch-up above asks the replay from that
+  batch, checks its digest, and applies only what came after; `on_applied` reports each batch
+  once it is applied in full, for the next commit. A catch-up that fails is tried again (by
+  `housekeeping`) instead of waiting for the next batch.
 - **Ingest never stalls the node**: the SUB socket is read with non-blocking receives, in
   slices of at most `SLICE_S` seconds, and a batch bigger than `SLICE_WORK` block hashes is
   applied in parts, yielding to the event loop in between, so ROUTE and the rest of the
