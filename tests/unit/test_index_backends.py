@@ -469,3 +469,17 @@ def test_the_memory_backend_is_the_reference_class():
     assert type(idx) is ResidencyIndex and not idx.persistent and idx.describe()["backend"] == "memory"
     rng = random.Random(1)
     assert idx.put_many(b"\0\0\0\0", [rng.getrandbits(64) for _ in range(10)], "e", "hbm") == 10
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"QUILLD_INDEX_BACKEND": "btree"}, "index.backend must be one of memory, lmdb, rocksdb"),
+    ({"QUILLD_INDEX_BACKEND": "lmdb"}, "needs index.path"),
+    ({"QUILLD_INDEX_BACKEND": "rocksdb", "QUILLD_INDEX_PATH": "/x", "QUILLD_INDEX_COMMIT_MS": "0"}, "commit_ms"),
+])
+def test_the_index_section_is_checked(env, message):
+    from quilld.config import load
+
+    with pytest.raises(ConfigError, match=message):
+        load(environ=env)
+    assert load(environ={"QUILLD_INDEX_BACKEND": "lmdb", "QUILLD_INDEX_PATH": "/x", "QUILLD_INDEX_FSYNC": "no"}).index \
+        == IndexConfig(backend="lmdb", path="/x", fsync=False)
