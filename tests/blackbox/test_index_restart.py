@@ -32,9 +32,9 @@ class PausingPublisher(Publisher):
         self.close_sockets()
 
     def resume(self) -> None:
-        seq, buffer = self.seq, self.buffer
-        self._open()
-        with self.lock:
+        with self.lock:  # the replay thread _open starts answers nothing before the buffer is back
+            seq, buffer = self.seq, self.buffer
+            self._open()
             self.seq, self.buffer = seq, buffer
 
     def publish_while_away(self, *events) -> int:
@@ -102,11 +102,12 @@ def test_a_restart_routes_on_what_the_engine_held_then_catches_up(backend, how, 
     conf = config(tmp_path, publisher, backend)
     q, r = start(quilld_factory, conf)
     committed = fill(publisher, q, r)
-    publisher.publish(vllm.removed(B[4:]), vllm.gpu(C))  # may or may not be committed when quilld goes
+    publisher.publish(vllm.removed(B[4:]), vllm.gpu(C))  # killed: may or may not be committed when quilld goes
     if how == "kill":
         q.proc.send_signal(signal.SIGKILL)
         q.proc.wait(10)
-    else:
+    else:  # applied, perhaps not yet committed: a clean stop commits it
+        assert wait_until(lambda: plan(r, C) == [HIT] * 4, timeout=10)
         assert q.stop() == 0
     publisher.pause()
     publisher.publish_while_away(vllm.removed([A[-1]]))  # the engine evicts while quilld is down
