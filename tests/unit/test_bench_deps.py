@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = sorted(p for p in (ROOT / "bench").glob("*_bench.py")) + [ROOT / "bench" / "vs_redis.py",
                                                                      ROOT / "bench" / "index_study.py"]
-LOCAL = {"plot", "procs", "vs_redis", "vllm_schema", "quilld", "quillclient", "quillwire"}
+LOCAL = {"plot", "procs", "index_trace", "vs_redis", "vllm_schema", "quilld", "quillclient", "quillwire"}
 OPTIONAL = {"mooncake"}  # --mooncake only, never a dependency (get_into_bench.py says how to install it)
 # what the benches import from tests/: it must not need the test extra either
 FROM_TESTS = [ROOT / "tests" / "procs.py", ROOT / "tests" / "vllm_schema.py"]
