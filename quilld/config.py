@@ -149,6 +149,17 @@ class SsdConfig:
     io_threads: int = 4  # threads writing a demotion batch's blocks in parallel
 
 
+@dataclass(frozen=True)
+class IndexConfig:
+    backend: str = "memory"  # memory, lmdb or rocksdb (README "Residency index backends")
+    path: str = ""  # a persistent backend's directory (required for lmdb and rocksdb)
+    commit_ms: int = 100  # a persistent backend commits what changed this often (a kill -9 loses at most this)
+    fsync: bool = True  # each commit is synced to disk (off: a kill -9 still loses nothing committed)
+
+
+INDEX_BACKENDS = ("memory", "lmdb", "rocksdb")
+
+
 SHM_SLOTS = 65536  # lease slots of the shared-memory lease table, for all connections together (512 KiB)
 
 
@@ -240,6 +251,7 @@ class Config:
     ssd: SsdConfig = field(default_factory=SsdConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     engines: tuple[EngineConfig, ...] = ()
 
     def validate(self) -> "Config":
@@ -368,6 +380,14 @@ class Config:
         if c.seeds.strip() and not c.gossip_port:
             raise ConfigError("cluster.seeds (--seeds) needs cluster.gossip_port (--gossip-port): a node joins its "
                               "seeds over gossip, so it needs a gossip port of its own, e.g. --gossip-port 7381")
+        ix = self.index
+        if ix.backend not in INDEX_BACKENDS:
+            raise ConfigError(f"index.backend must be one of {', '.join(INDEX_BACKENDS)}, got {ix.backend!r}")
+        if ix.backend != "memory" and not ix.path:
+            raise ConfigError(f"index.backend = {ix.backend!r} needs index.path, the directory it keeps the "
+                              "residency index in")
+        if not 1 <= ix.commit_ms <= 60_000:
+            raise ConfigError(f"index.commit_ms must be within 1..60000, got {ix.commit_ms}")
         g = self.gateway
         if min(g.ttft_slo_ms, g.connect_timeout_ms, g.first_byte_timeout_ms, g.chunk_chars, g.max_attempts,
                g.recorded_blocks) <= 0:

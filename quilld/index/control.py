@@ -26,6 +26,7 @@ import xxhash
 
 from quilld.config import Config, EngineConfig
 from quilld.index.affinity import SessionAffinity, check_session_id
+from quilld.index.backend import open_index
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings, HitRule, HybridHoldings
@@ -33,9 +34,9 @@ from quilld.index.pairing import NoDecodeEngine, Pair, PairCandidate, PairCosts,
 from quilld.index.residency import TIER_SLOTS, TIERS, ResidencyIndex, hash_key
 from quilld.index.router import Candidate, CostWeights, Decision, Step, choose, score
 from quilld.index.sketch import HotPrefixes
-from quilld.index.subscriber import KvEventSubscriber
+from quilld.index.subscriber import Cursor, KvEventSubscriber
 from quilld.model import CacheTier, IdentityScope
-from quilld.scopes import ScopeRegistry
+from quilld.scopes import TAG_LEN, ScopeRegistry
 
 log = logging.getLogger("quilld.index.control")
 _OVERLAP = itemgetter(1)  # a Candidate's overlap_blocks
@@ -98,10 +99,15 @@ def _check_declared(engine_id: str, declared: tuple, ev: Stored) -> None:
                     f"({window})" if window else "")
 
 
+def _rule_state(rule: HitRule) -> list:
+    """A declared group rule as persisted beside the groups' holdings (JSON)."""
+    return [rule.count, rule.full, [list(w) for w in rule.windows], rule.states]
+
+
 class ControlPlane:
     def __init__(self, cfg: Config, scopes: ScopeRegistry) -> None:
         self.scopes = scopes
-        self.index = ResidencyIndex(scopes)
+        self.index: ResidencyIndex = open_index(cfg.index, scopes)
         self.engines = EngineRegistry(cfg.engines, cfg.router.lease_timeout_ms)
         self.hot = HotPrefixes()
         r = cfg.router
@@ -130,6 +136,9 @@ class ControlPlane:
         # in a cluster, the sharded directory (cluster/dir_link.py): told of the residencies of the
         # engines this node consumes the KV events of, so every node's ROUTE sees them
         self.placements: Any = None
+        self._cursors: dict[str, Cursor] = {}  # engine id -> its last KV-event batch applied in full
+        self.index.states = self._states
+        self._resume()
 
     # -- engine events --------------------------------------------------------
     def engine_tag(self, engine_id: str, adapter: str | None) -> bytes:
@@ -290,7 +299,10 @@ class ControlPlane:
         dropped = self.index.clear_holder(engine_id)
         if self.placements is not None:
             self.placements.engine_cleared(engine_id)
-        self._grouped.pop(engine_id, None)
+        grouped = self._grouped.pop(engine_id, None)
+        if grouped is not None:
+            grouped.clear()
+        self._cursors.pop(engine_id, None)
         hybrid = self._hybrid.get(engine_id)
         if hybrid is not None:
             hybrid.clear()
@@ -448,6 +460,7 @@ class ControlPlane:
         else:
             new = True
         self.engines.add(engine, rank)
+        self.index.keep(engine.id)
         self._declare(engine)
         self.feeds[engine.id] = FeedStats(self.stats)
         if follow:
@@ -455,14 +468,16 @@ class ControlPlane:
         return new
 
     async def follow(self, engine_id: str) -> bool:
-        """Subscribe to the engine's KV-event publisher (from its replay buffer's start: a
-        catch-up, subscriber.py), unless it names none or is followed already; True when it
-        subscribed now."""
+        """Subscribe to the engine's KV-event publisher, unless it names none or is followed
+        already; True when it subscribed now. It resumes from where the engine's feed stood when
+        a persistent index last committed, else from the replay buffer's start (a catch-up,
+        subscriber.py)."""
         engine = self.engines.get(engine_id)
         if not engine.kv_events or engine_id in self._subscribers:
             return False
         sub = KvEventSubscriber(engine.id, engine.kv_events, self.apply_events, self.reset_engine,
-                                engine.replay or None, stats=self.feed(engine_id))
+                                engine.replay or None, stats=self.feed(engine_id),
+                                resume=self._cursors.get(engine.id), on_applied=self._applied)
         await sub.start()
         self._subscribers[engine.id] = sub
         return True
@@ -487,14 +502,18 @@ class ControlPlane:
             await sub.stop()
         self._tags.pop(engine_id, None)
         self._scope_of.pop(engine_id, None)
-        self._grouped.pop(engine_id, None)
-        self._hybrid.pop(engine_id, None)
+        for holdings in (self._grouped.pop(engine_id, None), self._hybrid.pop(engine_id, None)):
+            if holdings is not None:
+                holdings.clear()
         self._whole.pop(engine_id, None)
+        self._cursors.pop(engine_id, None)
         self.feeds.pop(engine_id, None)
         self.sessions.forget_engine(engine_id)
         if self.placements is not None:
             self.placements.engine_cleared(engine_id)
-        return self.index.clear_holder(engine_id)
+        dropped = self.index.clear_holder(engine_id)
+        self.index.release(engine_id)
+        return dropped
 
     @property
     def subscriptions(self) -> int:
@@ -504,12 +523,77 @@ class ControlPlane:
         """Subscribe to every configured engine that names a KV-event endpoint (in a cluster,
         `follow` is False: each engine's home subscribes)."""
         for engine in list(self.engines.engines.values()):
-            await self.add_engine(engine, follow)
+            if follow:
+                await self.follow(engine.id)
 
     async def stop(self) -> None:
         for sub in self._subscribers.values():
             await sub.stop()
         self._subscribers.clear()
+        self.index.close()  # a persistent index commits what is left
+
+    # -- a persistent index: what outlives a restart ------------------------------------------------
+    def _resume(self) -> None:
+        """Take up what a persistent index kept of the configured engines: their residencies, their
+        KV-cache group holdings and where each feed stood (the subscriber resumes from there and
+        reconciles with the engine's replay); forget what it kept of anyone else."""
+        index = self.index
+        if not index.persistent:
+            return
+        index.retain(self.engines.engines)
+        tags_of = index.holder_tags()
+        for engine_id in self.engines.engines:
+            index.keep(engine_id)
+            state = index.engine_state(engine_id) or {}
+            hybrid = self._hybrid.get(engine_id)
+            grouped = index.groups_of(engine_id, "grouped")
+            if state.get("rule") != (_rule_state(hybrid.rule) if hybrid is not None else None):
+                # its groups are declared otherwise now: what was kept per group means something else
+                if index.clear_holder(engine_id) or grouped or (hybrid is not None and len(hybrid)):
+                    log.warning("engine %s: its KV-cache groups are declared otherwise than when its residencies "
+                                "were persisted; dropped them", engine_id)
+                grouped.clear()
+                if hybrid is not None:
+                    hybrid.clear()
+                continue
+            tags = set(tags_of.get(engine_id, ()))
+            if hybrid is not None:
+                tags |= set(hybrid.held)
+            elif state.get("known") is not None:
+                g = self._grouped[engine_id] = GroupedHoldings(engine_id, index, grouped)
+                g.known = state["known"]
+                tags |= {key[:TAG_LEN] for key in grouped}
+            if tags:
+                self._tags[engine_id] = tags
+            if state.get("whole"):
+                self._whole[engine_id] = {CacheTier(t) for t in state["whole"]}
+            if state.get("cursor"):
+                self._cursors[engine_id] = Cursor(*state["cursor"])
+        log.info("index: %s backend, %d entries loaded in %.3f s", index.backend, len(index),
+                 index.describe().get("load_seconds", 0.0))
+
+    def _applied(self, engine_id: str, cursor: Cursor) -> None:
+        self._cursors[engine_id] = cursor
+
+    def _states(self) -> dict[str, dict]:
+        """What a persistent index commits of each engine beside its residencies."""
+        out: dict[str, dict] = {}
+        for engine_id in self.engines.engines:
+            state: dict[str, Any] = {}
+            cursor = self._cursors.get(engine_id)
+            if cursor is not None:
+                state["cursor"] = list(cursor)
+            grouped = self._grouped.get(engine_id)
+            if grouped is not None:
+                state["known"] = grouped.known
+            whole = self._whole.get(engine_id)
+            if whole:
+                state["whole"] = sorted(t.value for t in whole)
+            hybrid = self._hybrid.get(engine_id)
+            if hybrid is not None:
+                state["rule"] = _rule_state(hybrid.rule)
+            out[engine_id] = state
+        return out
 
     def subscriber_stats(self) -> Counter[str]:
         """The ZMQ subscribers' counters, summed over engines."""
@@ -526,9 +610,13 @@ class ControlPlane:
         view["subscribed"] = sub is not None
         if sub is None:
             view["state"] = "push"  # fed by POST /v1/kv-events or KVEVENTS, if at all
+        committed = self.index.committed_state(engine_id)
+        if committed is not None:  # a persistent index: the last batch a restart would resume after
+            view["persisted_seq"] = (committed.get("cursor") or [None])[0]
         return view
 
     def housekeeping(self) -> None:
+        self.index.flush()
         self.engines.expire()
         self.sessions.sweep()
         now = time.monotonic()

@@ -66,11 +66,13 @@ class GroupedHoldings:
 
     __slots__ = ("engine", "index", "known", "held")
 
-    def __init__(self, engine: str, index: ResidencyIndex) -> None:
+    def __init__(self, engine: str, index: ResidencyIndex, held: dict[bytes, int] | None = None) -> None:
         self.engine = engine
         self.index = index
         self.known = 0  # bit g: the engine has named group g
-        self.held: dict[bytes, int] = {}  # tag + hash key + tier number -> mask of groups holding it
+        # tag + hash key + tier number -> mask of groups holding it (kept by the index: a persistent
+        # one persists it; `held` is what it gave back of the engine after a restart)
+        self.held: dict[bytes, int] = index.groups_of(engine, "grouped") if held is None else held
 
     def complete(self, mask: int) -> bool:
         known = self.known
@@ -234,7 +236,8 @@ class HybridHoldings:
         self.engine = engine
         self.index = index
         self.rule = rule
-        self.held: dict[bytes, dict[int | bytes, int]] = {}  # tag -> entry key -> tier-major group bits
+        # tag -> entry key -> tier-major group bits (kept by the index, as GroupedHoldings.held)
+        self.held: dict[bytes, dict[int | bytes, int]] = index.groups_of(engine, "hybrid")
 
     def stored(self, tag: bytes, hashes: Iterable, tier: CacheTier, mask: int) -> int:
         """Groups `mask` hold these blocks in `tier`; returns how many the index did not have there."""
@@ -243,7 +246,7 @@ class HybridHoldings:
         bits, every = (mask & self.rule.every) << shift, self.rule.every << shift
         held = self.held.get(tag)
         if held is None:
-            held = self.held[tag] = {}
+            held = self.held[tag] = self.index.group_scope(self.engine, tag)
         put, engine, added = self.index.put, self.engine, 0
         for h in hashes:
             key = entry_key(h)
@@ -285,6 +288,8 @@ class HybridHoldings:
 
     def clear(self) -> None:
         """The engine cleared its cache (the caller clears its index entries)."""
+        for table in self.held.values():
+            table.clear()
         self.held.clear()
 
     def __len__(self) -> int:

@@ -19,8 +19,10 @@ lookups in a million-entry index cost the dict probes alone.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import reduce
 from itertools import repeat
+from operator import or_
 
 from quilld.model import CacheTier
 from quilld.scopes import TAG_LEN, ScopeRegistry
@@ -70,7 +72,16 @@ def entry_keys(blocks: list) -> list:
     return [entry_key(b) for b in blocks]
 
 
+def _no_states() -> dict[str, dict]:
+    return {}
+
+
 class ResidencyIndex:
+    """The in-memory backend, and the reference every backend is tested against (backend.py)."""
+
+    backend = "memory"
+    persistent = False
+
     def __init__(self, scopes: ScopeRegistry | None = None) -> None:
         """With `scopes`, the index holds each scope tag while it has entries under it."""
         self.scopes = scopes
@@ -82,6 +93,8 @@ class ResidencyIndex:
         # the router's scratch for this index (router._idle): built from holder numbers, which
         # are this index's own and never change
         self.router_memo: dict = {}
+        # what the control plane persists of each engine beside its residencies (persistent backends)
+        self.states: Callable[[], dict[str, dict]] = _no_states
 
     # -- holders ------------------------------------------------------------
     def _slot(self, holder: str, tier: CacheTier | str) -> int:
@@ -90,11 +103,15 @@ class ResidencyIndex:
             no = self._holder_no[holder] = len(self._holders)
             self._holders.append(holder)
             self._counts.extend((0,) * TIER_SLOTS)
+            self._numbered(holder, no)
         try:
             return no * TIER_SLOTS + _TIER_NO[tier]
         except KeyError:
             raise ValueError(f"unknown tier {tier!r} (expected one of "
                              f"{', '.join(t.value for t in TIERS)})") from None
+
+    def _numbered(self, holder: str, no: int) -> None:
+        """A holder was given its number (a persistent backend records it)."""
 
     def holder_bits(self, holder: str) -> int:
         """The mask of `holder`'s slots, one per tier (0 when the holder is unknown)."""
@@ -382,3 +399,55 @@ class ResidencyIndex:
 
     def holders(self) -> list[str]:
         return list(self._holders)
+
+    def holder_tags(self) -> dict[str, set[bytes]]:
+        """Each holder -> the scope tags under which it has any residency (one pass, in C mostly)."""
+        out: dict[str, set[bytes]] = {}
+        holders = self._holders
+        for tag, entries in self._entries.items():
+            for slot in self._bits(reduce(or_, entries.values(), 0)):
+                out.setdefault(holders[slot // TIER_SLOTS], set()).add(tag)
+        return out
+
+    def snapshot(self) -> dict[tuple[bytes, bytes], list[tuple[str, CacheTier]]]:
+        """Every entry: (scope tag, `hash_key` bytes) -> its (holder, tier) pairs, in slot order."""
+        return {(tag, _stored(key)): self.slots(mask) for tag, entries in self._entries.items()
+                for key, mask in entries.items()}
+
+    # -- persistence: the memory backend keeps nothing, so these do nothing ---------------------
+    def keep(self, holder: str) -> None:
+        """Persist `holder`'s residencies from now on (an engine's: they outlive a restart)."""
+
+    def release(self, holder: str) -> None:
+        """Stop persisting `holder` (its residencies were cleared first)."""
+
+    def retain(self, holders: Iterable[str]) -> int:
+        """Forget every persisted holder not in `holders` (engines no longer configured); how many went."""
+        return 0
+
+    def groups_of(self, holder: str, kind: str) -> dict:
+        """The KV-cache group holdings (groups.py) persisted for `holder`'s `kind` ("grouped" or "hybrid"),
+        as the dict they keep them in; empty when none."""
+        return {}
+
+    def group_scope(self, holder: str, tag: bytes) -> dict:
+        """A new table of `holder`'s hybrid group holdings under `tag`."""
+        return {}
+
+    def engine_state(self, holder: str) -> dict | None:
+        """What the control plane persisted of engine `holder` (its event cursor, groups), if anything."""
+        return None
+
+    def committed_state(self, holder: str) -> dict | None:
+        """What the last finished commit holds of engine `holder`; None when nothing is persisted."""
+        return None
+
+    def flush(self, force: bool = False) -> None:
+        """Commit what changed since the last commit, when `index.commit_ms` has passed (or `force`)."""
+
+    def close(self) -> None:
+        """Commit what is left and close the store."""
+
+    def describe(self) -> dict:
+        """The backend's figures (INFO, the study)."""
+        return {"backend": self.backend, "entries": len(self)}

@@ -25,6 +25,12 @@ This module is the IO shell around `quilld.index.events`. What it guarantees:
 - **Bad input never costs good input**: a bad event is skipped by the decoder and the rest
   of its batch applies; a batch whose payload is broken still counts as that sequence
   number (so it is never mistaken for a gap).
+- **A restarted quilld resumes where it stood**: with a persistent residency index, the
+  subscriber starts from the cursor committed beside the residencies (`resume`: the last batch
+  applied in full, its digest and timestamp), so the catch-up above asks the replay from that
+  batch, checks its digest, and applies only what came after; `on_applied` reports each batch
+  once it is applied in full, for the next commit. A catch-up that fails is tried again (by
+  `housekeeping`) instead of waiting for the next batch.
 - **Ingest never stalls the node**: the SUB socket is read with non-blocking receives, in
   slices of at most `SLICE_S` seconds, and a batch bigger than `SLICE_WORK` block hashes is
   applied in parts, yielding to the event loop in between, so ROUTE and the rest of the
@@ -61,8 +67,11 @@ from quilld.index.events import (
 
 log = logging.getLogger(__name__)
 
-# A replay is abandoned (and treated as failed) after this long, end marker or not.
+# A replay is abandoned (and treated as failed) when the replay socket sends nothing for this
+# long, or when it has not ended after REPLAY_MAX_S (a restarted quilld may catch up on thousands
+# of batches: on a busy machine that takes longer than one silence).
 REPLAY_TIMEOUT_S = 2.0
+REPLAY_MAX_S = 30.0
 # vLLM's publisher keeps `buffer_steps` = 10 000 batches; a longer gap cannot be replayed.
 MAX_REPLAY_BATCHES = 10_000
 # stop() waits this long for the receive task to finish after cancelling it.
@@ -90,6 +99,25 @@ _monitor_ids = itertools.count()
 ApplyFn = Callable[[str, Sequence[Event]], int]
 # (engine id, reason, batches missing) -> residencies dropped
 ResetFn = Callable[[str, str, int], int]
+
+
+class Cursor(NamedTuple):
+    """Where an engine's feed stands: the last batch applied in full, its payload's digest and
+    timestamp. Persisted beside the residencies it produced (persistent.py), it is where a
+    restarted quilld resumes: the replay is asked from `seq`, and the batch it gives under `seq`
+    must have `digest`, or the publisher is a new process."""
+
+    seq: int
+    digest: int
+    ts: float
+
+
+# (engine id, cursor): a batch was applied in full
+AppliedFn = Callable[[str, Cursor], None]
+
+
+def _ignore_applied(engine_id: str, cursor: Cursor) -> None:
+    """No one keeps the cursor (the default)."""
 
 
 class ReplayFailed(Exception):
@@ -139,6 +167,8 @@ class KvEventSubscriber:
         topic: bytes = b"",
         ctx: zmq.Context | None = None,
         stats: FeedStats | None = None,
+        resume: Cursor | None = None,
+        on_applied: AppliedFn = _ignore_applied,
     ) -> None:
         self.engine_id = engine_id
         self.endpoint = endpoint
@@ -155,11 +185,17 @@ class KvEventSubscriber:
         self.connected = False
         self._reconnects = 0  # CONNECTED events (and tail probes) not yet answered by a catch-up
         self._probed = False  # the replay socket was asked since the last message arrived
+        self._catch_up_failed: float | None = None  # when the last catch-up failed (retried by housekeeping)
         self._sub: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._logged: dict[str, float] = {}
+        self._on_applied = on_applied
+        if resume is not None:  # a restarted quilld: what was applied before is still in the index
+            self._next, self._known, self._last_ts = resume.seq + 1, True, resume.ts
+            self._recent[resume.seq] = resume.digest
+            self.stats.last_seq = resume.seq
 
     # ------------------------------------------------------------ lifecycle
 
@@ -210,8 +246,14 @@ class KvEventSubscriber:
         return sock
 
     def housekeeping(self, now: float, idle_warning_s: float) -> None:
-        """Called periodically: probe the replay socket once per quiet spell, warn about silence."""
+        """Called periodically: probe the replay socket once per quiet spell, try a failed catch-up
+        again, warn about silence."""
         stats = self.stats
+        failed = self._catch_up_failed
+        if failed is not None and self.connected and now - failed >= TAIL_PROBE_S:
+            self._catch_up_failed = None
+            self._reconnects += 1  # a catch-up, as after a reconnect
+            self._wake.set()
         if (not self._probed and self.replay_endpoint is not None and self.connected
                 and stats.last_heard is not None and now - stats.last_heard >= TAIL_PROBE_S):
             self._probed = True
@@ -341,12 +383,14 @@ class KvEventSubscriber:
             work = 1 if type(events[0]) is Cleared else len(events[0].block_hashes)
         else:
             work = sum(1 if type(e) is Cleared else len(e.block_hashes) for e in events)
+        cursor = Cursor(batch.seq, payload_digest, batch.ts)
         if work > SLICE_WORK:
-            return self._apply_in_parts(events)
+            return self._apply_in_parts(events, cursor)
         stats.add("events", self._apply(self.engine_id, events))
+        self._on_applied(self.engine_id, cursor)
         return None
 
-    async def _apply_in_parts(self, events: Sequence[Event]) -> None:
+    async def _apply_in_parts(self, events: Sequence[Event], cursor: Cursor) -> None:
         part: list[Event] = []
         size = 0
         for ev in events:
@@ -365,6 +409,8 @@ class KvEventSubscriber:
                 part, size = [], 0
         if part:
             await self._apply_part(part)
+        if self._next == cursor.seq + 1:  # no reset meanwhile: the batch is applied in full
+            self._on_applied(self.engine_id, cursor)
 
     async def _apply_part(self, events: list[Event]) -> None:
         self.stats.add("events", self._apply(self.engine_id, events))
@@ -455,8 +501,11 @@ class KvEventSubscriber:
             try:
                 got = await self._replay(start)
             except ReplayFailed as e:
-                log.warning("engine %s: catch-up from seq %d after connecting failed: %s", self.engine_id, start, e)
+                log.warning("engine %s: catch-up from seq %d after connecting failed: %s; trying again in %.0f s",
+                            self.engine_id, start, e, TAIL_PROBE_S)
+                self._catch_up_failed = time.monotonic()
                 return
+            self._catch_up_failed = None
             if self._known and not got:
                 await self._restart(f"its newest batch is older than seq {start}")
             else:
@@ -509,9 +558,9 @@ class KvEventSubscriber:
         if self.replay_endpoint is None:
             raise ReplayFailed("no replay endpoint")
         try:
-            return await asyncio.wait_for(self._request(start), REPLAY_TIMEOUT_S)
+            return await asyncio.wait_for(self._request(start), REPLAY_MAX_S)
         except TimeoutError:
-            raise ReplayFailed(f"no end marker within {REPLAY_TIMEOUT_S} s") from None
+            raise ReplayFailed(f"no end marker within {REPLAY_MAX_S} s") from None
         except (MalformedEvent, zmq.ZMQError) as e:
             raise ReplayFailed(str(e) or type(e).__name__) from None
 
@@ -533,7 +582,11 @@ class KvEventSubscriber:
                 except zmq.Again:
                     ready.clear()
                     if not dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await ready.wait()
+                        try:
+                            await asyncio.wait_for(ready.wait(), REPLAY_TIMEOUT_S)
+                        except TimeoutError:
+                            raise ReplayFailed(f"nothing from the replay socket for {REPLAY_TIMEOUT_S} s "
+                                               f"({len(got)} batches received)") from None
                     continue
                 if frames and len(frames[0]) == 0:
                     frames = frames[1:]  # the ROUTER's empty delimiter

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = sorted(p for p in (ROOT / "bench").glob("*_bench.py")) + [ROOT / "bench" / "vs_redis.py"]
-LOCAL = {"plot", "procs", "vs_redis", "vllm_schema", "netns", "netns_cluster", "quilld", "quillclient", "quillwire"}
+BENCHES = sorted(p for p in (ROOT / "bench").glob("*_bench.py")) + [ROOT / "bench" / "vs_redis.py",
+                                                                     ROOT / "bench" / "index_study.py"]
+LOCAL = {"plot", "procs", "index_trace", "vs_redis", "vllm_schema", "netns", "netns_cluster", "quilld", "quillclient",
+         "quillwire"}
 OPTIONAL = {"mooncake",  # --mooncake only, never a dependency (get_into_bench.py says how to install it)
             "sglang", "torch"}  # SGLang's own classes when installed (docs/connectors.md); replayed without them
 # what the benches import from tests/: it must not need the test extra either
