@@ -67,6 +67,12 @@ class Suspicion:
         return True
 
 
+    def verdict(self) -> None:
+        """The cluster's verdict came (a DEAD row in a push/pull table: some member's timer ran
+        out): the suspect keeps only the shortest window to refute, `lo` from the start."""
+        self.deadline = min(self.deadline, self.start + self.lo)
+
+
 class Awareness:
     """Local health multiplier: 0 is healthy, AWARENESS_MAX is as unhealthy as it counts."""
 

@@ -41,7 +41,8 @@ Lifeguard's refinements):
   tombstone, or a seed that is not a live member) so that partitions heal
   and a node that started before its seeds still joins. A DEAD row in a
   received table is taken as a SUSPECT from the sender, as memberlist does,
-  so the member gets a chance to refute instead of being killed wholesale;
+  so the member gets a chance to refute instead of being killed wholesale,
+  though only the shortest window (`lo`): a timer ran out somewhere already;
   a suspicion learnt from a table is neither counted as a confirmation nor
   re-gossiped (its sender may only be relaying it).
 * Tombstones. DEAD and LEFT members are kept `tombstone_time` seconds so a
@@ -361,7 +362,7 @@ class Swim:
                 self._on_dead(Update(State.LEFT, e.node_id, e.incarnation), now)
             else:  # SUSPECT, or DEAD taken as SUSPECT: let the member refute
                 self._on_suspect(Update(State.SUSPECT, e.node_id, e.incarnation, source=state.source), now,
-                                 hearsay=True)
+                                 hearsay=True, verdict=e.state is State.DEAD)
 
     # -- probing ---------------------------------------------------------------
 
@@ -538,10 +539,13 @@ class Swim:
             self._add_to_order(u.node_id)
             self._emit(EventKind.JOINED, m, previous)
 
-    def _on_suspect(self, u: Update, now: float, hearsay: bool = False) -> None:
+    def _on_suspect(self, u: Update, now: float, hearsay: bool = False, verdict: bool = False) -> None:
         """SUSPECT news. `hearsay` marks a row of a push/pull table: its sender may only be
         passing on someone else's suspicion, so it neither confirms one (that would shorten
-        timers on rumour) nor is repeated under the sender's name (others would count it)."""
+        timers on rumour) nor is repeated under the sender's name (others would count it).
+        `verdict` marks a DEAD row: a timer ran out somewhere, so ours runs only the shortest
+        window (`lo`) the member has to refute, not Lifeguard's longest (the few members the
+        DEAD rumour missed in a large cluster learn it here, seconds rather than a minute late)."""
         if u.node_id == self.node_id:
             if self._leaving:
                 return
@@ -556,14 +560,18 @@ class Swim:
         if m.state is State.SUSPECT:
             newer = u.incarnation > m.incarnation
             m.incarnation = u.incarnation
+            if verdict:
+                self._suspicions[u.node_id].verdict()
             if not hearsay and (self._suspicions[u.node_id].confirm(u.source) or newer):
                 self._queue_update(u)  # pass the confirmation on so others shorten their timers too
             return
         m.state, m.incarnation, m.since = State.SUSPECT, u.incarnation, now
         n = self.live_count()
         lo, hi = self.suspicion_bounds(n)
-        self._suspicions[u.node_id] = Suspicion(now, lo, hi, expected_confirmations(self.suspicion_mult, n),
-                                                u.source)
+        suspicion = self._suspicions[u.node_id] = Suspicion(now, lo, hi, expected_confirmations(self.suspicion_mult, n),
+                                                            u.source)
+        if verdict:
+            suspicion.verdict()
         if not hearsay:
             self._queue_update(u)
         self._emit(EventKind.SUSPECT, m, State.ALIVE)

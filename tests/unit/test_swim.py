@@ -604,6 +604,31 @@ def test_packets_stay_within_the_budget_with_a_full_queue():
     assert carried > 100  # updates did ride along, two per packet at this size
 
 
+def test_a_dead_row_in_a_table_leaves_the_shortest_window_and_a_suspect_row_the_longest():
+    """A member the DEAD rumour missed (1 in 1,000 pairs at a thousand nodes) learns it from a
+    push/pull: it waits `lo` for a refutation, not Lifeguard's unconfirmed `hi` (which made a
+    5% crash take 48 s to reach every view at 1,000 nodes instead of about 23 s)."""
+    now = [0.0]
+    s = Swim("me", ("10.0.0.1", 7946), {}, clock=lambda: now[0], rng=random.Random(1), **DEFAULTS)
+    rows = [Entry(f"node-{i}", (f"10.1.0.{i}", 7946), 0, State.ALIVE, {}) for i in range(1, 5)]
+    s.merge_state(PushPull("peer", tuple(rows)))
+    lo, hi = s.suspicion_bounds(s.live_count())
+    assert hi > lo
+    now[0] = 1.0
+    s.merge_state(PushPull("peer", (Entry("node-1", rows[0].addr, 0, State.DEAD, {}),
+                                    Entry("node-2", rows[1].addr, 0, State.SUSPECT, {}))))
+    assert s._suspicions["node-1"].deadline == pytest.approx(1.0 + lo)
+    assert s._suspicions["node-2"].deadline == pytest.approx(1.0 + hi)
+    now[0] = 3.0  # the suspect row's member is later reported DEAD by another table: lo from its start
+    s.merge_state(PushPull("other", (Entry("node-2", rows[1].addr, 0, State.DEAD, {}),)))
+    assert s._suspicions["node-2"].deadline == pytest.approx(1.0 + lo)
+    now[0] = 1.0 + lo + 0.01
+    s.tick(now[0])
+    dead = {e.member.node_id for e in s.drain_events() if e.kind is EventKind.DEAD}
+    assert dead == {"node-1", "node-2"}
+    assert {m.node_id for m in s.members() if m.state is State.ALIVE} >= {"node-3", "node-4"}
+
+
 # -- precedence (SWIM's rules, one member, one node) ---------------------------
 
 def _one(now=None):
