@@ -43,6 +43,11 @@ class Phase:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
+def _secs(t: float | None) -> float | None:
+    """A virtual-clock duration as printed: to the hundredth (None: it never happened)."""
+    return None if t is None else round(t, 2)
+
+
 def percentile(values: list[float], p: float) -> float:
     if not values:
         return 0.0
@@ -166,7 +171,7 @@ def run(n: int, seed: int = 1, workload: Workload = Workload(), settings: Direct
     note(Phase("crash 5%", {
         "crashed": len(victims), "first_view_without_them_s": round(detected or 0, 2),
         "all_views_without_them_s": round((detected or 0) + (all_views or 0), 2),
-        "directory_converged_after_views_s": dir_converged, "total_s": round(sim.now - t0, 2),
+        "directory_converged_after_views_s": _secs(dir_converged), "total_s": round(sim.now - t0, 2),
         "unfindable": sim.unfindable(), "stale": sim.stale(),
     }))
 
@@ -179,8 +184,8 @@ def run(n: int, seed: int = 1, workload: Workload = Workload(), settings: Direct
     all_views = sim.run_until(sim.views_agree, 120, step=0.1)
     dir_converged = converge(sim, 120)
     note(Phase("join 10%", {
-        "joined": len(newcomers), "all_views_with_them_s": all_views,
-        "directory_converged_after_views_s": dir_converged, "total_s": round(sim.now - t0, 2),
+        "joined": len(newcomers), "all_views_with_them_s": _secs(all_views),
+        "directory_converged_after_views_s": _secs(dir_converged), "total_s": round(sim.now - t0, 2),
         "unfindable": sim.unfindable(), "stale": sim.stale(),
     }))
 
