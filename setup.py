@@ -96,7 +96,14 @@ class BuildHot(build_ext):
         say(f"compiled {len(modules)} modules with mypyc {mypy_version}")
 
 
+# setup.py's commands that build something; the others (egg_info, dist_info: pip asks for the
+# metadata first) need no extensions, and mypyc takes some seconds to generate them
+BUILDING = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+
+
 def extensions() -> list:
+    if not BUILDING & set(sys.argv[1:]):
+        return []
     native = _native()
     manifest = os.path.join(ROOT, "quilld", native["MANIFEST"])
     if os.environ.get(native["PURE_ENV"], "") not in ("", "0"):

@@ -110,6 +110,21 @@ def quilld_factory(tmp_path):
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "shared_node: the module's tests get one quilld and one redis-server for "
                             "the whole module (emptied before each test) as `quilld` and `redis_server`")
+    # .ci/run sets QUILLD_EXPECT_BUILD=compiled: the suite must run against the compiled hot path
+    # (quilld/native.py), in this process and in every quilld it starts (same tree, same check)
+    expected = os.environ.get("QUILLD_EXPECT_BUILD")
+    if expected:
+        import quilld.native
+
+        if quilld.native.BUILD != expected:
+            pytest.exit(f"QUILLD_EXPECT_BUILD={expected} but quilld's build here is {quilld.native.BUILD} "
+                        f"({quilld.native.REASON})", returncode=3)
+
+
+def pytest_report_header(config) -> str:
+    import quilld.native
+
+    return f"quilld build: {quilld.native.BUILD} ({quilld.native.REASON})"
 
 
 @pytest.fixture
