@@ -110,14 +110,14 @@ def quilld_factory(tmp_path):
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "shared_node: the module's tests get one quilld and one redis-server for "
                             "the whole module (emptied before each test) as `quilld` and `redis_server`")
-    # .ci/run sets QUILLD_EXPECT_BUILD=compiled: the suite must run against the compiled hot path
+    # .ci/run sets EXPECT_QUILLD_BUILD=compiled: the suite must run against the compiled hot path
     # (quilld/native.py), in this process and in every quilld it starts (same tree, same check)
-    expected = os.environ.get("QUILLD_EXPECT_BUILD")
+    expected = os.environ.get("EXPECT_QUILLD_BUILD")
     if expected:
         import quilld.native
 
         if quilld.native.BUILD != expected:
-            pytest.exit(f"QUILLD_EXPECT_BUILD={expected} but quilld's build here is {quilld.native.BUILD} "
+            pytest.exit(f"EXPECT_QUILLD_BUILD={expected} but quilld's build here is {quilld.native.BUILD} "
                         f"({quilld.native.REASON})", returncode=3)
 
 
