@@ -25,7 +25,7 @@ import pytest
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The process helpers live in procs.py (no pytest there: the benches use them too).
-from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
+from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, PURE_ENV, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
                    PortTaken, Quilld, free_port, listens, start_listening, start_quilld, stop_process, wait_port)
 
 
@@ -56,7 +56,7 @@ def shm_dir():
 def run_quilld(*args: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """quilld with `args` (and `env` over a QUILLD_-free environment) run to its exit, for the
     starts it refuses; its output captured as text. Fails the test if it does not exit in time."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_") or k == PURE_ENV}
     full.update(env or {}, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "quilld", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, env=full, text=True)

@@ -326,7 +326,7 @@ class RespConnection(asyncio.BufferedProtocol):
         """Dispatch each command and encode its reply; stops at a pending reply or QUIT.
         Returns how many commands ran."""
         session = self.session
-        dispatch = self.table.dispatch
+        table = self.table  # table.dispatch(...), not a bound method: compiled, a direct call
         append = out.append
         resp3 = session.resp3
         for i, item in enumerate(batch):
@@ -335,13 +335,13 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._large = False
                 try:
                     refused = next((a for a in item if isinstance(a, QuillError)), None)
-                    reply = refused if refused is not None else dispatch(session, item)
+                    reply = refused if refused is not None else table.dispatch(session, item)
                     if refused is not None and session.multi is not None:
                         session.multi_error = True  # refused while queueing: its EXEC aborts
                 finally:  # whatever happens, what the command did not consume is given back
                     self._release_args(session, item)
             else:
-                reply = dispatch(session, item)
+                reply = table.dispatch(session, item)
             # the common replies inline; everything else through the codec
             if reply is OK:
                 append(b"+OK\r\n")
