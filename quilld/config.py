@@ -536,7 +536,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     return validate_engine(EngineConfig(**values))
 
 
-_CLI_ONLY = {"config", "log_level"}  # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI
+# QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI, QUILLD_PURE_PYTHON by quilld/native.py
+_CLI_ONLY = {"config", "log_level", "pure_python"}
 _SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
 _OCTAL_KEYS = {("server", "unixsocketperm")}
 _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),

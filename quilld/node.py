@@ -24,7 +24,7 @@ import socket
 import stat
 import time
 
-from quilld import __version__
+from quilld import __version__, native
 from quilld.cluster.cluster import Cluster
 from quilld.config import SHM_SLOTS, Config, shm_leases_per_user
 from quilld.http.admin import AdminServer
@@ -263,6 +263,11 @@ class Node:
                  __version__, ctx.node_id, s.bind, ctx.port, f" and {s.unixsocket}" if self._unix else "",
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
+        build, why = native.running()
+        if build == "compiled":
+            log.info("hot path compiled (%s)", why)
+        else:  # INFO server's quilld_build says the same
+            log.warning("hot path not compiled: running the pure-Python build, slower (%s)", why)
 
     def _fit_open_files(self) -> None:
         """Raise the descriptor limit to fit maxclients, or lower maxclients to fit it (one line

@@ -27,7 +27,7 @@ import procs
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The process helpers live in procs.py (no pytest there: the benches use them too).
-from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
+from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, PURE_ENV, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
                    PortTaken, Quilld, free_port, listens, start_listening, start_quilld, stop_process, wait_port)
 
 
@@ -58,7 +58,7 @@ def shm_dir():
 def run_quilld(*args: str, env: dict | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """quilld with `args` (and `env` over a QUILLD_-free environment) run to its exit, for the
     starts it refuses; its output captured as text. Fails the test if it does not exit in time."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_") or k == PURE_ENV}
     full.update(env or {}, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "quilld", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, env=full, text=True)
@@ -112,6 +112,21 @@ def quilld_factory(tmp_path):
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "shared_node: the module's tests get one quilld and one redis-server for "
                             "the whole module (emptied before each test) as `quilld` and `redis_server`")
+    # .ci/run sets EXPECT_QUILLD_BUILD=compiled: the suite must run against the compiled hot path
+    # (quilld/native.py), in this process and in every quilld it starts (same tree, same check)
+    expected = os.environ.get("EXPECT_QUILLD_BUILD")
+    if expected:
+        import quilld.native
+
+        if quilld.native.BUILD != expected:
+            pytest.exit(f"EXPECT_QUILLD_BUILD={expected} but quilld's build here is {quilld.native.BUILD} "
+                        f"({quilld.native.REASON})", returncode=3)
+
+
+def pytest_report_header(config) -> str:
+    import quilld.native
+
+    return f"quilld build: {quilld.native.BUILD} ({quilld.native.REASON})"
 
 
 @pytest.fixture

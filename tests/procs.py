@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 10.0
 ADMIN_TOKEN = "conftest-admin-token"  # given to a node with passwords and an admin port (quilld requires one)
+PURE_ENV = "QUILLD_PURE_PYTHON"  # quilld/native.py's build switch: passed on to the nodes, unlike other QUILLD_ keys
 
 
 # The servers tests start listen on ports below the kernel's ephemeral range (32768-60999 by
@@ -202,7 +203,9 @@ def start_listening(what: str, log_path: Callable[[int], Path], spawn: Callable[
 def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True,
                  tree: Path = ROOT) -> Quilld:
     """A quilld of source tree `tree` (this one by default: a bench may compare another's)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
+    # a QUILLD_-free environment, but for the build switch (quilld/native.py): a suite run with
+    # QUILLD_PURE_PYTHON=1 runs its nodes on the pure-Python build too
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_") or k == PURE_ENV}
     full_env["PYTHONPATH"] = str(tree)
     full_env.update(env or {})
     passwords = {"--requirepass", "--users-file"} & set(extra) or \

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from quilld import __version__
+from quilld import __version__, native
 from quilld.context.figures import counters, human, rss_bytes, system_memory, tier_stats
 from quilld.context.node_context import NodeContext
 from quilld.protocol.table import bucket_top
@@ -90,6 +90,7 @@ def _server(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
         ("lru_clock", int(now) & 0xFFFFFF), ("executable", sys.executable), ("config_file", ctx.config_file),
         ("io_threads_active", 0), ("quilld_version", __version__), ("node_id", ctx.node_id),
         ("python_version", ".".join(map(str, sys.version_info[:3]))),
+        ("quilld_build", native.running()[0]),  # compiled | pure: the hot path (quilld/native.py)
     ]
 
 

@@ -29,11 +29,28 @@ from typing import Any, Callable
 
 from quilld.errors import ProtocolError, QuillError
 from quilld.model import Pinned
+from quilld.protocol.replies import (  # re-exported: handlers take them from here
+    OK,
+    PONG,
+    Attribute,
+    BigNumber,
+    OrderedSet,
+    Push,
+    Raw,
+    Status,
+    Verbatim,
+    WithFds,
+)
 
 try:  # hiredis parses runs of small commands ~15x faster than Python; optional
     import hiredis
 except ImportError:  # pragma: no cover - hiredis is a declared dependency
-    hiredis = None
+    hiredis = None  # type: ignore[assignment]
+
+# Compiled with mypyc (quilld/native.py), this module parses runs of small commands itself
+# (`RespParser._feed_scan`), faster than hiredis and the checks around it; as plain Python
+# it hands them to hiredis.
+COMPILED = not __file__.endswith(".py")
 
 # Limits, with redis-server 7's precedent (src/server.h, src/networking.c).
 MAX_INLINE = 64 * 1024  # PROTO_INLINE_MAX_SIZE: inline request or a header line without CRLF
@@ -157,7 +174,10 @@ class RespParser:
     """Incremental parser of client commands (multibulk and inline)."""
 
     def __init__(self, max_bulk_len: int = MAX_BULK_LEN, large_bulk: int = LARGE_BULK,
-                 use_hiredis: bool = True) -> None:
+                 use_hiredis: bool = True, scan: bool | None = None) -> None:
+        """`use_hiredis`: a fast path for runs of small commands (False: the Python parser reads
+        everything); `scan`: that fast path is `_feed_scan` rather than hiredis (default: when
+        this module is compiled, or hiredis is missing)."""
         self.max_bulk_len = max_bulk_len
         self.large_bulk = large_bulk
         self.authenticated = True  # the shell clears this while AUTH is required
@@ -175,23 +195,32 @@ class RespParser:
         self._announced = 0  # length of the last LargeBulk announced
         self._plain = -1  # length of a large bulk being received into _buf (accumulate()), or -1
         self._args_bytes = 0  # what the arguments of the command being assembled hold
-        # Fast path: hiredis parses while the Python parser is idle and nothing suspect arrives.
-        self._use_hiredis = use_hiredis and hiredis is not None
+        # Fast path, while the Python parser is idle: the scan of canonical commands
+        # (_feed_scan), or hiredis when nothing suspect arrives (_feed_hiredis).
+        if scan is None:
+            scan = COMPILED or hiredis is None
+        self._scan = use_hiredis and scan
+        self._use_hiredis = use_hiredis and not scan and hiredis is not None
+        self._small_max = min(large_bulk - 1, max_bulk_len)  # the longest bulk the scan takes
         self._suspect = _suspect_pattern(large_bulk, max_bulk_len)
-        self._reader = hiredis.Reader() if self._use_hiredis else None
-        self._tail = b""  # bytes of the partial command hiredis is holding
-        self._queue: list = []  # commands hiredis parsed, not yet handed out
+        self._reader: Any = hiredis.Reader() if self._use_hiredis else None
+        self._tail = b""  # bytes of the partial command the fast path is holding
+        self._queue: list = []  # commands the fast path parsed, not yet handed out
 
     # -- input -------------------------------------------------------------
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if (self._use_hiredis and self.authenticated and self._args is None and not self.receiving
-                and not self._skip_crlf and self._pos >= len(self._buf)):
-            self._feed_hiredis(data)  # the Python parser is idle: the fast path may take over
+        if ((self._scan or self._use_hiredis) and self.authenticated and self._args is None
+                and not self.receiving and not self._skip_crlf and self._pos >= len(self._buf)):
+            # the Python parser is idle: the fast path may take over
+            if self._scan:
+                self._feed_scan(bytes(data))
+            else:
+                self._feed_hiredis(data)
             return
         if self.receiving:
             data = memoryview(data)
             while data and self.receiving:
-                view = self.sink_view()
+                view: Any = self.sink_view()
                 take = min(len(view), len(data))
                 view[:take] = data[:take]
                 data = data[take:]
@@ -200,7 +229,81 @@ class RespParser:
                 return
         self._buf += data
 
-    def _feed_hiredis(self, data: bytes | memoryview) -> None:
+    def _feed_scan(self, data: bytes) -> None:
+        """Parse the canonical commands at the start of the input, in order: `*<n>` then n times
+        `$<len>` and a bulk shorter than a large one, each line ended by CRLF, n > 0 and every
+        number without a leading zero. At the first byte that is anything else (an inline
+        command, a large or refused bulk, a malformed line, ...), that command and the rest go
+        to the Python parser, which answers them exactly as redis does; a command still arriving
+        is kept (`_tail`) until it is complete, or handed over too once it passes MAX_INLINE.
+        Only digits are read byte by byte; a bulk's bytes are sliced out whole."""
+        stream = self._tail + data if self._tail else data
+        end = len(stream)
+        small = self._small_max
+        queue = self._queue
+        pos = 0
+        while pos < end:
+            start = pos
+            if stream[pos] != 42:  # '*'
+                self._to_python(stream[start:])
+                return
+            pos += 1
+            n = 0
+            first = pos
+            while pos < end and 48 <= stream[pos] <= 57 and pos - first < 7:
+                n = n * 10 + stream[pos] - 48
+                pos += 1
+            if pos + 1 >= end:  # the count line is still arriving
+                self._hold(stream, start, end)
+                return
+            if pos == first or stream[first] == 48 or stream[pos] != 13 or stream[pos + 1] != 10:
+                self._to_python(stream[start:])
+                return
+            pos += 2
+            args = []
+            while n:
+                if pos >= end:
+                    self._hold(stream, start, end)
+                    return
+                if stream[pos] != 36:  # '$'
+                    self._to_python(stream[start:])
+                    return
+                pos += 1
+                size = 0
+                first = pos
+                while pos < end and 48 <= stream[pos] <= 57 and pos - first < 7:
+                    size = size * 10 + stream[pos] - 48
+                    pos += 1
+                if pos + 1 >= end:
+                    self._hold(stream, start, end)
+                    return
+                if (pos == first or (stream[first] == 48 and pos - first > 1) or size > small
+                        or stream[pos] != 13 or stream[pos + 1] != 10):
+                    self._to_python(stream[start:])
+                    return
+                pos += 2
+                stop = pos + size
+                if stop + 2 > end:
+                    self._hold(stream, start, end)
+                    return
+                if stream[stop] != 13 or stream[stop + 1] != 10:
+                    self._to_python(stream[start:])
+                    return
+                args.append(stream[pos:stop])
+                pos = stop + 2
+                n -= 1
+            queue.append(args)
+        self._tail = b""
+
+    def _hold(self, stream: bytes, start: int, end: int) -> None:
+        """The command at `start` is still arriving: keep it, or hand it to the Python parser once
+        it is long (a long command, or a header line that never ends: it enforces the limits)."""
+        if end - start > MAX_INLINE:
+            self._to_python(stream[start:])
+        else:
+            self._tail = stream[start:]
+
+    def _feed_hiredis(self, data: bytes | bytearray | memoryview) -> None:
         tail = self._tail
         suspect = self._suspect
         if (suspect(data) or (tail and suspect(tail[-12:] + bytes(data[:12])))
@@ -242,7 +345,7 @@ class RespParser:
         # hiredis holds part of a command: find where it starts by counting what the
         # complete commands took (their canonical encoding), and keep those bytes.
         try:
-            lens = [len(a) if a.__class__ is bytes else None for c in cmds for a in c]
+            lens: list[Any] = [len(a) if a.__class__ is bytes else None for c in cmds for a in c]
             used = (sum(lens) + 5 * len(lens) + sum(map(len, map(str, lens)))
                     + 3 * len(cmds) + sum(map(len, map(str, map(len, cmds)))))
         except TypeError:  # an argument that is not a bulk string: let the Python parser judge
@@ -270,7 +373,8 @@ class RespParser:
 
     def _to_python(self, data: bytes) -> None:
         """Hand the bytes (from the start of a command) to the Python parser."""
-        self._reader = hiredis.Reader()
+        if self._use_hiredis:
+            self._reader = hiredis.Reader()
         self._tail = b""
         if self._pos >= len(self._buf):
             self._buf.clear()
@@ -295,7 +399,8 @@ class RespParser:
         """`n` bytes were written into `sink_view()` by the caller."""
         self._sink_filled += n
         if self._sink_filled >= self._sink_len:
-            self._args.append(self._sink_obj)
+            args: Any = self._args  # the command the bulk belongs to (never None here)
+            args.append(self._sink_obj)
             self._remaining -= 1
             self._sink = self._sink_obj = None
             self.receiving = False
@@ -394,7 +499,7 @@ class RespParser:
             pass
         return item
 
-    def _next(self) -> list | LargeBulk | None:
+    def _next(self) -> Any:  # a command, a LargeBulk, NEED_DATA or _SKIPPED
         if self.receiving:
             return NEED_DATA
         buf = self._buf
@@ -485,7 +590,7 @@ class RespParser:
         self._args_bytes = 0
         return args
 
-    def _inline(self) -> list | None:
+    def _inline(self) -> Any:  # a command, NEED_DATA or _SKIPPED
         buf = self._buf
         pos = self._pos
         nl = buf.find(b"\n", pos)
@@ -582,50 +687,6 @@ def split_args(line: bytes) -> list[bytes] | None:
 
 # -- replies ---------------------------------------------------------------
 
-class Status(bytes):
-    """A simple string reply (`+OK`)."""
-
-
-class Verbatim(bytes):
-    """A verbatim text reply (RESP3 `=`), a bulk string in RESP2 (INFO uses it)."""
-
-
-class Raw(bytes):
-    """Already-encoded reply bytes, written as they are."""
-
-
-class BigNumber(bytes):
-    """A big number's decimal digits (RESP3 `(`), a bulk string in RESP2."""
-
-
-class Attribute(dict):
-    """An attribute frame (RESP3 `|`): metadata sent before a reply, never a reply itself.
-    RESP2 has no attributes: nothing is sent to a RESP2 client."""
-
-
-class Push(tuple):
-    """An out-of-band push frame (RESP3 `>`); in RESP2, an array (as redis sends pub/sub messages)."""
-
-
-class OrderedSet(tuple):
-    """A set reply whose order is given (RESP3 `~`, an array in RESP2): COMMAND's flags, ACL
-    categories and key specs, whose order redis fixes."""
-
-
-class WithFds:
-    """A reply to be sent with open file descriptors attached (SCM_RIGHTS over a unix socket):
-    SHM ATTACH's. The codec does not encode it (it is not bytes on a wire): the server shell
-    sends it with sendmsg once the connection's earlier replies have left (server.py)."""
-
-    __slots__ = ("value", "fds")
-
-    def __init__(self, value: Any, fds: tuple[int, ...]) -> None:
-        self.value = value
-        self.fds = fds
-
-
-OK = Status(b"OK")
-PONG = Status(b"PONG")
 NULL2 = b"$-1\r\n"
 NULL3 = b"_\r\n"
 NULL = (NULL2, NULL3)  # by protocol: NULL[resp3]
@@ -695,7 +756,7 @@ class EncodedById:
 
     def many(self, objects: list, resp3: bool) -> list[bytes]:
         table = self.by_protocol[resp3]
-        parts = list(map(table.get, map(id, objects)))
+        parts: list[Any] = list(map(table.get, map(id, objects)))
         if not all(parts):  # an object seen for the first time (no encoding is empty)
             for i, part in enumerate(parts):
                 if part is None:

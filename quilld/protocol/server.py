@@ -39,7 +39,7 @@ from quilld.model import Pending, Pinned
 from quilld.context.node_context import NodeContext
 from quilld.protocol.resp import OK, LargeBulk, RespParser, WithFds, encode, encode_error
 from quilld.protocol.session import Session
-from quilld.protocol.table import ABORT
+from quilld.protocol.table import ABORT, CommandTable
 
 RECV_BUFFER = 256 * 1024
 # One receive buffer serves every connection: the loop calls get_buffer() and then
@@ -110,7 +110,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def __init__(self, ctx: NodeContext, large_target: Callable, release_args: Callable) -> None:
         self.ctx = ctx
-        self.clients = ctx.clients
+        self.table: CommandTable = ctx.table  # type: ignore[assignment]  # the dispatcher itself, not its figures
+        self.clients: Any = ctx.clients
         self._large_target = large_target
         self._release_args = release_args
         self.parser = RespParser(max_bulk_len=ctx.runtime.proto_max_bulk_len)
@@ -121,10 +122,10 @@ class RespConnection(asyncio.BufferedProtocol):
         self._large = False  # the command being parsed carries a large bulk
         self._after_large = False  # the last read completed a large payload: read small next
         self._waiting: tuple[LargeBulk, float] | None = None  # a large bulk waiting for arena space
-        self.transport: asyncio.Transport | None = None
-        self.session: Session | None = None
+        self.transport: Any = None  # asyncio's or uvloop's (Any: a test's stand-in too)
+        self.session: Any = None  # a Session once connected
         self._write_paused = False
-        self._deferred: asyncio.Future | None = None  # a reply being awaited (disk or peer read)
+        self._deferred: Any = None  # a reply being awaited (disk or peer read): an asyncio future
         self._backlog: list = []  # parsed commands queued behind the deferred reply
         self._out: list | None = None  # the replies being gathered by _process (MONITOR lines join them)
         self._drop_deferred = False  # CLIENT REPLY OFF/SKIP: the deferred reply is not sent
@@ -133,7 +134,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._held: list = []  # small replies held while the input streams in (see the module docstring)
 
     # -- transport callbacks ----------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: Any) -> None:
         self.transport = transport  # type: ignore[assignment]
         ctx = self.ctx
         transport.set_write_buffer_limits(high=ctx.cfg.server.client_output_high_water)  # type: ignore[attr-defined]
@@ -147,6 +148,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self.clients.opened(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        view: Any
         if self.parser.receiving:
             view = self.parser.sink_view()
         else:
@@ -213,13 +215,15 @@ class RespConnection(asyncio.BufferedProtocol):
     # -- the loop over buffered commands ----------------------------------
     def _process(self) -> None:
         """Run every complete command buffered, in order, and write their replies in one go."""
-        if self._waiting is not None or self._deferred is not None:
+        if self.busy:  # (not `self._deferred is not None`: mypyc would take it for None below, set or not)
             return  # a large bulk waits for arena space, or a reply for the disk: nothing may overtake it
         clients = self.clients
         if clients.exclusive is not None and clients.held_out(self):
             self.transport.pause_reading()  # another client's EXEC holds the node: resumed at its end
             return
-        session, out, pins = self.session, [], []
+        session = self.session
+        out: list = []
+        pins: list = []
         self._out = out
         ncmds = 0
         cluster = self.ctx.cluster
@@ -268,7 +272,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._deferred = asyncio.ensure_future(acked)
         self.transport.pause_reading()
 
-        def done(fut: asyncio.Future) -> None:
+        def done(fut: Any) -> None:
             self._deferred = None
             if self.transport.is_closing():
                 for release in pins:
@@ -289,10 +293,10 @@ class RespConnection(asyncio.BufferedProtocol):
         """Commands ready to run: what waited behind a pending reply, what the fast path parsed,
         or the next one the Python parser completes (None when nothing is complete)."""
         if self._backlog:
-            batch, self._backlog = self._backlog, []
-            return batch
+            backlog, self._backlog = self._backlog, []
+            return backlog
         parser = self.parser
-        batch = parser.parsed()
+        batch: Any = parser.parsed()
         while not batch:
             if not parser.buffered():
                 return None
@@ -304,7 +308,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 return None
             except Exception as e:  # a parser bug: its state is unknown, so the connection ends
                 self.ctx.stats["internal_errors"] += 1
-                out.append(encode_error(self.ctx.table.internal_error("(parser)", e)))
+                out.append(encode_error(self.table.internal_error("(parser)", e)))
                 self.session.closing = True
                 return None
             if item is None:
@@ -322,7 +326,7 @@ class RespConnection(asyncio.BufferedProtocol):
         """Dispatch each command and encode its reply; stops at a pending reply or QUIT.
         Returns how many commands ran."""
         session = self.session
-        dispatch = self.ctx.table.dispatch
+        table = self.table  # table.dispatch(...), not a bound method: compiled, a direct call
         append = out.append
         resp3 = session.resp3
         for i, item in enumerate(batch):
@@ -331,13 +335,13 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._large = False
                 try:
                     refused = next((a for a in item if isinstance(a, QuillError)), None)
-                    reply = refused if refused is not None else dispatch(session, item)
+                    reply = refused if refused is not None else table.dispatch(session, item)
                     if refused is not None and session.multi is not None:
                         session.multi_error = True  # refused while queueing: its EXEC aborts
                 finally:  # whatever happens, what the command did not consume is given back
                     self._release_args(session, item)
             else:
-                reply = dispatch(session, item)
+                reply = table.dispatch(session, item)
             # the common replies inline; everything else through the codec
             if reply is OK:
                 append(b"+OK\r\n")
@@ -368,7 +372,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def _run_careful(self, batch: list | tuple, out: list, pins: list) -> int:
         """One command at a time while CLIENT PAUSE may hold commands or CLIENT REPLY OFF/SKIP
         drops replies (redis's order: SKIP drops the reply of the command after it, ON is answered)."""
-        session, clients, table = self.session, self.clients, self.ctx.table
+        session, clients, table = self.session, self.clients, self.table
         for i, item in enumerate(batch):
             if clients.paused is not None and clients.holds(self, table.resolve(item)):
                 self._backlog = list(batch[i:])
@@ -411,7 +415,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 release()
             del pins[held:]
             self.ctx.stats["internal_errors"] += 1
-            out.append(encode_error(self.ctx.table.internal_error(self.session.last_cmd, e)))
+            out.append(encode_error(self.table.internal_error(self.session.last_cmd, e)))
 
     def _send_with_fds(self, reply: WithFds, out: list, pins: list) -> None:
         """Send `reply` with its descriptors attached (SCM_RIGHTS), after every earlier reply.
@@ -456,7 +460,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     async def _retry_when_space(self, item: list):
         deadline = time.monotonic() + self.ctx.cfg.server.space_wait_ms / 1000
-        keyspace, dispatch = self.ctx.keyspace, self.ctx.table.dispatch
+        keyspace, dispatch = self.ctx.keyspace, self.table.dispatch
         while True:
             await self.ctx.space_freed(ARENA_RETRY)
             if self.clients.exclusive is not None and self.clients.exclusive is not self.session:
@@ -473,7 +477,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self.transport.pause_reading()
         self._deferred.add_done_callback(self._resolved)
 
-    def _resolved(self, fut: asyncio.Future) -> None:
+    def _resolved(self, fut: Any) -> None:
         self._deferred = None
         drop, self._drop_deferred = self._drop_deferred, False
         if fut.cancelled():  # shutting down
@@ -484,9 +488,9 @@ class RespConnection(asyncio.BufferedProtocol):
             reply = e
         except Exception as e:  # a bug in a read path: answer it rather than hang the client
             self.ctx.stats["internal_errors"] += 1
-            reply = self.ctx.table.internal_error(self.session.last_cmd, e)
+            reply = self.table.internal_error(self.session.last_cmd, e)
         if isinstance(reply, QuillError):
-            self.ctx.table.failed(self.session.last_cmd, reply)
+            self.table.failed(self.session.last_cmd, reply)
         if self.transport.is_closing() or drop:
             pins: list = []
             _collect_pins(reply, pins)
@@ -525,8 +529,8 @@ class RespConnection(asyncio.BufferedProtocol):
             return True
         except Exception as e:  # a bug: the payload is read and dropped, the command answered with it
             self.ctx.stats["internal_errors"] += 1
-            cmd = self.ctx.table.lookup(bytes(item.args[0])) if item.args else None
-            self.parser.drop(self.ctx.table.internal_error(cmd.name if cmd else "?", e), item.length)
+            cmd = self.table.lookup(bytes(item.args[0])) if item.args else None
+            self.parser.drop(self.table.internal_error(cmd.name if cmd else "?", e), item.length)
             return True
         if where is None:  # an ordinary argument: the parser's buffer grows as its bytes arrive
             self.parser.accumulate()

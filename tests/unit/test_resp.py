@@ -1,8 +1,9 @@
 """The sans-IO RESP codec on plain byte strings: every split of the input parses the
 same, every limit fails with redis's error text, and replies encode as RESP2/RESP3.
 
-Each parser test runs with the hiredis fast path on and off: the fast path must be
-invisible (same commands, same errors), so both modes are held to one expectation.
+Each parser test runs with each fast path (hiredis, the plain Python build's; the scan of
+canonical commands, the compiled build's: quilld/native.py) and with none: a fast path must be
+invisible (same commands, same errors), so all three modes are held to one expectation.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ from quilld.protocol.resp import (
 )
 from quillwire.encode import encode_command
 
-MODES = pytest.mark.parametrize("use_hiredis", [True, False], ids=["hiredis", "python"])
+MODES = pytest.mark.parametrize("use_hiredis", ["hiredis", "scan", "python"])
+
+
+def parser_for(mode: str, **kw) -> RespParser:
+    """A parser whose fast path is `mode`'s ("python": none, the Python parser reads everything)."""
+    return RespParser(use_hiredis=mode != "python", scan=mode == "scan", **kw)
 
 
 # -- helpers ----------------------------------------------------------------
@@ -109,8 +115,8 @@ def feed_like_transport(p: RespParser, data: bytes, out: list, drop: bool) -> No
         drain(p, out, drop)
 
 
-def parse(chunks, use_hiredis: bool, style: str = "feed", drop: bool = False, **kw) -> list:
-    p = RespParser(use_hiredis=use_hiredis, **kw)
+def parse(chunks, use_hiredis: str, style: str = "feed", drop: bool = False, **kw) -> list:
+    p = parser_for(use_hiredis, **kw)
     out: list = []
     for chunk in chunks:
         if style == "feed":
@@ -128,7 +134,7 @@ def _short(value, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def expect_parse(chunks, expected: list, use_hiredis: bool, style: str = "feed", drop: bool = False,
+def expect_parse(chunks, expected: list, use_hiredis: str, style: str = "feed", drop: bool = False,
                  where: str = "", **kw) -> None:
     """parse() must give `expected`; on failure say where, briefly (values can be 16 KiB)."""
     try:
@@ -143,9 +149,9 @@ def expect_parse(chunks, expected: list, use_hiredis: bool, style: str = "feed",
                 pytrace=False)
 
 
-def protocol_error(chunks, use_hiredis: bool, authenticated: bool = True, **kw) -> ProtocolError:
+def protocol_error(chunks, use_hiredis: str, authenticated: bool = True, **kw) -> ProtocolError:
     """The ProtocolError the input raises (fed in `chunks`); fails if none is raised."""
-    p = RespParser(use_hiredis=use_hiredis, **kw)
+    p = parser_for(use_hiredis, **kw)
     p.authenticated = authenticated
     with pytest.raises(ProtocolError) as info:
         for chunk in chunks:
@@ -250,7 +256,7 @@ def test_three_feeds_around_a_large_bulk(use_hiredis):
 
 @MODES
 def test_large_bulk_is_announced_with_its_command_so_far(use_hiredis):
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.feed(encode_command(b"SET", b"key", BIG, b"NX")[:40])
     assert p.parsed() == []
     item = p.next_command()
@@ -260,7 +266,7 @@ def test_large_bulk_is_announced_with_its_command_so_far(use_hiredis):
 
 @MODES
 def test_bulk_shorter_than_large_bulk_is_a_plain_argument(use_hiredis):
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.feed(encode_command(b"SET", b"k", JUST_SMALL))
     out: list = []
     drain(p, out)
@@ -273,7 +279,7 @@ def test_large_bulk_threshold_is_honoured_below_ten_thousand_bytes(large_bulk, u
     # the fast path must send a bulk of >= large_bulk bytes to the Python parser whatever
     # large_bulk is, or the value never lands in the caller's target buffer
     value = b"x" * large_bulk
-    p = RespParser(use_hiredis=use_hiredis, large_bulk=large_bulk)
+    p = parser_for(use_hiredis, large_bulk=large_bulk)
     p.feed(encode_command(b"SET", b"k", value))
     first = p.parsed() or [p.next_command()]
     assert isinstance(first[0], LargeBulk), f"a {large_bulk}-byte bulk was parsed as {first!r}"
@@ -302,7 +308,7 @@ def test_dropped_bulk_larger_than_scratch_buffer(use_hiredis):
 
 @MODES
 def test_attach_receives_payload_into_the_target_only(use_hiredis):
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     data = encode_command(b"SET", b"k", BIG) + encode_command(b"PING")
     p.feed(data[:30])
     item = p.next_command()
@@ -386,7 +392,7 @@ def test_inline_request_without_newline_is_bounded(use_hiredis):
 def test_inline_request_of_exactly_max_inline_is_accepted(use_hiredis):
     line = b"ECHO " + b"a" * (MAX_INLINE - 5)
     assert len(line) == MAX_INLINE
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.feed(line)
     assert p.next_command() is None
     p.feed(b"\r\n")
@@ -419,7 +425,7 @@ def test_unauthenticated_multibulk_length(use_hiredis):
     assert err.wire() == "ERR Protocol error: unauthenticated multibulk length"
     # ten arguments are fine before AUTH
     cmd = [b"a"] * UNAUTH_MULTIBULK_LEN
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.authenticated = False
     p.feed(encode_command(*cmd))
     out: list = []
@@ -432,7 +438,7 @@ def test_unauthenticated_bulk_length(use_hiredis):
     data = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n" % (UNAUTH_BULK_LEN + 1)
     err = protocol_error([data], use_hiredis, authenticated=False)
     assert err.wire() == "ERR Protocol error: unauthenticated bulk length"
-    p = RespParser(use_hiredis=use_hiredis, large_bulk=UNAUTH_BULK_LEN + 1)
+    p = parser_for(use_hiredis, large_bulk=UNAUTH_BULK_LEN + 1)
     p.authenticated = False
     p.feed(encode_command(b"AUTH", b"p" * UNAUTH_BULK_LEN))
     assert p.next_command() == [b"AUTH", b"p" * UNAUTH_BULK_LEN]
@@ -440,7 +446,7 @@ def test_unauthenticated_bulk_length(use_hiredis):
 
 @MODES
 def test_limits_are_lifted_after_authentication(use_hiredis):
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.authenticated = False
     p.feed(encode_command(b"AUTH", b"pw"))
     assert (p.parsed() or [p.next_command()]) == [[b"AUTH", b"pw"]]
@@ -482,7 +488,7 @@ def test_receive_buffer_does_not_grow_with_traffic(block, cut, use_hiredis):
     block *= per_feed
     step = block[cut:] + block[:cut]
     rounds = 768 * 1024 // len(step)
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.feed(block[:cut])
     n = 0
     tracemalloc.start()
@@ -510,11 +516,12 @@ def test_lengths_are_as_strict_as_redis_string2ll(data, use_hiredis):
     assert protocol_error([data], use_hiredis).wire() == f"ERR Protocol error: invalid {kind} length"
 
 
-def test_fast_path_parses_a_plain_pipeline():
-    # the hiredis fast path must actually take ordinary commands (SET/GET with plain values);
+@pytest.mark.parametrize("mode", ["hiredis", "scan"])
+def test_fast_path_parses_a_plain_pipeline(mode):
+    # each fast path must actually take ordinary commands (SET/GET with plain values);
     # otherwise every byte goes through the slower Python parser
     cmds = [[b"SET", b"key:%d" % i, b"value %d" % i] for i in range(50)] + [[b"GET", b"key:1"]]
-    p = RespParser(use_hiredis=True)
+    p = parser_for(mode)
     p.feed(b"".join(encode_command(*c) for c in cmds))
     assert p.parsed() == cmds
     assert p.next_command() is None
@@ -680,10 +687,10 @@ def test_parse_len_is_string2ll_and_never_raises(raw, value):
     assert _parse_len(bytearray(raw)) == value
 
 
-def parse_accumulating(chunks, use_hiredis: bool, **kw) -> tuple[list, RespParser]:
+def parse_accumulating(chunks, use_hiredis: str, **kw) -> tuple[list, RespParser]:
     """Parse with every LargeBulk answered by accumulate(), as the server answers a large
     argument that has no target of its own (anything but a value)."""
-    p = RespParser(use_hiredis=use_hiredis, **kw)
+    p = parser_for(use_hiredis, **kw)
     out: list = []
 
     def take():
@@ -717,7 +724,7 @@ def test_accumulated_large_bulk_is_an_ordinary_argument_at_any_split(use_hiredis
 
 @MODES
 def test_accumulating_commits_memory_only_as_bytes_arrive(use_hiredis):
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     p.feed(b"*2\r\n$4\r\nECHO\r\n$536870912\r\n")
     item = p.next_command()
     assert isinstance(item, LargeBulk) and item.length == 536870912
@@ -792,7 +799,7 @@ def test_error_text_quotes_client_bytes_raw(raw, quoted):
         "nul-inline", "nul-inline-arg", "count-cr-last", "bulk-cr-last"])
 def test_header_and_inline_lines_end_where_redis_ends_them(data, expected, use_hiredis):
     for chunks in _chunkings(data):
-        p = RespParser(use_hiredis=use_hiredis)
+        p = parser_for(use_hiredis)
         out: list = []
         for chunk in chunks:
             p.feed(chunk)
@@ -824,7 +831,7 @@ def test_a_line_that_never_ends_for_a_nul_is_refused_past_64k(data, error, use_h
 def test_a_command_cut_by_a_read_is_judged_as_redis_judges_it(partial, error, use_hiredis):
     """A read that ends inside a command: the fast path must not wait for a CRLF where redis has
     already read the line (up to its first CR)."""
-    p = RespParser(use_hiredis=use_hiredis)
+    p = parser_for(use_hiredis)
     out: list = []
     if isinstance(error, str):
         with pytest.raises(ProtocolError, match=error):
