@@ -63,6 +63,21 @@ def put(ks: Keyspace, tag: bytes, key: bytes, value: bytes, crc: bool = True) ->
     return block
 
 
+class Preempted:
+    """The arena as a reader copies out of it, with `between()` run just before its first copy
+    starts (a reader preempted after its look at the entry): the copy takes the memory as it is
+    then."""
+
+    def __init__(self, arena: memoryview, between) -> None:
+        self.arena, self.between, self.ran = arena, between, False
+
+    def __getitem__(self, where: slice) -> memoryview:
+        if not self.ran:
+            self.ran = True
+            self.between()
+        return self.arena[where]
+
+
 def reader(ks: Keyspace, table: LookupTable, tag: bytes) -> Lookup:
     """A client's view: the arena and the table mapped through their descriptors, the salt of its scope."""
     arena = mmap.mmap(ks.arena.fd, ks.capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -190,7 +205,7 @@ CHANGES = {"overwritten-by-a-small-value": _overwrite_small, "overwritten-by-a-b
 
 
 @pytest.mark.parametrize("change", CHANGES)
-def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, monkeypatch, change):
+def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, change):
     """The reader found the key's entry and read its fields; quilld then changes the key (and, when
     that freed the block, its next owner writes other bytes there) before the reader copies: the
     copy takes the memory as it is then, and the reader must throw it away."""
@@ -199,17 +214,15 @@ def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, mo
     block = put(ks, tag, b"k", old)
     offset = ks.arena.offset(block.handle)
     r = reader(ks, table, tag)
-    land, seen = lookup.land, []
+    seen = []
 
-    def preempted(target, src):
-        if not seen:  # the first copy only: quilld runs between the reader's look and its copy
-            freed = CHANGES[change](ks, tag)  # True: k's block is free; a Block: its next owner already
-            if freed is True:
-                freed = _reuse(ks, VALUE, b"Z")
-            seen.append(ks.arena.offset(freed.handle) if freed else None)
-        land(target, src)
+    def between():  # quilld runs between the reader's look and its copy
+        freed = CHANGES[change](ks, tag)  # True: k's block is free; a Block: its next owner already
+        if freed is True:
+            freed = _reuse(ks, VALUE, b"Z")
+        seen.append(ks.arena.offset(freed.handle) if freed else None)
 
-    monkeypatch.setattr(lookup, "land", preempted)
+    r.arena = Preempted(r.arena, between)
     view = bytearray(VALUE)
     got = r.read_key(b"k", memoryview(view), verify=False)
     if seen[0] is not None:
@@ -220,8 +233,7 @@ def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, mo
         assert got == len(now) and bytes(view[:got]) == now, "what the reader returns is the key's value now"
 
 
-def test_a_demoted_block_leaves_the_table_before_its_dram_goes_and_a_promoted_one_comes_back(tmp_path,
-                                                                                          monkeypatch):
+def test_a_demoted_block_leaves_the_table_before_its_dram_goes_and_a_promoted_one_comes_back(tmp_path):
     """With an SSD tier: a block read back from SSD (promoted, its CRC32C known) is in the table; one
     evicted to make room (its copy is on SSD already: demoted, its DRAM freed and reused) is not,
     and a reader caught between its look and its copy never returns the next owner's bytes."""
@@ -242,19 +254,17 @@ def test_a_demoted_block_leaves_the_table_before_its_dram_goes_and_a_promoted_on
                 offset = ks.arena.offset(block.handle)
                 assert table.entries == 1
                 r = reader(ks, table, tag)
-                land, seen = lookup.land, []
+                seen = []
 
-                def preempted(target, src):
-                    if not seen:
-                        filler = []
-                        while tag + b"k" not in ks.lower:  # k, least recently used, goes down (a clean demotion)
-                            assert len(filler) < 16
-                            filler.append(put(ks, ks.scopes.tag(CAROL), b"f%d" % len(filler), b"F" * VALUE,
-                                              crc=False))
-                        seen.append(any(ks.arena.offset(f.handle) == offset for f in filler))
-                    land(target, src)
+                def between():
+                    filler = []
+                    while tag + b"k" not in ks.lower:  # k, least recently used, goes down (a clean demotion)
+                        assert len(filler) < 16
+                        filler.append(put(ks, ks.scopes.tag(CAROL), b"f%d" % len(filler), b"F" * VALUE,
+                                          crc=False))
+                    seen.append(any(ks.arena.offset(f.handle) == offset for f in filler))
 
-                monkeypatch.setattr(lookup, "land", preempted)
+                r.arena = Preempted(r.arena, between)
                 view = bytearray(VALUE)
                 assert r.read_key(b"k", memoryview(view), verify=False) == NOT_HERE
                 assert seen == [True], "the demoted block's space was written by its next owner"

@@ -291,7 +291,15 @@ class QuillClient:
         if pool is None:
             n = zerocopy.get_into(self._raw, key, view)
         else:
-            n = shm.get_one(pool, key, view, self.config.verify_crc, lambda i: zerocopy.get_into(self._raw, key, view))
+            mapping = pool.mappings.current
+            lookup = mapping.lookup if mapping is not None else None
+            if lookup is not None:  # the hot path: a hash, a probe, a copy, no system call
+                n = lookup.read_key(key, view, self.config.verify_crc)
+                if n >= 0:
+                    pool.direct_reads += 1
+                    return n
+            n = shm.get_one(pool, key, view, self.config.verify_crc,
+                            lambda i: zerocopy.get_into(self._raw, key, view), lookup_tried=lookup is not None)
         if n == zerocopy.MISS:
             raise NotFound(key)
         return n

@@ -42,6 +42,7 @@ VERSION = 1  # the layout this reader knows (SHM ATTACH TABLE's lookup_version)
 HEADER_WORDS = 8
 ENTRY_WORDS = 8
 TRIES = 3  # reads of an entry that keeps changing under the copy before quilld is asked
+DIGESTS_KEPT = 1 << 16  # keys whose digests are remembered (then forgotten all at once)
 NOT_HERE = -2  # read_key's answer when the table cannot serve the key: ask quilld
 _OWNER_DIED = 0x40000000  # FUTEX_OWNER_DIED: the kernel's mark on a robust mutex whose owner died
 _TID = 0x3FFFFFFF
@@ -56,7 +57,7 @@ class Lookup:
     """quilld's lookup table and read marks, mapped; the salt of this client's identity scope."""
 
     __slots__ = ("table_mm", "words", "owner", "marks_mm", "mask", "probe", "salt", "arena", "arena_bytes",
-                 "retries")
+                 "retries", "_digests")
 
     def __init__(self, table_fd: int, marks_fd: int, slots: int, probe: int, salt: bytes,
                  arena: memoryview) -> None:
@@ -71,25 +72,52 @@ class Lookup:
         self.arena = arena
         self.arena_bytes = arena.nbytes
         self.retries = 0  # entries that changed under a copy (each copy thrown away and read again)
+        self._digests: dict = {}  # key -> (h1, h2, its home's first word): a key read again costs no hash
+
+    def set_salt(self, salt: bytes) -> None:
+        if salt != self.salt:
+            self.salt = salt
+            self._digests = {}
 
     def alive(self) -> bool:
         """Whether quilld still holds the table (a load of its mutex's owner word)."""
         word = self.owner[0]
         return bool(word & _TID) and not word & _OWNER_DIED
 
-    def digest(self, key: Any) -> tuple[int, int]:
+    def digest(self, key: Any) -> tuple[int, int, int]:
+        """(h1, h2, the first word of the key's home entry), remembered for keys that can be."""
         d = hashlib.blake2b(key_bytes(key), key=self.salt, digest_size=16).digest()
-        return int.from_bytes(d[:8], "little") | 1, int.from_bytes(d[8:], "little")
+        h1 = int.from_bytes(d[:8], "little") | 1
+        out = (h1, int.from_bytes(d[8:], "little"), HEADER_WORDS + ((h1 >> 1) & self.mask) * ENTRY_WORDS)
+        if key.__class__ in (str, bytes):
+            digests = self._digests
+            if len(digests) >= DIGESTS_KEPT:
+                digests.clear()
+            digests[key] = out
+        return out
 
     def read_key(self, key: Any, view: memoryview | Segments, verify: bool) -> int:
         """Copy `key`'s block into `view`: its length, or NOT_HERE (not in the table, or it kept
         changing: ask quilld). Raises BufferTooSmall, with nothing written, when it does not fit."""
-        if not self.alive():
+        word = self.owner[0]
+        if not word & _TID or word & _OWNER_DIED:  # quilld is gone (or stopped): its table says nothing
             return NOT_HERE
-        h1, h2 = self.digest(key)
-        w, mask = self.words, self.mask
-        home = (h1 >> 1) & mask
-        for i in range(self.probe):
+        d = self._digests.get(key) if key.__class__ in (str, bytes) else None
+        h1, h2, b = d if d is not None else self.digest(key)
+        w = self.words
+        seq = w[b]  # the key's home entry, the common case, inline: what a hit costs
+        if w[b + 1] == h1 and w[b + 2] == h2:
+            offset, n, expire = w[b + 3], w[b + 4], w[b + 6]
+            if not (seq & 1 or verify or expire or n > len(view) or offset + n > self.arena_bytes
+                    or view.__class__ is not memoryview):
+                view[:n] = self.arena[offset:offset + n]
+                if w[b] == seq:  # after the copy: TSO keeps the copy's loads (and the fields') before it
+                    self.marks_mm[(b - HEADER_WORDS) >> 3] = 1
+                    return n
+                self.retries += 1
+            return self.read_at(b, h1, h2, view, verify)  # the careful way: it tries again, or says why not
+        home, mask = (b - HEADER_WORDS) // ENTRY_WORDS, self.mask
+        for i in range(1, self.probe):  # not at its home: the next entries, wrapping
             b = HEADER_WORDS + ((home + i) & mask) * ENTRY_WORDS
             if w[b + 1] == h1 and w[b + 2] == h2:
                 return self.read_at(b, h1, h2, view, verify)
@@ -99,7 +127,7 @@ class Lookup:
         """Copy the block SHM GET said `key` is at (`entry` of the table): as read_key."""
         if not 0 <= entry <= self.mask:
             return NOT_HERE
-        h1, h2 = self.digest(key)
+        h1, h2, _ = self.digest(key)
         return self.read_at(HEADER_WORDS + entry * ENTRY_WORDS, h1, h2, view, verify)
 
     def read_at(self, b: int, h1: int, h2: int, view: memoryview | Segments, verify: bool) -> int:
@@ -111,25 +139,30 @@ class Lookup:
                 continue
             if w[b + 1] != h1 or w[b + 2] != h2:  # another key's entry, or emptied, since we looked
                 return NOT_HERE
-            offset, n, crc, expire = w[b + 3], w[b + 4], w[b + 5], w[b + 6]
+            offset, n, expire = w[b + 3], w[b + 4], w[b + 6]
+            crc = w[b + 5] if verify else 0
             if n > len(view):
                 if w[b] == seq:
                     raise BufferTooSmall(n, len(view))
                 self.retries += 1
                 continue
-            if offset + n > self.arena_bytes:  # fields read mid-change (seq moved on): try again
+            end = offset + n
+            if end > self.arena_bytes:  # fields read mid-change (seq moved on): try again
                 self.retries += 1
                 continue
             if expire and expire <= time.time() * 1000:
                 return NOT_HERE  # quilld expires it when asked
-            land(view, self.arena[offset:offset + n])
+            if view.__class__ is memoryview:
+                view[:n] = self.arena[offset:end]
+            else:
+                land(view, self.arena[offset:end])
             if w[b] != seq:  # after the copy: TSO keeps the copy's loads before this one
                 self.retries += 1
                 continue
             if verify and (view.crc32c(n) if isinstance(view, Segments) else crc32c.crc32c(view[:n])) != crc:
                 self.retries += 1
                 continue
-            self.marks_mm[(b - HEADER_WORDS) // ENTRY_WORDS] = 1
+            self.marks_mm[(b - HEADER_WORDS) >> 3] = 1
             return n
         return NOT_HERE
 

@@ -245,7 +245,7 @@ class Mappings:
                     mapping.lookup = Lookup(fds[2], fds[3], int(info[b"lookup_slots"]), int(info[b"lookup_probe"]),
                                             bytes(salt), mapping.arena)
                 else:  # this scope's salt, as quilld says it now (a scope let go and taken again: a new one)
-                    mapping.lookup.salt = bytes(salt)
+                    mapping.lookup.set_salt(bytes(salt))
             return mapping
 
 
@@ -294,10 +294,11 @@ class ShmPool(RawPool):
 # -- reads ---------------------------------------------------------------------
 
 def get_one(pool: ShmPool, key: Any, view: memoryview | Segments, verify: bool,
-            reread: Callable[[int], int]) -> int:
+            reread: Callable[[int], int], lookup_tried: bool = False) -> int:
     """One key into `view`: its length or MISS; BufferTooSmall (nothing written) when it does not
-    fit. From the lookup table when it has the key (no round trip), else as get_many."""
-    lookup = pool.lookup()
+    fit. From the lookup table when it has the key (no round trip), else as get_many.
+    `lookup_tried`: the caller looked in the table already."""
+    lookup = None if lookup_tried else pool.lookup()
     if lookup is not None:
         n = lookup.read_key(key, view, verify)
         if n >= 0:
