@@ -22,6 +22,7 @@ import pytest
 from quillclient import lookup
 from quillclient.errors import BufferTooSmall
 from quillclient.lookup import NOT_HERE, Lookup
+from quillclient.segments import Segments
 
 from quilld.config import DramConfig
 from quilld.model import IdentityScope, Pinned
@@ -204,8 +205,9 @@ CHANGES = {"overwritten-by-a-small-value": _overwrite_small, "overwritten-by-a-b
            "changed-in-place": _in_place, "evicted": _evict, "flushed": _flush}
 
 
+@pytest.mark.parametrize("into", ["a-buffer", "segments"])  # the reader's inline path, and its careful one
 @pytest.mark.parametrize("change", CHANGES)
-def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, change):
+def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, change, into):
     """The reader found the key's entry and read its fields; quilld then changes the key (and, when
     that freed the block, its next owner writes other bytes there) before the reader copies: the
     copy takes the memory as it is then, and the reader must throw it away."""
@@ -224,7 +226,8 @@ def test_a_reader_that_loses_the_race_never_returns_what_it_copied(ks, table, ch
 
     r.arena = Preempted(r.arena, between)
     view = bytearray(VALUE)
-    got = r.read_key(b"k", memoryview(view), verify=False)
+    target = memoryview(view) if into == "a-buffer" else Segments([memoryview(view)])
+    got = r.read_key(b"k", target, verify=False)
     if seen[0] is not None:
         assert seen[0] == offset, "the test must make the block's space hold another value's bytes"
     assert r.retries >= 1, "the first copy was thrown away"
