@@ -68,6 +68,7 @@ import hashlib
 import mmap
 import os
 import secrets
+import struct
 import time
 from typing import Any
 
@@ -95,10 +96,13 @@ def table_slots(configured: int, arena_bytes: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+_TWO_WORDS = struct.Struct("<QQ").unpack
+
+
 def digest(salt: bytes, key: bytes) -> tuple[int, int]:
     """(h1, h2): BLAKE2b-128 of `key` under `salt`, h1's low bit set (0 marks an empty entry)."""
-    d = hashlib.blake2b(key, key=salt, digest_size=16).digest()
-    return int.from_bytes(d[:8], "little") | 1, int.from_bytes(d[8:], "little")
+    h1, h2 = _TWO_WORDS(hashlib.blake2b(key, key=salt, digest_size=16).digest())
+    return h1 | 1, h2
 
 
 def _hold_robust_mutex(address: int) -> bool:
@@ -125,6 +129,7 @@ class LookupTable:
         self.tenants = tenants
         self._secret = secrets.token_bytes(32)
         self._salts: dict[bytes, Any] = {}  # scope tag -> its salt, or None (its tenant may not map)
+        self._hashers: dict[bytes, Any] = {}  # scope tag -> a BLAKE2b keyed with its salt, to copy
         size = (HEADER_WORDS + slots * ENTRY_WORDS) * 8
         self.fd = sealed_memfd("quilld-lookup", size)
         self.marks_fd = -1
@@ -177,6 +182,22 @@ class LookupTable:
 
     def _forget_scope(self, tag: bytes, scope: Any) -> None:
         self._salts.pop(tag, None)
+        self._hashers.pop(tag, None)
+
+    def _digest(self, fk: bytes) -> tuple[int, int] | None:
+        """`digest(salt of fk's scope, its key)`, from a keyed hasher kept per scope; None when the
+        scope's tenant may not map."""
+        tag = fk[:TAG_LEN]
+        hasher = self._hashers.get(tag)
+        if hasher is None:
+            salt = self.salt(tag)
+            if salt is None:
+                return None
+            hasher = self._hashers[tag] = hashlib.blake2b(key=salt, digest_size=16)
+        h = hasher.copy()
+        h.update(fk[TAG_LEN:])
+        h1, h2 = _TWO_WORDS(h.digest())
+        return h1 | 1, h2
 
     def add(self, fk: bytes, block: Block) -> int:
         """Put `fk`'s block (resident, its CRC32C known) in the table: its entry, or -1 when it is
@@ -189,10 +210,10 @@ class LookupTable:
             if self._block[entry] is block:
                 return entry
             self.drop(fk)
-        salt = self.salt(fk[:TAG_LEN])
-        if salt is None:
+        hashed = self._digest(fk)
+        if hashed is None:
             return -1
-        h1, h2 = digest(salt, fk[TAG_LEN:])
+        h1, h2 = hashed
         keys, mask = self._key, self.mask
         home = (h1 >> 1) & mask
         for i in range(PROBE):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import struct
 import time
 from typing import Any
 
@@ -46,6 +47,7 @@ DIGESTS_KEPT = 1 << 16  # keys whose digests are remembered (then forgotten all 
 NOT_HERE = -2  # read_key's answer when the table cannot serve the key: ask quilld
 _OWNER_DIED = 0x40000000  # FUTEX_OWNER_DIED: the kernel's mark on a robust mutex whose owner died
 _TID = 0x3FFFFFFF
+_TWO_WORDS = struct.Struct("<QQ").unpack
 
 
 def key_bytes(key: Any) -> bytes:
@@ -86,9 +88,9 @@ class Lookup:
 
     def digest(self, key: Any) -> tuple[int, int, int]:
         """(h1, h2, the first word of the key's home entry), remembered for keys that can be."""
-        d = hashlib.blake2b(key_bytes(key), key=self.salt, digest_size=16).digest()
-        h1 = int.from_bytes(d[:8], "little") | 1
-        out = (h1, int.from_bytes(d[8:], "little"), HEADER_WORDS + ((h1 >> 1) & self.mask) * ENTRY_WORDS)
+        h1, h2 = _TWO_WORDS(hashlib.blake2b(key_bytes(key), key=self.salt, digest_size=16).digest())
+        h1 |= 1
+        out = (h1, h2, HEADER_WORDS + ((h1 >> 1) & self.mask) * ENTRY_WORDS)
         if key.__class__ in (str, bytes):
             digests = self._digests
             if len(digests) >= DIGESTS_KEPT:
