@@ -165,6 +165,26 @@ def test_where_loads_may_be_reordered_each_copy_is_checked_by_default(tmp_path, 
             assert c.shm_direct_reads == (1 if table else 0)
 
 
+def test_a_release_never_costs_a_message_of_its_own(tmp_path, sock_dir, nodes, monkeypatch):
+    """Reads that still take leases (no lookup table here) release them with the connection's next
+    command, in the same send: a 4 MiB read is one message to quilld, not two."""
+    q, _ = _node(tmp_path, sock_dir, nodes, "--dram", "64MiB", "--map-users", "default", env=NO_TABLE)
+    r = redis.Redis(port=q.port)
+    for i in range(4):
+        r.set(f"b{i}", bytes([i]) * (4 * MiB))
+    sends = []
+    real = shm.ShmConnection.send
+    monkeypatch.setattr(shm.ShmConnection, "send", lambda conn, pieces: (sends.append(1), real(conn, pieces)))
+    with QuillClient("127.0.0.1", q.port, shared_memory="require") as c:
+        buf = bytearray(4 * MiB)
+        c.get_into("b0", buf)  # the client's first call: its connection attached (its sends counted too)
+        sends.clear()
+        for i in range(1, 4):
+            assert c.get_into(f"b{i}", buf) == 4 * MiB and buf[-1] == i
+        assert len(sends) == 3, "one send a read: its SHM GET, behind the release of the read before"
+        assert r.info("shm")["shm_leases_live"] == 1 and r.info("commandstats")["cmdstat_shm|release"]["calls"] == 3
+
+
 def test_a_user_who_may_not_map_is_refused_and_served_over_tcp(tmp_path, sock_dir, nodes):
     users = tmp_path / "users"
     users.write_text("alice a-pass\nbob b-pass\n")

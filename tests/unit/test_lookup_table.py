@@ -31,7 +31,8 @@ from quilld.tiers.arena import PAGE
 from quilld.tiers.block import Block
 from quilld.tiers.expiry import now_ms
 from quilld.tiers.keyspace import Keyspace
-from quilld.tiers.lookup_table import PROBE, LookupTable, table_slots
+from quilld.tiers.lookup_table import (ENTRY_WORDS, HEADER_WORDS, PROBE, VERSION, LookupTable, digest,
+                                      table_slots)
 
 ALICE = IdentityScope("alice", "llama", "tok", "")
 CAROL = IdentityScope("carol", "llama", "tok", "")  # another tenant: her values fill and reuse the arena
@@ -303,6 +304,16 @@ def test_a_key_whose_every_entry_is_taken_is_not_put_in_the_table(ks):
         assert table.entries == PROBE - 1
     finally:
         table.close()
+
+
+def test_quilld_and_the_client_hash_a_key_alike(ks, table):
+    """The table's layout is two programs' contract: quilld's writer and quillclient's reader."""
+    tag = ks.scopes.tag(ALICE)
+    r = reader(ks, table, tag)
+    for key in (b"k", b"vllm@model@1@0@" + b"ab" * 32, "unicode-\u00e9".encode()):
+        assert table._digest(tag + key) == digest(table.salt(tag), key) == r.digest(key)[:2]
+    assert r.digest("unicode-\u00e9")[:2] == r.digest("unicode-\u00e9".encode())[:2], "a str key is its UTF-8"
+    assert lookup.VERSION == VERSION and (lookup.HEADER_WORDS, lookup.ENTRY_WORDS) == (HEADER_WORDS, ENTRY_WORDS)
 
 
 def test_sizes_and_seals():
