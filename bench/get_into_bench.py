@@ -9,9 +9,17 @@ writes (redis-py `set`, `QuillClient.put`, `put_blocks`).
     python bench/get_into_bench.py --rounds 3
     python bench/get_into_bench.py --rounds 3 --mooncake    # also Mooncake Store, if it runs here
     python bench/get_into_bench.py --rounds 1 --mib 64 --mooncake --plot docs/img/get_into.png   # and a figure
+    python bench/get_into_bench.py --rounds 3 --mib 64 --sizes 64KiB,1MiB,4MiB --cpu-hog --mooncake
+
+`--cpu-hog` keeps one core busy (`python3 -c 'while True: pass'`) for the whole run, as a
+serving machine's other work would: a read that needs quilld to run (a round trip) then
+competes for the CPU, one served from shared memory by the client alone does not.
 
 `--mooncake` (optional, never a dependency): needs `pip install mooncake-transfer-engine-non-cuda`
-and Debian's `libibverbs1`. It runs `mooncake_master` and a store client (P2PHANDSHAKE metadata,
+and Debian's `libibverbs1` (in a throwaway venv that sees the system's packages, say:
+`python3 -m venv --system-site-packages /tmp/mcvenv && /tmp/mcvenv/bin/pip install
+mooncake-transfer-engine-non-cuda`, then run the bench with `/tmp/mcvenv/bin/python` and
+`/tmp/mcvenv/bin` on PATH, where `mooncake_master` is). It runs `mooncake_master` and a store client (P2PHANDSHAKE metadata,
 TCP transport, MC_STORE_MEMCPY=0 so a local read still goes through the transport) inside a
 private network namespace (`unshare -n`, loopback only) together with a second quilld, measures
 both single-threaded in turn (order swapped each round, so both see the same machine load) and
@@ -54,10 +62,12 @@ SIZES = [64 * KiB, MiB, 4 * MiB, 32 * MiB]
 MOONCAKE_SIZES = [64 * KiB, MiB, 4 * MiB]
 
 
-
-
-
-
+def parse_size(text: str) -> int:
+    """64KiB, 1MiB, 4MiB (or plain bytes)."""
+    for unit, mult in (("KiB", KiB), ("MiB", MiB)):
+        if text.endswith(unit):
+            return int(text[:-len(unit)]) * mult
+    return int(text)
 
 
 def human(size: int) -> str:
@@ -491,6 +501,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="keys per get_many_into / pipeline / put_blocks call")
     ap.add_argument("--mooncake", action="store_true", help="also measure Mooncake Store, if it runs here")
     ap.add_argument("--quick", action="store_true", help="one round of 32 MiB per measurement (a smoke run)")
+    ap.add_argument("--sizes", default="", help="block sizes to measure, e.g. 64KiB,1MiB,4MiB (default: all)")
+    ap.add_argument("--cpu-hog", action="store_true", help="keep one core busy for the whole run (another process)")
     ap.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
     add_flag(ap)
     args = ap.parse_args()
@@ -501,26 +513,35 @@ def main() -> int:
         mooncake_child(args.rounds, budget, args.batch)
         return 0
 
+    sizes = [parse_size(x) for x in args.sizes.split(",")] if args.sizes else SIZES
     tmp = tempfile.mkdtemp(prefix="quilld-getinto-bench-")
     log = open(os.path.join(tmp, "quilld.log"), "wb")
-    proc, port = start_quilld("2GiB", log, os.path.join(tmp, "q.sock"))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.cpu_hog else None
+    print(f"load average before: {os.getloadavg()}; one core kept busy by pid {hog.pid}" if hog else
+          f"load average before: {os.getloadavg()}", flush=True)
     try:
-        import redis
+        proc, port = start_quilld("2GiB", log, os.path.join(tmp, "q.sock"))
+        try:
+            import redis
 
-        print(f"quilld on 127.0.0.1:{port}, 2 GiB arena; redis-py {redis.__version__}; {os.cpu_count()} cores; "
-              f"{args.rounds} round(s), {args.mib} MiB per measurement, batches of {args.batch}", flush=True)
-        gets, puts = bench_quilld(port, args.rounds, budget, args.batch, SIZES)
-        print_tables(gets, puts, SIZES, args.batch)
+            print(f"quilld on 127.0.0.1:{port}, 2 GiB arena; redis-py {redis.__version__}; {os.cpu_count()} cores; "
+                  f"{args.rounds} round(s), {args.mib} MiB per measurement, batches of {args.batch}", flush=True)
+            gets, puts = bench_quilld(port, args.rounds, budget, args.batch, sizes)
+            print_tables(gets, puts, sizes, args.batch)
+        finally:
+            stop(proc)
+            log.close()
+        if args.mooncake:
+            mc = run_mooncake(args.rounds, min(budget, 128 * MiB), args.batch, tmp)
+            if isinstance(mc, str):
+                print(f"\nMooncake section skipped: {mc}")
+            else:
+                print_mooncake(mc, args.batch)
     finally:
-        stop(proc)
-        log.close()
-    if args.mooncake:
-        mc = run_mooncake(args.rounds, min(budget, 128 * MiB), args.batch, tmp)
-        if isinstance(mc, str):
-            print(f"\nMooncake section skipped: {mc}")
-        else:
-            print_mooncake(mc, args.batch)
-    if args.plot:
+        if hog is not None:
+            stop(hog)
+    print(f"\nload average after: {os.getloadavg()}")
+    if args.plot and sizes == SIZES:
         plot(args.plot, gets, puts, mc if args.mooncake and not isinstance(mc, str) else None, args.batch,
              args.rounds)
     shutil.rmtree(tmp, ignore_errors=True)

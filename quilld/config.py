@@ -75,6 +75,7 @@ class ServerConfig:
     shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
     shm_max_leases: int = 4096  # leases one connection may hold at once (the table has SHM_SLOTS in all)
     shm_max_leases_per_user: int = 0  # leases one user's connections may hold together; 0: SHM_SLOTS / map users
+    shm_lookup_slots: int = 0  # entries of the same-host lookup table; 0: two per 64 KiB of arena; < 0: no table
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,8 @@ class Config:
                               "must be at least 0")
         if not 0 <= s.unixsocketperm <= 0o777:
             raise ConfigError(f"server.unixsocketperm must be an octal mode within 0..777, got {s.unixsocketperm:o}")
+        if s.shm_lookup_slots > 1 << 24:
+            raise ConfigError("server.shm_lookup_slots must be at most 16777216 (0: sized from the arena)")
         if s.shm_lease_ms < 1 or not 1 <= s.shm_max_leases <= SHM_SLOTS or \
                 not 0 <= s.shm_max_leases_per_user <= SHM_SLOTS:
             raise ConfigError(f"server.shm_lease_ms must be positive, server.shm_max_leases within 1..{SHM_SLOTS} "

@@ -26,7 +26,7 @@ import time
 
 from quilld import __version__, native
 from quilld.cluster.cluster import Cluster
-from quilld.config import SHM_SLOTS, Config, shm_leases_per_user
+from quilld.config import SHM_SLOTS, Config, map_user_names, shm_leases_per_user
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
 from quilld.http.metrics import NodeMetrics
@@ -45,6 +45,7 @@ from quilld.security import Users
 from quilld.tiers.arena import check_arena_size
 from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.leases import LeaseTable
+from quilld.tiers.lookup_table import LookupTable, table_slots
 from quilld.tiers.puts import TwoPhasePuts
 from quilld.tiers.tiering import Tiering
 
@@ -181,6 +182,10 @@ class Node:
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
             self.ctx.leases = LeaseTable(keyspace, SHM_SLOTS, cfg.server.shm_lease_ms, cfg.server.shm_max_leases,
                                          shm_leases_per_user(cfg))
+            mappers = map_user_names(cfg.security.map_users)
+            slots = table_slots(cfg.server.shm_lookup_slots, keyspace.capacity)
+            if mappers and slots:  # and the lookup table that mapped clients read blocks by, no round trip
+                keyspace.lookup_table = LookupTable(keyspace, slots, mappers)
         self._unix: asyncio.AbstractServer | None = None
         self.metrics = NodeMetrics(self.ctx)  # its registry; observers handed to the control plane and SSD tier
         self._server: asyncio.AbstractServer | None = None
@@ -326,6 +331,8 @@ class Node:
                         "(ssd.dir, --ssd-dir)", len(ks.data), human(ks.used))
         if ctx.leases is not None:
             ctx.leases.close()
+        if ctx.keyspace.lookup_table is not None:
+            ctx.keyspace.lookup_table.close()
         ctx.keyspace.close()
         self._server = None
         log.info("quilld stopped")
@@ -358,6 +365,8 @@ class Node:
                 ctx.puts.reclaim_expired()
                 if ctx.leases is not None:
                     ctx.leases.expire()
+                if ctx.keyspace.lookup_table is not None:
+                    ctx.keyspace.lookup_table.note_reads()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()
                 ctx.clients.close_stalled(self.cfg.server.payload_timeout_ms / 1000, time.monotonic())

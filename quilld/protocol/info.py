@@ -276,7 +276,18 @@ def _shm(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("shm_leases_live", leases.live), ("shm_leases_granted", leases.granted),
             ("shm_leases_released", leases.released), ("shm_leases_expired", leases.expired),
             ("shm_leases_dropped", leases.dropped), ("shm_lease_slots", leases.slots),
-            ("shm_lease_slots_per_user", leases.max_per_user), ("shm_leases_refused_user", leases.refused_user)]
+            ("shm_lease_slots_per_user", leases.max_per_user), ("shm_leases_refused_user", leases.refused_user),
+            *_lookup_fields(ctx.keyspace.lookup_table)]
+
+
+def _lookup_fields(table) -> list:
+    """The same-host lookup table: its entries, how many blocks went in and out, how many found no
+    entry free, and how many keys clients were seen reading through it (housekeeping's count)."""
+    if table is None:
+        return [("shm_lookup_slots", 0)]
+    return [("shm_lookup_slots", table.slots), ("shm_lookup_entries", table.entries),
+            ("shm_lookup_added", table.added), ("shm_lookup_dropped", table.dropped),
+            ("shm_lookup_full", table.full), ("shm_lookup_reads_noted", table.reads_noted)]
 
 
 def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:

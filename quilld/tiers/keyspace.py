@@ -125,6 +125,9 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
         # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
         self.touched: Callable[[bytes], None] | None = None
+        # the same-host lookup table (lookup_table.py), when clients may map the arena: told (`drop`)
+        # before a key's block stops being its value, so that a reader's copy of it is never trusted
+        self.lookup_table: Any = None
         # a delete/publish/flush_scope released a copy in the lower tier whose deletion is not
         # durable yet: whoever acknowledges it waits for `take_unsynced()` first
         self.unsynced = False
@@ -416,6 +419,9 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         data = self.data
         if value.__class__ is bytes and self.lower_tier is not None and self.used + len(value) > self.limit:
             self._admit(fk, len(value))  # before anything changes: may raise OutOfMemory
+        table = self.lookup_table
+        if table is not None:
+            table.drop(fk)  # before the old value is released
         if self.tracked:
             self._forget(fk)
         listener = self.listener
@@ -453,6 +459,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             self.block_count += 1
         data[fk] = value
         self.writes += 1
+        if table is not None and value.__class__ is Block:
+            table.add(fk, value)
         if self.touched is not None:
             self.touched(fk)
 
@@ -521,6 +529,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                 owner.add(tag)
 
     def _removed(self, fk: bytes) -> None:
+        if self.lookup_table is not None:  # before its value is released
+            self.lookup_table.drop(fk)
         tag = fk[:TAG_LEN]
         if self._scope_keys:
             keys = self._scope_keys.get(tag)

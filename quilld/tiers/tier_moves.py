@@ -30,6 +30,8 @@ class TierMoves:
         """`value` (an unpinned resident block, or inline bytes) now lives only in the lower
         tier as `entry`: free its DRAM. The key leaves the DRAM LRU and joins the lower tier's
         LRU; its TTL stays in `expires` (the entry carries it too)."""
+        if self.lookup_table is not None:  # before its DRAM is freed
+            self.lookup_table.drop(fk)
         self.data.pop(fk, None)  # eviction has already popped it
         self.lower[fk] = entry
         if value.__class__ is bytes:
@@ -69,6 +71,8 @@ class TierMoves:
             value.crc = entry.crc  # verified by the read
             self.block_count += 1
             self.data[fk] = value
+            if self.lookup_table is not None:
+                self.lookup_table.add(fk, value)
         if self.listener is not None and fk in self.tracked:
             self.listener.placed(fk, CacheTier.DRAM, len(value), self.tracked[fk])
 

@@ -21,6 +21,8 @@ class TtlVerbs:
         """`key` (present) expires at `at_ms`. A copy in the lower tier gets the same TTL,
         durably: whoever acknowledges this waits for `take_unsynced()` (see `_retimed`)."""
         fk = tag + key
+        if self.lookup_table is not None:  # its entry holds the old deadline
+            self.lookup_table.drop(fk)
         self.ttls.set(fk, at_ms)
         if self.lower_tier is not None:
             self._retimed(fk)
@@ -59,6 +61,8 @@ class TtlVerbs:
         fk = tag + key
         if self.expires.pop(fk, None) is None:
             return False
+        if self.lookup_table is not None:  # its entry holds the old deadline
+            self.lookup_table.drop(fk)
         if self.lower_tier is not None:
             self._retimed(fk)
         if self.touched is not None:

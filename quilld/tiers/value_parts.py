@@ -116,6 +116,8 @@ class ValueParts:
         if not is_block:
             return self._rebuilt(tag, key, value or b"", new, fn)
         if not value.pins and page_extent(new) == page_extent(old):
+            if self.lookup_table is not None:  # before its bytes change under a reader
+                self.lookup_table.drop(fk)
             view = self.arena.view(value.handle, new)
             if new > old:
                 _zero(view[old:])

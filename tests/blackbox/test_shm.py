@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from conftest import ROOT, ssd_node, start_quilld, tiers_of, wait_until
-from quillclient import NotFound, QuillClient, QuillConnectionError, QuillError, shm
+from quillclient import NotFound, QuillClient, QuillConnectionError, QuillError, lookup, shm
 
 MiB = 1 << 20
 
@@ -51,8 +51,13 @@ def _info(q, **kw) -> dict:
 SIZES = [0, 1, 4095, 4096, 4097, 1 * MiB, 64 * MiB]
 
 
-def test_reads_and_writes_of_every_size_are_byte_identical(tmp_path, sock_dir, nodes):
-    q, path = _node(tmp_path, sock_dir, nodes, "--dram", "256MiB", "--map-users", "default")
+NO_TABLE = {"QUILLD_SERVER_SHM_LOOKUP_SLOTS": "-1"}  # every read asks quilld: SHM GET, leases
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["lookup-table", "leases"])
+def test_reads_and_writes_of_every_size_are_byte_identical(tmp_path, sock_dir, nodes, table):
+    q, path = _node(tmp_path, sock_dir, nodes, "--dram", "256MiB", "--map-users", "default",
+                    env=None if table else NO_TABLE)
     rng = np.random.default_rng(15)
     data = {f"k{n}": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in SIZES}
     with QuillClient("127.0.0.1", q.port, shared_memory="require", verify_crc=True) as c, \
@@ -77,13 +82,16 @@ def test_reads_and_writes_of_every_size_are_byte_identical(tmp_path, sock_dir, n
         with pytest.raises(NotFound):
             c.get_into("missing", buf)
         assert c.shm_stale_reads == 0 and c.shm_crc_rereads == 0
-    info = _info(q)
-    assert info["shm_leases_granted"] >= 6 and info["shm_leases_live"] == 0  # all released after copying
+        if table:  # every block found in the table (SET's once SHM GET put it there): no lease at all
+            assert c.shm_direct_reads == 2 * 3 and _info(q)["shm_leases_granted"] == 0  # 3 blocks, 4 inline
+        else:
+            assert c.shm_direct_reads == 0 and _info(q)["shm_leases_granted"] >= 6
+    assert wait_until(lambda: _info(q)["shm_leases_live"] == 0, timeout=10)  # all released, or dropped at close
 
 
 def test_a_lease_that_ends_while_the_client_copies_is_detected(tmp_path, sock_dir, nodes, monkeypatch):
     q, path = _node(tmp_path, sock_dir, nodes, "--dram", "64MiB", "--map-users", "default",
-                    env={"QUILLD_SERVER_SHM_LEASE_MS": "200"})
+                    env={"QUILLD_SERVER_SHM_LEASE_MS": "200", **NO_TABLE})
     r = redis.Redis(port=q.port)
     n = 1 * MiB
     v1, v2, v3 = (bytes([x]) * n for x in (1, 2, 3))
@@ -91,7 +99,7 @@ def test_a_lease_that_ends_while_the_client_copies_is_detected(tmp_path, sock_di
     offsets: list[int] = []
     copy = shm._copy
 
-    def slow_copy(conn, item, view, verify):
+    def slow_copy(conn, key, item, view, verify):
         """A reader preempted between SHM GET's reply and its copy, for longer than the lease."""
         if type(item) is list:
             offsets.append(item[0])
@@ -100,7 +108,7 @@ def test_a_lease_that_ends_while_the_client_copies_is_detected(tmp_path, sock_di
             r.set("filler", v3)  # and reused by another value of the same size
             reused = redis.Redis(unix_socket_path=path).execute_command("SHM", "GET", "filler")[0]
             offsets.append(reused[0])
-        return copy(conn, item, view, verify)
+        return copy(conn, key, item, view, verify)
 
     monkeypatch.setattr(shm, "_copy", slow_copy)
     with QuillClient("127.0.0.1", q.port, shared_memory="require") as c:
@@ -111,34 +119,70 @@ def test_a_lease_that_ends_while_the_client_copies_is_detected(tmp_path, sock_di
         assert c.shm_stale_reads == 1
 
 
+@pytest.mark.parametrize("table", [True, False], ids=["lookup-table", "leases"])
 @pytest.mark.parametrize("machine", ["aarch64", "x86_64"])
 def test_where_loads_may_be_reordered_each_copy_is_checked_by_default(tmp_path, sock_dir, nodes, monkeypatch,
-                                                                      machine):
+                                                                      machine, table):
     """On a CPU without TSO a copy may take bytes of the block's next owner and still see the
-    generation its lease had: only the CRC32C catches it, so it is checked there by default."""
+    generation its lease had (or its table entry's seq): only the CRC32C catches it, so it is
+    checked there by default."""
     import platform
     monkeypatch.setattr(platform, "machine", lambda: machine)
-    q, _ = _node(tmp_path, sock_dir, nodes, "--dram", "64MiB", "--map-users", "default")
+    q, _ = _node(tmp_path, sock_dir, nodes, "--dram", "64MiB", "--map-users", "default",
+                 env=None if table else NO_TABLE)
     value = bytes(range(256)) * 4096
-    redis.Redis(port=q.port).set("k", value)
-    copy = shm._copy
-
-    def reordered_copy(conn, item, view, verify):
-        """What a reordered load gives: the copy ends with bytes the generation check cannot see."""
-        got = copy(conn, item, view, verify)
-        if type(item) is list:
-            view[got[0] - 1] ^= 0xFF
-        return got
-
-    monkeypatch.setattr(shm, "_copy", reordered_copy)
     with QuillClient("127.0.0.1", q.port, shared_memory="require") as c:
+        assert c.put_blocks({"k": value}) == [True]  # with its CRC32C: in the lookup table at once
+
+        class Reordered:
+            """The arena as a copy with reordered loads sees it: its end holds bytes the check of a
+            generation (or of an entry's seq) cannot see."""
+
+            def __init__(self, arena):
+                self.arena = arena
+
+            def __getitem__(self, where):
+                got = bytearray(self.arena[where])
+                if len(got) == len(value):
+                    got[-1] ^= 0xFF
+                return got
+
+        mapping = c._shm_pool().mappings.current
+        mapping.arena = Reordered(mapping.arena)  # read through by leases (shm._copy)
+        if mapping.lookup is not None:  # and by the lookup table's reader
+            mapping.lookup.arena = Reordered(mapping.lookup.arena)
         assert c.config.verify_crc is (machine == "aarch64")
         buf = bytearray(len(value))
         assert c.get_into("k", buf) == len(value)
         if machine == "aarch64":
-            assert bytes(buf) == value and c.shm_crc_rereads == 1, "the damaged copy was read again over TCP"
+            assert bytes(buf) == value, "the damaged copies were thrown away, the block read over TCP at last"
+            if table:  # thrown away TRIES times, TRIES more once SHM GET named its entry, then TCP
+                assert c.shm_direct_retries == 2 * lookup.TRIES and c.shm_direct_reads == 0
+            else:
+                assert c.shm_crc_rereads == 1
         else:  # x86-64 keeps loads in order: such a copy cannot happen there, and nothing checks for it
-            assert bytes(buf) != value and c.shm_crc_rereads == 0
+            assert bytes(buf) != value and c.shm_crc_rereads == 0 and c.shm_direct_retries == 0
+            assert c.shm_direct_reads == (1 if table else 0)
+
+
+def test_a_release_never_costs_a_message_of_its_own(tmp_path, sock_dir, nodes, monkeypatch):
+    """Reads that still take leases (no lookup table here) release them with the connection's next
+    command, in the same send: a 4 MiB read is one message to quilld, not two."""
+    q, _ = _node(tmp_path, sock_dir, nodes, "--dram", "64MiB", "--map-users", "default", env=NO_TABLE)
+    r = redis.Redis(port=q.port)
+    for i in range(4):
+        r.set(f"b{i}", bytes([i]) * (4 * MiB))
+    sends = []
+    real = shm.ShmConnection.send
+    monkeypatch.setattr(shm.ShmConnection, "send", lambda conn, pieces: (sends.append(1), real(conn, pieces)))
+    with QuillClient("127.0.0.1", q.port, shared_memory="require") as c:
+        buf = bytearray(4 * MiB)
+        c.get_into("b0", buf)  # the client's first call: its connection attached (its sends counted too)
+        sends.clear()
+        for i in range(1, 4):
+            assert c.get_into(f"b{i}", buf) == 4 * MiB and buf[-1] == i
+        assert len(sends) == 3, "one send a read: its SHM GET, behind the release of the read before"
+        assert r.info("shm")["shm_leases_live"] == 1 and r.info("commandstats")["cmdstat_shm|release"]["calls"] == 3
 
 
 def test_a_user_who_may_not_map_is_refused_and_served_over_tcp(tmp_path, sock_dir, nodes):
@@ -183,7 +227,7 @@ HOLDER = textwrap.dedent("""
 
 def test_a_client_killed_while_holding_leases_frees_them(tmp_path, sock_dir, nodes):
     q, path = _node(tmp_path, sock_dir, nodes, "--dram", "8MiB", "--map-users", "default",
-                    env={"QUILLD_SERVER_SHM_LEASE_MS": "600000"})  # only the connection's end can free it
+                    env={"QUILLD_SERVER_SHM_LEASE_MS": "600000", **NO_TABLE})  # only its end can free it
     r = redis.Redis(port=q.port)
     r.set("held", b"h" * (6 * MiB))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients' / 'python'}:{ROOT / 'wire'}"}

@@ -168,13 +168,17 @@ def _hold(path: str, user: str, password: str, key: str, leases: int) -> tuple[s
     return s, got
 
 
-def test_one_user_cannot_take_the_lease_table_and_a_busy_client_reads_over_tcp(tmp_path, sock_dir):
+@pytest.mark.parametrize("table", [False, True], ids=["leases", "lookup-table"])
+def test_one_user_cannot_take_the_lease_table_and_a_busy_client_reads_over_tcp(tmp_path, sock_dir, table):
+    """With the lookup table (the default) a mapped client needs no lease at all: alice's own reads
+    go through it even while her raw connections hold her whole share of the lease table."""
     users = tmp_path / "users"
     users.write_text("alice apw\nbob bpw\n")
     path = os.path.join(sock_dir, "q.sock")
     q = start_quilld(tmp_path, "--unixsocket", path, "--dram", "64MiB", "--users-file", str(users),
                      "--map-users", "alice,bob", admin=False,
-                     env={"QUILLD_SERVER_SHM_LEASE_MS": "600000"})  # held until the test lets go
+                     env={"QUILLD_SERVER_SHM_LEASE_MS": "600000",  # held until the test lets go
+                          "QUILLD_SERVER_SHM_LOOKUP_SLOTS": "0" if table else "-1"})
     socks = []
     try:
         assert wait_until(lambda: os.path.exists(path), timeout=10)
@@ -206,7 +210,8 @@ def test_one_user_cannot_take_the_lease_table_and_a_busy_client_reads_over_tcp(t
             buf = bytearray(65536)
             assert alice.get_into("a", buf) == 65536 and bytes(buf) == b"A" * 65536
             assert alice.get_many_into(["a", "missing"], [bytearray(65536), bytearray(10)]) == [65536, -1]
-            assert alice.shm_busy_rereads == 3 and alice.transport == "shm"
+            assert alice.shm_busy_rereads == (0 if table else 3) and alice.transport == "shm"
+            assert alice.shm_direct_reads == (1 if table else 0)  # the first read put "a" in the table
         for s in socks:
             s.close()
         assert wait_until(lambda: bob_r.info("shm")["shm_leases_live"] == 0, timeout=20)

@@ -5,9 +5,10 @@ A round groups blocks up to `put_round_bytes`. The cost to cut is quilld's work 
 back to back in `sendmsg` windows of `_WINDOW` commands (the blocks are the caller's memory,
 never copied or joined), the window's replies read before the next one goes:
 
-- a round of at most `chunk_size` bytes: one `PUT2PHASE PUT key CRC32C crc bytes` per block
-  (BEGIN, DATA and COMMIT at once). `+EXISTS` means the key is already complete: that block is
-  skipped (reported as not stored);
+- a round of at most `chunk_size` bytes: one `MPUTBLK key crc32c bytes [key crc32c bytes ...]`
+  for the whole round (BEGIN, DATA and COMMIT of every block at once, one command for quilld to
+  dispatch: quilld/protocol/commands/batches.py). `+EXISTS` means the key is already complete:
+  that block is skipped (reported as not stored);
 - a larger round whose blocks are each at most `chunk_size`: first BEGIN for every block,
   pipelined (the space for the whole round is reserved before any byte goes: a reservation that
   fails stores nothing of the round), then one `PUT2PHASE DATA handle 0 bytes CRC32C crc` per
@@ -19,7 +20,8 @@ never copied or joined), the window's replies read before the next one goes:
 The server checks every byte arrived and the checksum, then publishes each block whole. On any
 failure the round's handles still open are aborted (best effort; a handle nobody aborts is
 reclaimed when its lease runs out) and the first error is raised. Blocks committed in earlier
-rounds stay, and so do blocks of the same round published by `PUT` before the failure.
+rounds stay, and so do the blocks of an MPUTBLK round that quilld stored beside a block it refused
+(a wrong CRC32C, say: per block, one's error does not stop the others).
 
 A lost connection in a pipeline leaves unknown what went through: the keys now present count as
 stored, the rest go the long way (BEGIN for each first, then DATA and COMMIT).
@@ -146,19 +148,30 @@ def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list
 
 
 def _put_whole(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool]) -> bool:
-    """A round of blocks of at most chunk_size each, one `PUT2PHASE PUT key CRC32C crc bytes` per
-    block (BEGIN, DATA and COMMIT at once: one command and one reply to parse instead of three),
-    pipelined on one raw socket, `_WINDOW` puts to a `sendmsg` batch (the blocks are the caller's
-    memory, never copied or joined), then their replies read. The server publishes a block only
-    whole and with the right CRC32C; a key already complete answers `+EXISTS` (not stored).
+    """A round of at most chunk_size bytes as ONE `MPUTBLK key crc32c bytes [key crc32c bytes ...]`:
+    every block received by quilld straight into its own arena block, each checked against its
+    CRC32C and published whole, one command to dispatch and one reply for the whole round (the
+    blocks are the caller's memory, sent with `sendmsg`, never copied or joined). Per block `+OK`,
+    `+EXISTS` (the key was complete already: not stored) or its error; a reservation that fails
+    while the command is received fails it whole, before anything of the round is stored.
 
     False when the connection was lost on the way (what went through is unknown): the keys now
     present count as stored, and the caller goes the long way for the rest.
     """
     order = list(range(lo, hi))
+    args = [arg for i in order for arg in (blocks[i][0], crc32c.crc32c(blocks[i][1]), blocks[i][1])]
+
+    def request(conn) -> list:
+        conn.send(pack_command("MPUTBLK", *args))
+        reply = conn.next_event()
+        if isinstance(reply, ReplyError):
+            raise from_wire(reply.message)
+        if type(reply) is not list or len(reply) != len(order):
+            raise ProtocolError(f"unexpected reply to MPUTBLK: {reply!r:.60}")
+        return [from_wire(r.message) if isinstance(r, ReplyError) else r for r in reply]
+
     try:
-        replies = _raw_pipeline(client, [("PUT2PHASE", "PUT", blocks[i][0], "CRC32C", crc32c.crc32c(blocks[i][1]),
-                                          blocks[i][1]) for i in order])
+        replies = _on_raw_socket(client, request)
     except QuillConnectionError:
         for i in order:
             stored[i] = client.exists(blocks[i][0])

@@ -13,8 +13,9 @@ Two pools share one `ClientConfig`:
 - `shm.ShmPool`, unix-socket connections to a quilld on the same host that
   lets this user map its arena: `get_into`, `get_many_into` and `put_blocks`
   then copy blocks straight between the caller's memory and the arena
-  (`client.transport` is "shm"), else they use TCP ("tcp", and
-  `client.shm_unavailable_reason` says why). Decided at first use.
+  (`client.transport` is "shm"), reads finding their blocks in quilld's lookup
+  table without asking it at all (`quillclient.lookup`), else they use TCP
+  ("tcp", and `client.shm_unavailable_reason` says why). Decided at first use.
 
 Idempotent commands are retried after a lost connection with redis-py's
 `Retry` (exponential backoff with jitter); an error the server sent is never
@@ -42,7 +43,7 @@ from quillwire.encode import pack_command
 
 from quillclient import blocks, segments, shm, zerocopy
 from quillclient.config import ClientConfig, Scope
-from quillclient.errors import AuthError, BufferTooSmall, NotFound, QuillConnectionError, QuillError, from_redis
+from quillclient.errors import AuthError, NotFound, QuillConnectionError, QuillError, from_redis
 from quillclient.segments import as_writable
 
 T = TypeVar("T")
@@ -157,6 +158,16 @@ class QuillClient:
         return "shm" if self._shm_pool() is not None else "tcp"
 
     @property
+    def shm_direct_reads(self) -> int:
+        """Blocks read from quilld's lookup table in shared memory, quilld not asked at all."""
+        return self._shm.direct_reads if self._shm is not None else 0
+
+    @property
+    def shm_direct_retries(self) -> int:
+        """Copies out of the lookup table thrown away because their entry changed meanwhile."""
+        return self._shm.direct_retries if self._shm is not None else 0
+
+    @property
     def shm_stale_reads(self) -> int:
         """Shared-memory copies whose lease ended while copying, read again over TCP."""
         return self._shm.stale_reads if self._shm is not None else 0
@@ -204,7 +215,7 @@ class QuillClient:
             elif not os.path.exists(path):
                 reason = f"the server's unix socket {path} is not visible from here"
             else:
-                pool = shm.ShmPool(cfg, path)
+                pool = shm.ShmPool(cfg, path, table=bool(hello.get("lookup_slots")))
                 try:
                     pool.release(pool.acquire())  # connect and attach once: any refusal shows now
                 except QuillError as e:
@@ -276,15 +287,19 @@ class QuillClient:
         block does not fit; the client stays usable after either.
         """
         view = as_writable(buffer)
-        pool = self._shm_pool()
+        pool = self._shm if self._shm_decided else self._shm_pool()
         if pool is None:
             n = zerocopy.get_into(self._raw, key, view)
         else:
-            try:
-                n = shm.get_many(pool, [key], [view], self.config.verify_crc,
-                                 lambda i: zerocopy.get_into(self._raw, key, view))[0]
-            except BufferTooSmall as e:
-                raise BufferTooSmall(e.needed, e.size) from None
+            mapping = pool.mappings.current
+            lookup = mapping.lookup if mapping is not None else None
+            if lookup is not None:  # the hot path: a hash, a probe, a copy, no system call
+                n = lookup.read_key(key, view, self.config.verify_crc)
+                if n >= 0:
+                    pool.direct_reads += 1
+                    return n
+            n = shm.get_one(pool, key, view, self.config.verify_crc,
+                            lambda i: zerocopy.get_into(self._raw, key, view), lookup_tried=lookup is not None)
         if n == zerocopy.MISS:
             raise NotFound(key)
         return n

@@ -18,10 +18,12 @@ Calls, as SGLang's cache controller makes them (`HybridCacheController`, which e
 in SGLang 0.5.23, over `sglang/srt/managers/cache_controller.py`):
 
 - default ("generic") path: `batch_exists(page_hashes) -> int`, the leading run of
-  stored pages; `batch_get(page_hashes, [flat page tensor per key])`, each block read
-  straight into its tensor (`get_many_into`, one pipelined socket); `batch_set(page_hashes,
-  [flat page tensor per key]) -> bool` through `put_blocks` (PUT2PHASE, CRC32C). One
-  object per page holds its K and V.
+  stored pages (one `EXISTS` of all of them); `batch_get(page_hashes, [flat page tensor per
+  key])`, each block read straight into its tensor (`get_many_into`: one `MGET` over TCP; over
+  shared memory found in quilld's lookup table and copied with no round trip at all);
+  `batch_set(page_hashes, [flat page tensor per key]) -> bool` through `put_blocks` (one
+  `MPUTBLK` per round over TCP, one `SHM RESERVE` and one `SHM COMMIT` over shared memory,
+  every block checked against its CRC32C). One object per page holds its K and V.
 - `"interface_v1": 1` in the extra config: `batch_get_v1` / `batch_set_v1` with host
   indices. The host pool's `get_page_buffer_meta` gives a page's buffers (one for MLA
   `page_first`, K and V for MHA `page_first`, K and V of every layer for `layer_first`),

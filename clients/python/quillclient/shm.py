@@ -6,37 +6,41 @@ client opens unix-socket connections (the same AUTH and SCOPE as TCP) and sends
 `SHM ATTACH` on each: quilld answers with two descriptors attached (SCM_RIGHTS),
 the DRAM arena and its lease table, which the client maps.
 
-Reads: `SHM GET key ...` answers, per key, nil, the bytes themselves (small values
-kept inline), or `[offset, length, crc32c, slot, generation]`. The client copies
-`length` bytes at `offset` of its mapping into the caller's buffer, then reads
-the slot's generation in the lease table again: equal, the lease was alive while
-it copied and the bytes are the block's; different, the lease ended meanwhile
-(expired, or quilld restarted) and the block may have been reused, so the
-client reads the key again over TCP and counts it (`stale_reads`). A stale copy
-is never returned as good data. This relies on x86-64's ordering of loads (TSO:
-the copy's loads are not performed after the generation's load); see quilld's
-tiers/leases.py. With `verify_crc` the CRC32C of each copy is checked as well
-(a mismatch also reads again over TCP, counted in `crc_rereads`); it is on by
-default on any other CPU, where the generation check alone is not enough.
+Reads with no round trip: attached with `SHM ATTACH TABLE` (when SHM HELLO offers
+`lookup_slots`), the client also maps quilld's lookup table and finds its blocks there by
+itself (quillclient/lookup.py): a hash, a probe, a copy and a check, no system call. Only
+what the table cannot serve (a miss, a small value kept inline, a value only on SSD, an
+entry that changed under the copy) asks quilld:
+
+`SHM GET key ...` answers, per key, nil, the bytes themselves (small values kept inline), the
+key's entry in the lookup table (an int: quilld put the block there; read as above), or
+`[offset, length, crc32c, slot, generation]`, a lease (a table full there, or none). The client
+copies `length` bytes at `offset` of its mapping into the caller's buffer, then reads the slot's
+generation in the lease table again: equal, the lease was alive while it copied and the bytes are
+the block's; different, the lease ended meanwhile (expired, or quilld restarted) and the block may
+have been reused, so the client reads the key again over TCP and counts it (`stale_reads`). A stale
+copy is never returned as good data. This relies on x86-64's ordering of loads (TSO: the copy's
+loads are not performed after the generation's load); see quilld's tiers/leases.py. With
+`verify_crc` the CRC32C of each copy is checked as well (a mismatch also reads again over TCP,
+counted in `crc_rereads`); it is on by default on any other CPU, where the generation check alone
+is not enough.
 
 When quilld can grant no lease (`-BUSY`: this user's share of the lease table, or the
 whole table, is taken), the batch's keys are read over TCP instead and counted
 (`busy_rereads`): a busy table slows a read down, it never fails it.
 
-Leases are released after the copy with `SHM RELEASE slot ...`, never waited for
-(its reply is read in front of the next reply on that connection), so a read is
-one round trip: for small blocks (under DEFER_RELEASE_MAX leased bytes per
-connection) the RELEASE goes out in front of the connection's next command (one
-send, one server wakeup per read; an idle connection keeps at most that much
-pinned until its next use or server.shm_lease_ms), larger ones at once, so they
-stay pinned only while they are copied.
+Leases are released after the copy with `SHM RELEASE slot ...`, which never costs a message of
+its own: it goes out in front of the connection's next command, in the same send (its reply is
+read in front of that command's). An idle connection's leases end at its next command, or after
+server.shm_lease_ms.
 
-Writes: `PUT2PHASE BEGIN key nbytes [LEASE ms] SHM` answers [handle, offset]; the
-client copies the block into its mapping at offset and commits with its CRC32C
-(mandatory for in-place puts; quilld checks it over the region). A round's BEGINs go
-in one send and their replies are all read before any byte is copied (a refusal stores
-nothing of the round); then COMMITs go out as blocks are copied, a window at a time, so
-quilld checks some blocks while the client copies the next ones.
+Writes: `SHM RESERVE lease-ms key nbytes [key nbytes ...]` reserves a round's regions in one
+command ([handle, offset] per key), its reply is read before any byte is copied (a refusal stores
+nothing of the round); then the client copies each block into its mapping at its offset and
+commits them with `SHM COMMIT handle crc32c [handle crc32c ...]`, one command per COMMIT_WINDOW
+of bytes sent as soon as it is copied, so quilld checks one window's CRC32Cs while the client
+copies the next; their replies are read at the end. A round is two round trips and two commands
+for quilld to dispatch, however many blocks it has.
 
 Every unix connection attaches itself, and the mapping it uses is the one its own
 ATTACH handed over (a quilld that restarted hands a new arena: it is mapped anew,
@@ -59,6 +63,8 @@ from quillwire.reply import NEED_DATA, ReplyError, ReplyReader, Status
 from quillwire.reply import ProtocolError as WireProtocolError
 
 from quillclient.config import ClientConfig
+from quillclient.lookup import NOT_HERE, Lookup
+from quillclient.lookup import VERSION as LOOKUP_VERSION
 from quillclient.segments import Segments, crc_of, land, store
 from quillclient.errors import (BufferTooSmall, NoHandle, OutOfMemory, ProtocolError, QuillConnectionError, QuillError,
                                 from_wire)
@@ -69,7 +75,6 @@ RECV = 64 * 1024
 GET_BATCH = 64  # keys per SHM GET (leases held at once by one connection's read)
 BUSY = "BUSY"  # SHM GET's refusal when no lease can be had (the user's share of the table, or the table, is full)
 COMMIT_WINDOW = 4 << 20  # bytes of blocks copied before their COMMITs go (a put round's replies are read at its end)
-DEFER_RELEASE_MAX = 1 << 20  # leased bytes whose release may wait for the connection's next command
 
 
 def local_boot_id() -> bytes:
@@ -81,9 +86,10 @@ def local_boot_id() -> bytes:
 
 
 class Mapping:
-    """quilld's arena and lease table, mapped into this process."""
+    """quilld's arena and lease table, mapped into this process; and its lookup table, when
+    ATTACH handed it over (`lookup`, else None)."""
 
-    __slots__ = ("key", "arena_mm", "arena", "leases_mm", "gens")
+    __slots__ = ("key", "arena_mm", "arena", "leases_mm", "gens", "lookup")
 
     def __init__(self, arena_fd: int, lease_fd: int) -> None:
         st = os.fstat(arena_fd)
@@ -94,6 +100,7 @@ class Mapping:
         size = os.fstat(lease_fd).st_size
         self.leases_mm = mmap.mmap(lease_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self.gens = memoryview(self.leases_mm).cast("Q")
+        self.lookup: Lookup | None = None
 
 
 def _reply(value: Any) -> Any:
@@ -103,19 +110,24 @@ def _reply(value: Any) -> Any:
     return value
 
 
+def _as_map(value: Any) -> dict:
+    """A RESP3 map, or RESP2's flat list of its keys and values, as a dict."""
+    return value if isinstance(value, dict) else dict(zip(value[::2], value[1::2]))
+
+
 class ShmConnection:
-    """One unix-socket connection, set up (AUTH, SCOPE) and attached (SHM ATTACH)."""
+    """One unix-socket connection, set up (AUTH, SCOPE) and attached (SHM ATTACH [TABLE])."""
 
-    __slots__ = ("sock", "reader", "mapping", "broken", "owed", "generation", "deferred", "deferred_bytes")
+    __slots__ = ("sock", "reader", "mapping", "broken", "owed", "generation", "deferred")
 
-    def __init__(self, cfg: ClientConfig, path: str, mappings: "Mappings", generation: int) -> None:
+    def __init__(self, cfg: ClientConfig, path: str, mappings: "Mappings", generation: int,
+                 table: bool = False) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.mapping: Mapping | None = None
         self.reader = ReplyReader(None)  # every reply parsed whole (blocks never come over this socket)
         self.broken = False
         self.owed = 0  # replies to SHM RELEASE sent without waiting: read before the next reply
         self.deferred: list[int] = []  # leases to release with the next command (see release)
-        self.deferred_bytes = 0
         self.generation = generation
         with setting_up(self, f"no reply from {path} within the timeout", f"connecting to {path}"):
             self.sock.settimeout(cfg.connect_timeout)
@@ -125,13 +137,13 @@ class ShmConnection:
                 self.send(pack_command(*cmd))
                 if type(_reply(self.next_reply())) is not Status:
                     raise ProtocolError("unexpected reply while setting the connection up")
-            self.send(pack_command("SHM", "ATTACH"))
+            self.send(pack_command("SHM", "ATTACH", *(("TABLE",) if table else ())))
             reply, fds = self._reply_with_fds()
             try:
-                _reply(reply)
-                if len(fds) != 2:
-                    raise ProtocolError(f"SHM ATTACH brought {len(fds)} descriptors, expected 2")
-                self.mapping = mappings.of(fds[0], fds[1])
+                info = _as_map(_reply(reply))
+                if len(fds) not in (2, 4):
+                    raise ProtocolError(f"SHM ATTACH brought {len(fds)} descriptors, expected 2 or 4")
+                self.mapping = mappings.of(fds, info)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -186,7 +198,7 @@ class ShmConnection:
         """`pieces`, behind a RELEASE of the leases deferred to this command (one send, one wakeup)."""
         if not self.deferred:
             return pieces
-        slots, self.deferred, self.deferred_bytes = self.deferred, [], 0
+        slots, self.deferred = self.deferred, []
         self.owed += 1
         return pack_command("SHM", "RELEASE", *slots) + list(pieces)
 
@@ -207,18 +219,10 @@ class ShmConnection:
             self.next_reply()  # a RELEASE's count (or its error): nothing depends on it
         return self.next_reply()
 
-    def release(self, slots: list[int], nbytes: int) -> None:
-        """End leases of `nbytes` in all: small ones with this connection's next command (a read
-        is then one send and one server wakeup), larger ones now, without waiting for the reply
-        (it is read in front of the next one), so large blocks stay pinned only while copied."""
-        if not slots:
-            return
+    def release(self, slots: list[int]) -> None:
+        """End leases with this connection's next command (the RELEASE goes in the same send, in
+        front of it: no message, no server wakeup of its own)."""
         self.deferred.extend(slots)
-        self.deferred_bytes += nbytes
-        if self.deferred_bytes >= DEFER_RELEASE_MAX:
-            slots, self.deferred, self.deferred_bytes = self.deferred, [], 0
-            self.send(pack_command("SHM", "RELEASE", *slots))
-            self.owed += 1
 
 
 class Mappings:
@@ -228,27 +232,39 @@ class Mappings:
         self._lock = threading.Lock()
         self.current: Mapping | None = None
 
-    def of(self, arena_fd: int, lease_fd: int) -> Mapping:
-        st = os.fstat(arena_fd)
+    def of(self, fds: list[int], info: dict) -> Mapping:
+        """The mapping of ATTACH's descriptors (arena, lease table[, lookup table, read marks])."""
+        st = os.fstat(fds[0])
         with self._lock:
             if self.current is None or self.current.key != (st.st_dev, st.st_ino):
-                self.current = Mapping(arena_fd, lease_fd)  # a new arena (quilld restarted): the old one unused
-            return self.current
+                self.current = Mapping(fds[0], fds[1])  # a new arena (quilld restarted): the old one unused
+            mapping = self.current
+            salt = info.get(b"lookup_salt")
+            if len(fds) == 4 and salt and info.get(b"lookup_version") == LOOKUP_VERSION:
+                if mapping.lookup is None:
+                    mapping.lookup = Lookup(fds[2], fds[3], int(info[b"lookup_slots"]), int(info[b"lookup_probe"]),
+                                            bytes(salt), mapping.arena)
+                else:  # this scope's salt, as quilld says it now (a scope let go and taken again: a new one)
+                    mapping.lookup.set_salt(bytes(salt))
+            return mapping
 
 
 class ShmPool(RawPool):
-    """Idle unix-socket connections (LIFO), thread-safe: zerocopy.RawPool over ShmConnection."""
+    """Idle unix-socket connections (LIFO), thread-safe: zerocopy.RawPool over ShmConnection.
+    `table`: attach with the lookup table (SHM HELLO offered one)."""
 
-    def __init__(self, cfg: ClientConfig, path: str) -> None:
+    def __init__(self, cfg: ClientConfig, path: str, table: bool = False) -> None:
         super().__init__(cfg)
         self.path = path
+        self.table = table
         self.mappings = Mappings()
+        self.direct_reads = 0  # blocks read from the lookup table, quilld not asked
         self.stale_reads = 0  # copies whose lease ended while copying: read again over TCP
         self.crc_rereads = 0  # copies whose CRC32C did not match (verify_crc): read again over TCP
         self.busy_rereads = 0  # keys read over TCP because quilld had no lease for them (-BUSY)
 
     def _connect(self, generation: int) -> ShmConnection:
-        return ShmConnection(self.cfg, self.path, self.mappings, generation)
+        return ShmConnection(self.cfg, self.path, self.mappings, generation, self.table)
 
     def _where(self) -> str:
         return self.path
@@ -260,15 +276,50 @@ class ShmPool(RawPool):
         super().reset()
         self.mappings.current = None
 
+    def lookup(self) -> Lookup | None:
+        """The lookup table to read, while the quilld that hands it out is alive."""
+        mapping = self.mappings.current
+        if mapping is None:
+            return None
+        lookup = mapping.lookup
+        return lookup if lookup is not None and lookup.alive() else None
+
+    @property
+    def direct_retries(self) -> int:
+        """Copies out of the lookup table thrown away because their entry changed meanwhile."""
+        mapping = self.mappings.current
+        return mapping.lookup.retries if mapping is not None and mapping.lookup is not None else 0
+
 
 # -- reads ---------------------------------------------------------------------
 
-def _copy(conn: ShmConnection, item: Any, view: memoryview | Segments, verify: bool) -> tuple[int, int | None]:
-    """Land one SHM GET item in `view` (a buffer, or Segments to scatter it over): (length or MISS,
-    the lease's slot or None).
+def get_one(pool: ShmPool, key: Any, view: memoryview | Segments, verify: bool,
+            reread: Callable[[int], int], lookup_tried: bool = False) -> int:
+    """One key into `view`: its length or MISS; BufferTooSmall (nothing written) when it does not
+    fit. From the lookup table when it has the key (no round trip), else as get_many.
+    `lookup_tried`: the caller looked in the table already."""
+    lookup = None if lookup_tried else pool.lookup()
+    if lookup is not None:
+        n = lookup.read_key(key, view, verify)
+        if n >= 0:
+            pool.direct_reads += 1
+            return n
+    try:
+        return get_many(pool, [key], [view], verify, reread, lookup_tried=True)[0]
+    except BufferTooSmall as e:
+        raise BufferTooSmall(e.needed, e.size) from None
+
+
+def _copy(conn: ShmConnection, key: Any, item: Any, view: memoryview | Segments,
+          verify: bool) -> tuple[int, int | None]:
+    """Land one SHM GET item in `view` (a buffer, or Segments to scatter it over): (length, MISS, or
+    NOT_HERE when a table entry changed before it could be read; the lease's slot or None).
     Raises BufferTooSmall with nothing written."""
     if item is None:
         return MISS, None
+    if item.__class__ is int:  # quilld put the block in the lookup table: read it there
+        lookup = conn.mapping.lookup
+        return (lookup.read_entry(item, key, view, verify) if lookup is not None else NOT_HERE), None
     if isinstance(item, bytes):
         n = len(item)
         if n > len(view):
@@ -295,47 +346,69 @@ def _intact(conn: ShmConnection, item: Any, view: memoryview | Segments, verify:
 
 
 def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segments], verify: bool,
-             reread: Callable[[int], int]) -> list[int | None]:
+             reread: Callable[[int], int], lookup_tried: bool = False) -> list[int | None]:
     """Per key its length, MISS, or None (too large for its view: nothing written; BufferTooSmall
-    is raised at the end with every result). `reread(i)` reads key i again another way (TCP)."""
+    is raised at the end with every result). `reread(i)` reads key i again another way (TCP).
+    Keys the lookup table has are read there; quilld is asked for the others only, in SHM GET
+    batches (none at all when the table had every key)."""
     results: list[int | None] = [MISS] * len(keys)
     again: list[int] = []
     busy: list[int] = []
     too_small: BufferTooSmall | None = None
+    ask = range(len(keys))
+    lookup = None if lookup_tried else pool.lookup()
+    if lookup is not None:
+        ask = []
+        read_key, direct = lookup.read_key, 0
+        for i, key in enumerate(keys):
+            try:
+                n = read_key(key, views[i], verify)
+            except BufferTooSmall as e:
+                results[i] = None
+                too_small = too_small or BufferTooSmall(e.needed, e.size, index=i)
+                continue
+            if n >= 0:
+                results[i] = n
+                direct += 1
+            else:
+                ask.append(i)
+        pool.direct_reads += direct
 
     def request(conn: ShmConnection) -> None:
         nonlocal too_small
-        def items_of(raw: Any, lo: int, hi: int) -> list:
+        def items_of(raw: Any, batch: Sequence[int]) -> list:
             try:
                 return _reply(raw)
             except QuillError as e:
                 if e.prefix != BUSY:
                     raise
-                busy.extend(range(lo, hi))  # no lease to be had (this user's share is taken): over TCP
+                busy.extend(batch)  # no lease to be had (this user's share is taken): over TCP
                 return []
 
-        batches = [(lo, min(lo + GET_BATCH, len(keys))) for lo in range(0, len(keys), GET_BATCH)]
-        conn.submit(pack_command("SHM", "GET", *keys[:batches[0][1]]))
-        items = items_of(conn.result(), *batches[0])
-        for b, (lo, hi) in enumerate(batches):
+        batches = [ask[lo:lo + GET_BATCH] for lo in range(0, len(ask), GET_BATCH)]
+        conn.submit(pack_command("SHM", "GET", *(keys[i] for i in batches[0])))
+        items = items_of(conn.result(), batches[0])
+        for b, batch in enumerate(batches):
             # The next batch's SHM GET goes out before this one is copied: its reply is on the way
             # (the server answering on the other core) while we copy, so a batch waits once.
             ahead = b + 1 < len(batches)
             if ahead:
-                conn.submit(pack_command("SHM", "GET", *keys[hi:batches[b + 1][1]]))
+                conn.submit(pack_command("SHM", "GET", *(keys[i] for i in batches[b + 1])))
             in_flight = ahead
             slots: list[int] = []
-            leased = 0
             try:
-                for i, item in zip(range(lo, hi), items):
+                for i, item in zip(batch, items):
                     if type(item) is list:
                         slots.append(item[3])
-                        leased += item[1]
                     try:
-                        n, slot = _copy(conn, item, views[i], verify)
+                        n, slot = _copy(conn, keys[i], item, views[i], verify)
                     except BufferTooSmall as e:
                         results[i] = None
                         too_small = too_small or BufferTooSmall(e.needed, e.size, index=i)
+                        continue
+                    if n == NOT_HERE:  # its table entry changed before we could read it
+                        again.append(i)
+                        pool.stale_reads += 1
                         continue
                     results[i] = n
                     if slot is not None:
@@ -349,18 +422,19 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segment
                 if ahead:
                     reply = conn.result()
                     in_flight = False
-                    items = items_of(reply, *batches[b + 1])
+                    items = items_of(reply, batches[b + 1])
             except BaseException:
                 if in_flight:  # a reply left unread: the connection goes, and its leases with it
                     conn.close()
                 raise
             finally:
-                # released after the next batch's reply was read: a RELEASE must not come
-                # between a command and the reply `result` reads for it
+                # released with the next command (after the next batch's reply was read: a RELEASE
+                # must not come between a command and the reply `result` reads for it)
                 if not conn.broken:
-                    conn.release(slots, leased)
+                    conn.release(slots)
 
-    pool.run(request)
+    if ask:
+        pool.run(request)
     if busy:
         pool.busy_rereads += len(busy)
     for i in busy:
@@ -381,11 +455,10 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segment
 
 def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], lease_ms: int | None,
                round_bytes: int) -> list[bool]:
-    """Store each (key, data) in place: BEGIN ... SHM for a round, copy (Segments: each piece in
-    turn), COMMIT with CRC32C.
+    """Store each (key, data) in place: SHM RESERVE for a round, copy (Segments: each piece in
+    turn), SHM COMMIT with the CRC32Cs.
     Per block True if stored, False if the key was already complete."""
     stored = [False] * len(blocks)
-    lease = ("LEASE", lease_ms) if lease_ms is not None else ()
     todo = list(range(len(blocks)))
     while todo:
         n, total = 0, 0
@@ -393,26 +466,25 @@ def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], l
             total += blocks[todo[n]][1].nbytes
             n += 1
         # what the server could not reserve yet (its cap on a tenant's unfilled puts) goes in the next round
-        todo = _put_round(pool, blocks, todo[:n], stored, lease) + todo[n:]
+        todo = _put_round(pool, blocks, todo[:n], stored, lease_ms or 0) + todo[n:]
     return stored
 
 
-def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool], lease: tuple) -> list[int]:
-    """BEGIN, copy and COMMIT `order`'s blocks; the ones to try again in another round."""
-    conn = pool.acquire()  # not retried on a fresh connection: a BEGIN is not idempotent
+def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool], lease_ms: int) -> list[int]:
+    """RESERVE, copy and COMMIT `order`'s blocks; the ones to try again in another round."""
+    conn = pool.acquire()  # not retried on a fresh connection: a RESERVE is not idempotent
     later: list[int] = []
     try:
-        conn.send(conn.with_deferred([piece for i in order for piece in
-                                      pack_command("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease,
-                                                   "SHM")]))
-        while conn.owed:
-            conn.owed -= 1
-            conn.next_reply()
-        begun = [conn.next_reply() for _ in order]
+        reserved = conn.command(pack_command("SHM", "RESERVE", lease_ms, *(
+            arg for i in order for arg in (blocks[i][0], blocks[i][1].nbytes))))
         handles: dict[int, bytes] = {}
         offsets: dict[int, int] = {}
         error: QuillError | None = None
-        for i, reply in zip(order, begun):
+        if isinstance(reserved, ReplyError):  # refused whole (the first block's space, say): nothing reserved
+            error, reserved = from_wire(reserved.message), []
+        elif type(reserved) is not list or len(reserved) != len(order):
+            raise ProtocolError(f"unexpected reply to SHM RESERVE: {reserved!r:.60}")
+        for i, reply in zip(order, reserved):
             if isinstance(reply, ReplyError):
                 err = from_wire(reply.message)
                 if isinstance(err, OutOfMemory) and i != order[0]:
@@ -422,30 +494,40 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
             elif type(reply) is list:
                 handles[i], offsets[i] = reply[0], reply[1]
         if error is None and handles:
-            # Each block copied, then its COMMIT sent (COMMIT_WINDOW bytes of blocks at a time) before
-            # the next is copied: quilld checks one window's CRC32C on the other core meanwhile.
+            # Blocks copied, then one SHM COMMIT for each COMMIT_WINDOW bytes of them sent before the
+            # next are copied: quilld checks one window's CRC32Cs on the other core meanwhile.
             window: list = []
-            window_bytes = 0
+            window_bytes, sent = 0, []
             for i in handles:
                 data = blocks[i][1]
                 store(conn.mapping.arena[offsets[i]:offsets[i] + data.nbytes], data)
-                window += pack_command("PUT2PHASE", "COMMIT", handles[i], "CRC32C", crc_of(data))
+                window += (handles[i], crc_of(data))
                 window_bytes += data.nbytes
                 if window_bytes >= COMMIT_WINDOW:
-                    conn.send(window)
+                    conn.send(pack_command("SHM", "COMMIT", *window))
+                    sent.append(len(window) // 2)
                     window, window_bytes = [], 0
             if window:
-                conn.send(window)
-            for i in handles:
+                conn.send(pack_command("SHM", "COMMIT", *window))
+                sent.append(len(window) // 2)
+            committed: list = []
+            for count in sent:
                 reply = conn.next_reply()
+                if isinstance(reply, ReplyError):  # the whole command refused: none of its puts committed
+                    reply = [reply] * count
+                elif type(reply) is not list or len(reply) != count:
+                    raise ProtocolError(f"unexpected reply to SHM COMMIT: {reply!r:.60}")
+                committed += reply
+            still_open = []
+            for i, reply in zip(handles, committed):
                 if isinstance(reply, ReplyError):
                     err = from_wire(reply.message)
                     error = error or err
-                    if isinstance(err, NoHandle):
-                        continue
-                    _abort(conn, [handles[i]])
+                    if not isinstance(err, NoHandle):
+                        still_open.append(handles[i])
                 else:
                     stored[i] = True
+            _abort(conn, still_open)
         elif handles:
             _abort(conn, list(handles.values()))
     except OSError as e:
@@ -462,6 +544,7 @@ def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool]
 
 
 def _abort(conn: ShmConnection, handles: list[bytes]) -> None:
+    """Abort open puts, with no wait: their replies are read in front of the next command's."""
     for h in handles:
         conn.send(pack_command("PUT2PHASE", "ABORT", h))
         conn.owed += 1

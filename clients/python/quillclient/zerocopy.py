@@ -338,50 +338,49 @@ def put(pool: RawPool, key, data, ttl_ms: int | None = None) -> None:
     pool.run(request)
 
 
-def get_many_into(pool: RawPool, keys: Sequence, views: Sequence[memoryview]) -> list[int | None]:
-    """Pipelined GETBLKs, `pipeline_window` commands in flight, each reply into its own view.
+def get_many_into(pool: RawPool, keys: Sequence, views: Sequence) -> list[int | None]:
+    """MGETs of `pipeline_window` keys each (one command, one server dispatch, one reply per
+    window), every block received straight into its own view (or scattered over its Segments).
 
-    Every reply is read even after a failure, so the socket stays in step: a
-    block too large for its view is dropped (None in the results), a server
-    error is raised once all replies are in.
+    The whole reply is read even after a failure, so the socket stays in step: a block too large
+    for its view is dropped (None in the results, BufferTooSmall raised at the end with every
+    result); a server error (for the whole command) is raised once the reply is in.
     """
     if len(keys) != len(views):
         raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
     if not keys:
         return []
-    commands = [getblk_command(k) for k in keys]
     window = pool.cfg.pipeline_window
 
     def request(conn: RawConnection) -> list[int | None]:
         results: list[int | None] = [MISS] * len(keys)
         too_small: BufferTooSmall | None = None
-        error: QuillError | None = None
+        reader, next_event = conn.reader, conn.next_event
         for lo in range(0, len(keys), window):
             hi = min(lo + window, len(keys))
-            conn.send([piece for cmd in commands[lo:hi] for piece in cmd])
-            for i in range(lo, hi):
-                view = views[i]
-                n = conn.read_bulk_header_safe()
-                if isinstance(n, QuillError):
-                    error = error or n
-                    results[i] = None
-                    continue
-                if n == MISS:
-                    continue
+            conn.send(pack_command("MGET", *keys[lo:hi]))
+            while True:
+                event = next_event()
+                if type(event) is not Bulk:
+                    break
+                if event.depth != 1:
+                    raise ProtocolError(f"unexpected bulk in an MGET reply: {event!r}")
+                i = lo + event.index
+                view, n = views[i], event.length
                 if n > len(view):
-                    conn.skip_payload()
+                    reader.drop(None)
                     results[i] = None
-                    if too_small is None:
-                        too_small = BufferTooSmall(n, len(view), index=i)
+                    too_small = too_small or BufferTooSmall(n, len(view), index=i)
                     continue
-                conn.read_payload(view)
+                reader.attach(view.views if isinstance(view, Segments) else view)
                 results[i] = n
-        if error is not None:
-            raise error
+            if isinstance(event, ReplyError):
+                raise from_wire(event.message)
+            if type(event) is not list or len(event) != hi - lo:
+                raise ProtocolError(f"unexpected reply to MGET: {event!r:.60}")
         if too_small is not None:
             too_small.results = results
             raise too_small
         return results
 
     return pool.run(request)
-

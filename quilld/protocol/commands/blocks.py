@@ -1,11 +1,13 @@
 """Block commands: PUT2PHASE, GETBLK, LOCATE; and where large payloads land.
 
 `large_target` decides where a large bulk argument is received while it is
-still on the wire: a SET/MSET value goes into a freshly reserved arena block,
-a PUT2PHASE DATA payload into its put's block at its offset, one longer than
-its command's declared `arg_limit` nowhere (dropped as it arrives, the
-command answered with an error), anything else into a plain buffer. `release_args` gives back whatever a command did not
-consume (and everything, when the connection drops mid-payload).
+still on the wire: a SET/MSET value, a PUT2PHASE PUT block or each block of an
+MPUTBLK (batches.py) into a freshly reserved arena block, a PUT2PHASE DATA
+payload into its put's block at its offset, one longer than its command's
+declared `arg_limit` nowhere (dropped as it arrives, the command answered with
+an error), anything else into a plain buffer. `release_args` gives back
+whatever a command did not consume (and everything, when the connection drops
+mid-payload).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from quilld.errors import CommandError, NoAuth, NoHandle
 from quilld.index.route_request import parse_block_hash
 from quilld.model import CacheTier, Pending
+from quilld.protocol.commands.batches import is_block_arg
 from quilld.protocol.commands.common import acked, parse_int, text
 from quilld.protocol.commands.shm import check_map
 from quilld.protocol.resp import OK, Status
@@ -35,7 +38,7 @@ def large_target(c, args: list, index: int, length: int):
     """
     name = bytes(args[0]).lower() if args else b""
     if not c.authenticated:  # nothing reaches the arena before AUTH
-        if name in (b"set", b"mset", b"put2phase"):
+        if name in (b"set", b"mset", b"put2phase", b"mputblk"):
             raise NoAuth("Authentication required.")
         return None  # the table answers as redis does (an unknown command, AUTH itself)
     cmd = c.ctx.table.lookup(name)
@@ -45,8 +48,9 @@ def large_target(c, args: list, index: int, length: int):
     if (name == b"set" and index == 2) or (name == b"mset" and index % 2 == 0):
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)
-    if name == b"put2phase" and index == 5 and bytes(args[1]).upper() == b"PUT":
-        if c.keyspace.contains(c.tag, bytes(args[2])):
+    if (name == b"put2phase" and index == 5 and bytes(args[1]).upper() == b"PUT") or (
+            name == b"mputblk" and is_block_arg(index)):
+        if c.keyspace.contains(c.tag, bytes(args[index - 3 if name == b"put2phase" else index - 2])):
             return None  # complete already: the payload only passes through (answered EXISTS)
         block = c.keyspace.reserve(length, c.user)
         return block, c.keyspace.write_view(block)

@@ -1,20 +1,26 @@
-"""SHM: the shared-memory path for same-host clients (HELLO, ATTACH, GET, RELEASE).
+"""SHM: the shared-memory path for same-host clients (HELLO, ATTACH, GET, RELEASE, RESERVE, COMMIT).
 
 - `SHM HELLO` (any connection, TCP too) says whether the path is open to this
   client: the unix socket's path, the host's boot id (so a client can tell it
   is on the same host), the arena's size, the lease length, and whether this
   user may map.
-- `SHM ATTACH` (the unix socket only, users in security.map_users only) is
+- `SHM ATTACH [TABLE]` (the unix socket only, users in security.map_users only) is
   answered with the DRAM arena's descriptor and the lease table's attached
   (SCM_RIGHTS): the client maps both. Both files are sealed so that nobody can
   resize them (tiers/memfd.py: a truncated arena would kill quilld with SIGBUS),
   and the lease table's descriptor is read-only; a node whose files cannot be
-  sealed refuses ATTACH.
+  sealed refuses ATTACH. With TABLE (when HELLO offered `lookup_slots`), two more
+  follow: the lookup table (read-only) and its read marks (tiers/lookup_table.py),
+  with the salt of this connection's identity scope: the client then finds its
+  scope's blocks there and copies them without asking quilld at all.
 - `SHM GET key [key ...]` answers per key nil (missing), the bytes (a value kept
   inline in the index, or one read from below DRAM that could not be brought
   back), or `[offset, length, crc32c, slot, generation]`: where the block lies in
   the arena, pinned by a lease (tiers/leases.py) until `SHM RELEASE slot ...`,
-  the connection's end, or server.shm_lease_ms. A value only on SSD is brought
+  the connection's end, or server.shm_lease_ms. On a connection attached with
+  TABLE a block is put in the lookup table instead, when it can be, and the
+  answer is its entry there (an integer): the client reads it as it reads any
+  entry, with no lease and nothing to release. A value only on SSD is brought
   back into DRAM first (as a promoting read does) and leased like any block.
   A user's connections together hold at most its share of the lease table
   (server.shm_max_leases_per_user); past it SHM GET answers `-BUSY` and the
@@ -22,8 +28,13 @@
   Keys are read in the connection's identity scope, exactly as GET reads them.
 - `SHM RELEASE slot [slot ...]` ends leases; the number it ended.
 
-Writes go through PUT2PHASE BEGIN ... SHM (blocks.py): the reply carries the
-region's arena offset, the client writes it in place, COMMIT carries the CRC32C.
+Writes: `SHM RESERVE lease-ms key nbytes [key nbytes ...]` is PUT2PHASE BEGIN ... SHM
+(LEASE lease-ms; 0: the default) for N blocks in one command: per key `[handle, offset]`
+(the region to write in place),
+`EXISTS` (complete already) or its error; `SHM COMMIT handle crc32c [handle crc32c ...]`
+commits them, each checked against its CRC32C over its whole region: per handle OK or
+its error. So a batch of blocks is two commands, whatever its length (PUT2PHASE BEGIN
+... SHM and COMMIT, blocks.py, still do one block each).
 """
 
 from __future__ import annotations
@@ -35,12 +46,16 @@ import crc32c
 from quilld.config import map_user_names
 from quilld.errors import CommandError, NoPerm, OutOfMemory, QuillError
 from quilld.model import Pending
-from quilld.protocol.commands.common import parse_int
-from quilld.protocol.resp import WithFds
-from quilld.protocol.table import FAST, READONLY, CommandTable
+from quilld.protocol.commands.batches import EXISTS, crc_arg
+from quilld.protocol.commands.common import acked, parse_int
+from quilld.protocol.resp import OK, WithFds
+from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
+from quilld.tiers.lookup_table import PROBE as LOOKUP_PROBE
+from quilld.tiers.lookup_table import VERSION as LOOKUP_VERSION
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+WITH_TABLE = 2  # Session.shm of a connection attached with the lookup table (1: without; 0: not attached)
 
 
 @functools.cache
@@ -75,15 +90,25 @@ def check_map(c, what: str) -> None:
         raise CommandError(f"{what} needs a connection over the unix socket (server.unixsocket)")
 
 
+def _table(ctx):
+    """The lookup table a client may be handed, or None."""
+    table = ctx.keyspace.lookup_table
+    return table if table is not None and table.usable else None
+
+
 def cmd_shm_hello(c, args):
     ctx = c.ctx
     cfg = ctx.cfg.server
+    table = _table(ctx) if ctx.leases is not None else None
     return {b"unixsocket": cfg.unixsocket.encode() if ctx.leases is not None else b"",
             b"boot_id": boot_id(), b"arena_bytes": ctx.keyspace.capacity if c.keyspace is ctx.keyspace else 0,
-            b"lease_ms": cfg.shm_lease_ms, b"may_map": 1 if may_map(c) and ctx.leases is not None else 0}
+            b"lease_ms": cfg.shm_lease_ms, b"may_map": 1 if may_map(c) and ctx.leases is not None else 0,
+            b"lookup_slots": table.slots if table is not None else 0}
 
 
 def cmd_shm_attach(c, args):
+    if len(args) > 3 or (len(args) == 3 and bytes(args[2]).upper() != b"TABLE"):
+        raise CommandError("syntax error: SHM ATTACH [TABLE]")
     check_map(c, "SHM ATTACH")
     ctx = c.ctx
     ks, leases = ctx.keyspace, ctx.leases
@@ -91,19 +116,31 @@ def cmd_shm_attach(c, args):
         ctx.stats["shm_attach_refused"] += 1
         raise CommandError("SHM ATTACH needs memory files sealed against resizing (an anonymous arena, on Linux "
                            "5.1 or later): this node's cannot be, so it maps nothing out")
-    c.shm = True
+    reply = {b"arena_bytes": ks.capacity, b"lease_slots": leases.slots,
+             b"lease_ms": ctx.cfg.server.shm_lease_ms, b"boot_id": boot_id()}
+    fds: tuple = (ks.arena.fd, leases.shared_fd)
+    table = _table(ctx) if len(args) == 3 else None
+    salt = table.salt(c.tag) if table is not None else None
+    if salt is not None and c.keyspace is ks:
+        reply.update({b"lookup_version": LOOKUP_VERSION, b"lookup_slots": table.slots,
+                      b"lookup_probe": LOOKUP_PROBE, b"lookup_salt": salt})
+        fds += (table.shared_fd, table.marks_fd)
+    c.shm = WITH_TABLE if len(fds) == 4 else 1
     ctx.stats["shm_attaches"] += 1
-    return WithFds({b"arena_bytes": ks.capacity, b"lease_slots": leases.slots,
-                    b"lease_ms": ctx.cfg.server.shm_lease_ms, b"boot_id": boot_id()},
-                   (ks.arena.fd, leases.shared_fd))
+    return WithFds(reply, fds)
 
 
-def _lease(c, block: Block) -> list:
-    """[offset, length, crc32c, slot, generation] of `block`, pinned by a new lease."""
+def _lease(c, block: Block, key) -> list | int:
+    """[offset, length, crc32c, slot, generation] of `block`, pinned by a new lease; on a connection
+    attached with the lookup table, its entry there instead when it can be put there (no lease)."""
     ks = c.keyspace
-    slot, gen = c.ctx.leases.grant(c.id, block, c.user)
     if block.crc is None:  # published blocks never change: computed once, served many times
         block.crc = crc32c.crc32c(ks.view(block))
+    if c.shm == WITH_TABLE:
+        entry = ks.lookup_table.add(c.tag + key, block)
+        if entry >= 0:
+            return entry
+    slot, gen = c.ctx.leases.grant(c.id, block, c.user)
     return [ks.arena.offset(block.handle), block.length, block.crc, slot, gen]
 
 
@@ -118,8 +155,9 @@ def cmd_shm_get(c, args):
             value = ks.lookup(tag, key)
             t = value.__class__
             if t is Block:
-                item = _lease(c, value)
-                granted.append(item[3])
+                item = _lease(c, value, key)
+                if item.__class__ is list:
+                    granted.append(item[3])
                 out.append(item)
             elif t is bytes:
                 out.append(value)
@@ -161,8 +199,9 @@ async def _fill(c, keys: list, out: list, later: list[int], granted: list[int]) 
                 _settled(await ctx.cluster.pool_read(c.scope, tag, key))  # a copy kept here, or the bytes
             value = ks.lookup(tag, key)
             if value.__class__ is Block:
-                item = _lease(c, value)
-                granted.append(item[3])
+                item = _lease(c, value, key)
+                if item.__class__ is list:
+                    granted.append(item[3])
                 out[i] = item
             elif value.__class__ is bytes or value is None:
                 out[i] = value
@@ -198,10 +237,64 @@ def cmd_shm_release(c, args):
     return sum(1 for slot in slots if leases.release(c.id, slot))
 
 
+def cmd_shm_reserve(c, args):
+    """RESERVE lease-ms key nbytes [key nbytes ...]: per key [handle, offset], EXISTS or its error
+    (lease-ms 0: blocks.default_lease_ms). When the first key cannot have its space (-OOM) the
+    command fails as a whole, so that the server runs it again once space is freed (as a lone
+    BEGIN); a later key's -OOM is its own item (the client puts it in its next round, once these
+    are committed)."""
+    if len(args) % 2 == 0:
+        raise CommandError("wrong number of arguments for 'shm|reserve' command")
+    check_map(c, "SHM RESERVE")
+    lease = parse_int(args[2]) or None
+    limit = c.ctx.cfg.server.proto_max_bulk_len
+    sizes = [parse_int(args[i]) for i in range(4, len(args), 2)]
+    if any(not 0 <= n <= limit for n in sizes):
+        raise CommandError(f"block size must be within 0..{limit} bytes")
+    puts, tag, user = c.puts, c.tag, c.user
+    out: list = []
+    for n, i in enumerate(range(3, len(args), 2)):
+        try:
+            handle = puts.begin(tag, bytes(args[i]), user, sizes[n], lease, in_place=True)
+        except OutOfMemory:
+            if not out:
+                raise
+            out.append(OutOfMemory("command not allowed when used memory > 'maxmemory'."))
+            continue
+        except QuillError as e:
+            out.append(e)
+            continue
+        out.append(EXISTS if handle is None else [handle, puts.region(puts.open[handle])])
+    return out
+
+
+def cmd_shm_commit(c, args):
+    """COMMIT handle crc32c [handle crc32c ...]: per handle OK or its error (one put's error does not
+    stop the others; a put refused by its CRC32C stays open, as PUT2PHASE COMMIT leaves it)."""
+    if len(args) % 2:
+        raise CommandError("wrong number of arguments for 'shm|commit' command")
+    crcs = [crc_arg(args[i]) for i in range(3, len(args), 2)]
+    puts, user = c.puts, c.user
+    out: list = []
+    for n, i in enumerate(range(2, len(args), 2)):
+        try:
+            put = puts.get(bytes(args[i]), user)
+            if not put.in_place:
+                raise CommandError("SHM COMMIT commits puts written in place (SHM RESERVE, PUT2PHASE BEGIN ... SHM)")
+            puts.commit(put, crcs[n])
+            out.append(OK)
+        except QuillError as e:
+            out.append(e)
+    store = c.keyspace
+    return acked(store, out) if store.unsynced else out  # over values on SSD: once their deletion is durable
+
+
 def register(t: CommandTable) -> None:
     sub = CommandTable()
     sub.add("shm|hello", 2, FAST, cmd_shm_hello)
-    sub.add("shm|attach", 2, "", cmd_shm_attach)
+    sub.add("shm|attach", -2, "", cmd_shm_attach)
     sub.add("shm|get", -3, f"{READONLY} {FAST}", cmd_shm_get)
     sub.add("shm|release", -3, FAST, cmd_shm_release)
+    sub.add("shm|reserve", -5, WRITE, cmd_shm_reserve)
+    sub.add("shm|commit", -4, WRITE, cmd_shm_commit)
     t.add("shm", -2, "", lambda c, a: None, subcommands={n.split(b"|")[1]: cmd for n, cmd in sub.commands.items()})

@@ -80,6 +80,16 @@ QUILLCACHE = {
             )),
         ),
     ),
+    "mputblk": D(
+        "Put many whole blocks at once, each checked against its CRC32C: per block OK, EXISTS or its error",
+        SINCE, G,
+        complexity="O(N), N being the bytes of the blocks",
+        flags="write denyoom",
+        acl="string",
+        keys=(K("OW update", index=1, range=(-1, 3, 0)),),
+        args=(A("block", "block", flags="multiple", args=(
+            A("key", "key", key_spec=0), A("crc", "integer"), A("bytes", "string"))),),
+    ),
     "getblk": D(
         "Get a block's bytes: this node's copy, else a peer's", SINCE, G,
         complexity="O(N), N being the block's length",
@@ -199,19 +209,40 @@ QUILLCACHE = {
     ),
     "shm|attach": D(
         "Receive the DRAM arena's and the lease table's descriptors (SCM_RIGHTS; unix socket and "
-        "security.map_users only)", SINCE, G,
+        "security.map_users only); with TABLE, the lookup table's and its read marks' too, and the salt "
+        "of this connection's identity scope", SINCE, G,
         complexity="O(1)",
         flags="no_multi",
         acl="connection dangerous",
+        args=(A("table", "pure-token", token="TABLE", flags="optional"),),
     ),
     "shm|get": D(
         "Where each key's block lies in the arena, pinned by a lease: [offset, length, crc32c, slot, "
-        "generation], or the bytes of an inline value, or nil", SINCE, G,
+        "generation] (or, attached with TABLE, its lookup table entry), or the bytes of an inline value, "
+        "or nil", SINCE, G,
         complexity="O(N), N being the number of keys",
         flags="readonly fast no_multi",
         acl="string",
         keys=(K("RO access", index=2, range=(-1, 1, 0)),),
         args=(A("key", "key", key_spec=0, flags="multiple"),),
+    ),
+    "shm|reserve": D(
+        "Reserve regions for many blocks written in place: per key [handle, offset], EXISTS or its error",
+        SINCE, G,
+        complexity="O(N), N being the number of keys",
+        flags="write denyoom no_multi",
+        acl="string",
+        keys=(K("OW update", index=3, range=(-1, 2, 0)),),
+        args=(A("lease-ms", "integer", summary="the puts' lease (0: blocks.default_lease_ms)"),
+              A("block", "block", flags="multiple", args=(A("key", "key", key_spec=0), A("nbytes", "integer")))),
+    ),
+    "shm|commit": D(
+        "Commit many blocks written in place, each checked against its CRC32C: per handle OK or its error",
+        SINCE, G,
+        complexity="O(N), N being the bytes of the blocks",
+        flags="write no_multi",
+        acl="string",
+        args=(A("put", "block", flags="multiple", args=(A("handle", "string"), A("crc", "integer"))),),
     ),
     "shm|release": D(
         "End shared-memory read leases", SINCE, G,
