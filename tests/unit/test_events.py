@@ -676,7 +676,8 @@ keyed_event = st.one_of(
 positional_event = st.one_of(
     st.tuples(st.just("BlockStored"), st.lists(st.integers(0, 2**64 - 1) | st.binary(max_size=9), max_size=3),
               st.none() | st.integers(0, 9), st.lists(st.integers(0, 9), max_size=3), st.integers(-1, 32),
-              st.none() | st.integers(0, 3), st.sampled_from([None, "GPU", "CPU", "cpu"]), st.none() | st.text(max_size=2),
+              st.none() | st.integers(0, 3), st.sampled_from([None, "GPU", "CPU", "cpu"]),
+              st.none() | st.text(max_size=2),
               st.none() | st.lists(st.integers(0, 9), max_size=2), st.none() | st.integers(-1, 70)).map(list),
     st.tuples(st.just("BlockRemoved"), st.lists(st.integers(NEG, 9) | st.binary(max_size=9), max_size=3),
               st.sampled_from([None, "GPU", "DISK"])).map(list),
