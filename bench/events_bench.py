@@ -9,7 +9,8 @@
 A real quilld (uvloop, as deployed) follows one engine's KV events over ZMQ. The engine
 is a publisher process doing on the wire what vLLM 0.33's ZmqEventPublisher does (PUB
 `(topic, seq, payload)`, a replay ROUTER), with payloads encoded by msgspec from vLLM's
-structs: three BlockStored (one block, 16 tokens, group 0) for each BlockRemoved. For
+structs: three BlockStored (one block, 16 tokens, group 0, the previous block of one of 64
+running requests as its parent) for each BlockRemoved (of a random stored block). For
 1, 16 and 64 events per batch the publisher sends its events as fast as ZMQ takes them
 while this process sends a ROUTE (32 blocks, redis-py, one connection) every 2 ms
 (`--route-interval-ms`, 0 for back to back) and INFO router every 20th request, as a
@@ -53,6 +54,9 @@ from plot import COLORS, Panel, add_flag, save  # noqa: E402
 MODEL = "m"
 REQUEST_BLOCKS = 32
 WARM = [7_000_000 + i for i in range(REQUEST_BLOCKS // 2)]  # resident before ingest: ROUTE has work to do
+# The engine's requests, as its events chain their blocks: this many running at once, each of
+# about this many blocks (vLLM stores a request's new full block with the one before as parent).
+REQUESTS, REQUEST_LENGTH = 64, 64
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -111,13 +115,15 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
             interval = per_batch / rate if rate else 0.0
             stored: list[int] = []
             events = []
+            chains = [None] * REQUESTS  # each running request's last block: its next one's parent
             for i in range(total):
                 if i % 4 == 3:
                     events.append(vllm.removed([stored.pop(rng.randrange(len(stored)))]))
                 else:
-                    h = rng.getrandbits(64)
+                    h, r = rng.getrandbits(64), rng.randrange(REQUESTS)
                     stored.append(h)
-                    events.append(vllm.gpu([h], parent=None))
+                    events.append(vllm.gpu([h], parent=chains[r]))
+                    chains[r] = h if rng.random() > 1 / REQUEST_LENGTH else None  # a request ends, another starts
             ts = time.time()
             payloads = [vllm.encode(events[i:i + per_batch], ts=ts) for i in range(0, total, per_batch)]
             conn.send("ready")
@@ -151,7 +157,9 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
 #   that times every step, i.e. every stretch the task held the event loop between two awaits
 #   (what a ROUTE arriving meanwhile waits behind), by the wall clock and by the thread's CPU
 #   time (the difference: the process was off the CPU meanwhile);
-# - ROUTE's own time: `ControlPlane.route`, the decision without the wire.
+# - ROUTE's own time: `ControlPlane.route`, the decision without the wire;
+# - the write: each reply handed to the transport (`RespConnection._write`, ROUTE's and INFO's),
+#   by the wall clock and in CPU time.
 # On SIGUSR1 it writes what it gathered since the last SIGUSR1 to OUT.json (count, total, p50,
 # p99, max in milliseconds) and starts again. quilld's scheduler wait is read from
 # /proc/PID/schedstat by the bench itself.
@@ -159,7 +167,7 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
 clock = time.perf_counter
 cpu_clock = time.thread_time
 _samples: dict[str, list[float]] = {"gc0": [], "gc1": [], "gc2": [], "ingest_step": [], "ingest_step_cpu": [],
-                                    "route": []}
+                                    "route": [], "write": [], "write_cpu": []}
 _gc_started = [0.0]
 
 
@@ -218,6 +226,7 @@ def probed_quilld(out: str, argv: list[str]) -> int:
     """quilld's own CLI (`argv`), with the probes; on SIGUSR1 what they gathered goes to `out`."""
     sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep)[0])  # the tree under test
     from quilld.index import control, subscriber
+    from quilld.protocol import server
 
     run = subscriber.KvEventSubscriber._run
 
@@ -235,6 +244,17 @@ def probed_quilld(out: str, argv: list[str]) -> int:
             _samples["route"].append(clock() - t)
 
     control.ControlPlane.route = timed_route
+    write = server.RespConnection._write
+
+    def timed_write(self, *a):
+        t, c = clock(), cpu_clock()
+        try:
+            return write(self, *a)
+        finally:
+            _samples["write"].append(clock() - t)
+            _samples["write_cpu"].append(cpu_clock() - c)
+
+    server.RespConnection._write = timed_write
     gc.callbacks.append(_on_gc)
     signal.signal(signal.SIGUSR1, lambda *_: _dump(out))
     from quilld.cli import main as quilld_main
@@ -244,7 +264,12 @@ def probed_quilld(out: str, argv: list[str]) -> int:
 # ---------------------------------------------------------------- quilld and its clients
 
 
-def start_quilld(pub_port: int, replay_port: int, probe_out: Path, tree: Path = ROOT):
+CLUSTER_ENV = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80"}
+
+
+def start_quilld(pub_port: int, replay_port: int, probe_out: Path, tree: Path = ROOT, extra: tuple = (),
+                 env: dict | None = None):
+    """One quilld under the probe, following the engine (in a cluster, if it becomes its home)."""
     import redis
     from procs import free_port, wait_port
 
@@ -254,12 +279,38 @@ def start_quilld(pub_port: int, replay_port: int, probe_out: Path, tree: Path = 
                     f'kv_events = "tcp://127.0.0.1:{pub_port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n')
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probed-quilld", str(probe_out),
                              "--port", str(port), "--admin-port", "0",
-                             "--config", str(conf), "--log-level", "warning"],
-                            env=dict(os.environ, PYTHONPATH=str(tree)), stdout=subprocess.DEVNULL)
+                             "--config", str(conf), "--log-level", "warning", *extra],
+                            env=dict(os.environ, PYTHONPATH=str(tree), **(env or {})), stdout=subprocess.DEVNULL)
     wait_port(port, proc)
     r = redis.Redis(port=port, protocol=2)
     r.execute_command("SCOPE", MODEL, "")
     return proc, r, redis.Redis(port=port, protocol=2)
+
+
+def start_nodes(n: int, pub_port: int, replay_port: int, tree: Path) -> list[tuple]:
+    """`n` quilld (a cluster when n > 1, every node configured with the engine), each
+    (proc, ROUTE client, INFO client, probe file); the engine's home first."""
+    from procs import free_port
+
+    nodes, seeds = [], []
+    for i in range(n):
+        out = Path(tempfile.mkdtemp()) / "probe.json"
+        extra: tuple = ()
+        if n > 1:
+            gport = free_port()
+            extra = ("--node-id", f"n{i}", "--gossip-port", str(gport), *(("--seeds", seeds[0]) if seeds else ()))
+            seeds.append(f"127.0.0.1:{gport}")
+        nodes.append((*start_quilld(pub_port, replay_port, out, tree, extra, CLUSTER_ENV if n > 1 else None), out))
+    if n == 1:
+        return nodes
+    deadline = time.monotonic() + 60
+    while True:
+        homes = [node for node in nodes if node[2].info("cluster").get("cluster_members_alive") == n
+                 and node[2].info("cluster").get("cluster_engines_homed") == 1]
+        if len(homes) == 1 and all(node[2].info("cluster").get("cluster_members_alive") == n for node in nodes):
+            return homes + [node for node in nodes if node is not homes[0]]
+        assert time.monotonic() < deadline, "the cluster did not form, or no node became the engine's home"
+        time.sleep(0.1)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -324,7 +375,7 @@ def where(snap: dict, cpu: float, sched: tuple[float, float], wall: float) -> st
     gcs = " ".join(f"gen{g} {snap[f'gc{g}']['n']}x max {snap[f'gc{g}'].get('max_ms', 0):.2f} ms"
                    for g in range(3))
     gc_total = sum(snap[f"gc{g}"].get("total_ms", 0) for g in range(3))
-    step, step_cpu, route = snap["ingest_step"], snap["ingest_step_cpu"], snap["route"]
+    step, step_cpu, route, write = snap["ingest_step"], snap["ingest_step_cpu"], snap["route"], snap["write"]
     line = (f"    quilld: {cpu:.2f} CPU-s in {wall:.2f} s, waited {sched[1]:.2f} s for a CPU; GC {gc_total:.0f} ms "
             f"({gcs})")
     if step["n"]:
@@ -334,7 +385,9 @@ def where(snap: dict, cpu: float, sched: tuple[float, float], wall: float) -> st
                  f"{step_cpu['p99_ms']:.3f} ms, max {step_cpu['max_ms']:.2f} ms ({step_cpu['over_1ms']} over 1 ms)")
     if route["n"]:
         line += (f"\n    ROUTE's decision in quilld: p50 {route['p50_ms']:.3f} ms, p99 {route['p99_ms']:.3f} ms, "
-                 f"max {route['max_ms']:.2f} ms")
+                 f"max {route['max_ms']:.2f} ms; a reply's write p50 {write['p50_ms']:.3f} ms, p99 "
+                 f"{write['p99_ms']:.3f} ms, max {write['max_ms']:.2f} ms (in CPU time p99 "
+                 f"{snap['write_cpu']['p99_ms']:.3f} ms)")
     return line
 
 
@@ -365,6 +418,8 @@ def main() -> int:
                     help="one ROUTE every this many ms during ingest and at rest (0: back to back)")
     ap.add_argument("--py-spy", metavar="FILE", help="record quilld with py-spy during ingest (collapsed stacks of "
                     "the samples where it holds the GIL: its CPU in Python, and the system calls made holding it)")
+    ap.add_argument("--nodes", type=int, default=1, help="quilld nodes (a cluster when > 1: the engine's home "
+                    "also places its residencies in the sharded directory; the other nodes' CPU is printed too)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="run the quilld of this source tree (default: this one), "
                     "for old-against-new runs")
     add_flag(ap)
@@ -374,15 +429,17 @@ def main() -> int:
     interval = args.route_interval_ms / 1000
     sizes = [int(s) for s in args.sizes.split(",") if s]
 
-    from procs import free_port
+    from procs import free_port, stop_process
 
     pub_port, replay_port = free_port(), free_port()
     here, there = mp.Pipe()
     engine = mp.Process(target=publisher, args=(pub_port, replay_port, there), daemon=True)
     engine.start()
-    probe_out = Path(tempfile.mkdtemp()) / "probe.json"
-    proc, r, info_client = start_quilld(pub_port, replay_port, probe_out, args.tree.resolve())
-    print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores")
+    nodes = start_nodes(args.nodes, pub_port, replay_port, args.tree.resolve())
+    proc, r, info_client, probe_out = nodes[0]
+    others = [node[0] for node in nodes[1:]]
+    print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores"
+          + (f"; {args.nodes} nodes, ROUTE asked of the engine's home" if others else ""))
     try:
         deadline = time.monotonic() + 10
         while info_client.info("router")["kv_engine_vllm-0"]["state"] != "live":
@@ -393,13 +450,21 @@ def main() -> int:
         while applied(info_client) < 1:
             time.sleep(0.01)
 
+        def others_cpu() -> list[float]:
+            return [cpu_seconds(p.pid) for p in others]
+
+        def others_line(before: list[float]) -> str:
+            used = [b - a for a, b in zip(before, others_cpu())]
+            return f"\n    the other nodes: {', '.join(f'{u:.2f}' for u in used)} CPU-s" if used else ""
+
         def at_rest(name: str) -> list[float]:
             probe(proc, probe_out)
-            cpu0, sched0, t0 = cpu_seconds(proc.pid), schedstat(proc.pid), time.perf_counter()
+            cpu0, sched0, t0, o0 = cpu_seconds(proc.pid), schedstat(proc.pid), time.perf_counter(), others_cpu()
             rest, _ = route_loop(r, info_client, lambda n: False, 2.0, interval)
             sched = tuple(b - a for a, b in zip(sched0, schedstat(proc.pid)))
             print(summary(name, rest))
-            print(where(probe(proc, probe_out), cpu_seconds(proc.pid) - cpu0, sched, time.perf_counter() - t0))
+            print(where(probe(proc, probe_out), cpu_seconds(proc.pid) - cpu0, sched, time.perf_counter() - t0)
+                  + others_line(o0))
             return rest
 
         def ingest(events: int, per_batch: int, rate: float, limit_s: float):
@@ -408,7 +473,7 @@ def main() -> int:
             here.send(("blast", events, per_batch, rate))
             assert here.recv() == "ready"
             probe(proc, probe_out)
-            t0, cpu0, sched0 = time.perf_counter(), cpu_seconds(proc.pid), schedstat(proc.pid)
+            t0, cpu0, sched0, o0 = time.perf_counter(), cpu_seconds(proc.pid), schedstat(proc.pid), others_cpu()
             here.send("go")
             progress: list[tuple[float, int]] = []
             lat, t1 = route_loop(r, info_client, lambda n, want=before + events: n >= want, limit_s, interval,
@@ -422,30 +487,32 @@ def main() -> int:
                 for when, n in progress:
                     due = min(when - t0, (n - before) / rate if n - before < events else when - t0)
                     behind = max(behind, (when - t0) - due)
-            return lat, t1, t0, send_s, late, cpu, sched, snap, behind
+            return lat, t1, t0, send_s, late, cpu, sched, snap, behind, others_line(o0)
 
         rest = at_rest("at rest (32 blocks, 16 resident)")
         results = {}
         latencies = [("at rest", statistics.median(rest), percentile(rest, 99))]
-        spy = None
-        if args.py_spy:
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "250", "--format", "raw", "--gil",
-                                    "--output", args.py_spy, "--nonblocking"], stdout=subprocess.DEVNULL)
+        spies = []
+        if args.py_spy:  # every node: FILE for the engine's home, FILE.1, FILE.2 ... for the others
+            for i, node in enumerate(nodes):
+                spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(node[0].pid), "--rate", "250",
+                                               "--format", "raw", "--gil", "--nonblocking", "--output",
+                                               args.py_spy + (f".{i}" if i else "")], stdout=subprocess.DEVNULL))
             time.sleep(1.0)
         if args.rate:
             events = int(args.rate * seconds) // args.paced_batch * args.paced_batch
-            lat, t1, t0, send_s, late, cpu, sched, snap, behind = ingest(events, args.paced_batch, args.rate,
-                                                                        seconds + 60)
+            lat, t1, t0, send_s, late, cpu, sched, snap, behind, rest_of = ingest(events, args.paced_batch,
+                                                                                 args.rate, seconds + 60)
             done = "all applied" if t1 is not None else "NOT all applied within the limit"
             print(summary(f"during ingest at {args.rate:,.0f} events/s, {args.paced_batch} a batch", lat))
             print(f"    {events:,} events sent in {send_s:.2f} s (publisher at most {late * 1000:.1f} ms behind its "
                   f"schedule), {done} {((t1 or time.perf_counter()) - t0):.2f} s after the first; quilld at most "
                   f"{behind * 1000:.0f} ms behind the schedule (as INFO's counts show, every 40 ms)")
-            print(where(snap, cpu, sched, (t1 or time.perf_counter()) - t0))
+            print(where(snap, cpu, sched, (t1 or time.perf_counter()) - t0) + rest_of)
             latencies.append((f"ingest {args.rate / 1000:.0f}k/s,\n{args.paced_batch}/batch", statistics.median(lat),
                               percentile(lat, 99)))
         for per_batch in sizes:
-            lat, t1, t0, send_s, _, cpu, sched, snap, _ = ingest(total, per_batch, 0, 120.0)
+            lat, t1, t0, send_s, _, cpu, sched, snap, _, rest_of = ingest(total, per_batch, 0, 120.0)
             if t1 is None:
                 print(f"{per_batch:>3} events/batch: did not finish in 120 s")
                 continue
@@ -454,9 +521,10 @@ def main() -> int:
             latencies.append((f"ingest,\n{per_batch}/batch", statistics.median(lat), percentile(lat, 99)))
             print(f"{per_batch:>3} events/batch as fast as ZMQ takes them: {rate:>9,.0f} events/s applied "
                   f"({total:,} events, publisher sent them in {send_s:.2f} s); {summary('during ingest', lat)}")
-            print(where(snap, cpu, sched, t1 - t0))
-        if spy is not None:
+            print(where(snap, cpu, sched, t1 - t0) + rest_of)
+        for spy in spies:
             spy.send_signal(signal.SIGINT)
+        for spy in spies:
             spy.wait(30)
         at_rest("at rest after ingest")
         line = info_client.info("router")["kv_engine_vllm-0"]
@@ -467,8 +535,8 @@ def main() -> int:
     finally:
         here.send(("quit",))
         engine.join(10)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
+        for node in nodes:
+            stop_process(node[0])
     return 0
 
 
