@@ -4,8 +4,9 @@
    a fetch burns per GB moved (node A holding the blocks; node B fetching them, one key per
    PEERPULL, into its arena, CRC32C-checked, the space given back as keep_fetched is off; this
    process asking B over a plain socket), against a plain Python socket copy of the same bytes
-   between two processes (a sender's `sendall`, a receiver's `recv_into` a preallocated buffer,
-   one request per block). On two shared cores the wall clock mostly measures the scheduler;
+   between two processes (a sender's `sendall` of as many distinct blocks as the holder serves,
+   in turn, a receiver's `recv_into` a preallocated buffer, one request per block; each counts
+   its copy loop only). On two shared cores the wall clock mostly measures the scheduler;
    the CPU does not. The wall-clock ratio is printed beside it.
 1. Peer fetch: GETBLK on node B of blocks held only by node A (cluster.keep_fetched off, so
    every read crosses A -> B), against a plain Python socket copy of the same bytes
@@ -72,36 +73,45 @@ def cpu_seconds(pid: int | str = "self") -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# The plain socket copy, in two processes of their own: each prints its CPU seconds when done
-# (the receiver its wall-clock seconds too).
+# The plain socket copy, in two processes of their own: each prints the CPU seconds its copy loop
+# took (the receiver its wall-clock seconds too), not Python's start and exit nor the sender's
+# making of its payloads. The sender sends `distinct` payloads in turn: the peer fetch's holder
+# serves that many distinct blocks, out of any cache when they are large; one payload sent again
+# and again stays in the CPU's caches (its figure is printed too).
 _SENDER = """
 import os, socket, sys
-n, count = int(sys.argv[1]), int(sys.argv[2])
-payload = os.urandom(n)
+n, count, distinct = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+payloads = [os.urandom(n) for _ in range(distinct)]
 srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
-for _ in range(count):
+def cpu():
+    f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0 = cpu()
+for i in range(count):
     conn.recv(1)
-    conn.sendall(payload)
+    conn.sendall(payloads[i % distinct])
+c1 = cpu()
 conn.close()
-f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-print((int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"), flush=True)
+print(c1 - c0, flush=True)
 """
 _RECEIVER = """
 import os, socket, sys, time
 n, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 buf = memoryview(bytearray(n))
 c = socket.create_connection(("127.0.0.1", port))
-t0 = time.perf_counter()
+def cpu():
+    f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0, t0 = cpu(), time.perf_counter()
 for _ in range(count):
     c.sendall(b"g")
     got = 0
     while got < n:
         got += c.recv_into(buf[got:])
-wall = time.perf_counter() - t0
-f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-print(wall, (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"), flush=True)
+wall, used = time.perf_counter() - t0, cpu() - c0
+print(wall, used, flush=True)
 """
 
 
@@ -120,11 +130,13 @@ def wait_local_lookups(r: redis.Redis, timeout: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def socket_copy_cpu(nbytes: int, count: int) -> tuple[float, float]:
-    """(CPU seconds of sender and receiver together, wall seconds of the copies) for `count`
-    payloads of `nbytes`, one request each, between two processes of their own."""
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(count)], stdout=subprocess.PIPE,
-                              text=True)
+
+def socket_copy_cpu(nbytes: int, count: int, distinct: int = 1) -> tuple[float, float]:
+    """(CPU seconds of sender and receiver together in their copy loops, wall seconds of the
+    copies) for `count` payloads of `nbytes` (`distinct` different ones, in turn), one request
+    each, between two processes of their own."""
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(count), str(distinct)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         port = int(sender.stdout.readline())
         out = subprocess.run([sys.executable, "-c", _RECEIVER, str(nbytes), str(count), str(port)],
@@ -136,15 +148,6 @@ def socket_copy_cpu(nbytes: int, count: int) -> tuple[float, float]:
     return sender_cpu + receiver_cpu, wall
 
 
-def _startup_cpu(code: str) -> float:
-    """CPU seconds a Python process of the socket copy spends starting up and exiting (its own)."""
-    out = subprocess.run([sys.executable, "-c", code.split("n, count")[0] +
-                          "f = open('/proc/self/stat').read().rsplit(')', 1)[1].split()\n"
-                          "print((int(f[11]) + int(f[12])) / os.sysconf('SC_CLK_TCK'))"],
-                         capture_output=True, text=True, check=True)
-    return float(out.stdout)
-
-
 def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
               tree: Path = ROOT) -> list[tuple[int, float, float, float, float]]:
     """Per size: (MiB, socket copy CPU-s/GB, peer fetch CPU-s/GB, socket copy GB/s, peer fetch GB/s),
@@ -154,7 +157,6 @@ def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
     a, b = start_cluster(tmp, 2, tree)
     ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port, socket_timeout=60)
     rows = []
-    startup = _startup_cpu(_SENDER) + _startup_cpu(_RECEIVER)  # what Python itself costs, not the copy
     try:
         rb.execute_command("PEERAUTH", local_secret())  # the bench asks B as a peer would: PEERPULL
         wait_local_lookups(rb)
@@ -168,10 +170,12 @@ def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
         time.sleep(2.0)
         idle = (cpu_seconds(a.proc.pid) + cpu_seconds(b.proc.pid) - idle0) / (time.perf_counter() - idle_t0)
         print(f"peer fetch by CPU: every process's utime + stime (/proc/PID/stat) per GB moved; the two idle "
-              f"nodes burn {idle:.3f} CPU-s/s between them (gossip every 200 ms), subtracted; Python's own start "
-              f"and exit ({startup:.3f} CPU-s) subtracted from the socket copy's processes")
-        print(f"{'size':>6} {'socket copy':>20} {'peer fetch':>20} {'CPU ratio':>10} {'wall ratio':>11}")
-        print(f"{'':>6} {'CPU-s/GB   GB/s':>20} {'CPU-s/GB   GB/s':>20}")
+              f"nodes burn {idle:.3f} CPU-s/s between them (gossip every 200 ms), subtracted. The socket copy "
+              f"sends the same number of distinct blocks as the holder serves (up to 64), in turn; 'one buffer' "
+              f"is its CPU when it sends one payload again and again (held in the CPU's caches)")
+        print(f"{'size':>6} {'socket copy':>20} {'peer fetch':>20} {'CPU ratio':>10} {'wall ratio':>11} "
+              f"{'one buffer':>11}")
+        print(f"{'':>6} {'CPU-s/GB   GB/s':>20} {'CPU-s/GB   GB/s':>20} {'':>22} {'CPU-s/GB':>11}")
         for mib in sizes:
             n = mib * MiB
             count = max(8, mib_per_round // mib)
@@ -190,11 +194,12 @@ def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
             # add about 50 us of its own per request here): one PEERPULL per block, pre-encoded
             pulls = [b"*6\r\n$8\r\nPEERPULL\r\n$7\r\ndefault\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$%d\r\n%b\r\n"
                      % (len(k), k.encode()) for k in keys]
-            sock_cpu, sock_wall, fetch_cpu_, fetch_wall, split = [], [], [], [], []
+            sock_cpu, sock_wall, fetch_cpu_, fetch_wall, split, hot_cpu = [], [], [], [], [], []
             for _ in range(rounds):
-                cpu, wall = socket_copy_cpu(n, count)
-                sock_cpu.append((cpu - startup) / (n * count / 1e9))
+                cpu, wall = socket_copy_cpu(n, count, len(keys))
+                sock_cpu.append(cpu / (n * count / 1e9))
                 sock_wall.append(n * count / wall / 1e9)
+                hot_cpu.append(socket_copy_cpu(n, count)[0] / (n * count / 1e9))
                 before = rb.info("cluster")
                 c0 = [cpu_seconds(a.proc.pid), cpu_seconds(b.proc.pid), cpu_seconds()]
                 t0 = time.perf_counter()
@@ -215,8 +220,8 @@ def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
             sc, fc, sw, fw = (statistics.median(x) for x in (sock_cpu, fetch_cpu_, sock_wall, fetch_wall))
             gb = n * count / 1e9
             parts = [statistics.median(x[j] for x in split) / gb for j in range(3)]
-            print(f"{mib:>4}Mi {sc:>9.3f} {sw:>9.2f}  {fc:>9.3f} {fw:>9.2f}  {fc / sc:>9.2f}x {fw / sw:>10.2f}x   "
-                  f"(holder {parts[0]:.3f}, fetching node {parts[1]:.3f}, client {parts[2]:.3f} CPU-s/GB)")
+            print(f"{mib:>4}Mi {sc:>9.3f} {sw:>9.2f}  {fc:>9.3f} {fw:>9.2f}  {fc / sc:>9.2f}x {fw / sw:>10.2f}x "
+                  f"{statistics.median(hot_cpu):>11.3f}   (holder {parts[0]:.3f}, fetching node {parts[1]:.3f}, client {parts[2]:.3f} CPU-s/GB)")
             rows.append((mib, sc, fc, sw, fw))
     finally:
         for q in (a, b):
