@@ -18,7 +18,7 @@
 3. Failure detection: time from SIGKILL of one node until every other node reports it dead.
 
     python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10] [--no-busy] [--plot PATH]
-    python bench/cluster_bench.py --cpu-only [--rounds 5] [--mib-per-round 512]   # part 0 alone
+    python bench/cluster_bench.py --cpu-only [--rounds 5] [--mib-per-round 512] [--peer-sendfile]   # part 0 alone
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ FAST = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT
         "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "2000", "QUILLD_CLUSTER_KEEP_FETCHED": "false"}
 
 
-def start_cluster(tmp: Path, n: int, tree: Path = ROOT) -> list:
+def start_cluster(tmp: Path, n: int, tree: Path = ROOT, env: dict | None = None) -> list:
     nodes, gports = [], []
     for i in range(n):
         gport = free_port()
@@ -56,7 +56,7 @@ def start_cluster(tmp: Path, n: int, tree: Path = ROOT) -> list:
         if gports:
             extra += ["--seeds", f"127.0.0.1:{gports[0]}"]
         gports.append(gport)
-        nodes.append(start_quilld(tmp, *extra, env=FAST, admin=False, tree=tree))
+        nodes.append(start_quilld(tmp, *extra, env={**FAST, **(env or {})}, admin=False, tree=tree))
     deadline = time.monotonic() + 60
     for q in nodes:
         r = redis.Redis(port=q.port)
@@ -149,12 +149,12 @@ def socket_copy_cpu(nbytes: int, count: int, distinct: int = 1) -> tuple[float, 
 
 
 def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
-              tree: Path = ROOT) -> list[tuple[int, float, float, float, float]]:
+              tree: Path = ROOT, env: dict | None = None) -> list[tuple[int, float, float, float, float]]:
     """Per size: (MiB, socket copy CPU-s/GB, peer fetch CPU-s/GB, socket copy GB/s, peer fetch GB/s),
     medians of `rounds` rounds, each moving about `mib_per_round` MiB each way, alternating."""
     from quilld.cluster.local_secret import local_secret
 
-    a, b = start_cluster(tmp, 2, tree)
+    a, b = start_cluster(tmp, 2, tree, env)
     ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port, socket_timeout=60)
     rows = []
     try:
@@ -395,6 +395,8 @@ def main() -> None:
     p.add_argument("--no-busy", action="store_true", help="skip the peer fetch with both nodes busy")
     p.add_argument("--cpu-only", action="store_true", help="only the peer fetch by CPU (part 0)")
     p.add_argument("--mib-per-round", type=int, default=1024, help="MiB each side moves per round of part 0")
+    p.add_argument("--peer-sendfile", action="store_true", help="part 0 with cluster.peer_sendfile on (the holder "
+                   "sends blocks by sendfile from the arena's memory file)")
     p.add_argument("--tree", type=Path, default=ROOT, help="run part 0 on the quilld of this source tree (default: "
                    "this one), for old-against-new runs")
     add_flag(p)
@@ -404,7 +406,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         sizes = [int(x) for x in a.sizes.split(",")]
-        cpu = fetch_cpu(tmp, sizes, a.rounds, a.mib_per_round, a.tree.resolve())
+        cpu = fetch_cpu(tmp, sizes, a.rounds, a.mib_per_round, a.tree.resolve(),
+                        {"QUILLD_CLUSTER_PEER_SENDFILE": "true"} if a.peer_sendfile else None)
         if a.cpu_only:
             return
         fetch = peer_fetch(tmp, sizes, a.rounds)

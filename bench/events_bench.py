@@ -25,8 +25,10 @@ First, between two spells of ROUTE at rest, the publisher sends at a steady `--r
 is ROUTE p99 there (target <= 5 ms), with how far behind the schedule quilld fell. quilld
 runs under a probe (`--probed-quilld`, below), so each phase also says where its time went: GC pauses per
 generation, the longest stretches the KV-event subscriber held the event loop, ROUTE's own
-decision time, and how long quilld waited for a CPU (its run-queue wait from
-/proc/PID/schedstat: the scheduler's share of the tail).
+decision time, each reply's write to its transport, and how long quilld waited for a CPU (its
+run-queue wait from /proc/PID/schedstat: the scheduler's share of the tail). With `--nodes 3`
+the quilld are a cluster: the engine's home also places the residencies in the sharded
+directory, and the other nodes' CPU is printed.
 """
 
 from __future__ import annotations
