@@ -1,5 +1,13 @@
 """Cluster figures, measured side by side in one run on loopback.
 
+0. Peer fetch by CPU: the CPU seconds (utime + stime from /proc/PID/stat) that every process of
+   a fetch burns per GB moved (node A holding the blocks; node B fetching them, one key per
+   PEERPULL, into its arena, CRC32C-checked, the space given back as keep_fetched is off; this
+   process asking B over a plain socket), against a plain Python socket copy of the same bytes
+   between two processes (a sender's `sendall` of as many distinct blocks as the holder serves,
+   in turn, a receiver's `recv_into` a preallocated buffer, one request per block; each counts
+   its copy loop only). On two shared cores the wall clock mostly measures the scheduler;
+   the CPU does not. The wall-clock ratio is printed beside it.
 1. Peer fetch: GETBLK on node B of blocks held only by node A (cluster.keep_fetched off, so
    every read crosses A -> B), against a plain Python socket copy of the same bytes
    (a thread sending, `recv_into` a preallocated buffer) and against GETBLK LOCAL on A;
@@ -10,6 +18,7 @@
 3. Failure detection: time from SIGKILL of one node until every other node reports it dead.
 
     python bench/cluster_bench.py [--rounds 3] [--sizes 1,4] [--nodes 3,10] [--no-busy] [--plot PATH]
+    python bench/cluster_bench.py --cpu-only [--rounds 5] [--mib-per-round 512] [--peer-sendfile]   # part 0 alone
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ FAST = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT
         "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "2000", "QUILLD_CLUSTER_KEEP_FETCHED": "false"}
 
 
-def start_cluster(tmp: Path, n: int) -> list:
+def start_cluster(tmp: Path, n: int, tree: Path = ROOT, env: dict | None = None) -> list:
     nodes, gports = [], []
     for i in range(n):
         gport = free_port()
@@ -47,7 +56,7 @@ def start_cluster(tmp: Path, n: int) -> list:
         if gports:
             extra += ["--seeds", f"127.0.0.1:{gports[0]}"]
         gports.append(gport)
-        nodes.append(start_quilld(tmp, *extra, env=FAST, admin=False))
+        nodes.append(start_quilld(tmp, *extra, env={**FAST, **(env or {})}, admin=False, tree=tree))
     deadline = time.monotonic() + 60
     for q in nodes:
         r = redis.Redis(port=q.port)
@@ -56,6 +65,168 @@ def start_cluster(tmp: Path, n: int) -> list:
                 raise RuntimeError("cluster did not form")
             time.sleep(0.05)
     return nodes
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """utime + stime of a process so far, every thread of it (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The plain socket copy, in two processes of their own: each prints the CPU seconds its copy loop
+# took (the receiver its wall-clock seconds too), not Python's start and exit nor the sender's
+# making of its payloads. The sender sends `distinct` payloads in turn: the peer fetch's holder
+# serves that many distinct blocks, out of any cache when they are large; one payload sent again
+# and again stays in the CPU's caches (its figure is printed too).
+_SENDER = """
+import os, socket, sys
+n, count, distinct = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+payloads = [os.urandom(n) for _ in range(distinct)]
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+def cpu():
+    f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0 = cpu()
+for i in range(count):
+    conn.recv(1)
+    conn.sendall(payloads[i % distinct])
+c1 = cpu()
+conn.close()
+print(c1 - c0, flush=True)
+"""
+_RECEIVER = """
+import os, socket, sys, time
+n, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+buf = memoryview(bytearray(n))
+c = socket.create_connection(("127.0.0.1", port))
+def cpu():
+    f = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0, t0 = cpu(), time.perf_counter()
+for _ in range(count):
+    c.sendall(b"g")
+    got = 0
+    while got < n:
+        got += c.recv_into(buf[got:])
+wall, used = time.perf_counter() - t0, cpu() - c0
+print(wall, used, flush=True)
+"""
+
+
+def wait_local_lookups(r: redis.Redis, timeout: float = 60.0) -> None:
+    """Until a lookup on this node is answered from its own part of the directory: a bucket it
+    just gained answers only with another owner's word during the directory's handoff grace
+    (10 s after the view changed), which would add a round trip to every read measured."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = r.info("cluster").get("cluster_lookups_local", 0)
+        r.execute_command("LOCATE", "no-such-key")
+        if r.info("cluster").get("cluster_lookups_local", 0) > before:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("lookups still cross to another owner")
+        time.sleep(0.5)
+
+
+
+def socket_copy_cpu(nbytes: int, count: int, distinct: int = 1) -> tuple[float, float]:
+    """(CPU seconds of sender and receiver together in their copy loops, wall seconds of the
+    copies) for `count` payloads of `nbytes` (`distinct` different ones, in turn), one request
+    each, between two processes of their own."""
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(count), str(distinct)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sender.stdout.readline())
+        out = subprocess.run([sys.executable, "-c", _RECEIVER, str(nbytes), str(count), str(port)],
+                             capture_output=True, text=True, timeout=600, check=True).stdout.split()
+        sender_cpu = float(sender.stdout.readline())
+    finally:
+        stop_process(sender)
+    wall, receiver_cpu = float(out[0]), float(out[1])
+    return sender_cpu + receiver_cpu, wall
+
+
+def fetch_cpu(tmp: Path, sizes: list[int], rounds: int, mib_per_round: int,
+              tree: Path = ROOT, env: dict | None = None) -> list[tuple[int, float, float, float, float]]:
+    """Per size: (MiB, socket copy CPU-s/GB, peer fetch CPU-s/GB, socket copy GB/s, peer fetch GB/s),
+    medians of `rounds` rounds, each moving about `mib_per_round` MiB each way, alternating."""
+    from quilld.cluster.local_secret import local_secret
+
+    a, b = start_cluster(tmp, 2, tree, env)
+    ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port, socket_timeout=60)
+    rows = []
+    try:
+        rb.execute_command("PEERAUTH", local_secret())  # the bench asks B as a peer would: PEERPULL
+        wait_local_lookups(rb)
+        client = socket.create_connection(("127.0.0.1", b.port), timeout=60)
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        secret = local_secret().encode()
+        client.sendall(b"*2\r\n$8\r\nPEERAUTH\r\n$%d\r\n%b\r\n" % (len(secret), secret))
+        if client.recv(16) != b"+OK\r\n":
+            raise RuntimeError("PEERAUTH refused")
+        idle_t0, idle0 = time.perf_counter(), cpu_seconds(a.proc.pid) + cpu_seconds(b.proc.pid)
+        time.sleep(2.0)
+        idle = (cpu_seconds(a.proc.pid) + cpu_seconds(b.proc.pid) - idle0) / (time.perf_counter() - idle_t0)
+        print(f"peer fetch by CPU: every process's utime + stime (/proc/PID/stat) per GB moved; the two idle "
+              f"nodes burn {idle:.3f} CPU-s/s between them (gossip every 200 ms), subtracted. The socket copy "
+              f"sends the same number of distinct blocks as the holder serves (up to 64), in turn; 'one buffer' "
+              f"is its CPU when it sends one payload again and again (held in the CPU's caches)")
+        print(f"{'size':>6} {'socket copy':>20} {'peer fetch':>20} {'CPU ratio':>10} {'wall ratio':>11} "
+              f"{'one buffer':>11}")
+        print(f"{'':>6} {'CPU-s/GB   GB/s':>20} {'CPU-s/GB   GB/s':>20} {'':>22} {'CPU-s/GB':>11}")
+        for mib in sizes:
+            n = mib * MiB
+            count = max(8, mib_per_round // mib)
+            keys = [f"cpu{mib}:{i}" for i in range(min(count, 64))]
+            payload = os.urandom(n)
+            for k in keys:
+                ra.set(k, payload)
+            deadline = time.monotonic() + 30
+            while not all(rb.execute_command("LOCATE", *keys)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the directory did not name every key on b")
+                time.sleep(0.05)
+            for k in keys[:4]:  # connections opened, CRCs of the holder's blocks computed
+                assert rb.execute_command("PEERPULL", "default", "", "", "", k) == 0
+            # the client asks over a plain socket, as the socket copy's receiver does (redis-py would
+            # add about 50 us of its own per request here): one PEERPULL per block, pre-encoded
+            pulls = [b"*6\r\n$8\r\nPEERPULL\r\n$7\r\ndefault\r\n$0\r\n\r\n$0\r\n\r\n$0\r\n\r\n$%d\r\n%b\r\n"
+                     % (len(k), k.encode()) for k in keys]
+            sock_cpu, sock_wall, fetch_cpu_, fetch_wall, split, hot_cpu = [], [], [], [], [], []
+            for _ in range(rounds):
+                cpu, wall = socket_copy_cpu(n, count, len(keys))
+                sock_cpu.append(cpu / (n * count / 1e9))
+                sock_wall.append(n * count / wall / 1e9)
+                hot_cpu.append(socket_copy_cpu(n, count)[0] / (n * count / 1e9))
+                before = rb.info("cluster")
+                c0 = [cpu_seconds(a.proc.pid), cpu_seconds(b.proc.pid), cpu_seconds()]
+                t0 = time.perf_counter()
+                for i in range(count):
+                    client.sendall(pulls[i % len(pulls)])
+                    if client.recv(64) != b":0\r\n":  # B keeps nothing (keep_fetched off): it holds 0
+                        raise RuntimeError("PEERPULL failed")
+                wall = time.perf_counter() - t0
+                c1 = [cpu_seconds(a.proc.pid), cpu_seconds(b.proc.pid), cpu_seconds()]
+                cpu = sum(c1) - sum(c0) - idle * wall
+                split.append([y - x for x, y in zip(c0, c1)])
+                after = rb.info("cluster")
+                moved = after["cluster_peer_fetch_bytes"] - before.get("cluster_peer_fetch_bytes", 0)
+                if moved != n * count:
+                    raise RuntimeError(f"b fetched {moved} bytes, {n * count} expected")
+                fetch_cpu_.append(cpu / (moved / 1e9))
+                fetch_wall.append(moved / wall / 1e9)
+            sc, fc, sw, fw = (statistics.median(x) for x in (sock_cpu, fetch_cpu_, sock_wall, fetch_wall))
+            gb = n * count / 1e9
+            parts = [statistics.median(x[j] for x in split) / gb for j in range(3)]
+            print(f"{mib:>4}Mi {sc:>9.3f} {sw:>9.2f}  {fc:>9.3f} {fw:>9.2f}  {fc / sc:>9.2f}x {fw / sw:>10.2f}x "
+                  f"{statistics.median(hot_cpu):>11.3f}   (holder {parts[0]:.3f}, fetching node {parts[1]:.3f}, client {parts[2]:.3f} CPU-s/GB)")
+            rows.append((mib, sc, fc, sw, fw))
+    finally:
+        for q in (a, b):
+            stop_process(q.proc)
+    return rows
 
 
 def socket_copy(nbytes: int, count: int) -> float:
@@ -222,11 +393,23 @@ def main() -> None:
     p.add_argument("--sizes", default="1,4")
     p.add_argument("--nodes", default="3,10")
     p.add_argument("--no-busy", action="store_true", help="skip the peer fetch with both nodes busy")
+    p.add_argument("--cpu-only", action="store_true", help="only the peer fetch by CPU (part 0)")
+    p.add_argument("--mib-per-round", type=int, default=1024, help="MiB each side moves per round of part 0")
+    p.add_argument("--peer-sendfile", action="store_true", help="part 0 with cluster.peer_sendfile on (the holder "
+                   "sends blocks by sendfile from the arena's memory file)")
+    p.add_argument("--tree", type=Path, default=ROOT, help="run part 0 on the quilld of this source tree (default: "
+                   "this one), for old-against-new runs")
     add_flag(p)
     a = p.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} on "
+          f"{os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         sizes = [int(x) for x in a.sizes.split(",")]
+        cpu = fetch_cpu(tmp, sizes, a.rounds, a.mib_per_round, a.tree.resolve(),
+                        {"QUILLD_CLUSTER_PEER_SENDFILE": "true"} if a.peer_sendfile else None)
+        if a.cpu_only:
+            return
         fetch = peer_fetch(tmp, sizes, a.rounds)
         busy = [] if a.no_busy else peer_fetch(tmp, sizes, a.rounds, busy=True)
         clusters = [convergence_and_detection(tmp, n, a.rounds) for n in (int(x) for x in a.nodes.split(","))]

@@ -181,6 +181,7 @@ class ClusterConfig:
     seed_warning_ms: int = 10_000  # alone this long with seeds configured: warn that none answers
     transfer: str = "auto"  # auto, tcp or rdma
     keep_fetched: bool = True  # keep a local copy of blocks fetched from peers
+    peer_sendfile: bool = False  # a peer's reply block leaves the arena by sendfile (else a plain write)
     pool_reads: bool = True  # GET, MGET and EXISTS see the whole pool (a local miss asks the peers); false: local only
     directory_replicas: int = 3  # owners each directory entry has (every node when fewer)
     directory_buckets: int = 16384  # virtual buckets the directory is sharded into (a power of two)

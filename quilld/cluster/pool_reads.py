@@ -182,6 +182,13 @@ class PoolReads:
                 small.setdefault(peer, []).append(i)
             else:
                 large.append(i)
+        if not small and len(large) <= 1:  # one large value (a GET, a prefetch of one block): no tasks
+            if large:
+                i = large[0]
+                out[i] = await self._from_holders(scope, tag, keys[i], holders[i], strict=False)
+            hits = sum(v is not None for v in out)
+            self.stats["pool_read_hits"] += hits
+            return out
         retry: list[int] = []
         batches = [(peer, idx[j:j + BATCH_KEYS]) for peer, idx in small.items() for j in range(0, len(idx), BATCH_KEYS)]
         results = await asyncio.gather(*(self._batch(scope, tag, peer, [keys[i] for i in idx]) for peer, idx in batches),

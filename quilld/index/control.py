@@ -179,7 +179,9 @@ class ControlPlane:
         An engine whose group kinds are declared keeps its residencies per group in
         `HybridHoldings`. Otherwise a KV-cache group other than 0 hands the engine over to
         `GroupedHoldings`, which applies groups.py's every-group rule; until then (and for
-        every engine with one group) events go straight to the index.
+        every engine with one group) events go straight to the index, a run of consecutive
+        stores (or removals) of one scope and tier in one call: vLLM sends one event per
+        request and step, often of a single block, and the index's cost is mostly per call.
         """
         tags = self._tags.get(engine_id)
         if tags is None:
@@ -188,11 +190,16 @@ class ControlPlane:
         hybrid = self._hybrid.get(engine_id)
         if hybrid is not None:
             return self._apply_hybrid(engine_id, hybrid, events, tags, named_groups)
-        index, grouped = self.index, self._grouped.get(engine_id)
+        index, grouped, placements = self.index, self._grouped.get(engine_id), self.placements
         tag_of: dict[str | None, bytes] = {}  # adapter -> tag, for this call (no sweep runs inside it)
+        run: list = []  # the hashes of the run not yet given to the index: stores (run_tag) or removals
+        run_stores, run_tag, run_tier = False, b"", CacheTier.HBM
         for ev in events:
             kind = type(ev)
             if kind is Stored:
+                if run and not run_stores:
+                    self._removed_run(engine_id, tags, run, run_tier)
+                    run = []
                 adapter, group = ev.lora_name, ev.group_idx
                 tag = tag_of.get(adapter)
                 if tag is None:
@@ -205,23 +212,40 @@ class ControlPlane:
                     if not group:  # None or 0: one group as far as anyone knows
                         if group is None:
                             self._whole.setdefault(engine_id, set()).add(tier)
-                        index.put_many(tag, ev.block_hashes, engine_id, tier)
-                        if self.placements is not None:
-                            self.placements.engine_stored(engine_id, tag, ev.block_hashes, ev.parent, tier)
+                        if run and (run_tag is not tag or run_tier is not tier):
+                            index.put_many(run_tag, run, engine_id, run_tier)
+                            run = []
+                        run += ev.block_hashes
+                        run_stores, run_tag, run_tier = True, tag, tier
+                        if placements is not None:
+                            placements.engine_stored(engine_id, tag, ev.block_hashes, ev.parent, tier)
                         continue
+                    if run:
+                        index.put_many(run_tag, run, engine_id, run_tier)
+                        run = []
                     grouped = self._group_up(engine_id)
                 if group is not None:
                     grouped.learn(group)
                 grouped.stored(tag, ev.block_hashes, tier, EVERY_GROUP if group is None else 1 << group)
             elif kind is Removed:  # events name no adapter: try every scope the engine used
+                if run and run_stores:
+                    index.put_many(run_tag, run, engine_id, run_tier)
+                    run = []
                 tier, group = _TIER_OF.get(ev.medium) or medium_tier(ev.medium), ev.group_idx
                 if grouped is None and group:
+                    if run:
+                        self._removed_run(engine_id, tags, run, run_tier)
+                        run = []
                     grouped = self._group_up(engine_id)
                 if grouped is None:
-                    for tag in tags:
-                        index.remove_many(tag, ev.block_hashes, engine_id, tier)
-                        if self.placements is not None:
-                            self.placements.engine_removed(engine_id, tag, ev.block_hashes, tier)
+                    if run and run_tier is not tier:
+                        self._removed_run(engine_id, tags, run, run_tier)
+                        run = []
+                    run += ev.block_hashes
+                    run_stores, run_tier = False, tier
+                    if placements is not None:
+                        for tag in tags:
+                            placements.engine_removed(engine_id, tag, ev.block_hashes, tier)
                     continue
                 if group is not None:
                     grouped.learn(group)
@@ -229,12 +253,29 @@ class ControlPlane:
                 for tag in tags:
                     grouped.removed(tag, ev.block_hashes, tier, mask)
             elif kind is Cleared:
+                if run:
+                    if run_stores:
+                        index.put_many(run_tag, run, engine_id, run_tier)
+                    else:
+                        self._removed_run(engine_id, tags, run, run_tier)
+                    run = []
                 index.clear_holder(engine_id)
-                if self.placements is not None:
-                    self.placements.engine_cleared(engine_id)
+                if placements is not None:
+                    placements.engine_cleared(engine_id)
                 if grouped is not None:
                     grouped.clear()
+        if run:
+            if run_stores:
+                index.put_many(run_tag, run, engine_id, run_tier)
+            else:
+                self._removed_run(engine_id, tags, run, run_tier)
         return len(events)
+
+    def _removed_run(self, engine_id: str, tags: set[bytes], hashes: list, tier: CacheTier) -> None:
+        """Removals of `engine_id`'s blocks in `tier`: tried in every scope the engine used."""
+        remove = self.index.remove_many
+        for tag in tags:
+            remove(tag, hashes, engine_id, tier)
 
     def _apply_hybrid(self, engine_id: str, hybrid: HybridHoldings, events: Sequence[Event], tags: set[bytes],
                       named_groups: dict[int, str]) -> int:

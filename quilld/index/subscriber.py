@@ -48,6 +48,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 import xxhash
@@ -93,6 +94,7 @@ LOG_EVERY_S = 10.0
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _NOBLOCK = int(zmq.NOBLOCK)
+_FIRST = itemgetter(0)  # an event's block hashes
 _monitor_ids = itertools.count()
 
 # (engine id, events) -> events applied
@@ -379,9 +381,9 @@ class KvEventSubscriber:
         stats.add("batches")
         stats.last_seq = batch.seq
         events = batch.events
-        if len(events) == 1:
-            work = 1 if type(events[0]) is Cleared else len(events[0].block_hashes)
-        else:
+        try:  # Stored and Removed are tuples with their hashes first: counted in C
+            work = sum(map(len, map(_FIRST, events)))
+        except TypeError:  # an AllBlocksCleared among them
             work = sum(1 if type(e) is Cleared else len(e.block_hashes) for e in events)
         cursor = Cursor(batch.seq, payload_digest, batch.ts)
         if work > SLICE_WORK:

@@ -572,7 +572,7 @@ class RespConnection(asyncio.BufferedProtocol):
             transport.write(chunk)
         elif pins:
             self.clients.net_out += sum(len(x) for x in out)
-            if self.session.peer and not transport.get_write_buffer_size():
+            if self.session.peer and self.ctx.cfg.cluster.peer_sendfile and not transport.get_write_buffer_size():
                 out = self._sendfile(out, pins)
             if out:
                 transport.writelines(out)
@@ -623,6 +623,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     if done < len(data):
                         return [data[done:], *out[i:]]
                 sent_any = True
+                self.ctx.cluster.stats["peer_replies_sendfile"] += 1
                 n = piece.nbytes
                 done = _sendfile_some(fd, arena.fd, offset, n)
                 if done < n:

@@ -261,6 +261,7 @@ def test_section_that_is_not_a_table(tmp_path):
     ('[dram]\nhigh_watermark = "high"\n', "dram.high_watermark"),
     ("[blocks]\ndefault_lease_ms = inf\n", "blocks.default_lease_ms"),
     ("[server]\nport = 7001.5\n", "server.port"),  # never silently truncated to 7001
+    ('[cluster]\npeer_sendfile = "sometimes"\n', "cluster.peer_sendfile"),
 ])
 def test_bad_types_in_file(tmp_path, toml, where):
     path = write(tmp_path, toml)
@@ -274,12 +275,19 @@ def test_bad_types_in_file(tmp_path, toml, where):
     ("QUILLD_SERVER_PORT", "70.5"),
     ("QUILLD_DRAM_LOW_WATERMARK", "low"),
     ("QUILLD_SERVER_MAX_CLIENTS", ""),
+    ("QUILLD_CLUSTER_PEER_SENDFILE", "maybe"),
 ])
 def test_bad_types_in_environment(name, value):
     with pytest.raises(ConfigError) as info:
         load(environ={name: value})
     section, key = name[len("QUILLD_"):].lower().split("_", 1)
     assert f"{section}.{key}" in info.value.message
+
+
+def test_peer_sendfile_is_off_unless_asked(tmp_path):
+    assert load(environ={}).cluster.peer_sendfile is False
+    assert load(environ={"QUILLD_CLUSTER_PEER_SENDFILE": "on"}).cluster.peer_sendfile is True
+    assert load(write(tmp_path, "[cluster]\npeer_sendfile = true\n"), environ={}).cluster.peer_sendfile is True
 
 
 def test_string_keys_take_numbers_as_text(tmp_path):

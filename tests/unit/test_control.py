@@ -6,10 +6,13 @@ from __future__ import annotations
 import random
 
 import vllm_schema as vllm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quilld.config import Config, EngineConfig, RouterConfig
 from quilld.index.control import ControlPlane, chain_hashes
 from quilld.index.events import Batch, Stored, decode_payload
+from quilld.index.residency import ResidencyIndex
 from quilld.model import IdentityScope
 from quilld.scopes import ScopeRegistry
 
@@ -155,3 +158,66 @@ def test_reset_drops_the_engine_and_counts_why():
     assert control.stats["kv_gaps"] == 1 and f["drops"] == 2  # a restart is not a loss
     view = control.feed_view("vllm-0")
     assert view["state"] == "push" and not view["subscribed"] and view["batches"] == 1
+
+
+# ---------------------------------------------------------------- runs of events, one index call each (issue 22.3)
+
+_event_ops = st.lists(st.tuples(st.sampled_from(["store", "store", "remove", "clear"]),
+                                st.lists(st.integers(0, 12), min_size=1, max_size=3),
+                                st.sampled_from([vllm.MEDIUM_GPU, vllm.MEDIUM_CPU, vllm.MEDIUM_STORAGE]),
+                                st.sampled_from([None, "lora-a"]), st.sampled_from([None, 0, 0, 1])),
+                      max_size=24)
+
+
+def _vllm_event(op, hashes, medium, lora, group):
+    if op == "store":
+        return vllm.gpu(hashes, lora=lora, group=group) if medium == vllm.MEDIUM_GPU else \
+            vllm.BlockStored(hashes, None, [], 0, None, medium, lora, group_idx=group)
+    if op == "remove":
+        return vllm.removed(hashes, medium, group)
+    return vllm.AllBlocksCleared()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_event_ops, st.integers(1, 6))
+def test_a_batch_applies_as_its_events_one_by_one(ops, cut):
+    """Stores and removals of several scopes, tiers and groups, and clears, in one batch: the index
+    ends as when each event is applied alone, however the batch is cut."""
+    events = [_vllm_event(*op) for op in ops]
+    whole, single, parts = plane(), plane(), plane()
+    if events:
+        feed(whole, *events)
+        for e in events:
+            feed(single, e)
+        for i in range(0, len(events), cut):
+            feed(parts, *events[i:i + cut])
+    for other in (single, parts):
+        assert sorted(whole.index.holder_entries("vllm-0")) == sorted(other.index.holder_entries("vllm-0"))
+        assert len(whole.index) == len(other.index)
+        for tier in ("hbm", "cpu", "storage"):
+            assert whole.index.count("vllm-0", tier) == other.index.count("vllm-0", tier)
+
+
+class CountingIndex(ResidencyIndex):
+    """The real index, counting the calls the control plane makes to it."""
+
+    calls = 0
+
+    def put_many(self, *a):
+        CountingIndex.calls += 1
+        return super().put_many(*a)
+
+    def remove_many(self, *a):
+        CountingIndex.calls += 1
+        return super().remove_many(*a)
+
+
+def test_single_block_events_cost_one_index_call_per_run():
+    """vLLM sends one event per request and step, often of one block: a run of stores (or of
+    removals) of one scope and tier is one index call, not one per event."""
+    control = plane()
+    control.index = CountingIndex(control.scopes)
+    CountingIndex.calls = 0
+    feed(control, *[vllm.gpu([i]) for i in range(48)], *[vllm.removed([i]) for i in range(16)])
+    assert CountingIndex.calls == 2
+    assert control.index.count("vllm-0", "hbm") == 32

@@ -593,3 +593,113 @@ def test_valid_batches_round_trip_and_one_bad_event_costs_only_itself(events, n,
     spoiled = decode_payload(pack([1.0, bad]))
     assert spoiled.events == batch.events and spoiled.malformed == 1
     assert f"events[{at}].block_size" in spoiled.problems[0]
+
+
+# ---------------------------------------------------------------- the strict path (msgspec) and the lenient one
+
+
+def _lenient(payload: bytes, seq_no: int | None = None) -> Batch:
+    """What the lenient decoder alone gives (the strict path bypassed)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False)
+    except Exception as e:
+        raise MalformedEvent(f"payload is not msgpack ({type(e).__name__}: {e})") from None
+    return ev._batch(obj, ev._msgpack_hash, seq_no)
+
+
+def test_vllm_payloads_take_the_strict_path():
+    """What vLLM sends, keyed (0.33) and positional (older), is decoded by msgspec in one pass, not
+    by the lenient decoder: the same batch, every field in place."""
+    events = [vllm.gpu([1, BIG], parent=NEG, lora="ad"), vllm.offloaded([5], group=2), vllm.removed([NEG]),
+              vllm.removed([b"\x01" * 32], medium=None, group=None), vllm.AllBlocksCleared(),
+              vllm.BlockStored([b"\xaa" * 8], b"\xbb", [], 0, 7, "STORAGE", None, extra_keys=[("mm", 1), None],
+                               group_idx=3, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=128)]
+    for legacy in (False, True):
+        payload = vllm.encode(events, ts=4.5, dp_rank=2, legacy=legacy)
+        strict = ev._strict(payload, 9)
+        assert strict is not None, f"legacy={legacy}"
+        assert strict == _lenient(payload, 9) == decode_payload(payload, 9)
+        assert [type(e) for e in strict.events] == [Stored, Stored, Removed, Removed, Cleared, Stored]
+
+
+def test_strict_structs_follow_the_event_tuples_field_order():
+    """A keyed event becomes a Stored/Removed by its fields' order alone (astuple): the two must agree."""
+    renamed = {"parent_block_hash": "parent", "kv_cache_spec_sliding_window": "sliding_window"}
+    assert tuple(renamed.get(f, f) for f in ev._KStored.__struct_fields__) == Stored._fields
+    assert ev._KRemoved.__struct_fields__ == Removed._fields == ev._PRemoved.__struct_fields__
+    assert set(ev._MEDIA) == set(ev._Medium.__args__)
+
+
+@pytest.mark.parametrize("payload", [
+    pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": 16, "medium": "gpu"}]]),  # lower case
+    pack([1.0, [{"kind": "BlockStored", "block_hashes": [1], "block_size": 16}]]),  # "kind", not "type"
+    pack([1.0, [{"type": "block_removed", "block_hashes": [1]}]]),  # the JSON spelling
+    pack([1.0, [{"type": "BlockStored", "block_hashes": [b""], "block_size": 16}]]),  # an empty hash
+    pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": -1}]]),
+    pack([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": ev.MAX_GROUPS}]]),
+    pack([float("nan"), [], 0]),
+    pack([1.0, [], -1]),
+    pack({"ts": 1.0, "events": []}),
+    pack([1.0, [["BlockStored", [1], None, [1], 16, None, "DISK", None, None, 1], ["Nope"]]]),
+])
+def test_what_the_strict_path_refuses_the_lenient_one_decodes_alike(payload):
+    assert ev._strict(payload, 3) is None
+    try:
+        want = _lenient(payload, 3)
+    except MalformedEvent as e:
+        with pytest.raises(MalformedEvent, match=e.message[:30].replace("(", r"\(").replace(")", r"\)")):
+            decode_payload(payload, 3)
+    else:
+        assert decode_payload(payload, 3) == want
+
+
+keyed_event = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockStored", "block_stored"]),
+         "block_hashes": st.lists(st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=9), max_size=3)},
+        optional={"parent_block_hash": st.none() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=3),
+                  "token_ids": st.none() | st.lists(st.integers(0, 9), max_size=3),
+                  "block_size": st.integers(-1, 32) | st.booleans(), "lora_id": st.none() | st.integers(0, 3),
+                  "medium": st.sampled_from([None, "GPU", "CPU", "STORAGE", "cpu", "DISK", "HBM", 1]),
+                  "lora_name": st.none() | st.text(max_size=2), "group_idx": st.none() | st.integers(-1, 70),
+                  "kv_cache_spec_kind": st.none() | st.text(max_size=3),
+                  "kv_cache_spec_sliding_window": st.none() | st.integers(0, 9) | st.text(max_size=1),
+                  "extra_keys": st.lists(st.none() | st.lists(st.integers(0, 9), max_size=2), max_size=2),
+                  "locality": st.text(max_size=2)}),
+    st.fixed_dictionaries(
+        {"type": st.just("BlockRemoved"),
+         "block_hashes": st.lists(st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=9), max_size=3)},
+        optional={"medium": st.sampled_from([None, "GPU", "CPU", "gpu", 2]),
+                  "group_idx": st.none() | st.integers(-1, 70)}),
+    st.just({"type": "AllBlocksCleared"}),
+)
+positional_event = st.one_of(
+    st.tuples(st.just("BlockStored"), st.lists(st.integers(0, 2**64 - 1) | st.binary(max_size=9), max_size=3),
+              st.none() | st.integers(0, 9), st.lists(st.integers(0, 9), max_size=3), st.integers(-1, 32),
+              st.none() | st.integers(0, 3), st.sampled_from([None, "GPU", "CPU", "cpu"]),
+              st.none() | st.text(max_size=2),
+              st.none() | st.lists(st.integers(0, 9), max_size=2), st.none() | st.integers(-1, 70)).map(list),
+    st.tuples(st.just("BlockRemoved"), st.lists(st.integers(NEG, 9) | st.binary(max_size=9), max_size=3),
+              st.sampled_from([None, "GPU", "DISK"])).map(list),
+    st.just(["AllBlocksCleared"]),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(keyed_event, max_size=5) | st.lists(positional_event, max_size=5),
+       st.floats(allow_nan=True, allow_infinity=True) | st.integers(0, 9), st.none() | st.integers(-1, 3))
+def test_strict_and_lenient_paths_give_the_same_batch(events, ts, dp_rank):
+    """On random payloads, valid or not, mixing what vLLM sends with what it never does: whatever
+    the strict path accepts decodes exactly as the lenient decoder alone decodes it."""
+    payload = pack([ts, events, dp_rank])
+    strict = ev._strict(payload, 1)
+    if strict is not None:
+        assert strict == _lenient(payload, 1)
+        assert strict.malformed == 0
+    try:
+        want = _lenient(payload, 1)
+    except MalformedEvent:
+        with pytest.raises(MalformedEvent):
+            decode_payload(payload, 1)
+    else:
+        assert decode_payload(payload, 1) == want

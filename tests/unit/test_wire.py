@@ -9,9 +9,11 @@ from __future__ import annotations
 import array
 import asyncio
 import os
+import random
 import re
 import socket
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -455,9 +457,10 @@ class CannedServer:
     send; a None after a reply closes the connection right after it (else it stays open until
     the client closes it). Bounded: every socket has a timeout."""
 
-    def __init__(self, replies: list[bytes | None], step: int = 1 << 20) -> None:
+    def __init__(self, replies: list[bytes | None], step: int = 1 << 20, pause: float = 0.0) -> None:
         self.replies = list(replies)
         self.step = step
+        self.pause = pause  # seconds between two sends of one reply
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.sock.settimeout(10)
         self.port = self.sock.getsockname()[1]
@@ -475,6 +478,8 @@ class CannedServer:
                         reply = self.replies.pop(0)
                         for i in range(0, len(reply), self.step):
                             conn.sendall(reply[i:i + self.step])
+                            if self.pause:
+                                time.sleep(self.pause)
                         if self.replies and self.replies[0] is None:
                             self.replies.pop(0)
                             break
@@ -522,6 +527,44 @@ def peer_fetch(replies: list[bytes | None], step: int = 1 << 20, fetches: int = 
         return asyncio.run(main())
     finally:
         server.close()
+
+
+def test_a_large_payload_wakes_the_peer_client_a_few_times_and_the_next_reply_still_comes():
+    """A 4 MiB block sent in 64 KiB pieces, a pause after each: the fetching node is woken about
+    once per PAYLOAD_LOWAT of it (SO_RCVLOWAT), not once per piece (issue 22.5), and the socket
+    is back to waking for one byte, so the small reply that follows is read at once."""
+    from quilld.cluster.peer_client import PAYLOAD_LOWAT, PeerConnection
+
+    payload = random.Random(5).randbytes(4 << 20)
+    big = b"*2\r\n:9\r\n$%d\r\n%b\r\n" % (len(payload), payload)
+    server = CannedServer([big, PEER_HIT], step=64 * 1024, pause=0.002)
+
+    async def main():
+        conn = PeerConnection("127.0.0.1", server.port)
+        await conn.connect()
+        wakes = []
+        received = conn._received
+
+        def counted(n):  # the real callback, counted
+            wakes.append(n)
+            received(n)
+
+        conn._received = counted
+        got = await asyncio.wait_for(conn.fetch_into(("PEERGET", "k"), lambda n: memoryview(bytearray(n))), 20)
+        big_wakes = len(wakes)
+        lowat = conn.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        small = await asyncio.wait_for(conn.fetch_into(("PEERGET", "k"), lambda n: memoryview(bytearray(n))), 20)
+        conn.close()
+        return got, big_wakes, lowat, small
+
+    try:
+        (crc, view, _), big_wakes, lowat, small = asyncio.run(main())
+    finally:
+        server.close()
+    assert crc == 9 and bytes(view) == payload
+    assert big_wakes <= len(payload) // PAYLOAD_LOWAT + 4, big_wakes  # 64 pieces came
+    assert lowat == 1
+    assert small[0] == 77 and bytes(small[1]) == PEER_PAYLOAD
 
 
 @pytest.mark.parametrize("reply, expires", [(PEER_HIT, -1), (PEER_HIT_PXAT, 1700000000123)], ids=["plain", "pxat"])
