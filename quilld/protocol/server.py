@@ -602,6 +602,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if sock is None or arena.fd < 0:
             return out
         fd, base = sock.fileno(), _address(arena.region)
+        stats = self.ctx.cluster.stats if self.ctx.cluster is not None else None  # a peer's reply: a cluster
         head: list = []
         sent_any = False
         # corked: header, block and CRLF leave as one stream, so the peer wakes once for all of it
@@ -623,7 +624,8 @@ class RespConnection(asyncio.BufferedProtocol):
                     if done < len(data):
                         return [data[done:], *out[i:]]
                 sent_any = True
-                self.ctx.cluster.stats["peer_replies_sendfile"] += 1
+                if stats is not None:
+                    stats["peer_replies_sendfile"] += 1
                 n = piece.nbytes
                 done = _sendfile_some(fd, arena.fd, offset, n)
                 if done < n:
