@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from netns import Host, Topology, stop_all, wait_listening
+from procs import wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 RESP_PORT, ADMIN_PORT, GOSSIP_PORT = 7379, 7380, 7381  # every node its own address: the same ports
@@ -156,7 +157,7 @@ class NetnsCluster:
 
     def start(self, count: int, timeout: float = START_TIMEOUT) -> list[Node]:
         """`count` new hosts and a node on each, started together (from this thread: see netns.popen);
-        returns once each listens on its RESP and admin ports. The first node of a cluster has no seed."""
+        returns once each serves (its RESP and admin ports listen before it has joined). The first node of a cluster has no seed."""
         new = []
         for host in self.topo.add_hosts(count):
             node = self._spawn(host, self.seed)
@@ -166,6 +167,7 @@ class NetnsCluster:
         for node in new:
             try:
                 wait_listening(node.proc, (RESP_PORT, ADMIN_PORT), max(0.0, deadline - time.monotonic()))
+                wait_serving(node.proc, node.log_path, max(0.0, deadline - time.monotonic()))
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"quilld {node.node_id} on {node.addr} did not start ({e}):\n"
                                    f"{node.log()[-3000:]}") from None

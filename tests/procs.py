@@ -200,6 +200,25 @@ def start_listening(what: str, log_path: Callable[[int], Path], spawn: Callable[
     raise AssertionError("unreachable")
 
 
+SERVING = b" (RESP), admin "  # node.py's start line, logged once the node serves (every listener open)
+
+
+def wait_serving(proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT) -> None:
+    """Wait until quilld says it serves. Its RESP and admin ports listen earlier (the admin API
+    first, answering 503 until then; RESP before the cluster is joined and the gateway opened),
+    so a test that asked the admin API right after the ports opened could be told "the node is
+    starting"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if SERVING in log.read_bytes():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"quilld exited with {proc.returncode} before serving:\n{log.read_text(errors='replace')}")
+        time.sleep(0.02)
+    stop_process(proc)
+    raise TimeoutError(f"quilld did not serve after {timeout}s:\n{log.read_text(errors='replace')}")
+
+
 def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bool = True,
                  tree: Path = ROOT) -> Quilld:
     """A quilld of source tree `tree` (this one by default: a bench may compare another's)."""
@@ -221,6 +240,7 @@ def start_quilld(tmp_path: Path, *extra: str, env: dict | None = None, admin: bo
             return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=tree, env=full_env)
 
     proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 1 + admin)
+    wait_serving(proc, log)
     return Quilld(ports[0], ports[1] if admin else 0, proc, log, list(argv), full_env.get("QUILLD_ADMIN_TOKEN", ""))
 
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 VALUES = 400  # 1 MiB values: 400 MiB of DRAM blocks to flush, ~4 s at ~100 MB/s
-PROGRESS_S = 0.2
+PROGRESS_S = 0.05  # short: this disk flushed the 400 MiB in 0.33 s in one CI run (1.2 GB/s)
 FLUSH_ENV = {"QUILLD_SSD_GROUP_COMMIT_BYTES": "1MiB", "QUILLD_SSD_FLUSH_PROGRESS_S": str(PROGRESS_S)}
 WAIT = 90.0  # seconds any one step may take on a slow, shared machine
 
