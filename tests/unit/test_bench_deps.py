@@ -24,6 +24,9 @@ LOCAL = {"plot", "procs", "index_trace", "vs_redis", "vllm_schema", "netns", "ne
          "quillwire"}
 OPTIONAL = {"mooncake",  # --mooncake only, never a dependency (get_into_bench.py says how to install it)
             "sglang", "torch"}  # SGLang's own classes when installed (docs/connectors.md); replayed without them
+# import name -> distribution where they differ, for a package this Python has not installed (the
+# test extra does not hold the bench extra: packages_distributions() knows installed ones only)
+DISTRIBUTION_OF = {"blart": "blart-py", "zmq": "pyzmq"}
 # what the benches import from tests/: it must not need the test extra either
 FROM_TESTS = [ROOT / "tests" / "procs.py", ROOT / "tests" / "vllm_schema.py", ROOT / "tests" / "netns.py",
               ROOT / "tests" / "netns_cluster.py"]
@@ -67,7 +70,7 @@ def test_bench_extra_holds_every_package_the_benches_import():
     missing = {}
     for path in BENCHES + FROM_TESTS:
         for name in _imports(path) - LOCAL - OPTIONAL - set(sys.stdlib_module_names) - {"__future__"}:
-            owners = {d.lower().replace("_", "-") for d in dists.get(name, [name])}
+            owners = {d.lower().replace("_", "-") for d in dists.get(name, [DISTRIBUTION_OF.get(name, name)])}
             if not owners & declared:
                 missing.setdefault(path.name, set()).add(name)
     assert not missing, f"imported by the benches but in neither the dependencies nor the bench extra: {missing}"
