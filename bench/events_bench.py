@@ -452,12 +452,26 @@ def main() -> int:
         while applied(info_client) < 1:
             time.sleep(0.01)
 
-        def others_cpu() -> list[float]:
-            return [cpu_seconds(p.pid) for p in others]
+        counted = ("cluster_lookups_local", "cluster_lookups_one_hop", "cluster_lookups_two_hops",
+                   "cluster_directory_batches_sent", "cluster_directory_placement_items")
 
-        def others_line(before: list[float]) -> str:
-            used = [b - a for a, b in zip(before, others_cpu())]
-            return f"\n    the other nodes: {', '.join(f'{u:.2f}' for u in used)} CPU-s" if used else ""
+        def others_cpu() -> tuple[list[float], dict]:
+            """The other nodes' CPU so far, and the home's directory counters (in a cluster)."""
+            if not others:
+                return [], {}
+            cluster = info_client.info("cluster")
+            return [cpu_seconds(p.pid) for p in others], {k: cluster.get(k, 0) for k in counted}
+
+        def others_line(before: tuple[list[float], dict]) -> str:
+            if not others:
+                return ""
+            cpu, counts = others_cpu()
+            used = [b - a for a, b in zip(before[0], cpu)]
+            got = {k[len("cluster_"):]: counts[k] - before[1][k] for k in counted}
+            return (f"\n    the other nodes: {', '.join(f'{u:.2f}' for u in used)} CPU-s; the home's ROUTE lookups "
+                    f"{got['lookups_local']} local, {got['lookups_one_hop']} one hop, {got['lookups_two_hops']} two; "
+                    f"it sent the owners {got['directory_placement_items']:,} entries in "
+                    f"{got['directory_batches_sent']:,} batches")
 
         def at_rest(name: str) -> list[float]:
             probe(proc, probe_out)

@@ -27,15 +27,15 @@ Pure data structures, no I/O.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import xxhash
 
+from quilld.index.residency import hash_key
 from quilld.model import CacheTier
 
 KEY, BLOCK = 0, 1
-KIND_BYTE = (b"K", b"B")
 CTAG_LEN = 8
 TIERS = tuple(CacheTier)
 TIER_BIT = {t: 1 << i for i, t in enumerate(TIERS)} | {t.value: 1 << i for i, t in enumerate(TIERS)}
@@ -43,6 +43,9 @@ _NBYTES_BITS = 40
 _NBYTES_MAX = (1 << _NBYTES_BITS) - 1
 _HOLDER_SHIFT = 48  # an owner's stored value: holder number above the code
 _CODE_MASK = (1 << _HOLDER_SHIFT) - 1
+_h3 = xxhash.xxh3_64_intdigest
+_U64 = (1 << 64) - 1  # an int block hash as 8 bytes, as `hash_key` makes it (inline: once per block)
+DROP = False  # a `HeldEntries.change_blocks` op's parent when it removes blocks (a parent is None, int or bytes)
 
 
 def scope_digest(tenant: str, model: str, tokenizer: str, adapter: str) -> bytes:
@@ -76,8 +79,10 @@ def block_shard(ctag: bytes, group: bytes) -> bytes:
 
 
 def entry_hash(kind: int, eid: bytes, code: int) -> int:
-    """What one entry adds to its bucket's digest (XOR): the same on its holder and its owners."""
-    return xxhash.xxh3_64_intdigest(KIND_BYTE[kind] + eid + code.to_bytes(8, "little"))
+    """What one entry adds to its bucket's digest (XOR): the same on its holder and its owners.
+    The kind and code are the hash's seed, so nothing is concatenated (the placement loops below
+    compute it inline, the same way)."""
+    return _h3(eid, code << 1 | kind)
 
 
 class Digest(NamedTuple):
@@ -92,6 +97,19 @@ class Entry(NamedTuple):
     eid: bytes
     shard: bytes
     code: int
+
+
+class Changes(NamedTuple):
+    """A run of one holder's changes of one kind, in order, as columns: entry `i` is `eids[i]`
+    (sharded at `shards[i]`, in `buckets[i]`) now with `codes[i]`, or removed when that is None.
+    What a placement hands its owners: a directory message carries it as one ITEMS item, and an
+    owner applies it in one loop (`OwnedEntries.apply`)."""
+
+    kind: int
+    eids: list[bytes]
+    shards: list[bytes]
+    buckets: list[int]
+    codes: list[int | None]
 
 
 class HeldEntries:
@@ -149,6 +167,108 @@ class HeldEntries:
         if not entries:
             del self.buckets[bucket]
             del self.digests[bucket]
+
+    def change_blocks(self, ops: Iterable[tuple], ctags: dict, exact: bool, group_blocks: int,
+                      bucket_of: Callable[[bytes], int]) -> tuple[Changes, int]:
+        """Apply a holder's block changes, in order, in one loop (no call per block): each op is
+        `(tag, tier, hashes, parent)`, its scope's digest `ctags[tag]`, its hashes ints or bytes.
+
+        * A store (`parent` a hash or None): each block is in `tier` now (added to the tiers it
+          has, or its only one with `exact`). A new block goes in the segment of the block
+          before it (`parent` for the first, then each the one before), when this holder has that
+          one and its segment has room; else it starts a segment of its own.
+        * A removal (`parent` is DROP): each block is no longer in `tier` (in any tier when None);
+          a block left in no tier is forgotten.
+
+        Returns the changes the owners must be told (`Changes`) and how many stores named a
+        parent this holder lacks."""
+        where, by_bucket, digests = self.where, self.buckets, self.digests
+        eids: list[bytes] = []
+        shards: list[bytes] = []
+        buckets: list[int] = []
+        codes: list[int | None] = []
+        unanchored = 0
+        for tag, tier, hashes, parent in ops:
+            ctag = ctags[tag]
+            if parent is DROP:
+                tier_bit = None if tier is None else TIER_BIT[tier]
+                for h in hashes:
+                    eid = ctag + ((h & _U64).to_bytes(8, "big") if type(h) is int else hash_key(h))
+                    b = where.get(eid)
+                    if b is None:
+                        continue
+                    entries = by_bucket[b]
+                    _, shard, old = entries[eid]
+                    tiers = 0 if tier_bit is None else old >> _NBYTES_BITS & ~tier_bit
+                    d = digests[b]
+                    if tiers:
+                        code: int | None = tiers << _NBYTES_BITS | old & _NBYTES_MAX
+                        if code == old:
+                            continue
+                        entries[eid] = (BLOCK, shard, code)
+                        d[1] ^= _h3(eid, old << 1 | BLOCK) ^ _h3(eid, code << 1 | BLOCK)  # type: ignore[operator]
+                    else:
+                        code = None
+                        del entries[eid]
+                        del where[eid]
+                        d[0] -= 1
+                        d[1] ^= _h3(eid, old << 1 | BLOCK)
+                        if not entries:
+                            del by_bucket[b]
+                            del digests[b]
+                    eids.append(eid)
+                    shards.append(shard)
+                    buckets.append(b)
+                    codes.append(code)
+                continue
+            tier_bit = TIER_BIT[tier]
+            prev = None if parent is None else (
+                (parent & _U64).to_bytes(8, "big") if type(parent) is int else hash_key(parent))
+            for h in hashes:
+                part = (h & _U64).to_bytes(8, "big") if type(h) is int else hash_key(h)
+                eid = ctag + part
+                b = where.get(eid)
+                if b is not None:  # known: its tiers change, its segment stays
+                    entries = by_bucket[b]
+                    _, shard, old = entries[eid]
+                    code = (tier_bit if exact else old >> _NBYTES_BITS | tier_bit) << _NBYTES_BITS | old & _NBYTES_MAX
+                    prev = part
+                    if code == old:
+                        continue
+                    entries[eid] = (BLOCK, shard, code)
+                    digests[b][1] ^= _h3(eid, old << 1 | BLOCK) ^ _h3(eid, code << 1 | BLOCK)
+                else:
+                    shard = b""
+                    if prev is not None:
+                        pe = ctag + prev
+                        pb = where.get(pe)
+                        if pb is None:
+                            unanchored += 1
+                        else:
+                            _, pshard, pcode = by_bucket[pb][pe]
+                            pos = (pcode & _NBYTES_MAX) + 1  # a block's code carries its place in its segment
+                            if pos < group_blocks:
+                                shard, b, code = pshard, pb, tier_bit << _NBYTES_BITS | pos
+                    prev = part
+                    if not shard:
+                        shard = b"B" + eid  # block_shard(ctag, part): it starts a segment
+                        b = bucket_of(shard)
+                        code = tier_bit << _NBYTES_BITS
+                    entries = by_bucket.get(b)
+                    if entries is None:
+                        entries = by_bucket[b] = {}
+                        d = digests[b] = [0, 0]
+                    else:
+                        d = digests[b]
+                    entries[eid] = (BLOCK, shard, code)
+                    where[eid] = b
+                    d[0] += 1
+                    d[1] ^= _h3(eid, code << 1 | BLOCK)
+                eids.append(eid)
+                shards.append(shard)
+                buckets.append(b)
+                codes.append(code)
+        return Changes(BLOCK, eids, shards, buckets, codes), unanchored
 
     def in_bucket(self, bucket: int) -> list[Entry]:
         return [Entry(k, eid, shard, code) for eid, (k, shard, code) in self.buckets.get(bucket, {}).items()]
@@ -312,6 +432,67 @@ class OwnedEntries:
             run = runs[no] = _Run()
         old = run.set(eid[CTAG_LEN:], _short(code))
         return None if old is None else _long(old)
+
+    def apply(self, holder: str, kind: int, eids: list[bytes], shards: list[bytes], buckets: list[int],
+              codes: list[int | None]) -> None:
+        """A run of `holder`'s changes of one kind, in order (the columns of `Changes`): each entry
+        put with its code, or removed when the code is None. Blocks in one loop, no call per entry
+        but the segment's own search; keys entry by entry."""
+        if kind != BLOCK:
+            for eid, shard, b, code in zip(eids, shards, buckets, codes):
+                if code is None:
+                    self.remove(holder, kind, eid, shard, b)
+                else:
+                    self.put(holder, kind, eid, shard, b, code)
+            return
+        no = self._no(holder)
+        all_segs, digests = self.segs, self.digests
+        added = 0
+        for eid, shard, b, code in zip(eids, shards, buckets, codes):
+            segs = all_segs.get(b)
+            if code is None:
+                runs = segs.get(shard) if segs is not None else None
+                run = runs.get(no) if runs is not None else None
+                short = run.pop(eid[CTAG_LEN:]) if run is not None else None
+                if short is None:
+                    continue
+                if not run:
+                    del runs[no]  # type: ignore[union-attr]
+                    if not runs:
+                        del segs[shard]  # type: ignore[union-attr]
+                        if not segs:
+                            del all_segs[b]
+                d = digests[b][no]
+                d[0] -= 1
+                d[1] ^= _h3(eid, (short >> 8 << _NBYTES_BITS | short & 0xFF) << 1 | BLOCK)
+                added -= 1
+                if not d[0]:
+                    self._forget_digest(b, no)
+                continue
+            if segs is None:
+                segs = all_segs[b] = {}
+            runs = segs.get(shard)
+            if runs is None:
+                runs = segs[shard] = {}
+            run = runs.get(no)
+            if run is None:
+                run = runs[no] = _Run()
+            short = run.set(eid[CTAG_LEN:], code >> _NBYTES_BITS << 8 | code & 0xFF)
+            per = digests.get(b)
+            d = per.get(no) if per is not None else None
+            if d is None:
+                d = self._digest(b, no)
+            if short is None:
+                added += 1
+            else:
+                old = short >> 8 << _NBYTES_BITS | short & 0xFF
+                if old == code:
+                    continue
+                d[0] -= 1
+                d[1] ^= _h3(eid, old << 1 | BLOCK)
+            d[0] += 1
+            d[1] ^= _h3(eid, code << 1 | BLOCK)
+        self.entries += added
 
     def remove(self, holder: str, kind: int, eid: bytes, shard: bytes, bucket: int) -> bool:
         no = self.holder_no.get(holder)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from quilld.cluster.dir_entries import BLOCK, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
 from quilld.cluster.directory import BATCH, LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
@@ -50,6 +50,30 @@ MAX_WAIT = 1.0  # the pump looks at the directory at least this often
 # a DIR message of this kind: [(engine, op, ctag, hashes, parent, tier)], op STORED or REMOVED,
 # placements of an engine this node is home to, handed over by the node that made them
 ENGINE_ITEMS, STORED, REMOVED = "e", "s", "r"
+
+
+class _Ctags(dict):
+    """This node's scope tags -> their cluster-wide digests (`ctag`), each computed once."""
+
+    def __init__(self, scopes: ScopeRegistry) -> None:
+        super().__init__()
+        self.scopes = scopes
+        self.tags: dict[bytes, bytes] = {}  # ctag -> tag
+
+    def __missing__(self, tag: bytes) -> bytes:
+        ctag = self[tag] = scope_digest(*self.scopes.scope_of(tag))
+        self.tags[ctag] = tag
+        return ctag
+
+
+class _Same(dict):
+    """A ctag names itself (placements that arrive with their scopes' digests)."""
+
+    def __missing__(self, ctag: bytes) -> bytes:
+        return ctag
+
+
+_SAME = _Same()
 
 
 def pack(obj: Any) -> bytes:
@@ -76,8 +100,8 @@ class DirectoryLink:
         self.stats: Counter[str] = Counter()
         self.touched: Callable[[bytes], None] | None = None  # WATCH: a key changed on another node
         self.parents: dict[bytes, bytes] = {}  # ctag + hash -> parent hash, for a block about to be placed
-        self._ctags: dict[bytes, bytes] = {}
-        self._tags: dict[bytes, bytes] = {}
+        self._ctags = _Ctags(scopes)  # tag -> ctag
+        self._tags = self._ctags.tags  # ctag -> tag
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._kicked = False
@@ -89,11 +113,7 @@ class DirectoryLink:
 
     # -- scopes ------------------------------------------------------------------------
     def ctag(self, tag: bytes) -> bytes:
-        ctag = self._ctags.get(tag)
-        if ctag is None:
-            ctag = self._ctags[tag] = scope_digest(*self.scopes.scope_of(tag))
-            self._tags[ctag] = tag
-        return ctag
+        return self._ctags[tag]
 
     def _released(self, tag: bytes, scope: Any) -> None:
         ctag = self._ctags.pop(tag, None)
@@ -242,20 +262,18 @@ class DirectoryLink:
             self.parents.pop(next(iter(self.parents)))
         self.parents[ctag + hash_key(bhash)] = hash_key(parent)
 
-    def engine_stored(self, engine: str, tag: bytes, hashes: Iterable, parent: Any, tier: CacheTier) -> None:
-        ctag = self.ctag(tag)
-        prev = None if parent is None else hash_key(parent)
-        for h in hashes:
-            hb = hash_key(h)
-            self.d.place_block(engine, ctag, hb, prev, tier.value)
-            prev = hb
+    def engine_blocks(self, engine: str, ops: list[tuple]) -> None:
+        """`engine`'s stores and removals, in order: ops `(tag, tier, hashes, parent)`, `parent`
+        False for a removal (ControlPlane.apply_events: a batch of KV events is one call, one
+        item per owner)."""
+        self.d.change_blocks(engine, ops, self._ctags)
         self.kick()
 
+    def engine_stored(self, engine: str, tag: bytes, hashes: Iterable, parent: Any, tier: CacheTier) -> None:
+        self.engine_blocks(engine, [(tag, tier, hashes, parent)])
+
     def engine_removed(self, engine: str, tag: bytes, hashes: Iterable, tier: CacheTier | None) -> None:
-        ctag = self.ctag(tag)
-        for h in hashes:
-            self.d.unplace_block(engine, ctag, hash_key(h), None if tier is None else tier.value)
-        self.kick()
+        self.engine_blocks(engine, [(tag, tier, hashes, DROP)])
 
     def engine_cleared(self, engine: str) -> None:
         self.d.clear_holder(engine)
@@ -265,13 +283,9 @@ class DirectoryLink:
         """Placements of engines this node is home to, made on another node (ENGINE_ITEMS)."""
         for engine, op, ctag, hashes, parent, tier in items:
             if op == STORED:
-                prev = parent
-                for hb in hashes:
-                    self.d.place_block(engine, ctag, hb, prev, tier)
-                    prev = hb
+                self.d.change_blocks(engine, [(ctag, tier, hashes, parent)], _SAME)
             elif op == REMOVED:
-                for hb in hashes:
-                    self.d.unplace_block(engine, ctag, hb, tier)
+                self.d.change_blocks(engine, [(ctag, tier, hashes, DROP)], _SAME)
             else:
                 raise ValueError(f"unknown engine placement {op!r}")
         self.stats["engine_items_taken"] += len(items)

@@ -60,14 +60,14 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from quilld.cluster.dir_entries import (BLOCK, CTAG_LEN, KEY, Entry, HeldEntries, OwnedEntries, TIER_BIT,
-                                        block_shard, code_of, key_shard, nbytes_of, tiers_of)
+from quilld.cluster.dir_entries import (BLOCK, DROP, KEY, TIER_BIT, Changes, Entry, HeldEntries, OwnedEntries,
+                                        block_shard, code_of, key_shard)
 from quilld.cluster.ownership import Ownership
 
 # message kinds (first element of a request tuple)
 BATCH, LOOKUP, COPY, DUMP = "b", "l", "c", "h"
-# items of a batch
-PUT, DEL, CLEAR, SYNCED, DIGEST, BEGIN = "P", "R", "C", "E", "D", "S"
+# items of a batch (ITEMS: a run of one holder's changes as columns, `dir_entries.Changes`)
+PUT, DEL, CLEAR, SYNCED, DIGEST, BEGIN, ITEMS = "P", "R", "C", "E", "D", "S", "M"
 COPY_BUCKETS = 256  # buckets per COPY request
 SETTLE_FROM = 32  # views of more members than this wait `membership_settle_s` (bursts of joins at scale)
 SWEEP_ROUNDS = 8  # every this many anti-entropy rounds, a digest goes to every owner
@@ -96,7 +96,7 @@ class _Channel:
     retry_at: float = 0.0  # when the message in flight is sent again (0: not failed)
     acked: int = 0  # the highest sequence number the owner has answered
     synced: bool = False  # the owner has had a full sync since we (or it) started
-    touched: set = field(default_factory=set)  # (holder, bucket) sent since the last digest
+    touched: dict = field(default_factory=dict)  # holder -> buckets sent (or queued) since the last digest
     sweep_at: float = 0.0  # when the next digest goes even with nothing in common
 
 
@@ -279,37 +279,27 @@ class Directory:
         """`holder` has the block `bhash` of scope `ctag` in `tier` (added to its other tiers, or
         its only tier with `exact`). `parent`, the hash before it in its chain, places it in its
         prefix segment; a block whose parent is None or unknown starts a chain."""
-        held = self.add_authority(holder)
-        eid = ctag + bhash
-        have = held.get(eid)
-        if have is not None:
-            _, shard, code = have
-            tiers = TIER_BIT[tier] if exact else tiers_of(code) | TIER_BIT[tier]
-            self._put(holder, BLOCK, eid, shard, code_of(tiers, nbytes_of(code)))
-            return
-        group, pos = bhash, 0
-        if parent is not None:
-            up = held.get(ctag + parent)
-            if up is None:
-                self.stats["blocks_unanchored"] += 1
-            else:
-                ppos = nbytes_of(up[2])  # a block's code carries its position in its segment
-                if ppos + 1 < self.s.group_blocks:
-                    group, pos = up[1][1 + CTAG_LEN:], ppos + 1
-        self._put(holder, BLOCK, eid, block_shard(ctag, group), code_of(TIER_BIT[tier], pos))
+        self.change_blocks(holder, [(ctag, tier, (bhash,), parent)], {ctag: ctag}, exact)
 
     def unplace_block(self, holder: str, ctag: bytes, bhash: bytes, tier: str | None) -> None:
         """`holder` no longer has the block in `tier` (in any tier when None)."""
+        self.change_blocks(holder, [(ctag, tier, (bhash,), DROP)], {ctag: ctag})
+
+    def change_blocks(self, holder: str, ops: list[tuple], ctags: dict, exact: bool = False) -> None:
+        """`holder`'s block stores and removals, in order (`HeldEntries.change_blocks`: ops
+        `(tag, tier, hashes, parent or DROP)`, `ctags` each tag's scope digest): a batch of KV
+        events is one call, one loop over the holder's list, and one ITEMS item per owner for all
+        of it (its messages carry the changes as columns, not an item per block)."""
         held = self.authorities.get(holder)
-        have = held.get(ctag + bhash) if held is not None else None
-        if have is None:
-            return
-        _, shard, code = have
-        tiers = 0 if tier is None else tiers_of(code) & ~TIER_BIT[tier]
-        if tiers:
-            self._put(holder, BLOCK, ctag + bhash, shard, code_of(tiers, nbytes_of(code)))
-        else:
-            self._remove(holder, ctag + bhash)
+        if held is None:
+            if all(op[3] is DROP for op in ops):
+                return
+            held = self.add_authority(holder)
+        changes, unanchored = held.change_blocks(ops, ctags, exact, self.s.group_blocks, self.bucket_of)
+        if unanchored:
+            self.stats["blocks_unanchored"] += unanchored
+        if changes.eids:
+            self._distribute(holder, changes)
 
     def clear_holder(self, holder: str) -> None:
         """Everything `holder` had is gone (an engine cleared its cache)."""
@@ -348,7 +338,55 @@ class Directory:
             if o == self.node_id:
                 self.owned.put(holder, kind, eid, shard, bucket, code)
             else:
-                self._enqueue(o, (PUT, holder, kind, eid, shard, code))
+                self._enqueue(o, (PUT, holder, kind, eid, shard, code), bucket)
+
+    def _distribute(self, holder: str, changes: Changes) -> None:
+        """Hand a run of `holder`'s changes (applied to its list already) to the owners of their
+        buckets: applied here when this node is one, one ITEMS item queued for each other owner.
+        With no more members than replicas every bucket has the same owners, so the run goes
+        whole; otherwise it is split by owner set, keeping each entry's order."""
+        n = len(changes.eids)
+        self.stats["placements"] += n
+        own = self.ownership
+        if len(own.members) <= self.s.replicas:
+            groups = [(tuple(own.members), changes)]
+        else:
+            owners, by_row = own.owners, {}
+            for i, b in enumerate(changes.buckets):
+                row = owners(b)
+                got = by_row.get(row)
+                if got is None:
+                    by_row[row] = [i]
+                else:
+                    got.append(i)
+            if len(by_row) == 1:
+                groups = [(next(iter(by_row)), changes)]
+            else:
+                e, sh, bu, co = changes.eids, changes.shards, changes.buckets, changes.codes
+                groups = [(row, Changes(changes.kind, [e[i] for i in idx], [sh[i] for i in idx],
+                                        [bu[i] for i in idx], [co[i] for i in idx])) for row, idx in by_row.items()]
+        me, limit = self.node_id, self.s.batch_items
+        for row, part in groups:
+            for o in row:
+                if o == me:
+                    self.owned.apply(holder, part.kind, part.eids, part.shards, part.buckets, part.codes)
+                    continue
+                ch = self._channel(o)
+                size = len(part.eids)
+                self.stats["placement_items"] += size
+                if ch.synced:  # before the first full sync, the sync itself carries everything
+                    for i in range(0, size, limit):
+                        ch.queue.append((ITEMS, holder, part.kind, part.eids[i:i + limit], part.shards[i:i + limit],
+                                         part.codes[i:i + limit]) if size > limit else
+                                        (ITEMS, holder, part.kind, part.eids, part.shards, part.codes))
+                    got = ch.touched.get(holder)
+                    if got is None:
+                        ch.touched[holder] = set(part.buckets)
+                    else:
+                        got.update(part.buckets)
+                if ch.inflight is None:
+                    self._ready.add(o)
+                self._unacked.add(o)
 
     def _remove(self, holder: str, eid: bytes) -> None:
         held = self.authorities.get(holder)
@@ -361,7 +399,7 @@ class Directory:
             if o == self.node_id:
                 self.owned.remove(holder, kind, eid, shard, bucket)
             else:
-                self._enqueue(o, (DEL, holder, kind, eid, shard))
+                self._enqueue(o, (DEL, holder, kind, eid, shard), bucket)
 
     # -- channels ------------------------------------------------------------------------
     def _timer(self, when: float, what: str, arg: Any) -> None:
@@ -379,11 +417,14 @@ class Directory:
         theirs = self.owned_buckets(dest)
         return any(not theirs.isdisjoint(held.buckets) for held in self.authorities.values())
 
-    def _enqueue(self, dest: str, item: tuple) -> None:
+    def _enqueue(self, dest: str, item: tuple, bucket: int | None = None) -> None:
+        """Queue one item for `dest`; `bucket`: the bucket of the entry it puts or removes."""
         ch = self._channel(dest)
         self.stats["placement_items"] += 1
         if ch.synced:  # before the first full sync, the sync itself carries everything
             ch.queue.append(item)
+            if bucket is not None:
+                ch.touched.setdefault(item[1], set()).add(bucket)
         if ch.inflight is None:
             self._ready.add(dest)
         self._unacked.add(dest)
@@ -414,8 +455,11 @@ class Directory:
                 self._ready.add(dest)  # the full sync carries it
             return
         ch.queue.append((CLEAR, holder, bucket))
-        for e in held.in_bucket(bucket):
+        entries = held.in_bucket(bucket)
+        for e in entries:
             ch.queue.append((PUT, holder, e.kind, e.eid, e.shard, e.code))
+        if entries:
+            ch.touched.setdefault(holder, set()).add(bucket)
         if ch.inflight is None:
             self._ready.add(dest)
         self._unacked.add(dest)
@@ -490,9 +534,11 @@ class Directory:
             if not ch.synced:
                 self._full_sync(dest, ch)
             if ch.queue:
-                q = ch.queue
-                items = [q.popleft() for _ in range(min(len(q), self.s.batch_items))]
-                ch.touched.update((it[1], self.bucket_of(it[4])) for it in items if it[0] in (PUT, DEL))
+                q, items, size, limit = ch.queue, [], 0, self.s.batch_items
+                while q and size < limit:  # an ITEMS item counts its entries
+                    item = q.popleft()
+                    items.append(item)
+                    size += len(item[3]) if item[0] == ITEMS else 1
                 ch.seq += 1
                 ch.inflight = (BATCH, self.epoch, ch.seq, items)
                 out.append((dest, ch.inflight))
@@ -501,10 +547,10 @@ class Directory:
 
     def _queue_digest(self, dest: str, ch: _Channel) -> None:
         theirs = self.owned_buckets(dest)
-        touched, ch.touched = ch.touched, set()
+        touched, ch.touched = ch.touched, {}
         for holder, held in self.authorities.items():
             buckets = set(theirs.intersection(held.buckets))
-            buckets.update(b for h, b in touched if h == holder)
+            buckets.update(touched.get(holder, ()))
             listed = [(b, *held.digest(b)) for b in sorted(buckets)]
             ch.queue.append((DIGEST, holder, listed, self._view))
         self._ready.add(dest)
@@ -623,6 +669,19 @@ class Directory:
                 elif b not in mine and b not in self._strays:  # the holder's view is ahead of ours,
                     self._strays.add(b)  # or behind: kept for a grace, then dropped unless ours by then
                     self._timer(now + self.s.handoff_grace_s, "release", b)
+            elif op == ITEMS:
+                _, holder, k, eids, shards, codes = item
+                buckets = [bucket_of(shard) for shard in shards]
+                owned.apply(holder, k, eids, shards, buckets, codes)
+                if k == KEY and self.key_changed is not None:
+                    for eid in eids:
+                        self.key_changed(eid)
+                for b in {b for b, code in zip(buckets, codes) if code is not None}:  # as PUT below
+                    if b in filling:
+                        filling[b].add(holder)
+                    elif b not in mine and b not in self._strays:
+                        self._strays.add(b)
+                        self._timer(now + self.s.handoff_grace_s, "release", b)
             elif op == DEL:
                 _, holder, k, eid, shard = item
                 owned.remove(holder, k, eid, shard, bucket_of(shard))

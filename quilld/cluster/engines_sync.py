@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from quilld.cluster.dir_entries import Entry
+from quilld.cluster.dir_entries import DROP, Entry
 from quilld.cluster.dir_link import ENGINE_ITEMS, REMOVED, STORED, DirectoryLink
 from quilld.cluster.directory import DUMP, Directory
 from quilld.cluster.engine_table import EngineTable, Version, home_of, worth_pulling
@@ -408,6 +408,19 @@ class HomePlacements:
     def _home(self, engine: str) -> str | None:
         home = self.sync.home(engine)
         return None if home is None or home == self.sync.node_id else home
+
+    def engine_blocks(self, engine: str, ops: list[tuple]) -> None:
+        """A batch of the engine's stores and removals (DirectoryLink.engine_blocks): placed here
+        when this node is its home, else handed to the home an event at a time."""
+        home = self._home(engine)
+        if home is None:
+            self.link.engine_blocks(engine, ops)
+            return
+        for tag, tier, hashes, parent in ops:
+            if parent is DROP:
+                self.engine_removed(engine, tag, hashes, tier)
+            else:
+                self.engine_stored(engine, tag, hashes, parent, tier)
 
     def engine_stored(self, engine: str, tag: bytes, hashes: Any, parent: Any, tier: CacheTier) -> None:
         home = self._home(engine)

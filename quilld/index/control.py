@@ -193,6 +193,9 @@ class ControlPlane:
         index, grouped, placements = self.index, self._grouped.get(engine_id), self.placements
         tag_of: dict[str | None, bytes] = {}  # adapter -> tag, for this call (no sweep runs inside it)
         run: list = []  # the hashes of the run not yet given to the index: stores (run_tag) or removals
+        # in a cluster, every store and removal of this call in order, for the directory (one call):
+        # (tag, tier, hashes, parent), parent False for a removal (one op per scope the engine used)
+        placed: list | None = [] if placements is not None else None
         run_stores, run_tag, run_tier = False, b"", CacheTier.HBM
         for ev in events:
             kind = type(ev)
@@ -216,9 +219,9 @@ class ControlPlane:
                             index.put_many(run_tag, run, engine_id, run_tier)
                             run = []
                         run += ev.block_hashes
+                        if placed is not None:
+                            placed.append((tag, tier, ev.block_hashes, ev.parent))
                         run_stores, run_tag, run_tier = True, tag, tier
-                        if placements is not None:
-                            placements.engine_stored(engine_id, tag, ev.block_hashes, ev.parent, tier)
                         continue
                     if run:
                         index.put_many(run_tag, run, engine_id, run_tier)
@@ -243,9 +246,9 @@ class ControlPlane:
                         run = []
                     run += ev.block_hashes
                     run_stores, run_tier = False, tier
-                    if placements is not None:
+                    if placed is not None:
                         for tag in tags:
-                            placements.engine_removed(engine_id, tag, ev.block_hashes, tier)
+                            placed.append((tag, tier, ev.block_hashes, False))
                     continue
                 if group is not None:
                     grouped.learn(group)
@@ -261,6 +264,9 @@ class ControlPlane:
                     run = []
                 index.clear_holder(engine_id)
                 if placements is not None:
+                    if placed:
+                        placements.engine_blocks(engine_id, placed)
+                        placed = []
                     placements.engine_cleared(engine_id)
                 if grouped is not None:
                     grouped.clear()
@@ -269,6 +275,8 @@ class ControlPlane:
                 index.put_many(run_tag, run, engine_id, run_tier)
             else:
                 self._removed_run(engine_id, tags, run, run_tier)
+        if placed:
+            placements.engine_blocks(engine_id, placed)
         return len(events)
 
     def _removed_run(self, engine_id: str, tags: set[bytes], hashes: list, tier: CacheTier) -> None:
