@@ -320,7 +320,11 @@ def child_owned(args) -> None:
 
     if args.tree:
         sys.path.insert(0, args.tree)
-    from quilld.cluster.dir_entries import BLOCK, TIER_BIT, OwnedEntries, block_shard, code_of, scope_digest
+    from quilld.cluster.dir_entries import BLOCK, TIER_BIT, block_shard, code_of, scope_digest
+    try:
+        from quilld.cluster.dir_owned import OwnedEntries
+    except ImportError:  # a tree from before the owner's store had a module of its own
+        from quilld.cluster.dir_entries import OwnedEntries
     from quilld.index.residency import ResidencyIndex
 
     rng = random.Random(7)

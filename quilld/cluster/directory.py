@@ -60,8 +60,9 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from quilld.cluster.dir_entries import (BLOCK, DROP, KEY, TIER_BIT, Changes, Entry, HeldEntries, OwnedEntries,
-                                        block_shard, code_of, key_shard)
+from quilld.cluster.dir_entries import (BLOCK, DROP, KEY, TIER_BIT, Changes, Entry, HeldEntries, block_shard,
+                                        code_of, key_shard)
+from quilld.cluster.dir_owned import OwnedEntries
 from quilld.cluster.ownership import Ownership
 
 # message kinds (first element of a request tuple)

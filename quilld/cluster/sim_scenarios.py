@@ -233,7 +233,8 @@ def dense_entry_bytes(nodes: int, entries: int = 200_000, replicas: int = 3, buc
     numbered up to `nodes`)."""
     import sys
 
-    from quilld.cluster.dir_entries import BLOCK, KEY, OwnedEntries, block_shard, code_of, key_shard
+    from quilld.cluster.dir_entries import BLOCK, KEY, block_shard, code_of, key_shard
+    from quilld.cluster.dir_owned import OwnedEntries
 
     rng = random.Random(seed)
     own = ownership.Ownership(buckets, replicas)

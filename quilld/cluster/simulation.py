@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from quilld.cluster.dir_entries import BLOCK, KEY, OwnedEntries, key_shard, scope_digest
+from quilld.cluster.dir_entries import BLOCK, KEY, key_shard, scope_digest
+from quilld.cluster.dir_owned import OwnedEntries, run_items
 from quilld.cluster.directory import BATCH, COPY, Directory, DirectorySettings, LOOKUP
 from quilld.cluster.swim import EventKind, Swim
 from quilld.cluster.wire import State
@@ -427,9 +428,9 @@ def owned_bytes(owned: OwnedEntries) -> int:
         for shard, runs in segs.items():
             total += size(shard) + size(runs)
             for no, run in runs.items():
-                total += size(no) + size(run) + size(run.parts) + size(run.codes)
-                if run.other:
-                    total += size(run.other) + sum(size(k) + size(v) for k, v in run.other.items())
+                total += size(no) + size(run)
+                if run.__class__ is dict:  # hashes of other widths
+                    total += sum(size(k) + size(v) for k, v in run_items(run))
     for per in owned.digests.values():
-        total += size(per) + sum(size(v) + 2 * 32 for v in per.values())
+        total += size(per) + sum(size(no) + size(v) for no, v in per.items())
     return total

@@ -227,7 +227,8 @@ def test_a_scope_digest_is_the_same_on_every_node_and_differs_per_scope() -> Non
 
 
 def test_an_owner_packs_blocks_of_any_hash_width_and_gives_them_back() -> None:
-    from quilld.cluster.dir_entries import OwnedEntries, code_of
+    from quilld.cluster.dir_entries import code_of
+    from quilld.cluster.dir_owned import OwnedEntries
     owned = OwnedEntries()
     shard = block_shard(CTAG, b"g" * 8)
     blocks = [b"a" * 8, b"b" * 32, b"c" * 8, b"d" * 16]  # vLLM's ints, and raw hashes of other sizes
