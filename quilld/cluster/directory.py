@@ -343,29 +343,28 @@ class Directory:
 
     def _distribute(self, holder: str, changes: Changes) -> None:
         """Hand a run of `holder`'s changes (applied to its list already) to the owners of their
-        buckets: applied here when this node is one, one ITEMS item queued for each other owner.
-        With no more members than replicas every bucket has the same owners, so the run goes
-        whole; otherwise it is split by owner set, keeping each entry's order."""
+        buckets: applied here when this node is one, one ITEMS item queued for each other owner,
+        with its entries in order. With no more members than replicas every bucket has the same
+        owners and the run goes whole to each; otherwise each owner gets the entries of its
+        buckets (entries of different buckets commute: an owner keeps them apart)."""
         n = len(changes.eids)
         self.stats["placements"] += n
         own = self.ownership
         if len(own.members) <= self.s.replicas:
             groups = [(tuple(own.members), changes)]
         else:
-            owners, by_row = own.owners, {}
+            owners, by_owner = own.owners, {}
             for i, b in enumerate(changes.buckets):
-                row = owners(b)
-                got = by_row.get(row)
-                if got is None:
-                    by_row[row] = [i]
-                else:
-                    got.append(i)
-            if len(by_row) == 1:
-                groups = [(next(iter(by_row)), changes)]
-            else:
-                e, sh, bu, co = changes.eids, changes.shards, changes.buckets, changes.codes
-                groups = [(row, Changes(changes.kind, [e[i] for i in idx], [sh[i] for i in idx],
-                                        [bu[i] for i in idx], [co[i] for i in idx])) for row, idx in by_row.items()]
+                for o in owners(b):
+                    got = by_owner.get(o)
+                    if got is None:
+                        by_owner[o] = [i]
+                    else:
+                        got.append(i)
+            e, sh, bu, co = changes.eids, changes.shards, changes.buckets, changes.codes
+            groups = [((o,), changes if len(idx) == n else
+                       Changes(changes.kind, [e[i] for i in idx], [sh[i] for i in idx], [bu[i] for i in idx],
+                               [co[i] for i in idx])) for o, idx in by_owner.items()]
         me, limit = self.node_id, self.s.batch_items
         for row, part in groups:
             for o in row:
