@@ -28,7 +28,10 @@ generation, the longest stretches the KV-event subscriber held the event loop, R
 decision time, each reply's write to its transport, and how long quilld waited for a CPU (its
 run-queue wait from /proc/PID/schedstat: the scheduler's share of the tail). With `--nodes 3`
 the quilld are a cluster: the engine's home also places the residencies in the sharded
-directory, and the other nodes' CPU is printed.
+directory, and the other nodes' CPU is printed, with the home's ROUTE lookups by hops and the
+entries it sent the owners. The bench first waits until the home answers ROUTE from its own
+directory (a node that has just gained a bucket also asks the other owners for
+`handoff_grace_s`, 10 s), so that what it measures is the settled cluster.
 """
 
 from __future__ import annotations
