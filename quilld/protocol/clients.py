@@ -167,7 +167,19 @@ class Clients:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (handler tests): the end is noticed by holds()
             return
-        self._pause_timer = loop.call_later(max(until - time.monotonic(), 0), self.unpause)
+        self._pause_timer = loop.call_later(max(until - time.monotonic(), 0), self._pause_due)
+
+    def _pause_due(self) -> None:
+        """The pause's timer: uvloop's clock counts whole milliseconds, so a timer may fire up to
+        one early; a pause lasts at least its length, so what is left is waited again."""
+        self._pause_timer = None
+        if self.paused is None:
+            return
+        left = self.paused[1] - time.monotonic()
+        if left > 0:
+            self._pause_timer = asyncio.get_running_loop().call_later(left, self._pause_due)
+        else:
+            self.unpause()
 
     def unpause(self) -> None:
         """End the pause: the held connections run what they kept."""
