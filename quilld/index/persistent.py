@@ -300,34 +300,9 @@ class PersistentIndex(ResidencyIndex):
                 self._entries_gone(tag, gone)
         return removed
 
-    def clear_holder(self, holder, tier=None) -> int:
-        if holder not in self._durable:
-            return ResidencyIndex.clear_holder(self, holder, tier)
-        bits = (1 << self._slot(holder, tier)) if tier is not None else self.holder_bits(holder)
-        keep = ~bits
-        dropped = 0
-        for tag, entries in list(self._entries.items()):
-            gone = 0
-            marks = None
-            for key, mask in list(entries.items()):
-                if mask & bits:
-                    dropped += (mask & bits).bit_count()
-                    mask &= keep
-                    if marks is None:
-                        marks = self._mark(tag)
-                    marks[key] = mask
-                    if mask:
-                        entries[key] = mask
-                    else:
-                        del entries[key]
-                        gone += 1
-            if gone:
-                self._entries_gone(tag, gone)
-        base = self._holder_no[holder] * TIER_SLOTS
-        for slot in range(base, base + TIER_SLOTS):
-            if bits >> slot & 1:
-                self._counts[slot] = 0
-        return dropped
+    def _changes_of(self, holder: str):
+        """clear_holder marks what it changes of a holder kept on disk (see ResidencyIndex)."""
+        return self._mark if holder in self._durable else None
 
     # -- durable holders ----------------------------------------------------------------------
     def keep(self, holder: str) -> None:

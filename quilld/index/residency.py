@@ -265,12 +265,18 @@ class ResidencyIndex:
         bits = (1 << self._slot(holder, tier)) if tier is not None else self.holder_bits(holder)
         keep = ~bits
         dropped = 0
+        changes_of = self._changes_of(holder)
         for tag, entries in list(self._entries.items()):
             gone = 0
+            changes = None
             for key, mask in list(entries.items()):
                 if mask & bits:
                     dropped += (mask & bits).bit_count()
                     mask &= keep
+                    if changes_of is not None:
+                        if changes is None:
+                            changes = changes_of(tag)
+                        changes[key] = mask
                     if mask:
                         entries[key] = mask
                     else:
@@ -283,6 +289,11 @@ class ResidencyIndex:
             if bits >> slot & 1:
                 self._counts[slot] = 0
         return dropped
+
+    def _changes_of(self, holder: str) -> Callable[[bytes], dict] | None:
+        """Where `clear_holder` records each entry it changes: None here; a persistent backend
+        returns, for a holder it keeps, scope tag -> its dict of changed keys (key -> new mask)."""
+        return None
 
     def holder_entries(self, holder: str) -> list[tuple[bytes, bytes, int]]:
         """Every (scope tag, hash key, tier number) `holder` has: a full scan, for rare hand-overs.
