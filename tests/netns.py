@@ -47,6 +47,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from procs import holds_listener
+
 PREFIX = "quilltest-"  # every namespace this module makes: quilltest-<run>-sw, quilltest-<run>-h<i>
 LINK_PREFIX = "qt"  # the caller's end of the veth into the bridge: qt<run> (interface names: 15 chars at most)
 RUN_DIR = Path("/run/quilltest-netns")  # <run>.lock held by each live run; alloc.lock: choosing a subnet
@@ -426,39 +428,9 @@ def stop_all(procs: Iterable[subprocess.Popen], timeout: float = STOP_TIMEOUT) -
 
 # -- is it listening? (the process's own socket, in its own namespace) ---------------------------
 
-def _listening_inodes(pid: int, port: int) -> set[str]:
-    """Socket inodes listening on TCP `port` in `pid`'s network namespace (/proc/<pid>/net/tcp{,6})."""
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(cols[9])
-    return inodes
-
-
 def listens(pid: int, port: int) -> bool:
     """Whether process `pid` itself holds a socket listening on TCP `port` in its namespace."""
-    inodes = _listening_inodes(pid, port)
-    if not inodes:
-        return False
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            return True
-    return False
+    return holds_listener([pid], port, namespace_of=pid)
 
 
 def wait_listening(proc: subprocess.Popen, ports: Iterable[int], timeout: float = 60.0) -> None:

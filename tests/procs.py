@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,12 +61,13 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{first + span - 1}")
 
 
-def _listening_inodes(port: int) -> set[str]:
-    """The socket inodes listening on TCP `port` (any address), from /proc/net/tcp{,6}."""
+def _listening_inodes(port: int, pid: int | str = "self") -> set[str]:
+    """The socket inodes listening on TCP `port` (any address) in `pid`'s network namespace
+    (this process's by default), from /proc/<pid>/net/tcp{,6}."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in ("tcp", "tcp6"):
         try:
-            with open(table) as f:
+            with open(f"/proc/{pid}/net/{table}") as f:
                 rows = f.read().splitlines()[1:]
         except OSError:
             continue
@@ -75,6 +76,27 @@ def _listening_inodes(port: int) -> set[str]:
             if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                 inodes.add(cols[9])
     return inodes
+
+
+def holds_listener(pids: Iterable[int], port: int, namespace_of: int | str = "self") -> bool:
+    """Whether one of `pids` holds a socket listening on TCP `port` in `namespace_of`'s network
+    namespace (this process's by default)."""
+    inodes = _listening_inodes(port, namespace_of)
+    if not inodes:
+        return False
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -96,22 +118,7 @@ def listens(proc: subprocess.Popen, port: int) -> bool:
     """Whether `proc` (or a child of it) holds the listening socket on `port`. A port from
     free_port() is free only when chosen: another test's server can take it before `proc`
     binds it, and a bare connect would then reach that server instead."""
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False
-    for pid in _process_tree(proc.pid):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
-    return False
+    return holds_listener(_process_tree(proc.pid), port)
 
 
 class PortTaken(RuntimeError):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import netns
+import procs
 from netns import NetnsUnavailable, Topology, listens, wait_listening
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ def test_hosts_reach_each_other_and_the_caller_reaches_them(topo):
     server = topo.popen(a, [sys.executable, "-c", SERVER, a.addr])
     wait_listening(server, 5000, timeout=30)
     # the listening socket lives in a's namespace: the caller's /proc/net/tcp does not list it
-    assert listens(server.pid, 5000) and not netns._listening_inodes(os.getpid(), 5000)
+    assert listens(server.pid, 5000) and not procs._listening_inodes(5000)
     assert connect_errno(topo, b, a.addr, 5000) == 0
     with socket.create_connection((a.addr, 5000), timeout=5) as s:
         assert s.getsockname()[0] == topo.caller_addr
