@@ -45,7 +45,10 @@ class Publisher:
 
     `topic_in_replay` sends replies as vLLM 0.33 does (`[id, b"", topic, seq, payload]`, end
     marker `[id, b"", b"", END, b""]`); otherwise as older releases (`[id, b"", seq, payload]`).
+    `replay_gap`: seconds between the batches of a replay (a slow replay).
     """
+
+    replay_gap = 0.0
 
     def __init__(self, ctx: zmq.asyncio.Context, replay: bool = True, buffer_steps: int = 10_000,
                  topic: bytes = b"kv", topic_in_replay: bool = True, answer: bool = True) -> None:
@@ -94,6 +97,8 @@ class Publisher:
             head = [client, b"", self.topic] if self.topic_in_replay else [client, b""]
             for seq, payload in list(self.buffer):
                 if seq >= start:
+                    if self.replay_gap:
+                        await asyncio.sleep(self.replay_gap)
                     await self.router.send_multipart(head + [seq.to_bytes(8, "big"), payload])
             end = [client, b"", b""] if self.topic_in_replay else [client, b""]
             await self.router.send_multipart(end + [vllm.END_SEQ, b""])

@@ -147,25 +147,9 @@ def test_the_cursor_is_reported_after_the_last_slice_of_a_big_batch() -> None:
 
 
 class SlowReplay(Publisher):
-    """A replay socket that answers one batch at a time, `gap` seconds apart."""
+    """A replay socket that answers one batch at a time, `replay_gap` seconds apart."""
 
-    gap = 0.03
-
-    async def _serve(self) -> None:
-        while True:
-            request = await self.router.recv_multipart()
-            if len(request) != 3:
-                continue
-            client, _, start_bytes = request
-            start = int.from_bytes(start_bytes, "big")
-            self.requests.append(start)
-            if not self.answer:
-                continue
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    await asyncio.sleep(self.gap)
-                    await self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", b"", vllm.END_SEQ, b""])
+    replay_gap = 0.03
 
 
 def test_a_long_replay_that_keeps_coming_is_not_cut_off(monkeypatch) -> None:
