@@ -307,8 +307,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 self.session.closing = True
                 return None
             except Exception as e:  # a parser bug: its state is unknown, so the connection ends
-                self.ctx.stats["internal_errors"] += 1
-                out.append(encode_error(self.table.internal_error("(parser)", e)))
+                out.append(encode_error(self.table.internal_error(self.ctx, "(parser)", e)))
                 self.session.closing = True
                 return None
             if item is None:
@@ -414,8 +413,7 @@ class RespConnection(asyncio.BufferedProtocol):
             for release in pins[held:]:
                 release()
             del pins[held:]
-            self.ctx.stats["internal_errors"] += 1
-            out.append(encode_error(self.table.internal_error(self.session.last_cmd, e)))
+            out.append(encode_error(self.table.internal_error(self.ctx, self.session.last_cmd, e)))
 
     def _send_with_fds(self, reply: WithFds, out: list, pins: list) -> None:
         """Send `reply` with its descriptors attached (SCM_RIGHTS), after every earlier reply.
@@ -484,11 +482,8 @@ class RespConnection(asyncio.BufferedProtocol):
             return
         try:
             reply = fut.result()
-        except QuillError as e:
-            reply = e
-        except Exception as e:  # a bug in a read path: answer it rather than hang the client
-            self.ctx.stats["internal_errors"] += 1
-            reply = self.table.internal_error(self.session.last_cmd, e)
+        except Exception as e:  # a bug in a read path is answered too, rather than hanging the client
+            reply = self.table.raised(self.ctx, self.session.last_cmd, e)
         if isinstance(reply, QuillError):
             self.table.failed(self.session.last_cmd, reply)
         if self.transport.is_closing() or drop:
@@ -528,9 +523,8 @@ class RespConnection(asyncio.BufferedProtocol):
             self.parser.drop(e, item.length)
             return True
         except Exception as e:  # a bug: the payload is read and dropped, the command answered with it
-            self.ctx.stats["internal_errors"] += 1
             cmd = self.table.lookup(bytes(item.args[0])) if item.args else None
-            self.parser.drop(self.table.internal_error(cmd.name if cmd else "?", e), item.length)
+            self.parser.drop(self.table.internal_error(self.ctx, cmd.name if cmd else "?", e), item.length)
             return True
         if where is None:  # an ordinary argument: the parser's buffer grows as its bytes arrive
             self.parser.accumulate()

@@ -193,12 +193,8 @@ class CommandTable:
                         return handler(client, args)
                     return self._timed(client, st, handler, args)
             return self._dispatch_checked(client, args)
-        except QuillError as e:
-            self.failed(client.last_cmd, e)
-            return e
-        except Exception as e:  # a bug: answer it, keep the connection, log it once
-            client.ctx.stats["internal_errors"] += 1
-            err = self.internal_error(client.last_cmd, e)
+        except Exception as e:
+            err = self.raised(client.ctx, client.last_cmd, e)
             self.failed(client.last_cmd, err)
             return err
 
@@ -258,13 +254,21 @@ class CommandTable:
         hist = self.stats[name][5]
         return sorted((bucket_top(b), n) for b, n in hist.items()) if hist else []
 
-    def internal_error(self, name: str, exc: BaseException) -> CommandError:
-        """The reply to a command whose handler (or deferred reply) raised `exc`; logs it.
+    def raised(self, ctx: Any, name: str, exc: Exception) -> QuillError:
+        """The reply to command `name` that raised `exc` (in its handler or its deferred reply):
+        a typed error as it is; anything else is a bug, answered as an internal error (counted
+        in `ctx.stats`, logged once) so the connection is kept. Not yet counted as failed."""
+        return exc if isinstance(exc, QuillError) else self.internal_error(ctx, name, exc)
+
+    def internal_error(self, ctx: Any, name: str, exc: BaseException) -> CommandError:
+        """The reply to a command whose handler (or deferred reply) raised `exc`, a bug: counted
+        in `ctx.stats` (INFO's internal_errors) and logged.
 
         The traceback is logged the first time a failure is seen at a given place, then a
         one-line reminder with a count at most every FAILURE_RELOG seconds. Neither the
         arguments nor the exception's message are logged: both may quote client bytes.
         """
+        ctx.stats["internal_errors"] += 1
         frames = traceback.extract_tb(exc.__traceback__)
         site = (name, type(exc).__name__, frames[-1].filename, frames[-1].lineno) if frames else (
             name, type(exc).__name__)
@@ -343,12 +347,8 @@ class CommandTable:
         call; its errors are returned, as dispatch returns them."""
         try:
             return self._call(client, cmd, args)
-        except QuillError as e:
-            self.failed(cmd.name, e)
-            return e
-        except Exception as e:  # a bug: answer it, keep the connection, log it once
-            client.ctx.stats["internal_errors"] += 1
-            err = self.internal_error(cmd.name, e)
+        except Exception as e:
+            err = self.raised(client.ctx, cmd.name, e)
             self.failed(cmd.name, err)
             return err
 

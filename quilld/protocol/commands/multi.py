@@ -207,11 +207,8 @@ class _Exec:
         else:
             try:
                 reply = task.result()
-            except QuillError as e:
-                reply = e
-            except Exception as e:  # a bug in a read path: answer it rather than fail the EXEC
-                c.ctx.stats["internal_errors"] += 1
-                reply = c.ctx.table.internal_error(cmd.name, e)
+            except Exception as e:  # a bug in a read path is answered too, rather than failing the EXEC
+                reply = c.ctx.table.raised(c.ctx, cmd.name, e)
         if isinstance(reply, QuillError):
             c.ctx.table.failed(cmd.name, reply)
         return reply
