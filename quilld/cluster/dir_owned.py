@@ -144,6 +144,13 @@ class OwnedEntries:
         run[i + 8], run[i + 9] = short & 0xFF, short >> 8  # type: ignore[index]
         return _long(old)
 
+    def _change(self, holder: str, kind: int, eid: bytes, shard: bytes, b: int, code: int | None) -> None:
+        """One change entry by entry: put with its code, or removed when the code is None."""
+        if code is None:
+            self.remove(holder, kind, eid, shard, b)
+        else:
+            self.put(holder, kind, eid, shard, b, code)
+
     def apply(self, holder: str, kind: int, eids: list[bytes], shards: list[bytes], buckets: list[int],
               codes: list[int | None]) -> None:
         """A run of `holder`'s changes of one kind, in order (the columns of `dir_entries.Changes`):
@@ -151,10 +158,7 @@ class OwnedEntries:
         one loop, with no call per entry; keys and other blocks entry by entry."""
         if kind != BLOCK:
             for eid, shard, b, code in zip(eids, shards, buckets, codes):
-                if code is None:
-                    self.remove(holder, kind, eid, shard, b)
-                else:
-                    self.put(holder, kind, eid, shard, b, code)
+                self._change(holder, kind, eid, shard, b, code)
             return
         no = self._no(holder)
         all_segs, digests = self.segs, self.digests
@@ -162,10 +166,7 @@ class OwnedEntries:
         for eid, shard, b, code in zip(eids, shards, buckets, codes):
             part = eid[CTAG_LEN:]
             if len(part) != 8:
-                if code is None:
-                    self.remove(holder, BLOCK, eid, shard, b)
-                else:
-                    self.put(holder, BLOCK, eid, shard, b, code)
+                self._change(holder, BLOCK, eid, shard, b, code)
                 continue
             segs = all_segs.get(b)
             if code is None:
