@@ -63,6 +63,7 @@ class ServerConfig:
     payload_timeout_ms: int = 4_000  # a large payload that stops arriving this long closes its client
     space_wait_ms: int = 5_000  # a write short of arena room held by readers or puts waits this long, then -OOM
     exec_hold_ms: int = 1_000  # an EXEC whose commands wait (SSD, peers) holds the node's other clients this long at most
+    exec_hold_budget_ms: int = 100  # ... and one tenant's EXECs this long a second (saved up to exec_hold_ms)
     client_query_buffer_limit: int = 1 * GiB  # a client's unfinished input beyond this closes it (redis's)
     protected_mode: bool = True  # no password set: only loopback clients, on every listener (redis's protected-mode)
     allowed_hosts: str = ""  # comma-separated host names the HTTP ports answer to besides IPs, localhost, hostname
@@ -307,8 +308,8 @@ class Config:
             raise ConfigError("server.payload_timeout_ms must be positive")
         if s.space_wait_ms < 0:
             raise ConfigError("server.space_wait_ms must be 0 or more")
-        if s.exec_hold_ms < 0:
-            raise ConfigError("server.exec_hold_ms must be 0 or more")
+        if s.exec_hold_ms < 0 or s.exec_hold_budget_ms < 0:
+            raise ConfigError("server.exec_hold_ms and server.exec_hold_budget_ms must be 0 or more")
         if self.security.max_scopes_per_tenant < 1:
             raise ConfigError("security.max_scopes_per_tenant must be at least 1")
         if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:

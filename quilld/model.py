@@ -54,10 +54,19 @@ class Pending:
     `awaitable` resolves to the value itself (bytes, Pinned, None, ...). The
     protocol answers in order: nothing after it on the connection runs before
     it resolves.
+
+    `on_purpose`: the wait is a deliberate delay (the AUTH throttle's), not one for the
+    disk or a peer, so an EXEC never holds the node for it. `due`, when not None, says the
+    value is known already (`answer`, an error or a reply) and only sent late, at that
+    monotonic time: an EXEC takes the answer at once and sends its own reply no earlier.
     """
 
-    __slots__ = ("awaitable",)
+    __slots__ = ("awaitable", "on_purpose", "answer", "due")
 
-    def __init__(self, awaitable: Awaitable[Any]) -> None:
+    def __init__(self, awaitable: Awaitable[Any], on_purpose: bool = False, answer: Any = None,
+                 due: float | None = None) -> None:
         self.awaitable = awaitable
+        self.on_purpose = on_purpose
+        self.answer = answer
+        self.due = due
 

@@ -78,7 +78,7 @@ HELP = {
     "keyspace_hits": "Lookups that found their key.",
     "keyspace_misses": "Lookups that did not.",
     "auth_failures": "Failed AUTH attempts.",
-    "auth_throttled": "AUTH attempts answered late because their user or address kept failing.",
+    "auth_throttled": "AUTH attempts answered late (or checked late) because their user or address kept failing.",
     "peerauth_failures": "PEERAUTH attempts with a wrong cluster secret.",
     "peerauth_throttled": "PEERAUTH attempts answered late because their address kept failing.",
     "client_query_buffer_limit_disconnections": "Connections closed for an oversized query buffer.",

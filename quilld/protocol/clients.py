@@ -5,7 +5,10 @@ only their writes, until the pause ends), MONITOR (each command run is sent to t
 monitoring connections of the same user), the idle timeout (redis's `timeout`), the
 watched keys (`watches`, protocol/transactions.py), and the hold of an EXEC whose queued
 command waits for the disk or a peer: until it ends, no other connection runs a command
-(commands/multi.py; a cluster peer's connection is never held).
+(commands/multi.py; a cluster peer's connection is never held). A hold lasts at most
+`server.exec_hold_ms`, and at most what its tenant has saved of its budget: each tenant
+(user) earns `server.exec_hold_budget_ms` of hold a second, saved up to exec_hold_ms, and
+spends what its holds last; so no tenant holds the others more than that share of the time.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Clients:
         self.watches = Watches()  # WATCH: the node's watched keys
         self.exclusive: Any = None  # the session of an EXEC holding the node (see hold_for), or None
         self._exec_held: set[RespConnection] = set()  # connections waiting for that hold's end
+        self._held_since = 0.0  # when that hold began
+        self._hold_saved: dict[str, tuple[float, float]] = {}  # tenant -> (seconds of hold saved, as of when)
         self._full_logged = float("-inf")  # when a refusal at maxclients was last logged
         self._full_since = 0  # refusals at maxclients since then
 
@@ -204,11 +209,21 @@ class Clients:
         return False
 
     # -- an EXEC holding the node -----------------------------------------------
-    def hold_for(self, session: Any) -> None:
+    def hold_for(self, session: Any) -> float:
         """`session`'s EXEC waits mid-transaction (a queued command waits for the disk or a
-        peer): no other connection runs a command until `release_hold`."""
+        peer): no other connection runs a command until `release_hold`. Returns the seconds
+        the hold may last: server.exec_hold_ms, or what its tenant has saved if less."""
+        cfg = session.ctx.cfg.server
+        now = time.monotonic()
         self.exclusive = session
+        self._held_since = now
         self.stats["exec_holds"] += 1
+        return min(cfg.exec_hold_ms / 1000, self._saved(session.user, cfg, now))
+
+    def _saved(self, tenant: str, cfg: Any, now: float) -> float:
+        cap = cfg.exec_hold_ms / 1000
+        saved, since = self._hold_saved.get(tenant, (cap, now))
+        return min(cap, saved + (now - since) * cfg.exec_hold_budget_ms / 1000)
 
     def held_out(self, conn: RespConnection) -> bool:
         """Whether `conn` must wait for the EXEC holding the node (never the EXEC's own connection,
@@ -219,6 +234,14 @@ class Clients:
         return True
 
     def release_hold(self) -> None:
+        session, now = self.exclusive, time.monotonic()
+        if session is not None:  # the hold's length is spent from its tenant's savings
+            cfg = session.ctx.cfg.server
+            saved = self._saved(session.user, cfg, now) - (now - self._held_since)
+            if saved < cfg.exec_hold_ms / 1000:
+                self._hold_saved[session.user] = (saved, now)
+            else:
+                self._hold_saved.pop(session.user, None)
         self.exclusive = None
         held, self._exec_held = self._exec_held, set()
         for conn in held:

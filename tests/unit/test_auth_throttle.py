@@ -1,11 +1,13 @@
 """The AUTH throttle (context/auth_throttle.py, applied by protocol/commands/connection.py; issue 11 finding 12, issue 19 item 14) on an
 injected clock, and AUTH/HELLO/PEERAUTH through the dispatcher: failures counted per user name and
 per address, delays that grow with them, a window that forgets, and a right password that is never
-refused, wherever the guesses come from."""
+refused, wherever the guesses come from, and answered at once (issue 29 item 22) unless guesses are
+sent faster than they are answered."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ from handler_context import make_context, session
 from quilld.config import SecurityConfig
 from quilld.errors import WrongPass
 from quilld.model import Pending
-from quilld.context.auth_throttle import AUTH_DELAY_FIRST, AuthThrottle
+from quilld.context.auth_throttle import AUTH_DELAY_FIRST, AUTH_UNANSWERED, AuthThrottle
 from quilld.protocol.resp import OK
 
 CFG = SecurityConfig(requirepass="pw", auth_throttle_after=3, auth_throttle_window_ms=10_000,
@@ -30,17 +32,17 @@ def fail(t: AuthThrottle, user: bytes, addr: str, now: float, times: int = 1) ->
 def test_the_first_failures_are_free_then_each_attempt_waits_longer():
     t = AuthThrottle()
     for _ in range(3):
-        assert t.wait(CFG, b"alice", "10.0.0.1", 0.0) == 0.0
+        assert t.delay(CFG, b"alice", "10.0.0.1", 0.0) == 0.0
         t.failed(CFG, b"alice", "10.0.0.1", 0.0)
-    assert t.wait(CFG, b"alice", "10.0.0.1", 0.0) == pytest.approx(AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"alice", "10.0.0.1", 0.0) == pytest.approx(AUTH_DELAY_FIRST)
     t.failed(CFG, b"alice", "10.0.0.1", 0.05)
-    assert t.wait(CFG, b"alice", "10.0.0.1", 5.0) == pytest.approx(2 * AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"alice", "10.0.0.1", 5.0) == pytest.approx(2 * AUTH_DELAY_FIRST)
     t.failed(CFG, b"alice", "10.0.0.1", 5.1)
-    assert t.wait(CFG, b"alice", "10.0.0.1", 9.0) == pytest.approx(4 * AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"alice", "10.0.0.1", 9.0) == pytest.approx(4 * AUTH_DELAY_FIRST)
     fail(t, b"alice", "10.0.0.1", 9.0, times=10)
-    assert t.wait(CFG, b"alice", "10.0.0.1", 12.0) == pytest.approx(1.0)  # capped at auth_delay_max_ms
+    assert t.delay(CFG, b"alice", "10.0.0.1", 12.0) == pytest.approx(1.0)  # capped at auth_delay_max_ms
     # another user from another address is not slowed by these
-    assert t.wait(CFG, b"bob", "10.0.0.2", 12.0) == 0.0
+    assert t.delay(CFG, b"bob", "10.0.0.2", 12.0) == 0.0
 
 
 def test_failures_count_per_user_and_per_address():
@@ -48,29 +50,29 @@ def test_failures_count_per_user_and_per_address():
     # a guesser spread over many addresses, one guess each, still slows attempts for that user ...
     for i in range(6):
         t.failed(CFG, b"alice", f"10.1.0.{i}", 0.0)
-    assert t.wait(CFG, b"alice", "10.9.9.9", 1.0) == pytest.approx(8 * AUTH_DELAY_FIRST)
-    assert t.wait(CFG, b"bob", "10.9.9.9", 1.0) == 0.0
+    assert t.delay(CFG, b"alice", "10.9.9.9", 1.0) == pytest.approx(8 * AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"bob", "10.9.9.9", 1.0) == 0.0
     # ... and one address spraying user names slows every attempt from it
     for i in range(6):
         t.failed(CFG, b"user%d" % i, "10.2.0.1", 0.0)
-    assert t.wait(CFG, b"bob", "10.2.0.1", 1.0) == pytest.approx(8 * AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"bob", "10.2.0.1", 1.0) == pytest.approx(8 * AUTH_DELAY_FIRST)
     assert t.throttled(CFG) == 2
 
 
 def test_many_attempts_at_once_all_wait_the_same_bounded_delay_none_is_refused():
     t = AuthThrottle()
     fail(t, b"default", "a", 0.0, times=50)
-    waits = [t.wait(CFG, b"default", "a", 1.0) for _ in range(1000)]
+    waits = [t.delay(CFG, b"default", "a", 1.0) for _ in range(1000)]
     assert waits == [pytest.approx(1.0)] * 1000  # auth_delay_max_ms, never None (a refusal)
 
 
 def test_a_key_quiet_for_a_window_starts_afresh():
     t = AuthThrottle()
     fail(t, b"u", "a", 0.0, times=5)
-    assert t.wait(CFG, b"u", "a", 5.0) > 0
-    assert t.wait(CFG, b"u", "a", 5.0 + 10.001) == 0.0
+    assert t.delay(CFG, b"u", "a", 5.0) > 0
+    assert t.delay(CFG, b"u", "a", 5.0 + 10.001) == 0.0
     fail(t, b"u", "a", 20.0, times=3)
-    assert t.wait(CFG, b"u", "a", 20.0) == pytest.approx(AUTH_DELAY_FIRST)
+    assert t.delay(CFG, b"u", "a", 20.0) == pytest.approx(AUTH_DELAY_FIRST)
 
 
 def test_turned_off_with_zero():
@@ -78,10 +80,26 @@ def test_turned_off_with_zero():
     cfg = SecurityConfig(requirepass="pw", auth_throttle_after=0)
     for _ in range(100):
         t.failed(cfg, b"u", "a", 0.0)
-    assert t.wait(cfg, b"u", "a", 0.0) == 0.0
+    assert t.delay(cfg, b"u", "a", 0.0) == 0.0
 
 
-def test_right_passwords_are_never_refused_only_delayed_while_their_user_or_address_fails():
+def test_unanswered_failures_bound_what_an_address_or_a_user_may_have_checked():
+    t = AuthThrottle()
+    fail(t, b"alice", "a", 0.0, times=3)  # answered at once: nothing waits
+    assert t.admit_in(CFG, b"alice", "a", 0.0) == 0.0
+    dues = [t.failed(CFG, b"alice", "a", 0.0) for _ in range(AUTH_UNANSWERED)]
+    assert dues[0] == pytest.approx(AUTH_DELAY_FIRST) and dues[-1] == pytest.approx(1.0)
+    # the address and the user both hold AUTH_UNANSWERED failures not answered yet: a further
+    # attempt from there, or for her, is checked once the first of them is answered
+    assert t.admit_in(CFG, b"bob", "a", 0.0) == pytest.approx(AUTH_DELAY_FIRST)
+    assert t.admit_in(CFG, b"alice", "b", 0.0) == pytest.approx(AUTH_DELAY_FIRST)
+    assert t.admit_in(CFG, b"bob", "b", 0.0) == 0.0
+    assert t.admit_in(CFG, b"bob", "a", AUTH_DELAY_FIRST) == 0.0
+
+
+def test_a_right_password_is_answered_at_once_only_failures_are_late():
+    """Issue 29 item 22: before, another client failing from the same address made a tenant's right
+    password wait as long as the failures' delay (3.2-5.0 s); now it is answered at once."""
     async def main():
         ctx = make_context(requirepass="pw")
         ctx.cfg = replace(ctx.cfg, security=replace(ctx.cfg.security, auth_delay_max_ms=200))
@@ -89,31 +107,60 @@ def test_right_passwords_are_never_refused_only_delayed_while_their_user_or_addr
         attacker.addr = "127.0.0.1:4000"
         for _ in range(10):  # security.auth_throttle_after's default
             assert isinstance(ctx.table.dispatch(attacker, [b"AUTH", b"nope"]), WrongPass)
-        assert ctx.stats["auth_failures"] == 10
-        # many guesses at once: each waits (none is answered, right or wrong, before its delay) ...
-        guesses = [ctx.table.dispatch(session(ctx), [b"AUTH", b"nope"]) for _ in range(50)]
-        assert all(isinstance(g, Pending) for g in guesses)
-        # ... and so do tenants logging in meanwhile from the same address, with the right password:
-        # delayed, never refused (before the fix: 13 of 14 refused)
-        tenants = [session(ctx) for _ in range(14)]
-        replies = [ctx.table.dispatch(s, [b"AUTH", b"pw"]) for s in tenants]
-        assert all(isinstance(r, Pending) for r in replies) and not any(s.authenticated for s in tenants)
-        assert [await r.awaitable for r in replies] == [OK] * 14 and all(s.authenticated for s in tenants)
-        for g in guesses:
+        late = ctx.table.dispatch(attacker, [b"AUTH", b"nope"])
+        assert isinstance(late, Pending) and late.on_purpose and isinstance(late.answer, WrongPass)
+        tenant = session(ctx)
+        tenant.addr = "127.0.0.1:4001"
+        assert ctx.table.dispatch(tenant, [b"AUTH", b"pw"]) is OK and tenant.authenticated  # before: a Pending
+        hello = ctx.table.dispatch(session(ctx), [b"HELLO", b"3", b"AUTH", b"default", b"pw"])
+        assert isinstance(hello, dict) and hello[b"proto"] == 3
+        wrong = ctx.table.dispatch(attacker, [b"HELLO", b"3", b"AUTH", b"default", b"nope"])
+        assert isinstance(wrong, Pending)
+        t0 = time.monotonic()
+        for r in (late, wrong):
             with pytest.raises(WrongPass):
-                await g.awaitable
-        assert ctx.stats["auth_failures"] == 60 and ctx.stats["auth_throttled"] == 64
-        late = ctx.table.dispatch(attacker, [b"HELLO", b"3", b"AUTH", b"default", b"nope"])
-        assert isinstance(late, Pending)
-        with pytest.raises(WrongPass):
-            await late.awaitable
-        assert not attacker.resp3  # HELLO switched nothing
+                await r.awaitable
+        assert time.monotonic() - t0 >= 0.09  # 50 ms, then 100 ms: failures are answered late
+        assert not attacker.resp3 and not attacker.authenticated  # HELLO switched nothing
         # bytes that are no text count as failures too
         for creds in ([b"\xff\xfe"], [b"us\xc3\xa9r", b"\xff"], [b"default", b"caf\xc3\xa9"]):
             r = ctx.table.dispatch(session(ctx), [b"AUTH", *creds])
             with pytest.raises(WrongPass):
                 await r.awaitable
-        assert ctx.stats["auth_failures"] == 64
+        assert ctx.stats["auth_failures"] == 15 and ctx.stats["auth_throttled"] == 5
+
+    asyncio.run(main())
+
+
+def test_guesses_that_do_not_wait_for_their_answers_are_not_checked_past_the_bound():
+    """A right password answered at once tells which guess was right: a guesser sending guesses on
+    new connections without waiting for the answers gets AUTH_UNANSWERED checked per delay; the
+    rest, right passwords included, wait for an answer to go out (at most auth_delay_max_ms)."""
+    async def main():
+        ctx = make_context(requirepass="pw")
+        ctx.cfg = replace(ctx.cfg, security=replace(ctx.cfg.security, auth_delay_max_ms=200))
+
+        def attempt(password: bytes):
+            s = session(ctx)
+            s.addr = "127.0.0.1:4000"
+            return s, ctx.table.dispatch(s, [b"AUTH", password])
+
+        for _ in range(10):
+            assert isinstance(attempt(b"nope")[1], WrongPass)
+        checked = [attempt(b"nope")[1] for _ in range(AUTH_UNANSWERED)]
+        assert all(r.due is not None for r in checked) and ctx.stats["auth_failures"] == 10 + AUTH_UNANSWERED
+        waiting = [attempt(b"nope")[1] for _ in range(20)]
+        assert all(r.on_purpose and r.due is None for r in waiting)  # not checked yet
+        assert ctx.stats["auth_failures"] == 10 + AUTH_UNANSWERED
+        t0 = time.monotonic()
+        tenant, reply = attempt(b"pw")
+        assert isinstance(reply, Pending) and not tenant.authenticated
+        assert await reply.awaitable is OK and tenant.authenticated
+        assert AUTH_DELAY_FIRST * 0.9 <= time.monotonic() - t0 <= 0.2 + 0.15  # at most auth_delay_max_ms late
+        for r in checked + waiting:
+            with pytest.raises(WrongPass):
+                await r.awaitable
+        assert ctx.stats["auth_failures"] == 10 + AUTH_UNANSWERED + 20
 
     asyncio.run(main())
 
@@ -153,7 +200,7 @@ def test_peerauth_is_throttled_and_counted_and_gives_peer_rights_only():
             await empty.awaitable
         peer = session(ctx)
         ok = ctx.table.dispatch(peer, [b"PEERAUTH", b"s3cret"])
-        assert await ok.awaitable is OK and peer.peer and not peer.authenticated
+        assert ok is OK and peer.peer and not peer.authenticated  # a right secret: at once
         assert ctx.table.dispatch(peer, [b"PEERMGET", b"default", b"", b"", b"", b"nothing"]) == [None]
         for cmd in ([b"GET", b"k"], [b"CONFIG", b"SET", b"maxclients", b"7"], [b"FLUSHALL"], [b"DBSIZE"],
                     [b"KEYS", b"*"], [b"SCOPE", b"m", b"t"], [b"CLIENT", b"LIST"]):

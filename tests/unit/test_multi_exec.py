@@ -214,6 +214,66 @@ def test_the_hold_is_bounded_by_exec_hold_ms():
     asyncio.run(main())
 
 
+def test_a_throttled_auth_in_an_exec_never_holds_the_node():
+    """Issue 29 item 15: before, MULTI / AUTH nobody wrong / EXEC from a throttled address held
+    every other client until the AUTH's delay ended (or exec_hold_ms): another tenant's GETs took
+    0.55-1.01 s. Now the EXEC runs on, holds nothing, and only its own reply is sent late."""
+    async def main():
+        ctx = make_context(requirepass="pw")
+        ctx.users._passwords["bob"] = "bpw"
+        _, a, ta = connect(ctx)
+        _, b, tb = connect(ctx)
+        feed(b, _cmd("AUTH", "bob", "bpw") + _cmd("SET", "k", "v"))
+        assert bytes(tb.out) == b"+OK\r\n+OK\r\n"
+        feed(a, _cmd("AUTH", "pw") + _cmd("AUTH", "nobody", "wrong") * 10)  # past auth_throttle_after
+        assert bytes(ta.out).count(b"-WRONGPASS") == 10
+        ta.out.clear()
+        tb.out.clear()
+        t0 = asyncio.get_running_loop().time()
+        feed(a, _cmd("MULTI") + _cmd("AUTH", "nobody", "wrong") + _cmd("PING") + _cmd("EXEC"))
+        assert bytes(ta.out) == b"+OK\r\n+QUEUED\r\n+QUEUED\r\n"  # the EXEC's reply is late ...
+        feed(b, _cmd("GET", "k"))
+        assert bytes(tb.out) == b"$1\r\nv\r\n" and not tb.paused  # ... but nobody else waits for it
+        assert ctx.clients.exclusive is None and ctx.clients.stats["exec_holds"] == 0
+        assert await _until(lambda: ta.out.endswith(b"+PONG\r\n"))
+        assert asyncio.get_running_loop().time() - t0 >= 0.04  # the AUTH's 50 ms, for its own client only
+        assert bytes(ta.out).endswith(b"*2\r\n-WRONGPASS invalid username-password pair or user is disabled."
+                                      b"\r\n+PONG\r\n")
+        assert ctx.stats["auth_failures"] == 11 and ctx.table.stats["auth"][4] == 11
+
+    asyncio.run(main())
+
+
+def test_a_tenants_holds_are_bounded_by_its_budget_a_second():
+    """Issue 29 item 15: the hold had no budget, so a client repeating EXECs that wait held the
+    node nearly all the time. A tenant earns server.exec_hold_budget_ms of hold a second, saved up
+    to exec_hold_ms: once spent, its EXECs' waits are cut off at once and nobody is held."""
+    async def main():
+        ctx = make_context(exec_hold_ms=60, exec_hold_budget_ms=0)
+        _, ended = _gated(ctx)  # never opens
+        _, a, ta = connect(ctx)
+        _, b, tb = connect(ctx)
+        t0 = asyncio.get_running_loop().time()
+        feed(a, _cmd("MULTI") + _cmd("SLOW") + _cmd("EXEC"))
+        assert await _until(lambda: b"-TIMEOUT" in ta.out)
+        assert asyncio.get_running_loop().time() - t0 >= 0.05  # its saved 60 ms
+        for _ in range(3):  # spent: each later EXEC is cut off at once, holding nobody for long
+            ta.out.clear()
+            t1 = asyncio.get_running_loop().time()
+            feed(a, _cmd("MULTI") + _cmd("SLOW") + _cmd("EXEC"))
+            assert await _until(lambda: b"-TIMEOUT" in ta.out)
+            assert asyncio.get_running_loop().time() - t1 < 0.03
+        assert ended == ["cancelled"] * 4
+        # another tenant has its own savings
+        b.session.login("bob")
+        t2 = asyncio.get_running_loop().time()
+        feed(b, _cmd("MULTI") + _cmd("SLOW") + _cmd("EXEC"))
+        assert await _until(lambda: b"-TIMEOUT" in tb.out)
+        assert asyncio.get_running_loop().time() - t2 >= 0.05
+
+    asyncio.run(main())
+
+
 def test_blocks_read_inside_an_exec_stay_pinned_until_sent():
     ctx, conn, t = connect(make_context(pages=1024))
     value = b"v" * LARGE

@@ -15,7 +15,6 @@ cluster.secret uses instead).
 from __future__ import annotations
 
 import hmac
-import time
 from typing import TYPE_CHECKING
 
 from quilld.cluster.cluster import node_line, standalone_meta
@@ -25,7 +24,7 @@ from quilld.index.events import decode_json
 from quilld.model import IdentityScope, Pending, Pinned
 from quilld.protocol.commands.common import parse_int, text
 from quilld.context.auth_throttle import AuthThrottle
-from quilld.protocol.commands.connection import after_throttle, client_ip
+from quilld.protocol.commands.connection import after_throttle
 from quilld.protocol.commands.route import MAX_EVENTS_BYTES  # a forwarded batch: KVEVENTS's own bound
 from quilld.protocol.resp import OK
 from quilld.protocol.table import ADMIN, NOAUTH, PEER, READONLY, WRITE, CommandTable
@@ -61,15 +60,13 @@ def cmd_peerauth(c, args, throttle: AuthThrottle):
 
     def check():
         if not hmac.compare_digest(given, cluster.peer_secret.encode()) or not given:
-            c.ctx.stats["peerauth_failures"] += 1
-            throttle.failed(c.ctx.cfg.security, PEER_KEY, client_ip(c), time.monotonic())
             raise WrongPass("invalid cluster secret")
         c.peer_login()
         c.ctx.clients.auth_changed(c)  # a peer's commands are parsed as a logged-in client's
         cluster.stats["peer_connections"] += 1
         return OK
 
-    return after_throttle(c, throttle, PEER_KEY, check, "peerauth_throttled")
+    return after_throttle(c, throttle, PEER_KEY, check, "peerauth_throttled", "peerauth_failures")
 
 
 def cmd_dir(c, args):

@@ -3,15 +3,15 @@
 Password guessing is slowed per user and per client address (`AuthThrottle`, the node's:
 context/auth_throttle.py, which the gateway's API keys may share): once a user
 name, or an address, has failed `security.auth_throttle_after` times within
-`auth_throttle_window_ms`, each further AUTH (or HELLO ... AUTH) naming that user or coming
-from that address is checked only after a delay that doubles with every failure, up to
-`auth_delay_max_ms`. The delay holds right and wrong passwords alike (a right one answered at
-once would tell a guesser which guess was right without waiting), but nothing is ever refused:
-a tenant whose address or user name an attacker shares logs in, at most auth_delay_max_ms
-late. A guesser gets one answer per delay per connection it holds open, since a connection's
-next command waits for its answer. The wait is a deferred reply: the event loop never blocks,
-and an attempt from an address and for a user that are not failing is answered at once.
-Cluster peers' PEERAUTH (cluster.py) has a throttle of its own, the same way.
+`auth_throttle_window_ms`, each further failure naming that user or coming from that address
+is answered only after a delay that doubles with every failure, up to `auth_delay_max_ms`.
+A right password is answered at once. Because of that, an answer that does not come at once
+tells a guesser its guess was wrong without waiting for it; so once an address (or a user
+name) has AUTH_UNANSWERED failures waiting for their answer, a further attempt from it (or
+for it) is checked only when the first of them is answered, or auth_delay_max_ms after it
+came, whichever is first: right or wrong, never refused. The waits are deferred replies
+marked `on_purpose`: the event loop never blocks, and an EXEC never holds the node for them
+(commands/multi.py). Cluster peers' PEERAUTH (cluster.py) has a throttle of its own, the same way.
 """
 
 from __future__ import annotations
@@ -75,49 +75,74 @@ def _login_user(login: bytes) -> tuple[bytes, tuple[bytes, bytes, bytes] | None]
         raise CommandError(f"invalid scope in the user name: {e}") from None
 
 
-def _authenticate(c, throttle: AuthThrottle, login: bytes, password: bytes) -> None:
+def _authenticate(c, login: bytes, password: bytes) -> None:
     """Log the session in as `login`'s user, in the scope it names (`user~model~tokenizer[~adapter]`)
-    if any, or raise WRONGPASS (counted, and remembered per user and per address)."""
+    if any, or raise WRONGPASS."""
     users = c.ctx.users
     user, fields = _login_user(login)
     if not users.required and user == b"default":
         pass  # redis: the default user has nopass (users ACL SETUSER added log in with their own)
     elif not _credentials_match(users, user, password):
-        c.ctx.stats["auth_failures"] += 1
-        throttle.failed(c.ctx.cfg.security, user, client_ip(c), time.monotonic())
         raise WrongPass(_WRONGPASS)
     name = user.decode()
     c.login(name, None if fields is None else IdentityScope(name, *map(text, fields)))
     c.ctx.clients.auth_changed(c)
 
 
-def after_throttle(c, throttle: AuthThrottle, user: bytes, check: Callable[[], Any], counter: str) -> Any:
-    """`check()` at once, or after the throttle's delay for `user` and the client's address (a
-    deferred reply, counted in `counter`); never refused."""
-    delay = throttle.wait(c.ctx.cfg.security, user, client_ip(c), time.monotonic())
-    if not delay:
-        return check()
-    c.ctx.stats[counter] += 1
+async def _late(answer: Any, delay: float) -> Any:
+    await asyncio.sleep(delay)
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
 
-    async def later():
-        await asyncio.sleep(delay)
-        return check()
 
-    return Pending(later())
+def after_throttle(c, throttle: AuthThrottle, user: bytes, check: Callable[[], Any], counter: str,
+                   failures: str, slowed: bool = True) -> Any:
+    """`check()`'s reply at once, or its WrongPass counted in `failures` and remembered by the
+    throttle: at once, or late by the throttle's delay (a deferred reply, counted in `counter`).
+    While `user` or the client's address has too many failures unanswered, the check itself
+    waits (counted too). `slowed=False`: failures are counted and answered at once."""
+    cfg, addr, stats = c.ctx.cfg.security, client_ip(c), c.ctx.stats
+
+    def checked():
+        try:
+            return check()
+        except WrongPass as e:
+            stats[failures] += 1
+            now = time.monotonic()
+            delay = throttle.failed(cfg, user, addr, now)
+            if not delay or not slowed:
+                raise
+            stats[counter] += 1
+            return Pending(_late(e, delay), on_purpose=True, answer=e, due=now + delay)
+
+    start = time.monotonic()
+    ahead = throttle.admit_in(cfg, user, addr, start) if slowed else 0.0
+    if not ahead:
+        return checked()
+    stats[counter] += 1
+
+    async def admitted():
+        wait, deadline = ahead, start + cfg.auth_delay_max_ms / 1000
+        while wait > 0:
+            await asyncio.sleep(wait)
+            now = time.monotonic()
+            wait = min(throttle.admit_in(cfg, user, addr, now), deadline - now)
+        reply = checked()
+        return await reply.awaitable if reply.__class__ is Pending else reply
+
+    return Pending(admitted(), on_purpose=True)
 
 
 def _after_auth(c, throttle: AuthThrottle, login: bytes, password: bytes, then: Callable[[], Any]) -> Any:
-    """Check the credentials, then answer with `then()`: at once, or after the throttle's delay."""
-    if not c.ctx.users.required:
-        _authenticate(c, throttle, login, password)
-        return then()
+    """Check the credentials, then answer with `then()`; a failure at once, or late (the throttle's)."""
     user, _ = _login_user(login)
 
     def check():
-        _authenticate(c, throttle, login, password)
+        _authenticate(c, login, password)
         return then()
 
-    return after_throttle(c, throttle, user, check, "auth_throttled")
+    return after_throttle(c, throttle, user, check, "auth_throttled", "auth_failures", c.ctx.users.required)
 
 
 def cmd_auth(c, args, throttle: AuthThrottle):

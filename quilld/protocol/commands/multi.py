@@ -7,15 +7,21 @@ EXEC runs the queued commands one after another, each counted, timed and monitor
 any call, and answers their replies as one array; an error of one command is its reply,
 and the others still run (redis's "runtime errors do not abort"). Nothing else runs in
 between: the event loop is not given up while they run. When a queued command's reply
-must wait (a value only on SSD, a peer's copy, a deletion made durable, a throttled AUTH),
-the EXEC waits for it before it runs the next one, and meanwhile holds the node: no other
-client's command runs until the EXEC is over (`Clients.hold_for`; a cluster peer's
-connection is not held, so two nodes' EXECs never wait for each other). The hold is
-bounded: once it has lasted `server.exec_hold_ms`, the command still waiting is cut off
-(cancelled, answered `-TIMEOUT`; a change it made before it began to wait, such as a write
-whose SSD deletion was being made durable, stands) and so is every later one that would
-wait; the commands that need no wait still run. What other clients had already started
-before the EXEC (their own waits for the disk or a peer) may finish during the hold.
+must wait (a value only on SSD, a peer's copy, a deletion made durable), the EXEC waits for
+it before it runs the next one, and meanwhile holds the node: no other client's command runs
+until the EXEC is over (`Clients.hold_for`; a cluster peer's connection is not held, so two
+nodes' EXECs never wait for each other). The hold is bounded: once it has lasted
+`server.exec_hold_ms`, or what is left of its tenant's budget (`server.exec_hold_budget_ms`
+a second, Clients.hold_for), the command still waiting is cut off (cancelled, answered
+`-TIMEOUT`; a change it made before it began to wait, such as a write whose SSD deletion was
+being made durable, stands) and so is every later one that would wait; the commands that
+need no wait still run. What other clients had already started before the EXEC (their own
+waits for the disk or a peer) may finish during the hold.
+
+A wait on purpose (a Pending marked `on_purpose`: the AUTH throttle's) never holds the node.
+When its answer is known already (a failed AUTH, answered late), the EXEC takes it at once,
+runs on, and sends its own reply no earlier than that answer was due; when it is not (an
+AUTH that waits before it is even checked), the command is answered `-TIMEOUT` at once.
 
 A queued HELLO may switch the protocol mid-transaction: as redis, each reply is then
 written in the protocol in force when its command ran.
@@ -112,7 +118,7 @@ def _pins_of(reply, pins: list) -> None:
 class _Exec:
     """One EXEC's run of its queue."""
 
-    __slots__ = ("c", "queued", "args", "replies", "protos", "resp3")
+    __slots__ = ("c", "queued", "args", "replies", "protos", "resp3", "due")
 
     def __init__(self, c, queued: list, args: list) -> None:
         self.c = c
@@ -121,16 +127,52 @@ class _Exec:
         self.replies: list = []
         self.protos: list[bool] | None = None  # each reply's protocol, once a HELLO switched it
         self.resp3 = c.resp3
+        self.due = 0.0  # the EXEC's reply is not sent before this (monotonic): a late answer's
 
     def run(self):
         """The EXEC's reply: the array, or a Pending of it when a command must wait."""
         for i, (cmd, args) in enumerate(self.queued):
             reply = self._call(cmd, args)
-            if reply.__class__ is Pending:
-                self.c.ctx.clients.hold_for(self.c)
-                return Pending(self._finish(i, reply))
+            if reply.__class__ is Pending and not reply.on_purpose:
+                allowed = self.c.ctx.clients.hold_for(self.c)
+                return Pending(self._finish(i, reply, allowed))
             self._add(reply)
-        return self._reply()
+        reply = self._late(self._reply())
+        if reply.__class__ is Pending:  # the table feeds MONITOR no waiting EXEC: its commands ran
+            self._monitor()
+        return reply
+
+    def _monitor(self) -> None:
+        table = self.c.ctx.table
+        if table.monitor is not None:  # after its commands, as redis feeds a MONITOR
+            table.monitor(self.c, table.commands[b"exec"], self.args)
+
+    def _late(self, reply):
+        """`reply`, or a Pending of it sent once the late answers it holds are due."""
+        left = self.due - time.monotonic()
+        if left <= 0:
+            return reply
+
+        async def later():
+            await asyncio.sleep(left)
+            return reply
+
+        return Pending(later(), on_purpose=True, answer=reply, due=self.due)
+
+    def _on_purpose(self, cmd: Command, reply: Pending):
+        """A wait on purpose, never waited for here: its answer now (the reply goes out no
+        earlier than it was due), or -TIMEOUT when it is not known yet."""
+        reply.awaitable.close()  # never started
+        if reply.due is None:
+            err = HoldTimeout(f"'{cmd.name}' would wait on purpose (the AUTH throttle: too many failures "
+                              "from this address or for this user not answered yet); an EXEC never holds "
+                              "the node for that: send it outside MULTI")
+            self.c.ctx.table.failed(cmd.name, err)
+            return err
+        self.due = max(self.due, reply.due)
+        if isinstance(reply.answer, QuillError):
+            self.c.ctx.table.failed(cmd.name, reply.answer)
+        return reply.answer
 
     def _call(self, cmd: Command, args: list):
         c = self.c
@@ -144,6 +186,8 @@ class _Exec:
             table.release_args(c, args)
 
     def _add(self, reply) -> None:
+        if reply.__class__ is Pending:  # on purpose (run and _finish wait for the others)
+            reply = self._on_purpose(self.queued[len(self.replies)][0], reply)
         self.replies.append(reply)
         if self.c.resp3 != self.resp3 or self.protos is not None:  # a HELLO switched the protocol
             if self.protos is None:
@@ -160,18 +204,18 @@ class _Exec:
         _release(self.replies)
         return raw
 
-    async def _finish(self, first: int, pending: Pending):
+    async def _finish(self, first: int, pending: Pending, allowed: float):
         """The rest of the run, once the command at `first` waits: each wait is awaited in turn,
-        while the node is held, up to server.exec_hold_ms in all."""
+        while the node is held, for `allowed` seconds in all."""
         c = self.c
-        deadline = time.monotonic() + c.ctx.cfg.server.exec_hold_ms / 1000
+        deadline = time.monotonic() + allowed
         queued, i = self.queued, first
         try:
             self._add(await self._wait(queued[first][0], pending, deadline))
             for i in range(first + 1, len(queued)):
                 cmd, args = queued[i]
                 reply = self._call(cmd, args)
-                if reply.__class__ is Pending:
+                if reply.__class__ is Pending and not reply.on_purpose:
                     reply = await self._wait(cmd, reply, deadline)
                 self._add(reply)
         except BaseException:  # shutting down (or a bug): what is held is given back
@@ -181,10 +225,9 @@ class _Exec:
             raise
         finally:
             c.ctx.clients.release_hold()
-            table = c.ctx.table
-            if table.monitor is not None:  # after its commands, as redis feeds a MONITOR
-                table.monitor(c, table.commands[b"exec"], self.args)
-        return self._reply()
+            self._monitor()
+        reply = self._late(self._reply())
+        return await reply.awaitable if reply.__class__ is Pending else reply
 
     async def _wait(self, cmd: Command, pending: Pending, deadline: float):
         """`pending`'s value, or HoldTimeout once `deadline` has passed (the wait is cancelled)."""
