@@ -115,6 +115,7 @@ class SecurityConfig:
     auth_delay_max_ms: int = 5_000  # longest wait of a slowed attempt (right or wrong: none is refused)
     max_scopes_per_tenant: int = 1024  # identity scopes one tenant may use at once (SCOPE, gateway adapters)
     max_unfilled_bytes_per_tenant: int = 0  # arena bytes one tenant's unfilled payloads/puts may hold; 0: size/4
+    max_open_puts_per_tenant: int = 16384  # PUT2PHASE BEGINs one tenant may have open (not committed or aborted)
     map_users: str = ""  # comma-separated users allowed to map the whole DRAM arena (SHM ATTACH); empty: nobody
     enable_debug_command: str = "no"  # DEBUG: no, yes, or local (unix socket and 127.0.0.1/::1 only), as redis 7
 
@@ -310,8 +311,8 @@ class Config:
             raise ConfigError("server.space_wait_ms must be 0 or more")
         if s.exec_hold_ms < 0 or s.exec_hold_budget_ms < 0:
             raise ConfigError("server.exec_hold_ms and server.exec_hold_budget_ms must be 0 or more")
-        if self.security.max_scopes_per_tenant < 1:
-            raise ConfigError("security.max_scopes_per_tenant must be at least 1")
+        if self.security.max_scopes_per_tenant < 1 or self.security.max_open_puts_per_tenant < 1:
+            raise ConfigError("security.max_scopes_per_tenant and max_open_puts_per_tenant must be at least 1")
         if not 0.0 < d.max_unfilled_share <= 1.0 or self.security.max_unfilled_bytes_per_tenant < 0:
             raise ConfigError("dram.max_unfilled_share must be within (0, 1] and "
                               "security.max_unfilled_bytes_per_tenant at least 0")

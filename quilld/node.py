@@ -174,7 +174,8 @@ class Node:
         control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(
             cfg=cfg, node_id=node_id, keyspace=keyspace,
-            puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms),
+            puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms,
+                              cfg.security.max_open_puts_per_tenant),
             scopes=scopes, users=Users.from_config(cfg.security), control=control, table=build_table(),
             clients=Clients(cfg.server.max_clients, on_close=self._session_closed),
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,

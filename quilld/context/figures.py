@@ -73,7 +73,8 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
     for reason, n in refusals.items():
         out[f"guard_refusals_{reason}"] = n
     out.update(put2phase_open=len(puts.open), put2phase_committed=puts.committed,
-               put2phase_aborted=puts.aborted, put2phase_expired=puts.expired)
+               put2phase_aborted=puts.aborted, put2phase_expired=puts.expired,
+               put2phase_refused=puts.refused)
     ctl = ctx.control
     out.update(kv_batches=ctl.stats["kv_batches"], kv_events=ctl.stats["kv_events"],
                kv_malformed=ctl.stats["kv_malformed"], kv_gaps=ctl.stats["kv_gaps"],

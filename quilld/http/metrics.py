@@ -93,6 +93,7 @@ HELP = {
     "put2phase_committed": "Two-phase puts committed.",
     "put2phase_aborted": "Two-phase puts aborted.",
     "put2phase_expired": "Two-phase puts reclaimed after their lease.",
+    "put2phase_refused": "PUT2PHASE BEGINs refused: their tenant had security.max_open_puts_per_tenant open.",
     "kv_batches": "KV-event batches applied (every engine).",
     "kv_events": "KV events applied (every engine).",
     "kv_malformed": "KV events or batches skipped as undecodable (every engine).",

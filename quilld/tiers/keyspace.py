@@ -311,7 +311,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                 self._free(block)
 
     # -- writes ------------------------------------------------------------
-    def reserve(self, nbytes: int, owner: str | None = None) -> Block:
+    def reserve(self, nbytes: int, owner: str | None = None, extra: int = 0) -> Block:
         """Space for a block of `nbytes`, invisible until published.
 
         Evicts least-recently-used unpinned values as needed; raises
@@ -321,7 +321,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         opposed to the node's own reads from SSD or peers): until published, what all
         clients reserve may hold at most `dram.max_unfilled_share` of the arena (only
         within it does a reservation evict other values before its bytes arrive), and
-        one tenant at most `max_unfilled` bytes.
+        one tenant at most `max_unfilled` bytes. `extra`: bytes besides the block checked with it
+        in one go and counted until `release_unfilled` (an open put's key and bookkeeping).
         """
         if nbytes > self.capacity:
             raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
@@ -329,7 +330,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         if need > self.capacity - self.held_bytes:  # evicting everything would not be enough
             raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         if owner is not None:
-            self._check_unfilled(owner, need)
+            self._check_unfilled(owner, need + extra)
         self._make_room(need)
         tier = self.lower_tier
         if tier is not None and tier.active and self.used + need > self.limit:
@@ -346,9 +347,27 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         block = Block(handle, nbytes)
         if owner is not None:
             block.owner = owner
-            self.unfilled[owner] = self.unfilled.get(owner, 0) + need
-            self.unfilled_bytes += need
+            self._count_unfilled(owner, need + extra)
         return block
+
+    def hold_unfilled(self, owner: str, n: int) -> None:
+        """Count `n` bytes that are not the arena's (an open put's key and bookkeeping) with the
+        tenant's unfilled reservations, refused as a reservation would be; `release_unfilled`
+        gives them back."""
+        self._check_unfilled(owner, n)
+        self._count_unfilled(owner, n)
+
+    def _count_unfilled(self, owner: str, n: int) -> None:
+        self.unfilled[owner] = self.unfilled.get(owner, 0) + n
+        self.unfilled_bytes += n
+
+    def release_unfilled(self, owner: str, n: int) -> None:
+        left = self.unfilled[owner] - n
+        if left:
+            self.unfilled[owner] = left
+        else:
+            del self.unfilled[owner]
+        self.unfilled_bytes -= n
 
     def _check_unfilled(self, owner: str, need: int) -> None:
         """Refuse a reservation that would take unfilled ones past their caps. A tenant's first
@@ -371,13 +390,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         """A client's reservation is published or given back: it no longer counts as awaited."""
         owner = block.owner
         block.owner = None
-        need = page_extent(block.length)
-        left = self.unfilled[owner] - need
-        if left:
-            self.unfilled[owner] = left
-        else:
-            del self.unfilled[owner]
-        self.unfilled_bytes -= need
+        self.release_unfilled(owner, page_extent(block.length))
 
     def space_may_free(self) -> bool:
         """Whether space is held only for now: by readers' pins, puts in progress, or

@@ -301,3 +301,36 @@ def test_successful_auth_stays_fast(quilld_factory):
     assert time.monotonic() - t0 < 0.2 + 15.0
     r = redis.Redis(host="127.0.0.1", port=q.port, password="s3cret")
     assert r.info("stats")["auth_throttled"] == 0
+
+
+# -- issue 29 item 16: zero-byte two-phase puts are charged and counted -------------------------
+
+def test_zero_byte_puts_are_charged_to_their_tenant_and_counted(quilld_factory):
+    """Before the fix `PUT2PHASE BEGIN <key> 0` reserved nothing, so no cap applied and each lived
+    its whole lease: 400 with 1 MiB keys grew RSS by 400 MB (used_memory 0), 200,000 with short
+    keys by 97 MB. Now each open put's key and bookkeeping count against its tenant's unfilled
+    reservations (a quarter of dram.size here: 16 MiB), and its open puts are counted."""
+    q = quilld_factory("--dram", "64MiB", env={"QUILLD_SECURITY_MAX_OPEN_PUTS_PER_TENANT": "1000"})
+    r = q.client()
+    # short keys are capped by count (security.max_open_puts_per_tenant) ...
+    raw = b"".join(cmd("PUT2PHASE", "BEGIN", f"s{i}", 0, "LEASE", 3000) for i in range(1200))
+    reply, _ = exchange(q.port, raw, timeout=30, quiet=0.5, lines=1200)
+    assert reply.count(b"-OOM tenant 'default' already has 1000 open puts") == 200
+    stats = r.info("stats")
+    assert stats["put2phase_open"] == 1000 and stats["put2phase_refused"] == 200
+    assert wait_until(lambda: r.info("stats")["put2phase_open"] == 0, timeout=15)  # their leases ran out
+    # ... and long keys by the bytes they hold
+    before = rss(q.proc.pid)
+    accepted = refused = 0
+    for i in range(150):
+        try:
+            r.execute_command("PUT2PHASE", "BEGIN", b"%06d" % i + b"k" * ((1 << 20) - 6), 0)
+            accepted += 1
+        except redis.ResponseError as e:
+            assert str(e).startswith("tenant 'default' already waits for"), e
+            refused += 1
+    grown = rss(q.proc.pid) - before
+    print(f"\n150 BEGIN <1 MiB key> 0: {accepted} accepted, {refused} refused, RSS +{grown >> 20} MiB")
+    assert accepted == 15 and r.info("stats")["put2phase_open"] == 15
+    assert grown < 60 << 20  # +150 MiB before the fix
+    assert_no_traceback(q)

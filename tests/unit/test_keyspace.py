@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from quilld.config import DramConfig
-from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory
+from quilld.errors import ChecksumMismatch, CommandError, Incomplete, NoHandle, OutOfMemory, UnfilledLimit
 from quilld.scopes import TAG_LEN, ScopeRegistry, refusal_reason
 from quilld.model import IdentityScope, Pending, Pinned
 from quilld.tiers.block import BlockState
 from quilld.tiers.keyspace import Block, Keyspace, now_ms
 from quilld.tiers.arena import PAGE
-from quilld.tiers.puts import IntoBlock, Put, TwoPhasePuts
+from quilld.tiers.puts import PUT_OVERHEAD, IntoBlock, Put, TwoPhasePuts
 
 DEFAULT = IdentityScope()
 
@@ -1285,3 +1285,56 @@ def test_write_range_of_an_ssd_only_value_reads_it_back_and_drops_the_stale_ssd_
 
     from test_tiering import VAL, data
     _ssd_only(tmp_path, body)
+
+
+def test_every_open_put_is_charged_to_its_tenant_zero_byte_ones_included():
+    """Issue 29 item 16: `PUT2PHASE BEGIN key 0` reserved nothing, so no cap applied: 400 of them
+    with 1 MiB keys grew RSS by 400 MB while nothing was counted. Now each open put's key and
+    bookkeeping count with its tenant's unfilled reservations until it is closed."""
+    store = make_store(pages=64)
+    tag = store.scopes.tag(DEFAULT)
+    puts = make_puts(store)
+    key = b"k" * (store.max_unfilled // 4)
+    opened = []
+    with pytest.raises(UnfilledLimit, match="tenant 'a'"):
+        for i in range(100):
+            opened.append(puts.begin(tag, b"%03d" % i + key, "a", 0, None))
+    assert len(opened) == 3  # up to max_unfilled (a quarter of it each, and a bit more)
+    assert store.unfilled["a"] == sum(p.charge for p in puts.open.values()) == 3 * (len(key) + 3 + PUT_OVERHEAD)
+    assert puts.begin(tag, b"other", "b", 0, None) is not None  # another tenant's own charge
+    # committed, aborted or expired: the charge is given back
+    puts.commit(puts.get(opened[0], "a"), None)
+    puts.abort(puts.get(opened[1], "a"))
+    short = make_puts(store, default_lease_ms=1)
+    h = short.begin(tag, b"late", "a", 0, None)
+    time.sleep(0.01)
+    assert short.reclaim_expired() == 1 and h not in short.open
+    assert store.unfilled["a"] == len(key) + 3 + PUT_OVERHEAD
+    for h in opened[2:]:
+        puts.abort(puts.get(h, "a"))
+    puts.abort(puts.get(next(iter(puts.open)), "b"))
+    assert store.unfilled == {} and store.unfilled_bytes == 0
+    # a put with a block is checked with its key in one go: a tenant's first is still always allowed
+    big = puts.begin(tag, b"big", "a", store.max_unfilled + PAGE, None)
+    assert store.unfilled["a"] == store.max_unfilled + PAGE + 3 + PUT_OVERHEAD
+    with pytest.raises(UnfilledLimit):
+        puts.begin(tag, b"small", "a", 0, None)
+    puts.abort(puts.get(big, "a"))
+    assert store.unfilled == {}
+
+
+def test_a_tenant_may_have_max_open_per_tenant_puts_open():
+    """Issue 29 item 16: 200,000 zero-byte puts with short keys grew RSS by 97 MB; now a tenant's
+    open puts are counted and capped (security.max_open_puts_per_tenant)."""
+    store = make_store(pages=64)
+    tag = store.scopes.tag(DEFAULT)
+    puts = TwoPhasePuts(store, 30_000, 600_000, max_open_per_tenant=3)
+    handles = [puts.begin(tag, b"k%d" % i, "a", 0, None) for i in range(3)]
+    with pytest.raises(UnfilledLimit, match="3 open puts"):
+        puts.begin(tag, b"k3", "a", 0, None)
+    assert puts.refused == 1 and puts.open_of == {"a": 3}
+    assert puts.begin(tag, b"b0", "b", 0, None) is not None
+    puts.commit(puts.get(handles[0], "a"), None)
+    assert puts.begin(tag, b"k3", "a", 0, None) is not None and puts.open_of == {"a": 3, "b": 1}
+    puts.close()
+    assert puts.open_of == {} and store.unfilled == {}
