@@ -4,6 +4,7 @@
          MULTI / AUTH nobody wrong / EXEC (item 15)
   puts   RSS growth of 400 zero-byte PUT2PHASE BEGINs with 1 MiB keys, and how many were
          accepted (item 16)
+  short  RSS growth of 200,000 zero-byte BEGINs with short keys, and how many were accepted
   login  a right password's AUTH latency while another client from the same address keeps
          failing (item 22)
 
@@ -97,6 +98,28 @@ def puts(q, n: int = 400, key_len: int = 1 << 20) -> str:
             f"RSS +{grown / 2**20:.0f} MiB, used_memory {used}")
 
 
+def short(q, n: int = 200_000, batch: int = 2000) -> str:
+    s = socket.create_connection(("127.0.0.1", q.port))
+    s.settimeout(60)
+    f = s.makefile("rb")
+    s.sendall(b"AUTH %s\r\n" % PASSWORD.encode())
+    f.readline()
+    before = rss(q.proc.pid)
+    ok = 0
+    t0 = time.monotonic()
+    for start in range(0, n, batch):
+        s.sendall(b"".join(b"PUT2PHASE BEGIN short:%d 0\r\n" % i for i in range(start, start + batch)))
+        for _ in range(batch):
+            line = f.readline()
+            if line.startswith(b"$"):
+                f.readline()
+                ok += 1
+    elapsed = time.monotonic() - t0
+    grown = rss(q.proc.pid) - before
+    s.close()
+    return f"short: {n} BEGIN <short key> 0 in {elapsed:.1f} s: {ok} accepted; RSS +{grown / 2**20:.0f} MiB"
+
+
 def login(q, tries: int = 10) -> str:
     stop = threading.Event()
 
@@ -138,7 +161,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             q = start_quilld(Path(tmp), "--dram", "64MiB", "--requirepass", PASSWORD, tree=a.tree)
             try:
-                print(f"[{a.tree}] " + {"hold": hold, "puts": puts, "login": login}[what](q), flush=True)
+                print(f"[{a.tree}] " + {"hold": hold, "puts": puts, "short": short, "login": login}[what](q),
+                      flush=True)
             finally:
                 stop_process(q.proc)
 
