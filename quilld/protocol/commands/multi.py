@@ -154,7 +154,11 @@ class _Exec:
             return reply
 
         async def later():
-            await asyncio.sleep(left)
+            try:
+                await asyncio.sleep(left)
+            except BaseException:  # shutting down: what the replies pin is given back
+                _release(reply)
+                raise
             return reply
 
         return Pending(later(), on_purpose=True, answer=reply, due=self.due)
