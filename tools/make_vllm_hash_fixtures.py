@@ -26,14 +26,19 @@ import platform
 import sys
 from pathlib import Path
 
-import vllm
-from vllm.distributed.kv_events import BlockStored
-from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.request import Request
+try:  # vLLM's own environment only: --help answers anywhere (tests/unit/test_tools.py)
+    import vllm
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.request import Request
+except ImportError as e:
+    MISSING: ImportError | None = e
+else:
+    MISSING = None
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 SEEDS = (None, "0", "4242")  # PYTHONHASHSEED unset, and two values Python itself accepts
@@ -112,6 +117,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
+    if MISSING is not None:
+        sys.exit(f"vLLM is not importable here ({MISSING}): run this with the Python of a venv that has "
+                 "vllm==0.33.* (see the docstring)")
     assert vllm.__version__.startswith("0.33."), vllm.__version__
     doc: dict = {
         "vllm_version": vllm.__version__, "python": platform.python_version(),
