@@ -113,6 +113,18 @@ def wire(h: int | bytes | None) -> int | str | None:
     return h.hex() if isinstance(h, bytes) else h
 
 
+def layout(doc: dict) -> str:
+    """The JSON with one line per list item (a case, a seed), so a regenerated file diffs by case."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list):
+            items = ",\n".join("  " + json.dumps(v) for v in value)
+            lines.append(f" {json.dumps(key)}: [\n{items}\n ]" if value else f" {json.dumps(key)}: []")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
@@ -151,7 +163,7 @@ def main() -> None:
                 doc["cases"].append(case)
     set_seed(None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.out.write_text(layout(doc))
     print(f"{args.out}: {len(doc['cases'])} cases, {len(doc['none_hashes'])} seeds reproducible, "
           f"{len(doc['random_seed'])} random ({sys.executable})")
 
