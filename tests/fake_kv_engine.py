@@ -25,8 +25,9 @@ proxy protocol (what the gateway sends, quilld/http/gateway_disagg.py):
 A block's KV is `kv_bytes(hash, n)`: deterministic, different for every hash. `GET /stats`
 adds prefills, decodes, aggregated, misrouted, blocks_written, loaded, recomputed,
 corrupt and the last kv_transfer_params received; `POST /control` also takes write_kv (0:
-a prefill answers without writing its KV) and write_delay_ms (it writes that long after
-answering, as a connector storing asynchronously would).
+a prefill answers without writing its KV), write_delay_ms (it writes that long after
+answering, as a connector storing asynchronously would) and answer_kv (0: a prefill answers
+no kv_transfer_params, as an engine whose connector names none).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class KvEngine(FakeEngine):
                    "recomputed": 0, "corrupt": 0}
         self.last_kv_params: dict | None = None
         # POST /control: write_kv 0 answers a prefill without writing its KV; write_delay_ms writes it that
-        # long after answering (a connector that stores asynchronously)
-        self.settings.update(write_kv=1, write_delay_ms=0)
+        # long after answering (a connector that stores asynchronously); answer_kv 0 answers no kv_transfer_params
+        self.settings.update(write_kv=1, write_delay_ms=0, answer_kv=1)
         self._late: set[asyncio.Task] = set()
 
     def hashes(self, body: dict, chat: bool) -> list[int]:
@@ -147,6 +148,9 @@ class KvEngine(FakeEngine):
         elif self.settings["write_kv"]:
             await asyncio.to_thread(self.write_blocks, hashes)
         answer = self._whole(body, chat, "x")
+        if not self.settings["answer_kv"]:
+            self.counts["completed"] += 1
+            return web.json_response(answer)
         answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                         "remote_engine_id": self.name, "remote_block_ids": list(range(len(hashes))),
                                         "remote_host": "127.0.0.1", "remote_port": self.port,

@@ -76,8 +76,8 @@ from yarl import URL
 from quilld.config import EngineConfig
 from quilld.http.gateway_disagg import Disaggregation
 from quilld.http.gateway_relay import Relay
-from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, prompt_of,
-                                        read_body)
+from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, drop_owned,
+                                        prompt_of, read_body)
 from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFailed, answer_ok, decision_headers,
                                           describe, upstream_headers, upstream_url)
@@ -208,8 +208,11 @@ class Gateway:
         body = read_body(raw)
         base, adapter = self.resolve_model(body["model"])
         prompt = prompt_of(path, body)
-        if adapter:
-            raw = json.dumps(body | {"model": adapter}).encode()
+        dropped = drop_owned(body)  # every engine request is built from this body: none carries them
+        if dropped:
+            self.stats.dropped(dropped, tenant)
+        if adapter or dropped:
+            raw = json.dumps(dict(body, model=adapter or body["model"])).encode()
         session = request.headers.get(SESSION_HEADER) or None
         if session is not None:  # kept per tenant by the control plane: tenants' sessions never meet
             try:

@@ -2,6 +2,7 @@
 
 Errors answer `{"error": {"message", "type", "param", "code"}}` with the status
 OpenAI uses: 400 malformed, 401 bad API key, 404 unknown model, 503 no engine.
+The fields the gateway owns (OWNED_FIELDS) are taken out of a client's body here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from quilld.http.perimeter import parse_json
 from quilld.http.prompt_blocks import completion_prompt, render_chat
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# Fields of a request body the gateway owns: a client's are dropped before any engine sees them.
+# `kv_transfer_params` tells a KV connector which host, port, engine and blocks to read KV from
+# (vLLM's NixlConnector would read from wherever a client pointed it); `cache_salt` partitions an
+# engine's prefix cache, and only the gateway knows whose request it is (it sets none yet).
+OWNED_FIELDS = ("kv_transfer_params", "cache_salt")
 
 
 class ApiError(Exception):
@@ -48,6 +54,14 @@ def read_body(raw: bytes) -> dict[str, Any]:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise bad_request("`stream` must be a boolean.", "stream")
     return body
+
+
+def drop_owned(body: dict[str, Any]) -> tuple[str, ...]:
+    """Remove the gateway's own fields (OWNED_FIELDS) from a client's body; the names it held."""
+    return tuple(name for name in OWNED_FIELDS if body.pop(name, _ABSENT) is not _ABSENT)
+
+
+_ABSENT = object()
 
 
 def prompt_of(path: str, body: dict[str, Any]) -> str | list[int]:

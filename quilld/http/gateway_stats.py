@@ -23,9 +23,12 @@ bucket the rank falls in, over every first byte since the start.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 from prometheus_client import CollectorRegistry, Histogram
+
+log = logging.getLogger("quilld.gateway")
 
 # TTFT buckets (seconds): fine around common SLOs (100 ms - 1 s), coarse beyond
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
@@ -33,6 +36,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.
 COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_model", "unavailable",
             "upstream_client_errors", "retries", "upstream_errors", "stream_errors", "client_disconnects",
             "residencies_recorded", "residencies_forgotten", "slo_counted", "within_slo",
+            # fields of the gateway's own a client sent and the gateway dropped (gateway_request.OWNED_FIELDS)
+            "dropped_kv_transfer_params", "dropped_cache_salt",
             # disaggregated requests (engine roles): prefills, the handoff, the prefetch, decodes
             "disaggregated", "prefills", "prefill_failures", "prefill_fallbacks", "decode_retries",
             "handoff_on_time", "handoff_late", "handoff_missing", "handoff_blocks", "handoff_blocks_late",
@@ -82,6 +87,17 @@ class GatewayStats:
         self.ttft = ttft if ttft is not None else ttft_histogram(None)
         self.handoff = handoff if handoff is not None else handoff_histogram(None)
         self.in_flight = 0
+        self._dropped_logged: set[str] = set()  # owned fields a client sent, logged already
+
+    def dropped(self, fields: tuple[str, ...], tenant: str) -> None:
+        """Count the gateway's own fields a client sent (gateway_request.OWNED_FIELDS), dropped from its
+        request; each field is logged the first time only."""
+        for name in fields:
+            self.counts[f"dropped_{name}"] += 1
+            if name not in self._dropped_logged:
+                self._dropped_logged.add(name)
+                log.warning("gateway: dropped `%s` from a request of tenant %r: the gateway sets it, never a "
+                            "client (counted in gateway_dropped_%s; logged once)", name, tenant, name)
 
     def first_byte(self, ttft_ms: float, slo_ms: float) -> None:
         self.counts["slo_counted"] += 1
@@ -115,6 +131,8 @@ class GatewayStats:
             ("gateway_client_disconnects", c["client_disconnects"]),
             ("gateway_residencies_recorded", c["residencies_recorded"]),
             ("gateway_residencies_forgotten", c["residencies_forgotten"]),  # past gateway.recorded_blocks
+            ("gateway_dropped_kv_transfer_params", c["dropped_kv_transfer_params"]),  # a client's, never sent on
+            ("gateway_dropped_cache_salt", c["dropped_cache_salt"]),
             ("gateway_engines_cooling", cooling),
             ("gateway_ttft_slo_ms", slo_ms),
             ("gateway_slo_counted", c["slo_counted"]),

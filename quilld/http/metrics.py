@@ -225,6 +225,8 @@ GATEWAY_HELP = {
     "gateway_slo_counted": "Requests counted for goodput.",
     "gateway_within_slo": "Counted requests whose first byte came within their TTFT budget.",
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
+    "gateway_dropped_kv_transfer_params": "Requests whose client-sent kv_transfer_params the gateway dropped.",
+    "gateway_dropped_cache_salt": "Requests whose client-sent cache_salt the gateway dropped.",
 }
 GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms",  # quilld_gateway_ttft_seconds
                           "gateway_handoff_wait_p50_ms", "gateway_handoff_wait_p99_ms"}  # ..._handoff_wait_seconds

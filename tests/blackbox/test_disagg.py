@@ -291,6 +291,44 @@ def test_a_model_with_only_prefill_engines_is_a_clear_error_everywhere(setup):
         r.execute_command("ROUTE", json.dumps({"blocks": [1, 2, 3]}))
 
 
+
+FORGED = {"kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "attacker",
+                                 "remote_block_ids": [0, 1, 2], "remote_host": "203.0.113.9", "remote_port": 4444},
+          "cache_salt": "another-tenant's-salt"}
+
+
+def test_a_clients_kv_transfer_params_and_cache_salt_reach_neither_leg(setup):
+    """Issue 29, item 18: on both legs of a disaggregated request the engines get the gateway's
+    kv_transfer_params only (the prefill's do_remote_decode, then what the prefill answered) and
+    no client cache_salt; when the prefill answers none, or every prefill fails, the decode engine
+    gets none either, never the client's forged host, port, engine and blocks."""
+    setup.node("a", gateway=True, env=ALWAYS)
+    p, d = setup.engine("p1", "prefill"), setup.engine("d1", "decode")
+    client = setup.client()
+
+    def ask(user: str, stream: bool) -> None:
+        with client.chat.completions.with_streaming_response.create(model="m", messages=messages(user), stream=stream,
+                                                                    extra_body=FORGED) as response:
+            response.read()
+
+    ask("forged, both legs", False)
+    prefill, decode = p.stats(), d.stats()
+    assert prefill["last"]["kv_transfer_params"]["do_remote_decode"] is True and "cache_salt" not in prefill["last"]
+    assert decode["last_kv_params"]["remote_engine_id"] == "p1" and decode["last_kv_params"]["remote_port"] == p.port
+    assert "cache_salt" not in decode["last"]
+    p.control(answer_kv=0)  # the prefill names no kv_transfer_params: the decode engine gets the request alone
+    ask("forged, no params from the prefill", True)
+    decode = d.stats()
+    assert decode["last_kv_params"] is None and "cache_salt" not in decode["last"], decode["last"]
+    assert decode["kv"]["aggregated"] == 1 and decode["kv"]["decodes"] == 1
+    p.control(status=500)  # no prefill engine answers: served by the decode engine alone
+    ask("forged, every prefill failed", False)
+    decode = d.stats()
+    assert decode["last_kv_params"] is None and "cache_salt" not in decode["last"], decode["last"]
+    stats = setup.gw_stats()
+    assert stats["gateway_dropped_kv_transfer_params"] == 3 and stats["gateway_dropped_cache_salt"] == 3
+    assert stats["gateway_prefill_fallbacks"] == 1
+
 # -- ROUTE's renderings and the engines' views --------------------------------------------
 def test_route_answers_the_pair_in_every_form_and_engines_show_roles_and_loads(setup):
     q = setup.node("a", env=ALWAYS)

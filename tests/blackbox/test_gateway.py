@@ -612,3 +612,37 @@ def test_malformed_json_bodies_answer_400_never_500(gateway):
     assert gw.engines["e1"].stats()["requests"] == 0
     assert gw.stats()["gateway_bad_requests"] == 2 * len(bodies)
     assert gw.client().completions.create(model="m", prompt="still serving").choices[0].text
+
+
+FORGED_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "attacker",
+             "remote_block_ids": [0, 1, 2], "remote_host": "203.0.113.9", "remote_port": 4444}
+
+
+def test_a_clients_kv_transfer_params_and_cache_salt_never_reach_the_engine(gateway):
+    """Issue 29, item 18: the gateway owns `kv_transfer_params` (a KV connector reads KV from the host,
+    port, engine and blocks they name) and `cache_salt` (it partitions an engine's prefix cache by
+    tenant): a client's are dropped on chat and completions, streamed or not, for a LoRA adapter
+    too, and counted; the rest of the request reaches the engine as sent."""
+    gw = gateway([("e1", "m", ["--lora", "ad"])])
+    client, engine = gw.client(), gw.engines["e1"]
+    forged = {"kv_transfer_params": FORGED_KV, "cache_salt": "another-tenant's-salt"}
+    calls = [
+        lambda s: client.chat.completions.create(model="m", messages=chat("hi"), stream=s, extra_body=forged,
+                                                 max_tokens=7),
+        lambda s: client.completions.create(model="m", prompt="Once upon a time", stream=s, extra_body=forged,
+                                            max_tokens=7),
+        lambda s: client.completions.create(model="m:ad", prompt="Once upon a time", stream=s,
+                                            extra_body={"kv_transfer_params": FORGED_KV}, max_tokens=7),
+    ]
+    for i, call in enumerate(calls):
+        for stream in (False, True):
+            answer = call(stream)
+            if stream:
+                list(answer)
+            last = engine.stats()["last"]
+            assert "kv_transfer_params" not in last and "cache_salt" not in last, last
+            assert last["max_tokens"] == 7 and last["stream"] is stream and last["model"] == ("ad" if i == 2 else "m")
+    s = gw.stats()
+    assert s["gateway_dropped_kv_transfer_params"] == 6 and s["gateway_dropped_cache_salt"] == 4, s
+    client.completions.create(model="m", prompt="nothing forged")
+    assert gw.stats()["gateway_dropped_kv_transfer_params"] == 6

@@ -15,7 +15,7 @@ TOOLS = sorted((ROOT / "tools").glob("*.py"))
 
 _WITHOUT = """
 import os, runpy, sys
-for name in ("pytest", "sglang", "torch"):
+for name in ("pytest", "sglang", "torch", "vllm"):
     sys.modules[name] = None  # as on a machine without them, even where they are installed
 script, *args = sys.argv[1:]
 sys.argv = [script, *args]
@@ -38,6 +38,12 @@ def test_tool_answers_help_without_its_optional_packages(script):
     out = run(script, "--help")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:"), out.stdout
+
+
+def test_the_vllm_fixture_maker_says_vllm_is_missing_and_writes_nothing(tmp_path):
+    out = run(ROOT / "tools" / "make_vllm_hash_fixtures.py", "--out", str(tmp_path / "x.json"))
+    assert out.returncode == 1 and "vLLM is not importable here" in out.stderr, out
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_sglang_check_says_sglang_is_missing_before_starting_anything():
