@@ -281,7 +281,7 @@ class Cluster:
             self.control.pool.remove(peer)
         self.engines.members_changed()  # the engines homed on it move
         self.engines.remote_loads(self.peer_meta)
-        self.stats[f"members_{why}"] += 1
+        self.stats["peers_left" if why == "left" else "peers_declared_dead"] += 1  # events; members_* are states
         if why == "left":
             log.info("cluster: %s left; dropped the %d directory entries of its values kept here", peer, dropped)
         else:
