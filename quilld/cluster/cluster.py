@@ -240,7 +240,7 @@ class Cluster:
             elif kind == "alive":
                 log.info("cluster: %s is alive again (refuted the suspicion)", m.node_id)
             elif restarted:
-                log.info("cluster: %s restarted (a new process); its entries are placed anew", m.node_id)
+                log.warning("cluster: %s restarted (a new process); its entries are placed anew", m.node_id)
             elif moved:
                 log.info("cluster: %s now serves RESP at %s", m.node_id, resp)
         elif kind in ("dead", "left"):
