@@ -280,6 +280,12 @@ class Node:
                  __version__, ctx.node_id, s.bind, ctx.port, f" and {s.unixsocket}" if self._unix else "",
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
+        if ctx.tiering is None:
+            log.info("no SSD tier: values are kept in DRAM only, and a restart or a crash starts empty "
+                     "(--ssd-dir or ssd.dir keeps them)")
+        if self.cfg.engines:
+            log.info("%d engine(s) from the config: %s", len(self.cfg.engines),
+                     ", ".join(f"{e.id} ({e.kind}, model {e.model}, {e.url})" for e in self.cfg.engines))
         build, why = native.running()
         if build == "compiled":
             log.info("hot path compiled (%s)", why)
