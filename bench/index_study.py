@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -554,12 +555,15 @@ def main() -> int:
           f"{BATCH}, {shape['turns']:,} turns; HBM {shape['hbm_cap']:,} + CPU {shape['cpu_cap']:,} blocks an engine "
           f"({time.monotonic() - t0:.0f} s to generate)")
     results = {}
+    art = importlib.util.find_spec("blart") is not None
+    if not art:  # an optional row: the rest of the study needs nothing more
+        print("ART row skipped: blart-py is not installed (it is in the bench extra: pip install -e '.[bench]')")
     for backend in args.backends.split(","):
         d = work / f"store-{backend}"
         shutil.rmtree(d, ignore_errors=True)
         ans = work / f"answers-{backend}.json"
         res = run_child("ingest", backend=backend, dir=d, trace=trace, probes=probes, answers=ans,
-                        art=backend == "memory", rate=args.rate, **{"paced-share": args.paced_share})
+                        art=art and backend == "memory", rate=args.rate, **{"paced-share": args.paced_share})
         if backend != "memory":
             clean = run_child("recover", backend=backend, dir=d, probes=probes, answers=ans)
             res["clean"] = clean

@@ -113,10 +113,27 @@ def _early_signal(signum: int, frame) -> None:
     raise EarlySignal(name)
 
 
+class _LogNode(logging.Filter):
+    """Gives every log record `node`: this node's id once it is built (several nodes of one host
+    write to one terminal or journal), its pid before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node = f"pid {os.getpid()}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.node = self.node
+        return True
+
+
+LOG_NODE = _LogNode()
+
+
 async def _serve(cfg, make_node: Callable[[], Node]) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     node = make_node()
+    LOG_NODE.node = node.node_id
     starting = asyncio.ensure_future(node.start())
     received: list[str] = []
 
@@ -166,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         if env_level.lower() not in LOG_LEVELS:
             parser.error(f"QUILLD_LOG_LEVEL: invalid log level {env_level!r} (choose from {', '.join(LOG_LEVELS)})")
         args.log_level = env_level.lower()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s [%(node)s] %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(LOG_NODE)
     config_file = args.config or os.environ.get("QUILLD_CONFIG", "")
     for sig in STOP_SIGNALS:  # until the event loop takes them over (a SIGINT ignored by a shell included)
         signal.signal(sig, _early_signal)

@@ -9,6 +9,7 @@ unknown keys are errors, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 import re
@@ -531,7 +532,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     types = _types(EngineConfig)
     unknown = set(data) - set(types)
     if unknown:
-        raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}")
+        raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}"
+                          + "".join(_did_you_mean(k, types) for k in sorted(unknown)[:1]))
     values = {k: _coerce("engines", k, types[k], v) for k, v in data.items() if k != "groups"}
     if "groups" in data:
         groups = data["groups"]
@@ -585,6 +587,24 @@ def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
         raise ConfigError(f"{where}: invalid value {value!r} (expected {kind.__name__})") from None
 
 
+def _did_you_mean(name: str, known: Any, elsewhere: Mapping[str, Any] | None = None, fmt: str = "{}") -> str:
+    """" (did you mean X?)" for the known name closest to a misspelt `name` (difflib's ratio 0.75 and
+    up), or, with `elsewhere` ({section: its keys}), the same key in another section; else ""."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean {fmt.format(close[0])}?)"
+    for section, keys in (elsewhere or {}).items():
+        if name in keys:
+            return f" (did you mean {section}.{name}?)"
+    return ""
+
+
+def _section_keys() -> dict[str, dict[str, type]]:
+    """Every section's keys (engines, a list of tables, left out)."""
+    return {f.name: _types(f.default_factory().__class__) for f in fields(Config)  # type: ignore[misc]
+            if f.name != "engines"}
+
+
 def _types(section_cls: type) -> dict[str, type]:
     """Each field's scalar type (a field of another type, such as EngineConfig.groups, maps to None:
     its caller reads it itself)."""
@@ -596,7 +616,7 @@ def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -
     sections = {f.name: f for f in fields(Config)}
     for section, values in updates.items():
         if section not in sections:
-            raise ConfigError(f"{origin}: unknown section [{section}]")
+            raise ConfigError(f"{origin}: unknown section [{section}]" + _did_you_mean(section, sections, fmt="[{}]"))
         if section == "engines":
             if not isinstance(values, list):
                 raise ConfigError(f"{origin}: engines are [[engines]] tables")
@@ -610,15 +630,15 @@ def _apply(cfg: Config, updates: Mapping[str, Mapping[str, Any]], origin: str) -
         changes = {}
         for key, value in values.items():
             if key not in types:
-                raise ConfigError(f"{origin}: unknown key {section}.{key}")
+                raise ConfigError(f"{origin}: unknown key {section}.{key}" + _did_you_mean(
+                    key, types, _section_keys(), fmt=f"{section}.{{}}"))
             changes[key] = _coerce(section, key, types[key], value)
         cfg = replace(cfg, **{section: replace(current, **changes)})
     return cfg
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    known = {f.name: _types(f.default_factory().__class__) for f in fields(Config)  # type: ignore[misc]
-             if f.name != "engines"}
+    known = _section_keys()
     out: dict[str, dict[str, str]] = {}
     for name, value in environ.items():
         if not name.startswith("QUILLD_"):
@@ -628,7 +648,11 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
             continue
         section, _, key = rest.partition("_")
         if section not in known or key not in known[section]:
-            raise ConfigError(f"environment: {name} names no config key (expected QUILLD_<SECTION>_<KEY>)")
+            names = [f"QUILLD_{sec}_{k}".upper() for sec, keys in known.items() for k in keys]
+            guess = _did_you_mean(name, names).removesuffix("?)")
+            raise ConfigError(f"environment: {name} names no config key"
+                              + (f"{guess}? Names are QUILLD_<SECTION>_<KEY>)" if guess
+                                 else " (expected QUILLD_<SECTION>_<KEY>)"))
         out.setdefault(section, {})[key] = value
     return out
 

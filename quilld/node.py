@@ -26,6 +26,7 @@ import time
 
 from quilld import __version__, native
 from quilld.cluster.cluster import Cluster
+from quilld.cluster.gossip import GossipBindError
 from quilld.config import SHM_SLOTS, Config, map_user_names, shm_leases_per_user
 from quilld.http.admin import AdminServer
 from quilld.http.gateway import Gateway
@@ -56,29 +57,38 @@ class ListenError(OSError):
     """A listener could not open its port; the message names the listener, its flag and key."""
 
 
-# each listener: what it is, its flag, its config key
-RESP, ADMIN, GOSSIP, GATEWAY = (("RESP", "--port", "server.port"), ("admin API", "--admin-port", "admin.port"),
-                                ("gossip", "--gossip-port", "cluster.gossip_port"),
-                                ("gateway", "--gateway-port", "gateway.port"))
+# each listener: what it is, its flag, its config key, the protocols its port is bound with
+RESP, ADMIN, GOSSIP, GATEWAY = (("RESP", "--port", "server.port", ("tcp",)),
+                                ("admin API", "--admin-port", "admin.port", ("tcp",)),
+                                ("gossip", "--gossip-port", "cluster.gossip_port", ("udp", "tcp")),
+                                ("gateway", "--gateway-port", "gateway.port", ("tcp",)))
 
 
-def port_holder(port: int) -> str:
-    """Who holds `port` (TCP or UDP, any address): "pid N (command)", or "" when it cannot be
-    told (another user's process, or no /proc)."""
+def port_holder(port: int, protocols: tuple[str, ...] = ("tcp", "udp")) -> str:
+    """Who else holds `port` over one of `protocols` (any address; TCP: listening): "pid N
+    (command)", or "" when it cannot be told (another user's process, or no /proc).
+
+    This process is never named: a listener bound with two protocols (gossip: UDP, then TCP) holds
+    the port itself when its second bind fails, and /proc lists pids in no order that says who came
+    first once they wrap."""
     inodes = set()
-    for table in ("tcp", "tcp6", "udp", "udp6"):
-        try:
-            with open(f"/proc/net/{table}") as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if int(parts[1].rsplit(":", 1)[1], 16) == port and (table.startswith("udp") or parts[3] == "0A"):
-                        inodes.add(parts[9])
-        except (OSError, ValueError, IndexError, StopIteration):
-            continue
+    for proto in protocols:
+        for table in (proto, f"{proto}6"):
+            try:
+                with open(f"/proc/net/{table}") as f:
+                    next(f)
+                    for line in f:
+                        parts = line.split()
+                        if int(parts[1].rsplit(":", 1)[1], 16) == port and (proto == "udp" or parts[3] == "0A"):
+                            inodes.add(parts[9])
+            except (OSError, ValueError, IndexError, StopIteration):
+                continue
     if not inodes:
         return ""
+    me = str(os.getpid())
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == me:
+            continue
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -98,9 +108,11 @@ async def _listening(listener: tuple[str, str, str], bind: str, port: int):
     try:
         yield
     except OSError as e:
-        what, flag, key = listener
+        what, flag, key, protocols = listener
         if e.errno == errno.EADDRINUSE:
-            holder = port_holder(port) if port else ""
+            if isinstance(e, GossipBindError):  # which of its two sockets failed
+                protocols = (e.protocol,)
+            holder = port_holder(port, protocols) if port else ""
             reason = "the port is in use" + (f" by {holder}" if holder else "")
         else:
             reason = e.strerror or str(e)
@@ -269,6 +281,12 @@ class Node:
                  __version__, ctx.node_id, s.bind, ctx.port, f" and {s.unixsocket}" if self._unix else "",
                  f"{s.bind}:{ctx.admin_port}" if self._admin else "off", human(ctx.keyspace.capacity),
                  ", protected mode: loopback clients only" if s.protected_mode and not ctx.users.required else "")
+        if ctx.tiering is None:
+            log.info("no SSD tier: values are kept in DRAM only, and a restart or a crash starts empty "
+                     "(--ssd-dir or ssd.dir keeps them)")
+        if self.cfg.engines:
+            log.info("%d engine(s) from the config: %s", len(self.cfg.engines),
+                     ", ".join(f"{e.id} ({e.kind}, model {e.model}, {e.url})" for e in self.cfg.engines))
         build, why = native.running()
         if build == "compiled":
             log.info("hot path compiled (%s)", why)

@@ -49,6 +49,7 @@ from quilld.tiers.keyspace import Keyspace
 
 log = logging.getLogger("quilld.cluster")
 
+ENGINE_TIERS = (CacheTier.HBM, CacheTier.CPU, CacheTier.STORAGE)  # an engine's own, advertised by its home
 META_INTERVAL = 1.0  # seconds between refreshes of this node's advertised usage
 
 
@@ -175,15 +176,25 @@ class Cluster:
             **self.transfers.advertise(), **self.engines.meta(),
         }
         loads = self.engines.own_loads()  # this node's leases per engine, busiest first, as many as fit
-        if loads:
-            meta["load"] = advertised = {}
-            for engine, load in loads:
-                advertised[engine] = load
-                if len(msgpack.packb(meta, use_bin_type=True)) > MAX_META_BYTES - 16:
-                    del advertised[engine]
-                    self.engines.stats["engine_loads_unadvertised"] += 1
-                    break
+        self._advertise(meta, "load", loads, "engine_loads_unadvertised")
+        # the cached blocks of the engines homed here (their KV events are applied here only), per tier
+        index = self.control.index
+        homed = [(e, [index.count(e, t) for t in ENGINE_TIERS]) for e in sorted(self.control.engines.engines)
+                 if self.engines.home(e) == self.node_id]
+        self._advertise(meta, "blk", homed, "engine_blocks_unadvertised")
         return meta
+
+    def _advertise(self, meta: dict, field: str, rows: list[tuple[str, Any]], unadvertised: str) -> None:
+        """Put `rows` (engine, figure) under meta[field], as many as fit in a member's meta."""
+        if not rows:
+            return
+        meta[field] = advertised = {}
+        for engine, figure in rows:
+            advertised[engine] = figure
+            if len(msgpack.packb(meta, use_bin_type=True)) > MAX_META_BYTES - 16:
+                del advertised[engine]
+                self.engines.stats[unadvertised] += 1
+                break
 
     def _announce(self) -> None:
         """Gossip this node's meta now (its engine table changed), not at the next refresh."""
@@ -240,7 +251,7 @@ class Cluster:
             elif kind == "alive":
                 log.info("cluster: %s is alive again (refuted the suspicion)", m.node_id)
             elif restarted:
-                log.info("cluster: %s restarted (a new process); its entries are placed anew", m.node_id)
+                log.warning("cluster: %s restarted (a new process); its entries are placed anew", m.node_id)
             elif moved:
                 log.info("cluster: %s now serves RESP at %s", m.node_id, resp)
         elif kind in ("dead", "left"):
@@ -281,7 +292,7 @@ class Cluster:
             self.control.pool.remove(peer)
         self.engines.members_changed()  # the engines homed on it move
         self.engines.remote_loads(self.peer_meta)
-        self.stats[f"members_{why}"] += 1
+        self.stats["peers_left" if why == "left" else "peers_declared_dead"] += 1  # events; members_* are states
         if why == "left":
             log.info("cluster: %s left; dropped the %d directory entries of its values kept here", peer, dropped)
         else:
@@ -327,6 +338,27 @@ class Cluster:
                 for t in tiers:
                     view.put(tag, h, holder, t)
         return view
+
+    async def hot_holders(self, routed: list[list[tuple[bytes, Any]]]) -> list[set[tuple[str, CacheTier]]]:
+        """Who holds each hot prefix (its first block, under every scope it was routed with: one
+        list per prefix), by the directory's owners as ROUTE asks them: one lookup for them all."""
+        flat = [r for per in routed for r in per]
+        answers = iter(await self.link.first_block_holders(flat))
+        return [{(h, t) for _ in per for h, ts in next(answers) for t in ts} for per in routed]
+
+    def member_state(self, node_id: str) -> str:
+        """A node's state as this node's gossip sees it: alive, suspect, dead, left, or unknown."""
+        m = next((m for m in self.members_list() if m.node_id == node_id), None)
+        return m.state.name.lower() if m is not None else "unknown"
+
+    def engine_blocks(self, engine_id: str, home: str) -> dict[str, int] | None:
+        """An engine's cached blocks per tier as its home last advertised them (its meta's `blk`);
+        None when the home did not (its meta was full)."""
+        per = (self.peer_meta.get(home) or {}).get("blk")
+        counts = per.get(engine_id) if isinstance(per, dict) else None
+        if not isinstance(counts, list) or len(counts) != len(ENGINE_TIERS):
+            return None
+        return {t.value: n for t, n in zip(ENGINE_TIERS, counts) if isinstance(n, int) and n > 0}
 
     async def pool_resident(self, tag: bytes, blocks: list) -> int:
         """How many of a prompt's blocks have a copy on some pool node (DRAM or SSD), by the

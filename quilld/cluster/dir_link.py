@@ -334,6 +334,16 @@ class DirectoryLink:
         self.stats[f"lookups_{min(trips, 3)}_trips"] += 1
         return [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))], trips
 
+    async def first_block_holders(self, routed: list[tuple[bytes, Any]]) -> list[list[tuple[str, list[CacheTier]]]]:
+        """For each (tag, block) a prompt was routed with as its first block: (holder, tiers) of every
+        engine and node holding it, as ROUTE's first wave finds it (a first block heads its segment),
+        all in one lookup. Not counted as a ROUTE: the status page asks this every 2 s."""
+        if not routed:
+            return []
+        items = [self.d.block_items(self.ctag(tag), [hash_key(block)])[0][0] for tag, block in routed]
+        answers, _trips = await self.lookup(items)
+        return [[(h, tiers(code)) for h, code in a[0]] for a in answers]
+
     async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
         """For each key of scope `tag`: (holder, tiers, bytes) of every node the directory names."""
         ctag = self.ctag(tag)

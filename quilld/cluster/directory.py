@@ -602,7 +602,7 @@ class Directory:
             if ch is not None and ch.inflight is request:
                 ch.retry_at = now + self.s.retry_s
                 self._timer(ch.retry_at, "retry", dest)
-            self.stats["message_failures"] += 1
+            self.stats["batch_failures"] += 1  # the link counts every failed message (message_failures)
         elif request[0] == COPY:
             # ask another current owner; when none is left, the holders' handoffs fill it
             for b in request[1]:

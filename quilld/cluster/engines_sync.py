@@ -61,7 +61,7 @@ log = logging.getLogger("quilld.cluster")
 COUNTERS = ("engine_table_pulls", "engine_table_pull_failures", "engine_table_merges", "engine_table_rows_refused",
             "engine_rehomes", "engine_homes_left", "engine_entries_adopted", "engine_events_forwarded",
             "engine_placements_handed_over", "engine_placements_lost", "engine_placements_taken",
-            "engine_loads_unadvertised")
+            "engine_loads_unadvertised", "engine_blocks_unadvertised")
 PULL_GAP_S = 0.5  # seconds between two pulls of one peer's table
 MAX_PULLS = 2  # pulls in flight at once (a node that joins sees every peer differ)
 SETTLE_DELAY_S = 0.3  # a membership change is acted on once it has not changed for this long

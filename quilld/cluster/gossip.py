@@ -83,6 +83,14 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(n)
 
 
+class GossipBindError(OSError):
+    """The gossip port could not be bound; `protocol` says which of its two sockets failed ("udp", "tcp")."""
+
+    def __init__(self, protocol: str, err: OSError) -> None:
+        super().__init__(err.errno, err.strerror)
+        self.protocol = protocol
+
+
 class _Udp(asyncio.DatagramProtocol):
     def __init__(self, owner: "Gossip") -> None:
         self.owner = owner
@@ -207,17 +215,17 @@ class Gossip:
             sock = socket.socket(family, socket.SOCK_DGRAM)
             try:
                 sock.bind((self.bind_host, self.port))
-            except OSError:
+            except OSError as e:
                 sock.close()
-                raise
+                raise GossipBindError("udp", e) from e
             transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), sock=sock)
             port = transport.get_extra_info("sockname")[1]
             try:
                 self._server = await asyncio.start_server(self._serve, self.bind_host, port)
-            except OSError:
+            except OSError as e:
                 transport.close()
                 if attempt == attempts - 1:
-                    raise
+                    raise GossipBindError("tcp", e) from e
                 continue
             self._transport, self.port = transport, port
             return

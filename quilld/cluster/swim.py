@@ -45,8 +45,14 @@ Lifeguard's refinements):
   though only the shortest window (`lo`): a timer ran out somewhere already;
   a suspicion learnt from a table is neither counted as a confirmation nor
   re-gossiped (its sender may only be relaying it).
-* Tombstones. DEAD and LEFT members are kept `tombstone_time` seconds so a
-  stale ALIVE at the old incarnation cannot resurrect them, then forgotten.
+* Tombstones. LEFT members are kept `tombstone_time` seconds so a stale
+  ALIVE at the old incarnation cannot resurrect them, then forgotten; DEAD
+  ones `dead_time` (an hour), so that operators see a dead node, and how long
+  it has been dead, and its restart is a join back after DEAD. A member
+  forgotten here is not learnt again from a peer's table (at the incarnation
+  it was forgotten at, for as long again): a peer that forgets it a little
+  later would hand it back with its age starting anew, and two would pass it
+  to each other for ever.
   A restarted node with the same id learns its old incarnation from a push/pull
   or a refutation and takes a higher one, so it comes back ALIVE.
 
@@ -75,6 +81,7 @@ from quilld.cluster.wire import Ack, Addr, Entry, Nack, Ping, PingReq, PushPull,
 
 LIVE = (State.ALIVE, State.SUSPECT)  # members that are probed and count towards n
 GONE = (State.DEAD, State.LEFT)
+DEAD_TIME_S = 3600.0  # how long a DEAD member is kept (and shown) before it is forgotten
 MAX_RELAYS = 256  # ping-reqs we serve at once; more are dropped (bounds amplification)
 LEAVE_FANOUT = 64  # members told directly about a graceful leave; gossip reaches the rest
 
@@ -134,7 +141,7 @@ class Swim:
                  probe_interval: float = 0.5, probe_timeout: float = 0.2, indirect_probes: int = 3,
                  suspicion_mult: int = 4, suspicion_max_mult: int = 6, push_pull_interval: float = 10.0,
                  retransmit_mult: float = 3.0, tombstone_time: float | None = None,
-                 incarnation: int = 0) -> None:
+                 dead_time: float = DEAD_TIME_S, incarnation: int = 0) -> None:
         if not 0 < len(self_id) <= wire.MAX_ID_LEN:
             raise ValueError(f"node id must be 1..{wire.MAX_ID_LEN} characters")
         if not 0 < probe_timeout < probe_interval or push_pull_interval <= 0:
@@ -152,6 +159,8 @@ class Swim:
         self.retransmit_mult = retransmit_mult
         self.tombstone_time = tombstone_time if tombstone_time is not None \
             else max(60.0, 6 * push_pull_interval)
+        self.dead_time = max(dead_time, self.tombstone_time)
+        self._reaped: dict[str, tuple[int, float]] = {}  # forgotten tombstones: incarnation, when
         now = clock()
         self._me = Member(self_id, tuple(self_addr), incarnation, State.ALIVE, meta, now)
         self._members: dict[str, Member] = {self_id: self._me}
@@ -356,8 +365,9 @@ class Swim:
                 self._on_alive(Update(State.ALIVE, e.node_id, e.incarnation, e.addr, e.meta), now)
             elif not known and e.state in GONE and e.node_id != self.node_id:
                 # A tombstone we never knew the member of: keep it, silently, so a stale
-                # ALIVE at that incarnation cannot bring the member back.
-                self._members[e.node_id] = Member(e.node_id, e.addr, e.incarnation, e.state, e.meta, now)
+                # ALIVE at that incarnation cannot bring the member back; one we forgot: not again.
+                if e.incarnation > self._reaped.get(e.node_id, (-1, 0.0))[0]:
+                    self._members[e.node_id] = Member(e.node_id, e.addr, e.incarnation, e.state, e.meta, now)
             elif e.state is State.LEFT:
                 self._on_dead(Update(State.LEFT, e.node_id, e.incarnation), now)
             else:  # SUSPECT, or DEAD taken as SUSPECT: let the member refute
@@ -446,9 +456,14 @@ class Swim:
     def _reap(self, now: float) -> None:
         self._next_reap_at = now + self.tombstone_time / 4
         for node_id, m in list(self._members.items()):
-            if m.state in GONE and m is not self._me and now - m.since >= self.tombstone_time:
+            keep = self.dead_time if m.state is State.DEAD else self.tombstone_time
+            if m.state in GONE and m is not self._me and now - m.since >= keep:
                 del self._members[node_id]
+                self._reaped[node_id] = (m.incarnation, now + keep)
                 self.counters["reaped"] += 1
+        for node_id, (_, until) in list(self._reaped.items()):
+            if now >= until:
+                del self._reaped[node_id]
 
     # -- sending ---------------------------------------------------------------
 

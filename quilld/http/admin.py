@@ -160,21 +160,32 @@ async def list_engines(request: web.Request) -> web.Response:
     """GET /v1/engines: every engine this node knows (in a cluster, every engine of the cluster)
     with its load (every node's leases), `origin` (the node it was registered on through this
     API; null for the config file's), `home` (the node that consumes its KV events; its `feed`
-    and `blocks` are that node's figures) and `kv_node` (where it stores its KV)."""
+    and `blocks` are that node's figures: read here on the home, as the home last gossiped them
+    elsewhere, null when it could not), `kv_node` (where it stores its KV) and `kv_node_state`
+    (that node's state as this node sees it: alive, suspect, dead, left, unknown)."""
     node = request.app[NODE]
     control, cluster = node.control, node.cluster
     index = control.index
     out = []
     for e in control.engines.engines.values():
         origin = home = None
+        blocks: dict[str, int] | None = None
+        kv_node = e.locality or node.node_id
         if cluster is not None:
             origin = cluster.engines.origin(e.id) or None
             home = cluster.engines.home(e.id)
+            if home not in (None, node.node_id):
+                blocks = cluster.engine_blocks(e.id, home)
+            kv_state = cluster.member_state(kv_node)
+        else:
+            kv_state = "alive" if kv_node == node.node_id else "unknown"
+        if home in (None, node.node_id):
+            blocks = _blocks_of(index, e.id)
         out.append(dataclasses.asdict(e) | {
             "in_flight": control.engines.in_flight[e.id], "load": _load(control, e.id),
-            "feed": control.feed_view(e.id), "blocks": _blocks_of(index, e.id),
+            "feed": control.feed_view(e.id), "blocks": blocks,
             "node": origin or node.node_id, "origin": origin, "home": home or node.node_id,
-            "kv_node": e.locality or node.node_id})
+            "kv_node": kv_node, "kv_node_state": kv_state})
     return web.json_response({"node": node.node_id, "cluster": cluster is not None, "engines": out})
 
 
@@ -291,16 +302,19 @@ async def kv_events(request: web.Request) -> web.Response:
 
 
 async def hot(request: web.Request) -> web.Response:
-    control = request.app[NODE].control
+    """GET /v1/hot: the hottest routed prefixes and who holds each one's first block, from what
+    ROUTE on this node scores against: this node's index, or in a cluster the directory's owners."""
+    node = request.app[NODE]
+    control = node.control
     sketch, index = control.hot, control.index
+    top = sketch.top(20)
+    if node.cluster is not None:
+        held = await node.cluster.hot_holders([control.hot_routes.routed(key) for key, _ in top])
+    else:
+        held = [{pair for tag in list(index.tag_entries) for pair in index.locate(tag, [key])[0]} for key, _ in top]
     return web.json_response({"total": sketch.total, "top": [
-        {"block": key.hex(), "count": n, "holders": _holders_of(index, key)} for key, n in sketch.top(20)]})
-
-
-def _holders_of(index: ResidencyIndex, key: bytes) -> list[dict[str, str]]:
-    """Who holds a hot prefix's first block, in any scope that has residencies: [{holder, tier}]."""
-    held = {pair for tag in list(index.tag_entries) for pair in index.locate(tag, [key])[0]}
-    return [{"holder": h, "tier": t.value} for h, t in sorted(held)]
+        {"block": key.hex(), "count": n, "holders": [{"holder": h, "tier": t.value} for h, t in sorted(pairs)]}
+        for (key, n), pairs in zip(top, held)]})
 
 
 def _own_figures(node: NodeContext) -> dict[str, Any]:

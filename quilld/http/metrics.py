@@ -182,10 +182,10 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_pool_read_batches", "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
                     "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_route_lookups",
                     "cluster_route_owner_round_trips", "cluster_directory_requests",
-                    "cluster_directory_message_failures", "cluster_peer_connection_waits",
+                    "cluster_directory_message_failures", "cluster_peer_connection_waits",  # the link's
                     *(f"cluster_directory_{k}" for k in (
                         "placements", "placement_items", "batches_sent", "batches_applied", "full_syncs",
-                        "retries", "message_failures", "resyncs_asked", "digests_sent", "ae_mismatches",
+                        "retries", "batch_failures", "resyncs_asked", "digests_sent", "ae_mismatches",
                         "ae_repairs", "handoff_buckets", "buckets_gained", "buckets_lost", "buckets_copied",
                         "copy_failures", "entries_released", "holders_dropped", "peer_restarts",
                         "blocks_unanchored")),
@@ -212,11 +212,12 @@ CLUSTER_HELP = {
     "cluster_lookups_two_hops": "Directory lookups that took two owner round trips (an owner failed or was filling).",
     "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
     "cluster_directory_ae_repairs": "Buckets replaced after an anti-entropy digest differed.",
+    "cluster_directory_message_failures": "Directory messages to a peer (batches, lookups, copies, digests) that "
+                                          "failed.",
+    "cluster_directory_batch_failures": "Placement batches to an owner that failed (retried).",
     "cluster_gossip_bytes_in": "Gossip bytes received.", "cluster_gossip_bytes_out": "Gossip bytes sent.",
 }
 NOT_METRICS = {"cluster_gossip_port"}
-# a counter of the cluster's INFO whose name a gauge took first (peers declared dead / left, as events)
-CLUSTER_EVENTS = {"cluster_members_dead": "cluster_peers_declared_dead", "cluster_members_left": "cluster_peers_left"}
 GATEWAY_GAUGES = ("gateway_in_flight", "gateway_engines_cooling", "gateway_ttft_slo_ms", "gateway_goodput")
 GATEWAY_HELP = {
     "gateway_requests": "Completion requests received by the gateway.",
@@ -322,9 +323,11 @@ def _number(value: Any) -> bool:
 
 
 def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zero_counters: tuple[str, ...],
-             label: str, helps: dict[str, str], rename: dict[str, str] | None = None) -> Iterator[Metric]:
+             label: str, helps: dict[str, str]) -> Iterator[Metric]:
     """An optional part's INFO section as metrics: `gauges` as gauges, every other number as a
-    counter; the known names at zero when the part is off (`figures` None) or has not counted yet."""
+    counter; the known names at zero when the part is off (`figures` None) or has not counted yet.
+    Each name once: a family repeated is a scrape Prometheus refuses (INFO's names are unique, a test
+    keeps them so)."""
     seen: set[str] = set()
 
     def text(name: str) -> str:
@@ -336,16 +339,13 @@ def _section(figures: list[tuple[str, Any]] | None, gauges: tuple[str, ...], zer
         return make(exposed, text(name), value / per if per != 1 else value)
 
     for name, value in figures or ():
-        if not _number(value) or name in NOT_METRICS or name in GATEWAY_FROM_HISTOGRAM:
+        if not _number(value) or name in NOT_METRICS or name in GATEWAY_FROM_HISTOGRAM or name in seen:
             continue
-        if name in seen:
-            name = (rename or {}).get(name, name)
-            if name in seen:
-                continue
         seen.add(name)
         yield metric(name, value)
     for name in (*gauges, *zero_counters):
         if name not in seen:
+            seen.add(name)
             yield metric(name, 0)
 
 
@@ -375,7 +375,7 @@ class Figures(Collector):
         yield from self._ssd()
         cluster = node.cluster
         yield from _section(cluster.info() if cluster is not None else None, CLUSTER_GAUGES, CLUSTER_COUNTERS,
-                            "Cluster", CLUSTER_HELP, CLUSTER_EVENTS)
+                            "Cluster", CLUSTER_HELP)
         yield from self._listeners()
         gateway = node.gateway
         yield _gauge("gateway_enabled", "1 when this node runs the OpenAI-compatible gateway.",

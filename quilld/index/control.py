@@ -31,8 +31,9 @@ from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings, HitRule, HybridHoldings
 from quilld.index.pairing import NoDecodeEngine, Pair, PairCandidate, PairCosts, decide
-from quilld.index.residency import TIER_SLOTS, TIERS, ResidencyIndex, hash_key
+from quilld.index.residency import TIER_SLOTS, TIERS, ResidencyIndex
 from quilld.index.router import Candidate, CostWeights, Decision, Step, choose, score
+from quilld.index.hot_routes import HotRoutes
 from quilld.index.sketch import HotPrefixes
 from quilld.index.subscriber import Cursor, KvEventSubscriber
 from quilld.model import CacheTier, IdentityScope
@@ -110,6 +111,7 @@ class ControlPlane:
         self.index: ResidencyIndex = open_index(cfg.index, scopes)
         self.engines = EngineRegistry(cfg.engines, cfg.router.lease_timeout_ms)
         self.hot = HotPrefixes()
+        self.hot_routes = HotRoutes(self.hot)  # under which scopes each hot prefix was routed (/v1/hot)
         r = cfg.router
         self.weights = CostWeights(prefill_load_scale=r.prefill_load_scale,
                                    active_request_weight=r.active_request_weight, temperature=r.temperature,
@@ -385,7 +387,7 @@ class ControlPlane:
             check_session_id(session)
         engines = self.engines.ids_for_model(scope.model)
         if blocks:
-            self.hot.add(hash_key(blocks[0]))
+            self.hot_routes.note(tag, blocks[0])
         engines_considered = engines
         kept = None
         if session:

@@ -206,3 +206,42 @@ def test_only_the_home_subscribes_and_a_new_home_catches_up_from_the_replay_sock
         assert len(pub.requests) > replays_before and 0 in pub.requests[replays_before:]  # replayed from the start
     finally:
         pub.close()
+
+
+def test_every_nodes_views_agree_with_route_and_flag_an_engine_whose_kv_node_is_dead(cluster):
+    """Issue 29, item 6: on a node that is not an engine's home, /v1/hot said "held by nobody" for a
+    prefix ROUTE on that node credited to the engine, /v1/engines read 0 cached blocks, and an engine
+    whose KV node was dead was not flagged. Every node now says what its ROUTE scores against."""
+    three(cluster)
+    r = {n: cluster.client(n) for n in "abc"}
+    register(cluster, "b", "vllm-b", 9)
+    status, body = admin(cluster, "b", "POST", "/v1/engines", {
+        "id": "vllm-kc", "kind": "vllm", "url": "http://127.0.0.1:12", "model": MODEL, "tokenizer": TOKENIZER,
+        "block_size": 16, "locality": "c"})  # stores its KV through c
+    assert status == 201, body
+    until(lambda: all({"vllm-b", "vllm-kc"} <= set(engines(cluster, n)) for n in "abc"), SETTLE,
+          "every node to list both engines")
+    blocks = [0xF00D0 + i for i in range(6)]
+    assert r["b"].execute_command("KVEVENTS", "vllm-b", stored(blocks[:4])) == 1
+    d = routes_agree(cluster, "abc", blocks, [HBM] * 4 + ["recompute"] * 2, "events pushed to b")
+    assert d["engine"] == "vllm-b"
+
+    def hot_holders(n: str) -> list:
+        status, body = admin(cluster, n, "GET", "/v1/hot")
+        assert status == 200, body
+        return [h["holders"] for h in body["top"] if h["block"] == blocks[0].to_bytes(8, "big").hex()]
+
+    for n in "abc":  # ROUTE on n credited vllm-b with the first block: so does n's /v1/hot
+        assert hot_holders(n) == [[{"holder": "vllm-b", "tier": "hbm"}]], (n, hot_holders(n))
+    until(lambda: all(engines(cluster, n)["vllm-b"]["blocks"] == {"hbm": 4} for n in "abc"), SETTLE,
+          "every node to read vllm-b's 4 cached blocks")
+    for n in "abc":
+        assert engines(cluster, n)["vllm-kc"]["kv_node_state"] == "alive", n
+
+    os.kill(cluster.nodes["c"].proc.pid, signal.SIGKILL)
+    cluster.nodes["c"].proc.wait(10)
+    for n in "ab":
+        until(lambda n=n: members(r[n]).get("c") == "dead", DEAD_BOUND, f"{n} to declare c dead")
+        view = engines(cluster, n)
+        assert (view["vllm-kc"]["kv_node"], view["vllm-kc"]["kv_node_state"]) == ("c", "dead"), (n, view["vllm-kc"])
+        assert view["vllm-b"]["kv_node_state"] == "alive", n

@@ -236,6 +236,38 @@ def test_a_dram_arena_near_the_memory_available_starts_with_a_warning(tmp_path):
         assert stop_process(q.proc) == 0, q.log()
 
 
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[([^\]]+)\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+
+def test_the_start_log_names_the_node_says_what_does_not_persist_and_lists_the_configured_engines(tmp_path):
+    """Issue 29, item 8: two nodes on one host write lines an operator cannot tell apart; nothing said
+    that without an SSD tier nothing persists, nor which engines the config file loaded. Every line
+    carries the node id (its pid until the node is built); the start says both."""
+    conf = tmp_path / "engines.toml"
+    conf.write_text('[[engines]]\nid = "vllm-0"\nmodel = "m"\nurl = "http://127.0.0.1:9"\n'
+                    '[[engines]]\nid = "sgl-1"\nkind = "sglang"\nmodel = "m"\nurl = "http://127.0.0.1:10"\n')
+    plain = start_quilld(tmp_path, "--node-id", "n-plain", "--config", str(conf), "--dram", "16MiB", admin=False)
+    ssd = start_quilld(tmp_path, "--node-id", "n-ssd", "--dram", "16MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                       "--ssd-size", "64MiB", admin=False)
+    try:
+        for q in (plain, ssd):
+            assert q.client().ping()
+        for q, node in ((plain, "n-plain"), (ssd, "n-ssd")):
+            lines = [ln for ln in q.log().splitlines() if LOG_LINE.match(ln)]
+            ids = [LOG_LINE.match(ln).group(1) for ln in lines]
+            assert ids[0] == f"pid {q.proc.pid}" and "starting" in lines[0], lines
+            assert node in ids and set(ids[ids.index(node):]) == {node}, lines  # once it is built: its id
+        said = plain.log()
+        assert "[n-plain] INFO quilld: no SSD tier: values are kept in DRAM only, and a restart or a crash starts " \
+               "empty (--ssd-dir or ssd.dir keeps them)" in said, said
+        assert "[n-plain] INFO quilld: 2 engine(s) from the config: vllm-0 (vllm, model m, http://127.0.0.1:9), " \
+               "sgl-1 (sglang, model m, http://127.0.0.1:10)" in said, said
+        assert "no SSD tier" not in ssd.log() and "from the config" not in ssd.log()
+    finally:
+        for q in (plain, ssd):
+            assert stop_process(q.proc) == 0, q.log()
+
+
 def test_the_sample_config_opens_only_the_quick_start_listeners(tmp_path):
     """The quick start (`quilld` on built-in defaults) opens RESP and the admin API; so does the sample."""
     q = start_quilld(tmp_path, "--config", str(ROOT / "conf" / "quilld.toml"))

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import pytest
@@ -126,6 +127,58 @@ def test_promtool_finds_nothing_in_a_busy_nodes_scrape(quilld_factory, engine, t
     assert value("quilld_ssd_fsync_max_seconds") == pytest.approx(persistence["ssd_fsync_max_ms"] / 1000)
     assert value("quilld_ssd_demote_seconds") > 0 and fams["quilld_ssd_demote_seconds"].type == "counter"
     assert value("quilld_cluster_gossip_received_bytes") > 0
+
+
+def info_names(port: int, section: str) -> list[str]:
+    """The figure names of one INFO section as sent, in order (redis-py's dict would hide a repeated one)."""
+    done = subprocess.run(["redis-cli", "-p", str(port), "info", section], capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return [line.split(":", 1)[0] for line in done.stdout.decode().splitlines() if ":" in line]
+
+
+@pytest.mark.parametrize("shape", ["single", "cluster", "ssd", "gateway"])
+def test_promtool_passes_a_fresh_scrape_of_every_shape_of_node(quilld_factory, tmp_path, shape):
+    """Issue 29, item 3: each shape of node as started, before any traffic (what a new operator scrapes
+    first): a plain one, one of a cluster of two, one with an SSD tier, one with a gateway. promtool
+    exits 0 on each; no metric family is there twice, and no INFO section repeats a figure's name."""
+    def check(n) -> None:
+        text = scrape(n.admin_port)
+        code, findings = promtool_findings(text)
+        assert (code, findings) == (0, ""), findings
+        helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+        assert len(helps) == len(set(helps)), sorted({h for h in helps if helps.count(h) > 1})
+        for section in ("cluster", "persistence", "stats"):
+            names = info_names(n.port, section)
+            assert len(names) == len(set(names)), (section, sorted({x for x in names if names.count(x) > 1}))
+
+    args: dict[str, tuple[str, ...]] = {
+        "single": (),
+        "cluster": ("--node-id", "a", "--gossip-port", str(free_port())),
+        "ssd": ("--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "64MiB"),
+        "gateway": ("--gateway-port", str(free_port())),
+    }
+    node = quilld_factory("--dram", "32MiB", *args[shape], env=FAST_GOSSIP)
+    if shape == "cluster":
+        peer = quilld_factory("--dram", "32MiB", "--node-id", "b", "--gossip-port", str(free_port()),
+                              "--seeds", f"127.0.0.1:{args['cluster'][3]}", env=FAST_GOSSIP)
+        assert wait_until(lambda: node.client().info("cluster")["cluster_members_alive"] == 2, 20)
+        for n in (node, peer):
+            check(n)
+        # the peer killed: a's placements to it fail (the directory's batches and the link's messages)
+        peer.proc.kill()
+        peer.proc.wait(10)
+        r = node.client()
+
+        def failed() -> bool:
+            r.set(f"k{time.monotonic()}", b"v")
+            return r.info("cluster").get("cluster_directory_message_failures", 0) > 0
+
+        assert wait_until(failed, 20, 0.2)
+        nodes_ = (node,)
+    else:
+        nodes_ = (node,)
+    for n in nodes_:
+        check(n)
 
 
 DASHBOARD = ROOT / "conf" / "grafana-quilld.json"

@@ -278,6 +278,31 @@ def test_with_an_admin_token_the_page_shows_nothing_until_given_it(quilld_factor
     assert "page-tok" not in dom  # taken out of the address and the page once stored
 
 
+def test_a_page_waiting_for_its_token_asks_once_and_is_not_counted_as_a_brute_force(quilld_factory, tmp_path):
+    """Issue 29, item 4: a tab left at the token form (none given, or a wrong one) asked six routes every
+    2 s without the token: one 5 s load added 19 to the refusals (`quilld_http_requests_refused_total
+    {reason="token"}` and the page's "auth failures"). It asks once, then waits for the token."""
+    q = quilld_factory("--dram", "64MiB", env={"QUILLD_ADMIN_TOKEN": "page-tok"})
+    bearer = {"Authorization": "Bearer page-tok"}
+
+    def refused() -> tuple[int, float]:
+        stats = admin_json(q.admin_port, "/v1/stats", headers=bearer)
+        status, _, body = http(q.admin_port, "GET", "/metrics", headers=bearer)
+        assert status == 200
+        line = 'quilld_http_requests_refused_total{listener="admin",reason="token"} '
+        metric = [float(x.removeprefix(line)) for x in body.decode().splitlines() if x.startswith(line)]
+        assert stats["http"]["admin"]["requests_refused"].get("token", 0) == (metric[0] if metric else 0)
+        return stats["http"]["admin"]["requests_refused"].get("token", 0), \
+            admin_json(q.admin_port, "/v1/history", headers=bearer)["totals"]["auth_failures"]
+
+    for name, query in (("idle-no-token", ""), ("idle-wrong-token", "?token=nope")):
+        before = refused()
+        page = Page(browse(f"http://127.0.0.1:{q.admin_port}/{query}", tmp_path, name)[0])  # 5 s: 3 refreshes
+        assert not page.ids["login"]["hidden"], name
+        after = refused()
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1), (name, before, after)
+
+
 # -- a cluster: every node's figures, a dead peer, the node's last minutes ------------------------------------
 FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
                "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "1000"}

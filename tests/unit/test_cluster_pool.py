@@ -246,3 +246,21 @@ def test_each_membership_change_is_one_log_line(caplog):
     asyncio.run(moved())
     said = [r.getMessage() for r in caplog.records if r.name == "quilld.cluster"]
     assert said[-1] == "cluster: c now serves RESP at 127.0.0.1:7679" and len(said) == 2, said
+
+
+def test_a_restarted_member_is_a_warning_as_the_readme_says(caplog):
+    """Issue 29, item 5: a member back under its name as a new process (a new directory epoch in its
+    meta, before anyone declared it dead) was said at INFO; README says WARNING."""
+    cluster, _, _ = make({})
+    first, again = member("b", State.ALIVE), member("b", State.ALIVE)
+    first.meta["dir_epoch"], again.meta["dir_epoch"] = 1, 2
+
+    async def restart():
+        with caplog.at_level(logging.INFO, logger="quilld.cluster"):
+            cluster._on_event(Event(EventKind.JOINED, first, None))
+            caplog.clear()
+            cluster._on_event(Event(EventKind.UPDATED, again, State.ALIVE))
+
+    asyncio.run(restart())
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "quilld.cluster"]
+    assert lines == [(logging.WARNING, "cluster: b restarted (a new process); its entries are placed anew")], lines

@@ -226,6 +226,31 @@ def test_unknown_environment_name(name):
     assert "QUILLD_<SECTION>_<KEY>" in info.value.message
 
 
+@pytest.mark.parametrize("toml, origin_environ, said", [
+    ("[servr]\nport = 1\n", {}, "unknown section [servr] (did you mean [server]?)"),
+    ("[server]\nprot = 1\n", {}, "unknown key server.prot (did you mean server.port?)"),
+    ("[dram]\nmax_memory = 1\n", {}, "unknown key dram.max_memory (did you mean dram.maxmemory?)"),
+    ("[server]\nmaxmemory = 1\n", {}, "unknown key server.maxmemory (did you mean dram.maxmemory?)"),
+    ("[[engines]]\nid = \"e\"\nmodel = \"m\"\nurll = \"http://x\"\n", {},
+     "unknown engine key(s) urll (did you mean url?)"),
+    ("", {"QUILLD_DRAM_SIZ": "1"}, "QUILLD_DRAM_SIZ names no config key (did you mean QUILLD_DRAM_SIZE?"),
+    ("", {"QUILLD_SERVR_PORT": "1"}, "QUILLD_SERVR_PORT names no config key (did you mean QUILLD_SERVER_PORT?"),
+])
+def test_an_unknown_name_says_which_known_one_it_is_close_to(tmp_path, toml, origin_environ, said):
+    """Issue 29, item 8: a misspelt key, section or variable is refused with the name it is close to
+    (in its section, or the same key in another section), as git and cargo do."""
+    path = write(tmp_path, toml) if toml else None
+    with pytest.raises(ConfigError) as info:
+        load(path, environ=origin_environ)
+    assert said in info.value.message, info.value.message
+
+
+def test_an_unknown_name_far_from_every_key_gets_no_guess():
+    with pytest.raises(ConfigError) as info:
+        load(environ={}, overrides={"server": {"zzzzzz": 1}})
+    assert info.value.message == "flags: unknown key server.zzzzzz"
+
+
 def test_unknown_override():
     with pytest.raises(ConfigError) as info:
         load(environ={}, overrides={"server": {"nope": 1}})

@@ -416,6 +416,47 @@ def test_restart_before_detection_outbids_the_old_incarnation():
     assert not net.events_about(z.node_id, EventKind.DEAD)
 
 
+def test_a_dead_members_age_holds_and_its_restart_is_back_after_dead():
+    """Issue 29, item 5: a dead member was forgotten one tombstone_time (60 s) after it died, then
+    learnt again from a peer's table with a fresh `since` (the page showed "dead · 13 s" 80 s after
+    the kill), and a restart later was a first join, never "back after dead". Every live member keeps
+    it DEAD with the age it died at, as long as the page may show it (minutes here), and then sees
+    its restart as a join back after DEAD."""
+    net = Net(seed=21)
+    swims = net.cluster(4)
+    net.run_until(net.converged, limit=10)
+    x = swims[3]
+    killed = net.now
+    detect(net, [x], 4)
+    bound = killed + detection_bound(4, swims[0])
+    for _ in range(60):  # five simulated minutes, pushes/pulls every 10 s
+        net.run(5.0)
+        for s in net.live():
+            m = s.member(x.node_id)
+            assert m is not None and m.state is State.DEAD, (net.now, s.node_id, m)
+            assert killed <= m.since <= bound, (net.now - killed, s.node_id, net.now - m.since)
+    net.add(x.node_id, seeds=[swims[0].addr], addr=x.addr)
+    net.run_until(net.converged, limit=10)
+    back = net.events_about(x.node_id, EventKind.JOINED, since=net.now - 10)
+    assert {who for _, who, _ in back} == {s.node_id for s in swims[:3]}
+    assert {e.previous for _, _, e in back} == {State.DEAD}
+
+
+def test_a_reaped_dead_member_is_not_learnt_again_from_a_peer():
+    """Once a dead member's keep time is over it is forgotten everywhere, for good: a peer that reaps
+    it a little later cannot hand it back (its table's DEAD row), or two peers would pass it to
+    each other for ever, its age starting again at each pass."""
+    net = Net(seed=22, dead_time=40.0)
+    swims = net.cluster(4, stagger=3.0)  # started apart: each looks for what to forget at its own times
+    net.run_until(net.converged, limit=10)
+    x = swims[3]
+    detect(net, [x], 4)
+    net.run(45.0)  # past the keep time on the first to have declared it dead
+    net.run(120.0)
+    assert [s.node_id for s in net.live() if s.member(x.node_id) is not None] == []
+    assert all(s.counters["reaped"] >= 1 for s in net.live())
+
+
 # -- authentication and malformed input ---------------------------------------
 
 def test_wrong_secret_and_malformed_packets_are_dropped_and_counted():
@@ -686,9 +727,14 @@ def test_tombstones_are_reaped():
     now = [0.0]
     s = _one(now)
     s.receive(Rumor("y", (Update(State.DEAD, "x", 5, source="y"),)), ("10.0.0.3", 7946))
+    s.receive(Rumor("z", (Update(State.ALIVE, "z", 1, ("10.0.0.4", 7946), {}),)), ("10.0.0.4", 7946))
+    s.receive(Rumor("z", (Update(State.LEFT, "z", 1),)), ("10.0.0.4", 7946))
     now[0] = s.tombstone_time + 1
     s.tick(now[0])
-    assert s.member("x") is None and s.counters["reaped"] == 1
+    assert s.member("z") is None and s.member("x").state is State.DEAD  # a dead one is kept longer
+    now[0] = s.dead_time + 1
+    s.tick(now[0])
+    assert s.member("x") is None and s.counters["reaped"] == 2
 
 
 # -- Lifeguard arithmetic -----------------------------------------------------
