@@ -74,6 +74,7 @@ from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.run_state import RUNNING, STOPPED, RunState
 from quilld.tiers.ssd import SsdEntry, SsdTier
 from quilld.tiers.ssd_changes import DurableChanges
+from quilld.tiers.ssd_files import size_text
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
 
 log = logging.getLogger("quilld.ssd")
@@ -85,6 +86,13 @@ _PATHS = {"fresh": "a new tier", "checkpoint": "its checkpoint and log",
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 CENSUS_INTERVAL = 2.0  # seconds between counts of the keys held only in DRAM (written into LOCK)
+
+
+def size_line(cfg: SsdConfig, capacity: int) -> str:
+    """What the tier takes on disk, said at start: every segment is preallocated in full, so
+    a node given only ssd.dir takes ssd.size's default at once."""
+    default = " (ssd.size's default: --ssd-size or ssd.size sets it)" if cfg.size == SsdConfig.size else ""
+    return f"{size_text(capacity)} preallocated on disk{default}"
 
 
 def _ignore(seconds: float) -> None:
@@ -169,7 +177,7 @@ class Tiering(Demotion, DurableChanges):
         def progress(done: int, total: int) -> None:
             log.info("ssd recovery: verified %d of %d blocks (%.0f%%)", done, total, 100 * done / max(total, 1))
 
-        log.info("ssd tier: recovering %s", self.cfg.dir)
+        log.info("ssd tier: recovering %s; %s", self.cfg.dir, size_line(self.cfg, self.ssd.capacity))
         try:
             self.report = await self._run(lambda: self.ssd.recover(progress))
         except SsdFailure as e:  # e.g. a segment became unreadable: serve from DRAM only

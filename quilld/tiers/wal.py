@@ -26,6 +26,7 @@ from typing import NamedTuple
 import msgpack
 from crc32c import crc32c
 
+FILE_MODE = 0o600  # every file of the SSD tier, logs included: its owner's alone (ssd_files.py)
 BLOCK_SIZE = 32 * 1024  # as LevelDB's log::kBlockSize
 HEADER_SIZE = 7  # crc u32 + length u16 + type u8
 _HEADER = struct.Struct("<IHB")
@@ -293,7 +294,7 @@ class WalWriter:
     def __init__(self, path: str, number: int) -> None:
         self.path = path
         self.number = number
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
         self.size = os.fstat(self.fd).st_size
 
     def append(self, records: Iterable[bytes]) -> int:
