@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import http, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
+from conftest import http, run_quilld, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -234,6 +234,26 @@ def tiny_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_an_ssd_size_larger_than_the_free_disk_is_refused_and_fills_nothing(tmp_path, tiny_fs):
+    # issue 29.1: preallocating segment after segment filled the disk, then refused with ENOSPC
+    # and left the segments behind
+    ssd_dir = tiny_fs / "ssd"
+    free = os.statvfs(tiny_fs).f_bavail * os.statvfs(tiny_fs).f_frsize
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", "8MiB", "--ssd-dir", str(ssd_dir),
+                   "--ssd-size", "64MiB", env={"QUILLD_SSD_SEGMENT_SIZE": "8MiB"})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if "does not fit" in line]
+    assert len(lines) == 1 and "ssd.size 64.0 MiB (--ssd-size)" in lines[0] and "24.0 MiB free" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not ssd_dir.exists(), sorted(os.listdir(ssd_dir))
+    assert os.statvfs(tiny_fs).f_bavail * os.statvfs(tiny_fs).f_frsize == free
+    q = ssd_node(tmp_path, ssd_dir, ssd_size="16MiB", QUILLD_SSD_SEGMENT_SIZE="8MiB")  # one that fits starts
+    try:
+        assert "ssd tier: recovering %s; 16.0 MiB preallocated on disk" % ssd_dir in q.log()
+    finally:
+        assert stop_process(q.proc) == 0, q.log()
 
 
 def test_a_full_disk_fails_the_tier_and_the_node_keeps_serving_from_dram(tmp_path, tiny_fs, nodes):
