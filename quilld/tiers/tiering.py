@@ -129,6 +129,7 @@ class Tiering(Demotion, DurableChanges):
         self._busy_since: float | None = None  # when the demoter last went from idle to a batch in flight
         self._census_at = 0.0  # monotonic time of the last census
         self._scope_tuples: dict[bytes, tuple] = {}  # scope tag -> its scope as the SSD tier keys it
+        self._unstorable: dict[bytes, bytes | Block] = {}  # full key -> the value the SSD tier refused (demotion.py)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
@@ -241,9 +242,13 @@ class Tiering(Demotion, DurableChanges):
                 log.info("ssd tier: checkpoint of %s values written at shutdown", n)
         except SsdFailure as e:
             self._failed(e)
+        except Exception:  # noqa: BLE001 - the run is still recorded and the files closed
+            log.exception("ssd tier: the flush at stop failed")
         self.not_kept = self.unflushed()[0]
         if self.not_kept:
-            why = "the SSD tier failed" if not self.active else "the SSD tier is full, or they were in use"
+            unstorable = self.unstorable_held()
+            why = "the SSD tier failed" if not self.active else "the SSD tier is full, or they were in use" + (
+                f"; {unstorable} of them it cannot hold (ssd_unstorable)" if unstorable else "")
             log.warning("ssd tier: %d keys held only in DRAM could not be written to SSD (%s): the next start "
                         "will not have them", self.not_kept, why)
         elif started:
@@ -462,7 +467,8 @@ class Tiering(Demotion, DurableChanges):
         prev = self.previous_run
         unclean = prev is not None and prev.state == RUNNING  # 0 too for a new directory, or one of an older quilld
         lost = 0 if prev is None else prev.dram_only if unclean else prev.not_kept
-        out += [("last_run_unclean", int(unclean)), ("last_run_lost_keys", lost), ("dram_only_keys", self.dram_only())]
+        out += [("last_run_unclean", int(unclean)), ("last_run_lost_keys", lost), ("dram_only_keys", self.dram_only()),
+                ("unstorable_held", self.unstorable_held())]
         stats = {"demote_usec": 0, "demoted_bytes": 0, **self.stats}
         if self._busy_since is not None:  # a batch in flight: its time so far counts too
             stats["demote_usec"] = stats.get("demote_usec", 0) + int((time.perf_counter() - self._busy_since) * 1e6)

@@ -226,6 +226,21 @@ class BadRecord(ValueError):
     """A framed record that is not a batch of PUT and DEL operations of this format."""
 
 
+EXPIRE_MAX = (1 << 63) - 1  # the latest expiry the tier can hold (unix ms): the block header's i64
+
+
+class Unstorable(ValueError):
+    """What the SSD tier's formats cannot hold (an expiry outside 0..EXPIRE_MAX). Raised before
+    anything of it is written, so it fails its own value or change only, never the tier."""
+
+
+def check_expire(expire: int) -> int:
+    """`expire` (unix ms, 0: never) if the tier can hold it; else Unstorable."""
+    if not 0 <= expire <= EXPIRE_MAX:
+        raise Unstorable(f"expiry {expire} is outside what the SSD tier holds (0..{EXPIRE_MAX} unix ms)")
+    return expire
+
+
 Record = PutRecord | DelRecord | MetaRecord
 
 
@@ -235,15 +250,17 @@ def encode_batch(ops: Iterable[Record]) -> bytes:
     msgpack: an array of [1, generation, tenant, model, tokenizer, adapter, key, seg,
     offset, length, crc, expire] (PUT), [2, generation, tenant, model, tokenizer, adapter,
     key] (DEL) and [3, generation, tenant, model, tokenizer, adapter, key, expire] (META)
-    arrays. One record per batch keeps replay cost per batch, not per op.
+    arrays. One record per batch keeps replay cost per batch, not per op. An expiry the
+    tier cannot hold raises Unstorable (nothing is encoded).
     """
     out = []
     for op in ops:
         t = type(op)
         if t is PutRecord:
-            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc, op.expire))
+            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc,
+                        check_expire(op.expire)))
         elif t is MetaRecord:
-            out.append((_META, op.generation, *op.scope, op.key, op.expire))
+            out.append((_META, op.generation, *op.scope, op.key, check_expire(op.expire)))
         else:
             out.append((_DEL, op.generation, *op.scope, op.key))
     return msgpack.packb(out)
