@@ -71,8 +71,13 @@ def not_ready(node: NodeContext) -> list[str]:
 
 def keeps_less(node: NodeContext) -> list[str]:
     """What a serving node cannot keep as it should (the operator's /healthz, not /readyz: it
-    still serves everything): values its SSD tier refused, held in DRAM only."""
+    still serves everything): a persistent residency index that cannot write (a commit failed:
+    a restart loads the last one that did), values its SSD tier refused, held in DRAM only."""
     reasons = []
+    index_error = node.control.index.describe().get("failed")
+    if index_error:
+        reasons.append(f"degraded: the residency index cannot write ({index_error}); a restart loads its last "
+                       "commit")
     tiering = node.tiering
     held = tiering.unstorable_held() if tiering is not None and not tiering.ssd.failed else 0
     if held:
