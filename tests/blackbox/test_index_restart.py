@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from test_kv_events import HIT, MODEL, RECOMPUTE, Publisher, admin, plan
 from test_ssd_tier import tiny_fs  # noqa: F401 (a fixture: a 24 MiB tmpfs)
 
 from quilld.index.backend import BACKENDS
+from quilld.index.stores import open_store
 
 PERSISTENT = [b for b in BACKENDS if b != "memory"]
 
@@ -246,3 +248,47 @@ replay = "tcp://127.0.0.1:{publisher.replay_port}"
     assert code == 1 and "stopping the control plane" in q.log() and "every key is on SSD" in q.log(), q.log()
     assert status == 503 and seen["status"] == "degraded", seen
     assert any("the residency index cannot write" in why for why in seen["reasons"]), seen
+
+
+def _truncate(path) -> None:
+    data = path / "lmdb" / "data.mdb"
+    os.truncate(data, os.path.getsize(data) // 2 // 4096 * 4096)
+
+
+def _garble_pages(path) -> None:
+    data = path / "lmdb" / "data.mdb"
+    rng = random.Random(29)
+    with open(data, "r+b") as f:
+        for page in range(2, os.path.getsize(data) // 4096):  # every page but the two meta pages
+            f.seek(page * 4096 + 16)
+            f.write(rng.randbytes(200))
+
+
+def _not_json(path) -> None:
+    store = open_store("lmdb", path)
+    try:
+        keys, _ = store.scan(b"s")  # the scope records: JSON
+        store.write([(keys[0], b"\xffnot json")], [])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble_pages, _not_json], ids=["truncated", "page", "not-json"])
+def test_a_damaged_lmdb_index_is_set_aside_and_rebuilt_from_the_replay(damage, publisher, quilld_factory, tmp_path):
+    """Issue 29.20: a truncated data.mdb killed quilld with SIGBUS before anything was logged; a
+    damaged page or a record that is not JSON exited 1 with a traceback."""
+    conf = config(tmp_path, publisher, "lmdb")
+    q, r = start(quilld_factory, conf)
+    fill(publisher, q, r)
+    assert q.stop() == 0
+    damage(tmp_path / "index")
+    q2, r2 = start(quilld_factory, conf)
+    lines = [line for line in q2.log().splitlines() if "is damaged" in line]
+    assert len(lines) == 1 and "starting empty" in lines[0], q2.log()
+    assert "Traceback" not in q2.log()
+    assert [p.name for p in (tmp_path / "index").iterdir() if p.name.startswith("lmdb.damaged-")]
+    # the engine's replay buffer gives back what the index held
+    assert wait_until(lambda: plan(r2, A + B) == [HIT] * 16, timeout=15), plan(r2, A + B)
+    assert q2.stop() == 0
+    q3, r3 = start(quilld_factory, conf)  # the new index was committed: no damage now
+    assert "is damaged" not in q3.log() and plan(r3, A + B) == [HIT] * 16
