@@ -129,7 +129,7 @@ class Demotion:
                 cost = len(value)
             if expires and fk in expires and expires[fk] <= now:
                 continue  # expired: the sweep reclaims it
-            if refused and refused.get(fk) is value:
+            if refused and fk in refused and refused[fk] == (id(value), expires.get(fk, 0)):
                 continue  # the SSD tier cannot hold it (refused once, said then)
             picked.append((fk, value))
             total += cost
@@ -271,18 +271,23 @@ class Demotion:
         key's value; said once, counted."""
         refused = self._unstorable
         if len(refused) >= UNSTORABLE_KEPT:
-            data = self.store.data
-            for k in [k for k, v in refused.items() if data.get(k) is not v]:
+            for k in [k for k in refused if not self._still_refused(k)]:
                 del refused[k]
-        refused[fk] = value
+        refused[fk] = (id(value), self.store.expires.get(fk, 0))
         self.stats["ssd_unstorable"] += 1
         log.error("ssd tier: key %r stays in DRAM, the SSD tier cannot hold it: %s (it is lost at a stop; "
                   "the rest of its batch goes on)", fk[TAG_LEN:TAG_LEN + 64], e)
 
+    def _still_refused(self, fk: bytes) -> bool:
+        """Whether key `fk` still holds the value, with the TTL, that the SSD tier refused (the
+        value is named by its id: while it is the key's value it is alive, so its id is its own)."""
+        store = self.store
+        value = store.data.get(fk)
+        return value is not None and self._unstorable.get(fk) == (id(value), store.expires.get(fk, 0))
+
     def unstorable_held(self) -> int:
         """Values held in DRAM that the SSD tier refused (a stop cannot keep them)."""
-        data = self.store.data
-        return sum(1 for k, v in self._unstorable.items() if data.get(k) is v)
+        return sum(map(self._still_refused, self._unstorable))
 
     async def _write(self, items: list[Item]) -> bool:
         """A batch's writes (not synced: `_commit_and_settle` does that) from a worker thread

@@ -254,26 +254,23 @@ class TierFiles:
         if extra:
             raise ConfigError(f"{self.directory} has segments beyond ssd.size ({extra[0]}, ...);"
                               " shrinking the SSD tier would lose them")
-        missing = [i for i in range(self.segments) if not os.path.exists(self.path(seg_name(i)))]
+        missing = {i for i in range(self.segments) if not os.path.exists(self.path(seg_name(i)))}
         self._check_room(len(missing), made_dir)
         created: list[str] = []
         try:
             for i in range(self.segments):
                 path = self.path(seg_name(i))
                 if i in missing:
-                    fd = self._create_segment(path)
+                    self.fds.append(self._create_segment(path))
                     created.append(path)
-                else:
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                    self.fds.append(fd)
-                    st = os.fstat(fd)
-                    if st.st_mode & 0o077:
-                        os.fchmod(fd, FILE_MODE)  # written by an older quilld, readable by others
-                    if st.st_size != self.segment_size:
-                        raise ConfigError(f"{path} is {st.st_size} bytes but ssd.segment_size is "
-                                          f"{self.segment_size}")
                     continue
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 self.fds.append(fd)
+                st = os.fstat(fd)
+                if st.st_mode & 0o077:
+                    os.fchmod(fd, FILE_MODE)  # written by an older quilld, readable by others
+                if st.st_size != self.segment_size:
+                    raise ConfigError(f"{path} is {st.st_size} bytes but ssd.segment_size is {self.segment_size}")
         except BaseException:
             self._undo_create(created, made_dir)
             raise

@@ -129,7 +129,7 @@ class Tiering(Demotion, DurableChanges):
         self._busy_since: float | None = None  # when the demoter last went from idle to a batch in flight
         self._census_at = 0.0  # monotonic time of the last census
         self._scope_tuples: dict[bytes, tuple] = {}  # scope tag -> its scope as the SSD tier keys it
-        self._unstorable: dict[bytes, bytes | Block] = {}  # full key -> the value the SSD tier refused (demotion.py)
+        self._unstorable: dict[bytes, tuple[int, int]] = {}  # full key -> (id, expiry) of a value refused (demotion.py)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None

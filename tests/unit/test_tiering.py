@@ -593,9 +593,17 @@ def test_a_value_whose_ttl_the_ssd_cannot_hold_stays_in_dram_and_fails_only_itse
             assert t.unstorable_held() == 1
             await demote_all(t)
             assert tag + b"small" in ks.lower
+            put(ks, tag, b"late", b"x" * 300)  # refused, then given a TTL the tier can hold
+            ks.set_expire(tag, b"late", ABSURD)
+            await demote_all(t)
+            assert tag + b"late" in ks.data and t.unstorable_held() == 2
+            ks.set_expire(tag, b"late", now_ms() + 600_000)
+            assert t.unstorable_held() == 1
+            await demote_all(t)
+            assert tag + b"late" in ks.lower and t.stats["ssd_unstorable"] == 3
         assert t.not_kept == 1  # the stop flushed everything else
         async with tiered(tmp_path) as (ks, t, tag):
-            assert t.report.recovered == len(values)  # k1.. k5 and small; k0's value could not be kept
+            assert t.report.recovered == len(values) + 1  # k1.. k5, small and late; k0's value could not be kept
             assert ks.get(tag, b"k0") is None
             for key, value in values.items():
                 if key != b"k0":
