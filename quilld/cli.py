@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from quilld import __version__
 from quilld.config import load
-from quilld.errors import ConfigError
+from quilld.errors import ConfigError, StopFailed
 
 if TYPE_CHECKING:  # imported in main(), once the stop signals are handled: the import takes about a second
     from quilld.node import Node
@@ -173,6 +173,8 @@ async def _serve(cfg, make_node: Callable[[], Node]) -> None:
         await stop.wait()
     finally:
         await node.stop()
+    if node.stop_failed:
+        raise StopFailed(f"stopped, but {'; '.join(node.stop_failed)} failed to stop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except ListenError as e:
             print(f"quilld: cannot start: {e.strerror}", file=sys.stderr)
+            return 1
+        except StopFailed as e:
+            print(f"quilld: {e}", file=sys.stderr)
             return 1
         except OSError as e:
             print(f"quilld: cannot start: {e}", file=sys.stderr)

@@ -83,6 +83,11 @@ class ConfigError(QuillError):
     """Bad configuration: a startup error, never sent on the wire."""
 
 
+class StopFailed(QuillError):
+    """A clean stop ran every step, but some part failed to stop (each logged why): exit status 1,
+    never sent on the wire."""
+
+
 class NoPerm(QuillError):
     """The user may not do this (redis's ACL refusals share the prefix)."""
 

@@ -5,7 +5,10 @@ answer 503 until it serves), SSD recovery (before anything is served), RESP
 listener, control plane (engine subscriptions), cluster, gateway, housekeeping.
 Stop: stop accepting, leave the cluster, drain replies still being sent,
 close connections, stop housekeeping, gateway and admin API, stop the control
-plane, drop open puts, flush the SSD tier, release the arena.
+plane, drop open puts, flush the SSD tier, release the arena. Each step is
+guarded: a part whose stop fails is logged and the next steps still run (a
+RocksDB index that cannot close on a full disk never costs the SSD flush);
+`stop_failed` names the parts (cli.py then exits 1).
 
 `stop` may be called at any moment of `start` (a signal cancels `start`, or a
 step of it failed): it undoes the steps that were taken, in the same order. SSD
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import inspect
 import logging
 import os
 import socket
@@ -160,6 +165,18 @@ async def _unix_listener(path: str, mode: int, factory) -> asyncio.AbstractServe
     return server
 
 
+async def _stop_step(failed: list[str], what: str, stop) -> None:
+    """Run one part's stop (a plain or async callable); a failure is logged and noted in `failed`,
+    and the stop goes on: no part failing skips another's stop (the SSD tier's flush above all)."""
+    try:
+        result = stop()
+        if inspect.isawaitable(result):
+            await result
+    except Exception as e:  # noqa: BLE001 - whatever it was, the next part still stops
+        failed.append(what)
+        log.error("stopping %s failed (the stop goes on): %s", what, e, exc_info=e)
+
+
 HOUSEKEEPING_INTERVAL = 0.05  # seconds between expiry sweeps, lease checks and pin checks
 DRAIN_TIMEOUT = 5.0  # seconds shutdown waits for replies still being written
 
@@ -208,6 +225,7 @@ class Node:
         self._recovery: asyncio.Future | None = None  # the SSD tier's start, once begun
         self._control_started = False
         self._stopped = False
+        self.stop_failed: list[str] = []  # the parts whose stop failed (the others still stopped)
 
     # what tests and benches read off a running in-process node
     @property
@@ -316,45 +334,59 @@ class Node:
         self._stopped = True
         self.phase = "stopping"
         ctx = self.ctx
+        failed: list[str] = []
+        step = functools.partial(_stop_step, failed)
         if self._server is not None:
-            self._server.close()
+            await step("the RESP listener", self._server.close)
         if self._unix is not None:
-            self._unix.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.cfg.server.unixsocket)
+            await step("the unix socket listener", self._close_unix)
         if ctx.cluster is not None:
-            await ctx.cluster.stop()
-        deadline = time.monotonic() + DRAIN_TIMEOUT
-        while ctx.clients.any_pinned() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        ctx.clients.close_all()
-        await asyncio.sleep(0)
+            await step("the cluster", ctx.cluster.stop)
+        await step("the connections", self._close_clients)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._gateway is not None:
-            await self._gateway.stop()
+            await step("the gateway", self._gateway.stop)
         if self._admin is not None:
-            await self._admin.stop()
+            await step("the admin API", self._admin.stop)
         if self._control_started:
-            await ctx.control.stop()
-        ctx.puts.close()
+            await step("the control plane (its index commits what is left)", ctx.control.stop)
+        await step("the open puts", ctx.puts.close)
         if self._recovery is not None:
             if not self._recovery.done():
                 log.info("ssd tier: waiting for recovery to finish before stopping (it cannot be interrupted)")
             await asyncio.gather(self._recovery, return_exceptions=True)
-            await ctx.tiering.stop()  # it says what it could not keep
+            await step("the SSD tier", ctx.tiering.stop)  # it says what it could not keep
         elif ctx.tiering is None and ctx.keyspace.data:
             ks = ctx.keyspace
             log.warning("%d keys (%s) were held in DRAM only and are not kept: this node has no SSD tier "
                         "(ssd.dir, --ssd-dir)", len(ks.data), human(ks.used))
         if ctx.leases is not None:
-            ctx.leases.close()
+            await step("the shared-memory leases", ctx.leases.close)
         if ctx.keyspace.lookup_table is not None:
-            ctx.keyspace.lookup_table.close()
-        ctx.keyspace.close()
+            await step("the lookup table", ctx.keyspace.lookup_table.close)
+        await step("the keyspace", ctx.keyspace.close)
         self._server = None
-        log.info("quilld stopped")
+        self.stop_failed = failed
+        if failed:
+            log.error("quilld stopped, but %s failed to stop (each said why above)", "; ".join(failed))
+        else:
+            log.info("quilld stopped")
+
+    def _close_unix(self) -> None:
+        self._unix.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.cfg.server.unixsocket)
+
+    async def _close_clients(self) -> None:
+        """Let replies still being sent drain (DRAIN_TIMEOUT at most), then close every connection."""
+        clients = self.ctx.clients
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        while clients.any_pinned() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        clients.close_all()
+        await asyncio.sleep(0)
 
     def unflushed(self) -> str:
         """What exiting now, without a clean stop, loses: for the log of a second Ctrl-C."""

@@ -69,6 +69,23 @@ def not_ready(node: NodeContext) -> list[str]:
     return reasons
 
 
+def keeps_less(node: NodeContext) -> list[str]:
+    """What a serving node cannot keep as it should (the operator's /healthz, not /readyz: it
+    still serves everything): a persistent residency index that cannot write (a commit failed:
+    a restart loads the last one that did), values its SSD tier refused, held in DRAM only."""
+    reasons = []
+    index_error = node.control.index.describe().get("failed")
+    if index_error:
+        reasons.append(f"degraded: the residency index cannot write ({index_error}); a restart loads its last "
+                       "commit")
+    tiering = node.tiering
+    held = tiering.unstorable_held() if tiering is not None and not tiering.ssd.failed else 0
+    if held:
+        reasons.append(f"degraded: {held} value{'s' if held != 1 else ''} the SSD tier cannot hold "
+                       "(ssd_unstorable) held in DRAM only")
+    return reasons
+
+
 async def livez(request: web.Request) -> web.Response:
     """GET /livez: the process answers (an orchestrator's liveness probe). No token, nothing else said."""
     return web.json_response({"status": "ok"}, headers={"Cache-Control": "no-store"})
@@ -83,15 +100,17 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz: the operator's view (token): ok, starting, stopping or degraded with the error; 503 unless ok."""
+    """GET /healthz: the operator's view (token): ok, starting, stopping or degraded with the error (the SSD
+    tier failed, or it keeps less than it should: `keeps_less`); 503 unless ok."""
     node = request.app[NODE]
+    less = keeps_less(node)
     body: dict[str, Any] = {"status": "ok", "node_id": node.node_id, "version": __version__, "phase": node.phase,
-                            "reasons": not_ready(node)}
+                            "reasons": not_ready(node) + less}
     tiering = node.tiering
     if node.phase != SERVING:
         body["status"] = "stopping" if node.phase == "stopping" else "starting"
-    elif tiering is not None and tiering.ssd.failed:
-        body["status"] = "degraded"  # still serving from DRAM: say what broke
+    elif tiering is not None and tiering.ssd.failed or less:
+        body["status"] = "degraded"  # still serving: say what broke
     if tiering is not None and tiering.ssd.failed:
         body["ssd_error"] = tiering.ssd.failed
     return web.json_response(body, status=200 if body["status"] == "ok" else 503)

@@ -133,11 +133,13 @@ SSD_GAUGES = ("ssd_enabled", "ssd_capacity", "ssd_used", "ssd_keys", "ssd_failed
               "ssd_last_checkpoint", "ssd_fsync_last_ms", "ssd_fsync_avg_ms", "ssd_fsync_max_ms", "recovery_blocks",
               "recovery_dropped_corrupt", "recovery_wal_stops", "recovery_wal_records", "recovery_checkpoint_errors",
               "recovery_scanned_blocks", "recovery_scrubbed", "recovery_ms", "ssd_io_threads",
-              "ssd_demote_inflight_bytes", "ssd_last_run_unclean", "ssd_last_run_lost_keys", "ssd_dram_only_keys")
+              "ssd_demote_inflight_bytes", "ssd_last_run_unclean", "ssd_last_run_lost_keys", "ssd_dram_only_keys",
+              "ssd_unstorable_held")
 SSD_COUNTERS = ("ssd_fsyncs", "demotions", "demoted_bytes", "demote_batches", "demote_usec", "demoted_clean",
                 "promotions", "checkpoints", "failures", "ssd_reads", "ssd_read_bytes", "ssd_read_corrupt",
                 "ssd_read_errors", "ssd_evictions", "ssd_copies_dropped", "ssd_deletes", "delete_syncs", "ssd_scrubbed",
-                "ssd_fsync_total_ms", "ssd_write_total_ms", "ssd_retimes", "ssd_expired_at_start")
+                "ssd_fsync_total_ms", "ssd_write_total_ms", "ssd_retimes", "ssd_expired_at_start", "ssd_unstorable",
+                "demote_errors")
 SSD_HELP = {
     "ssd_capacity": "SSD tier capacity in bytes.", "ssd_used": "SSD tier bytes in use.",
     "ssd_keys": "Values whose only copy is on SSD.", "ssd_failed": "1 once the SSD tier has failed.",
@@ -155,6 +157,10 @@ SSD_HELP = {
     "ssd_last_run_lost_keys": "Keys that run held only in DRAM and lost (its last census, or what its stop could "
                               "not keep).",
     "ssd_dram_only_keys": "Keys whose value is only in DRAM now (a kill -9 would lose them).",
+    "ssd_unstorable": "Values and TTL changes the SSD tier refused: its format cannot hold them (an expiry past "
+                      "its i64).",
+    "ssd_unstorable_held": "Values held in DRAM that the SSD tier refused (a stop cannot keep them).",
+    "ssd_demote_errors": "Demotion batches that failed on an error other than I/O (given back to DRAM).",
 }
 # the cluster's INFO section: its gauges; ports and text are not metrics; every other figure is a counter.
 # A counter a part adds to its INFO section is listed here too, so it exists from the start (test_admin.py

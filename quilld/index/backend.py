@@ -17,6 +17,8 @@ neither is a backend here. The default stays `memory`: see the study for what th
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -25,11 +27,12 @@ from quilld.config import INDEX_BACKENDS, IndexConfig
 from quilld.errors import ConfigError
 from quilld.index.persistent import PersistentIndex
 from quilld.index.residency import BlockHash, ResidencyIndex
-from quilld.index.stores import open_store
+from quilld.index.stores import DamagedStore, open_store
 from quilld.model import CacheTier
 from quilld.scopes import ScopeRegistry
 
 BACKENDS = INDEX_BACKENDS
+log = logging.getLogger("quilld.index")
 
 
 class IndexBackend(Protocol):
@@ -83,11 +86,25 @@ class IndexBackend(Protocol):
 
 
 def open_index(cfg: IndexConfig, scopes: ScopeRegistry) -> ResidencyIndex:
-    """The index `cfg` names; a persistent one is loaded from `index.path` before this returns."""
+    """The index `cfg` names; a persistent one is loaded from `index.path` before this returns. A
+    damaged one (stores.DamagedStore) is moved aside (`<backend>.damaged-<time>`, kept for a look)
+    and an empty one started, said in one line: the engines' replay fills it again."""
     if cfg.backend == "memory":
         return ResidencyIndex(scopes)
     if cfg.backend not in BACKENDS:  # validate() refuses it first; a caller building IndexConfig itself lands here
         raise ConfigError(f"index.backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    try:
+        return _load(cfg, scopes)
+    except DamagedStore as e:
+        where = Path(cfg.path) / cfg.backend
+        aside = where.with_name(f"{cfg.backend}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+        where.rename(aside)
+        log.warning("index: the %s index in %s is damaged (%s): moved to %s, starting empty; the engines' "
+                    "residencies come back from their KV events' replay", cfg.backend, where, e, aside.name)
+        return _load(cfg, scopes)
+
+
+def _load(cfg: IndexConfig, scopes: ScopeRegistry) -> PersistentIndex:
     store = open_store(cfg.backend, Path(cfg.path), cfg.fsync)
     try:
         return PersistentIndex(scopes, store, cfg.commit_ms)

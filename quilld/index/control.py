@@ -578,10 +578,19 @@ class ControlPlane:
                 await self.follow(engine.id)
 
     async def stop(self) -> None:
+        """Stop every subscriber, then close the index (a persistent one commits what is left), even
+        when a subscriber's stop fails: the first such error is raised once all of it is done."""
+        failed: BaseException | None = None
         for sub in self._subscribers.values():
-            await sub.stop()
+            try:
+                await sub.stop()
+            except Exception as e:  # noqa: BLE001 - the other subscribers and the index still stop
+                failed = failed or e
+                log.error("stopping the KV-event subscriber of %s failed: %s", sub.engine_id, e, exc_info=e)
         self._subscribers.clear()
-        self.index.close()  # a persistent index commits what is left
+        self.index.close()
+        if failed is not None:
+            raise failed
 
     # -- a persistent index: what outlives a restart ------------------------------------------------
     def _resume(self) -> None:

@@ -54,7 +54,7 @@ from collections.abc import Iterable
 from quilld.errors import ConfigError
 from quilld.index.journal import ENTRY, Job, Journaled, Writer
 from quilld.index.residency import _U64, TIER_SLOTS, TIERS, ResidencyIndex, entry_key
-from quilld.index.stores import Store
+from quilld.index.stores import DamagedStore, Store
 from quilld.model import IdentityScope
 from quilld.scopes import TAG_LEN, ScopeRegistry
 
@@ -100,7 +100,10 @@ class PersistentIndex(ResidencyIndex):
         self._closed = False
         self._failure_logged = False
         self.loaded = {"entries": 0, "seconds": 0.0}
-        self._load()
+        try:
+            self._load()
+        except (ValueError, TypeError, KeyError, IndexError) as e:  # a record that does not decode
+            raise DamagedStore(f"a record does not decode: {e!r}") from None
 
     # -- loading ------------------------------------------------------------------------------
     def _load(self) -> None:

@@ -17,6 +17,10 @@ A process killed with kill -9 loses nothing either engine has committed: the dat
 kernel's page cache and reaches the disk without the process. Only what quilld had not yet
 handed to a commit is lost (persistent.py says how little that is and how it comes back).
 
+A store whose files are damaged raises `DamagedStore` (an LMDB file shorter than its last
+commit, which mapping would turn into SIGBUS, is checked at open; a damaged page when it is
+read); `backend.open_index` then sets it aside and starts an empty one.
+
 Each store takes a lock file in its directory (`flock`), so two quilld processes never write one
 index (RocksDB has its own lock as well; LMDB allows many processes by design).
 
@@ -28,6 +32,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
+import subprocess
+import sys
 import time
 from bisect import bisect_left
 from itertools import islice
@@ -41,6 +48,42 @@ YIELD_ROWS = 1024  # a commit lets the event loop's thread run after this many r
 SCAN_CHUNK = 1 << 16
 ROCKSDB_MEMTABLE = 16 << 20  # keys an LMDB scan takes at once (it reads at most this far past its prefix)
 LMDB_INITIAL_MAP = 1 << 30  # the map grows by doubling when it fills (a sparse file: disk is used as written)
+
+
+class DamagedStore(Exception):
+    """A store's files are damaged (truncated, a bad page, a record that does not decode)."""
+
+
+# LMDB keeps no checksums: a damaged page's offsets can send a read past the end of the file
+# through the map (SIGBUS) or out of it (SIGSEGV), killing the process before it can say why.
+# So every record is read once first in a child process (C loops over one cursor; the pages
+# are left in the page cache for the load that follows): about 1.8 s per million entries here.
+_WALK = """import sys, lmdb
+try:
+    env = lmdb.open(sys.argv[1], readonly=True, lock=False, subdir=True, max_dbs=0, readahead=False)
+    with env.begin(buffers=False) as txn:  # copied out: every byte a load reads is read here first
+        for _ in txn.cursor().iternext(keys=True, values=True):
+            pass
+except lmdb.Error as e:
+    print(e, file=sys.stderr)
+    sys.exit(3)
+"""
+WALK_TIMEOUT = 600.0  # seconds the child may take to read every record (about 1 s per million here)
+
+
+def _lmdb_walk_fails(path: Path) -> str | None:
+    """Why reading every record of the LMDB store in `path` fails (in a child process), or None."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True, text=True,
+                              timeout=WALK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None  # slow, not damaged: the load reads it as before
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        return f"reading data.mdb's records crashed ({signal.Signals(-proc.returncode).name}): a damaged page"
+    said = proc.stderr.strip().splitlines()
+    return f"LMDB cannot read data.mdb: {said[-1] if said else f'exit status {proc.returncode}'}"
 
 
 class Store(Protocol):
@@ -103,17 +146,38 @@ class LmdbStore:
             # readahead off: the mirror's load reads the file once in order, everything else is random
             self.env = lmdb.open(str(self.path), map_size=LMDB_INITIAL_MAP, subdir=True, sync=fsync,
                                  metasync=fsync, readahead=False, max_dbs=0, lock=True)
-            size = self.env.info()["map_size"]
+            info = self.env.info()
             used = os.path.getsize(self.path / "data.mdb")
+            need = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+            if used < need:  # reading the pages past its end through the map would be SIGBUS
+                self.env.close()
+                raise DamagedStore(f"data.mdb is truncated: {used} bytes, its last commit needs {need}")
+            why = _lmdb_walk_fails(self.path) if info["last_pgno"] > 1 else None
+            if why is not None:
+                self.env.close()
+                raise DamagedStore(why)
+            size = info["map_size"]
             while size < used * 2:  # a file grown beyond the initial map in an earlier run
                 size *= 2
-            if size != self.env.info()["map_size"]:
+            if size != info["map_size"]:
                 self.env.set_mapsize(size)
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError) as e:
+            self._lockf.close()
+            raise DamagedStore(f"LMDB cannot read data.mdb: {e}") from None
+        except DamagedStore:
+            self._lockf.close()
+            raise
         except lmdb.Error as e:
             self._lockf.close()
             raise ConfigError(f"index.path {str(self.path)!r}: LMDB cannot open it: {e}") from None
 
     def scan(self, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
+        try:
+            return self._scan(prefix)
+        except self._lmdb.Error as e:  # a damaged page
+            raise DamagedStore(f"LMDB cannot read data.mdb: {e}") from None
+
+    def _scan(self, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
         end = _after(prefix)
         with self.env.begin(buffers=False) as txn:
             cur = txn.cursor()
@@ -133,8 +197,11 @@ class LmdbStore:
             return keys, values
 
     def get(self, key: bytes) -> bytes | None:
-        with self.env.begin(buffers=False) as txn:
-            return txn.get(key)
+        try:
+            with self.env.begin(buffers=False) as txn:
+                return txn.get(key)
+        except self._lmdb.Error as e:  # a damaged page
+            raise DamagedStore(f"LMDB cannot read data.mdb: {e}") from None
 
     def reader(self):
         """A read transaction's `get`, kept open (the study's read-through walk); close it with `.abort`."""

@@ -17,6 +17,13 @@ deleted, renamed or given a new TTL meanwhile is handled when its batch settles
 (`_settle`): a pinned block keeps its SSD copy as `block.lower`; a changed value's stale
 copy is dropped; a value whose only change is its TTL gets a META record with the new
 one. Whoever acknowledged such a change waits for that (ssd_changes.py).
+
+A value the SSD format cannot hold (an expiry past its i64, wal.Unstorable) is refused
+alone, before its batch is written: it stays in DRAM, is logged and counted
+(`ssd_unstorable`), and is not picked again while it is the key's value
+(`unstorable_held` is what /healthz reports). Any other error staging or writing a batch
+gives every value of that batch back (its extents freed, its blocks unpinned) and leaves
+the tier working: no error leaves a value pinned or a batch half taken.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ from quilld.tiers.block import Block, BlockState, page_extent
 from quilld.tiers.expiry import now_ms
 from quilld.tiers.ssd import PendingWrite
 from quilld.tiers.ssd_format import SsdFailure
+from quilld.tiers.wal import Unstorable, check_expire
 
 log = logging.getLogger("quilld.ssd")
 
 DEMOTE_INTERVAL = 0.02  # seconds between checks of the DRAM watermark
 SCAN_LIMIT = 20_000  # DRAM entries looked at per demotion batch (bounds one loop turn)
 DELETE_BATCH = 4096  # SSD-only keys evicted per pass when the SSD is full
+UNSTORABLE_KEPT = 1024  # refused values remembered (not picked again); past it, those gone are forgotten
 
 Item = tuple[bytes, "bytes | Block", PendingWrite]  # full key, DRAM value, its write
 
@@ -106,7 +115,7 @@ class Demotion:
         want = used if everything else max(used - store.low_bytes, store.limit // 4)
         budget = min(want, self.cfg.group_commit_bytes)
         picked, total = [], 0
-        expires, now, writing = store.expires, now_ms(), self._writing
+        expires, now, writing, refused = store.expires, now_ms(), self._writing, self._unstorable
         for i, (fk, value) in enumerate(store.data.items()):
             if i >= SCAN_LIMIT or total >= budget:
                 break
@@ -120,6 +129,8 @@ class Demotion:
                 cost = len(value)
             if expires and fk in expires and expires[fk] <= now:
                 continue  # expired: the sweep reclaims it
+            if refused and fk in refused and refused[fk] == (id(value), expires.get(fk, 0)):
+                continue  # the SSD tier cannot hold it (refused once, said then)
             picked.append((fk, value))
             total += cost
         return picked
@@ -177,7 +188,7 @@ class Demotion:
         try:
             try:
                 await self._run(self.ssd.commit, [it for _, _, it in items])
-            except SsdFailure as e:
+            except Exception as e:  # noqa: BLE001 - whatever it was, the batch is given back
                 self._give_back(items, e)
                 return False
             moved = self._settle(items)
@@ -230,6 +241,12 @@ class Demotion:
             scope = self._scope_tuples.get(tag)
             if scope is None:  # one tuple per scope, shared by its SSD entries (not one per value)
                 scope = self._scope_tuples[tag] = tuple(store.scopes.scope_of(tag))
+            expire = store.expires.get(fk, 0)
+            try:
+                check_expire(expire)
+            except Unstorable as e:
+                self._refuse(fk, value, e)
+                continue
             n = len(value)
             extent = ssd.allocate(scope, key, n)
             if extent is None:
@@ -246,28 +263,56 @@ class Demotion:
             else:
                 self._writing[fk] = batch
                 payload, crc = value, None
-            items.append((fk, value, PendingWrite(scope, key, payload, extent, crc=crc,
-                                                  expire=store.expires.get(fk, 0))))
+            items.append((fk, value, PendingWrite(scope, key, payload, extent, crc=crc, expire=expire)))
         return items
+
+    def _refuse(self, fk: bytes, value: bytes | Block, e: Unstorable) -> None:
+        """`value` cannot go to SSD: it stays in DRAM and is not picked again while it is the
+        key's value; said once, counted."""
+        refused = self._unstorable
+        if len(refused) >= UNSTORABLE_KEPT:
+            for k in [k for k in refused if not self._still_refused(k)]:
+                del refused[k]
+        refused[fk] = (id(value), self.store.expires.get(fk, 0))
+        self.stats["ssd_unstorable"] += 1
+        log.error("ssd tier: key %r stays in DRAM, the SSD tier cannot hold it: %s (it is lost at a stop; "
+                  "the rest of its batch goes on)", fk[TAG_LEN:TAG_LEN + 64], e)
+
+    def _still_refused(self, fk: bytes) -> bool:
+        """Whether key `fk` still holds the value, with the TTL, that the SSD tier refused (the
+        value is named by its id: while it is the key's value it is alive, so its id is its own)."""
+        store = self.store
+        value = store.data.get(fk)
+        return value is not None and self._unstorable.get(fk) == (id(value), store.expires.get(fk, 0))
+
+    def unstorable_held(self) -> int:
+        """Values held in DRAM that the SSD tier refused (a stop cannot keep them)."""
+        return sum(map(self._still_refused, self._unstorable))
 
     async def _write(self, items: list[Item]) -> bool:
         """A batch's writes (not synced: `_commit_and_settle` does that) from a worker thread
         and the SSD tier's I/O threads; on failure everything staged is given back."""
         try:
             await self._run(self.ssd.write_blocks, [it for _, _, it in items])
-        except SsdFailure as e:
+        except Exception as e:  # noqa: BLE001 - whatever it was, the batch is given back
             self._give_back(items, e)
             return False
         return True
 
-    def _give_back(self, items: list[Item], e: SsdFailure) -> None:
+    def _give_back(self, items: list[Item], e: Exception) -> None:
         """A batch failed to write or commit: its SSD extents are freed, its DRAM blocks unpinned
-        (they stay in DRAM), and the tier is marked failed."""
+        (they stay in DRAM). An I/O error (SsdFailure) marks the tier failed; any other error
+        fails this batch only, loudly (`demote_errors`), and the next batch is tried."""
         for _, value, it in items:
             self.ssd.release_extent(it.extent)
             if type(value) is Block:
                 self.store.unpin(value)
-        self._failed(e)
+        if isinstance(e, SsdFailure):
+            self._failed(e)
+        else:
+            self.stats["demote_errors"] += 1
+            log.error("ssd demotion: a batch of %d values failed and stays in DRAM: %r", len(items), e,
+                      exc_info=e)
 
     def _settle(self, items: list[Item]) -> int:
         """Publish the written values on SSD and free their DRAM; returns the bytes moved.

@@ -84,7 +84,7 @@ from quilld.tiers.ssd_files import (ZERO_PAGE, RecoveryPath, RecoveryReport, Tie
                                     seg_name)
 from quilld.tiers.ssd_format import (HEADER_SIZE, PAGE, CorruptBlock, Found, Retired, Scope, SsdFailure,
                                      block_pages, check_block_header, commit_header, pack_block_head, payload_offset)
-from quilld.tiers.wal import DelRecord, MetaRecord, PutRecord, WalWriter, encode_batch, wal_name
+from quilld.tiers.wal import DelRecord, MetaRecord, PutRecord, WalWriter, check_expire, encode_batch, wal_name
 
 DELETE_RECORD_OPS = 4096  # DEL operations per log record (one sync for all of a call's records)
 IOV_MAX = 1024  # buffers one pwritev takes (Linux's UIO_MAXIOV)
@@ -262,7 +262,8 @@ class SsdTier:
         is copied into aligned memory under O_DIRECT. The CRC32C of a payload is computed
         on the I/O thread that writes it, unless the item came with it. Then `commit`."""
         self._check_writable()
-        for it in items:
+        for it in items:  # refused before anything is written (Unstorable), the tier still working
+            check_expire(it.expire)
             n = memoryview(it.payload).nbytes
             if block_pages(it.scope, it.key, n) > it.extent.pages:
                 raise ValueError(f"{n} bytes do not fit an extent of {it.extent.pages} pages")

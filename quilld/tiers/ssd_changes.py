@@ -31,6 +31,7 @@ from typing import Awaitable
 from quilld.tiers.block import Block
 from quilld.tiers.ssd import SsdEntry
 from quilld.tiers.ssd_format import SsdFailure
+from quilld.tiers.wal import Unstorable, check_expire
 
 log = logging.getLogger("quilld.ssd")
 
@@ -46,7 +47,16 @@ class DurableChanges:
 
     def retime(self, entry: SsdEntry, expire: int) -> None:
         """The value an SSD copy holds now expires at `expire` (unix ms, 0: never): a META
-        record joins the next group commit. `synced()` says when that is durable."""
+        record joins the next group commit. `synced()` says when that is durable. An expiry
+        the tier cannot hold (wal.Unstorable) is refused alone, loudly: the copy keeps its
+        old TTL on SSD, the group goes on without it."""
+        try:
+            check_expire(expire)
+        except Unstorable as e:
+            self.stats["ssd_unstorable"] += 1
+            log.error("ssd tier: the new TTL of key %r is not logged, the SSD tier cannot hold it: %s (its copy "
+                      "there keeps its old TTL)", entry.key[:64], e)
+            return
         entry.expire = expire
         self._retimed[entry] = None
         self._join_group()

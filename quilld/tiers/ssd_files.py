@@ -40,6 +40,13 @@ O_DIRECT where the file system allows it (`open_segments` probes it with one ali
 in a scratch file; tmpfs before Linux 6.6 refuses O_DIRECT at open): the payload moves from
 DRAM to the device without the page cache. Otherwise both descriptors are the plain ones
 (`io_mode` says which, and why).
+The tier's files are its owner's alone: the directory is created 0700 and every file
+in it 0600 (FILE_MODE), and a key file others can read refuses the start, as ssh refuses
+a private key others can read (a reader of the key could forge blocks a scan takes).
+Segments are preallocated in full: `open_segments` first checks that the file system has
+room for the ones still to create (refusing with the size asked and the space free), and
+a start that fails while creating them removes what it created, so no partial tier is
+left behind.
 One process at a time owns the directory: `open_segments` takes an exclusive flock on
 LOCK_FILE (released when the files close or the process ends), so a second quilld
 pointed at the same directory is refused instead of writing over the first's blocks.
@@ -54,6 +61,7 @@ cached page back (and drops it) before a later O_DIRECT write to the same range.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import errno
 import fcntl
@@ -73,7 +81,7 @@ from quilld.tiers.ssd_format import (COMMITTED, HEADER_SIZE, KEY_SIZE, PAGE, Bad
                                      Retired, Scope, SsdFailure, State, apply_record, block_pages, commit_header,
                                      decode_checkpoint_body, decode_checkpoint_header, drop_overlaps, header_matches,
                                      payload_offset, replay_log, scan_segment)
-from quilld.tiers.wal import PutRecord, parse_wal_name, wal_name
+from quilld.tiers.wal import FILE_MODE, PutRecord, parse_wal_name, wal_name
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LEGACY_CHECKPOINT = "checkpoint"  # format 1 kept one file of this name
@@ -81,10 +89,16 @@ KEY_FILE = "tier-v4.key"  # the key of a format 4 tier
 OLDER_KEY_FILES = {"tier.key": 2, "tier-v3.key": 3}  # such a tier starts empty (see the module docstring)
 PROBE_FILE = "direct-io.probe"
 LOCK_FILE = "LOCK"  # flocked by the process that owns the directory; holds its pid
+DIR_MODE = 0o700  # the tier's directory, when quilld creates it
 KEEP_CHECKPOINTS = 2
 PROGRESS_EVERY = 10_000  # blocks verified between progress callbacks
 ZERO_PAGE = bytes(PAGE)
 _READ_CHUNK = 1 << 20
+
+
+def size_text(n: int) -> str:
+    """A size for a person: GiB from one GiB up, else MiB."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def seg_name(index: int) -> str:
@@ -173,7 +187,7 @@ class TierFiles:
 
     def _lock(self) -> None:
         """Own the directory, or raise ConfigError naming the process that does."""
-        fd = os.open(self.path(LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path(LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -181,6 +195,8 @@ class TierFiles:
             os.close(fd)
             raise ConfigError(f"ssd.dir {self.directory} is in use by another quilld (pid {owner}); "
                               "two processes on one SSD tier would overwrite each other's blocks") from None
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, FILE_MODE)  # written by an older quilld, readable by others
         self._lock_fd = fd
         self.previous_run = RunState.parse(os.pread(fd, 4096, 0))
         self.run = RunState(os.getpid(), RUNNING, time.time())
@@ -223,8 +239,11 @@ class TierFiles:
 
     def open_segments(self, direct: bool = True) -> None:
         """Open (or create) every segment; with `direct`, also with O_DIRECT for block
-        writes where the file system allows it (`io_mode` says whether it did)."""
-        os.makedirs(self.directory, exist_ok=True)
+        writes where the file system allows it (`io_mode` says whether it did). Refuses
+        (ConfigError) segments the file system has no room for, before creating any; if
+        creating them fails anyway, what this call created is removed."""
+        made_dir = not os.path.isdir(self.directory)
+        os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
         self._lock()
         names = os.listdir(self.directory)
         for name in names:
@@ -235,20 +254,26 @@ class TierFiles:
         if extra:
             raise ConfigError(f"{self.directory} has segments beyond ssd.size ({extra[0]}, ...);"
                               " shrinking the SSD tier would lose them")
-        created = False
-        for i in range(self.segments):
-            path = self.path(seg_name(i))
-            if os.path.exists(path):
-                fd = os.open(path, os.O_RDWR)
-                size = os.fstat(fd).st_size
-                if size != self.segment_size:
-                    os.close(fd)
-                    raise ConfigError(f"{path} is {size} bytes but ssd.segment_size is "
-                                      f"{self.segment_size}")
-            else:
-                fd = self._create_segment(path)
-                created = True
-            self.fds.append(fd)
+        missing = {i for i in range(self.segments) if not os.path.exists(self.path(seg_name(i)))}
+        self._check_room(len(missing), made_dir)
+        created: list[str] = []
+        try:
+            for i in range(self.segments):
+                path = self.path(seg_name(i))
+                if i in missing:
+                    self.fds.append(self._create_segment(path))
+                    created.append(path)
+                    continue
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                self.fds.append(fd)
+                st = os.fstat(fd)
+                if st.st_mode & 0o077:
+                    os.fchmod(fd, FILE_MODE)  # written by an older quilld, readable by others
+                if st.st_size != self.segment_size:
+                    raise ConfigError(f"{path} is {st.st_size} bytes but ssd.segment_size is {self.segment_size}")
+        except BaseException:
+            self._undo_create(created, made_dir)
+            raise
         if created:
             self.sync_dir()
         why = self._probe_direct() if direct else "ssd.direct_io is off"
@@ -261,6 +286,36 @@ class TierFiles:
             self.dfds = list(self.fds)
             self.io_mode = f"buffered ({why})"
 
+    def _check_room(self, missing: int, made_dir: bool) -> None:
+        """Refuse (ConfigError) `missing` segments the file system has no room for: preallocating
+        them would fill the disk and fail anyway. Removes the directory first if it was just made."""
+        need = missing * self.segment_size
+        if not need:
+            return
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if need <= free:
+            return
+        self._undo_create([], made_dir)
+        raise ConfigError(f"ssd.size {size_text(self.segments * self.segment_size)} (--ssd-size) does not fit in "
+                          f"{self.directory}: {missing} segment{'s' if missing != 1 else ''} of "
+                          f"{size_text(self.segment_size)} to preallocate need {size_text(need)}, the file "
+                          f"system has {size_text(free)} free. Give a smaller --ssd-size or free some space")
+
+    def _undo_create(self, created: list[str], made_dir: bool) -> None:
+        """Remove the segments this start created (and the directory, with its LOCK, if it made
+        it): a start that failed leaves no partial tier behind."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for path in created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if made_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path(LOCK_FILE))
+                os.rmdir(self.directory)
+
     def _probe_direct(self) -> str | None:
         """None if an aligned O_DIRECT write works in this directory; else why not. Some
         file systems (tmpfs) refuse O_DIRECT at open, others only at the first write."""
@@ -268,7 +323,7 @@ class TierFiles:
             return "no O_DIRECT on this platform"
         path = self.path(PROBE_FILE)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, FILE_MODE)
         except OSError as e:
             return f"O_DIRECT refused at open: {e.strerror}"
         try:
@@ -285,7 +340,7 @@ class TierFiles:
 
     def _create_segment(self, path: str) -> int:
         tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             try:
                 os.posix_fallocate(fd, 0, self.segment_size)
@@ -306,6 +361,11 @@ class TierFiles:
         checkpoint and log is removed first and the key replaced)."""
         try:
             with open(self.path(KEY_FILE), "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & 0o077:  # as ssh refuses a private key others can read
+                    raise ConfigError(f"{self.path(KEY_FILE)} is readable by other users (mode "
+                                      f"{mode & 0o777:04o}): whoever reads it can forge blocks this tier "
+                                      f"would take back. Make it the owner's alone: chmod 600 {self.path(KEY_FILE)}")
                 data = f.read()
         except FileNotFoundError:
             names = os.listdir(self.directory)
@@ -332,10 +392,12 @@ class TierFiles:
     def _write_key(self) -> None:
         key = os.urandom(KEY_SIZE)
         tmp = self.path(KEY_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(key + crc32c(key).to_bytes(4, "little"))
-            f.flush()
-            self._sync(f.fileno(), False)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            pwrite_all(fd, [key + crc32c(key).to_bytes(4, "little")], 0)
+            self._sync(fd, False)
+        finally:
+            os.close(fd)
         os.replace(tmp, self.path(KEY_FILE))
         self.sync_dir()
         self.key = key
@@ -356,7 +418,7 @@ class TierFiles:
         enc = CheckpointEncoder(state, wal_start, max_gen)
         name = checkpoint_name(wal_start)
         tmp = self.path(name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             pos = HEADER_SIZE
             for chunk in enc.body():

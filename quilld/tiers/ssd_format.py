@@ -73,7 +73,8 @@ from crc32c import crc32c
 
 from quilld.errors import QuillError
 from quilld.model import IdentityScope
-from quilld.tiers.wal import BadRecord, DelRecord, MetaRecord, PutRecord, Scope, WalReader, decode_batch
+from quilld.tiers.wal import (BadRecord, DelRecord, MetaRecord, PutRecord, Scope, WalReader, check_expire,
+                              decode_batch)
 
 PAGE = 4096
 HEADER_SIZE = 64
@@ -188,6 +189,8 @@ def block_tag(tier_key: bytes, md: int, generation: int, length: int, crc: int, 
 
 def pack_block_header(key: bytes, scope: Scope, generation: int, length: int, crc: int, expire: int = 0, *,
                       committed: bool, tier_key: bytes) -> bytes:
+    """A block's header; Unstorable for an expiry its i64 cannot hold."""
+    check_expire(expire)
     meta = block_meta(scope, key)
     md = xxhash.xxh64_intdigest(meta)
     tag = block_tag(tier_key, md, generation, length, crc, expire, meta)

@@ -74,6 +74,7 @@ from quilld.tiers.keyspace import Keyspace
 from quilld.tiers.run_state import RUNNING, STOPPED, RunState
 from quilld.tiers.ssd import SsdEntry, SsdTier
 from quilld.tiers.ssd_changes import DurableChanges
+from quilld.tiers.ssd_files import size_text
 from quilld.tiers.ssd_format import CorruptBlock, SsdFailure
 
 log = logging.getLogger("quilld.ssd")
@@ -85,6 +86,13 @@ _PATHS = {"fresh": "a new tier", "checkpoint": "its checkpoint and log",
 RESERVE_WAIT = 5.0  # seconds a read from SSD waits for DRAM to be freed by the demoter
 STOP_WAIT = 30.0  # seconds shutdown waits for a demotion batch in flight
 CENSUS_INTERVAL = 2.0  # seconds between counts of the keys held only in DRAM (written into LOCK)
+
+
+def size_line(cfg: SsdConfig, capacity: int) -> str:
+    """What the tier takes on disk, said at start: every segment is preallocated in full, so
+    a node given only ssd.dir takes ssd.size's default at once."""
+    default = " (ssd.size's default: --ssd-size or ssd.size sets it)" if cfg.size == SsdConfig.size else ""
+    return f"{size_text(capacity)} preallocated on disk{default}"
 
 
 def _ignore(seconds: float) -> None:
@@ -121,6 +129,7 @@ class Tiering(Demotion, DurableChanges):
         self._busy_since: float | None = None  # when the demoter last went from idle to a batch in flight
         self._census_at = 0.0  # monotonic time of the last census
         self._scope_tuples: dict[bytes, tuple] = {}  # scope tag -> its scope as the SSD tier keys it
+        self._unstorable: dict[bytes, tuple[int, int]] = {}  # full key -> (id, expiry) of a value refused (demotion.py)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
@@ -169,7 +178,7 @@ class Tiering(Demotion, DurableChanges):
         def progress(done: int, total: int) -> None:
             log.info("ssd recovery: verified %d of %d blocks (%.0f%%)", done, total, 100 * done / max(total, 1))
 
-        log.info("ssd tier: recovering %s", self.cfg.dir)
+        log.info("ssd tier: recovering %s; %s", self.cfg.dir, size_line(self.cfg, self.ssd.capacity))
         try:
             self.report = await self._run(lambda: self.ssd.recover(progress))
         except SsdFailure as e:  # e.g. a segment became unreadable: serve from DRAM only
@@ -233,9 +242,13 @@ class Tiering(Demotion, DurableChanges):
                 log.info("ssd tier: checkpoint of %s values written at shutdown", n)
         except SsdFailure as e:
             self._failed(e)
+        except Exception:  # noqa: BLE001 - the run is still recorded and the files closed
+            log.exception("ssd tier: the flush at stop failed")
         self.not_kept = self.unflushed()[0]
         if self.not_kept:
-            why = "the SSD tier failed" if not self.active else "the SSD tier is full, or they were in use"
+            unstorable = self.unstorable_held()
+            why = "the SSD tier failed" if not self.active else "the SSD tier is full, or they were in use" + (
+                f"; {unstorable} of them it cannot hold (ssd_unstorable)" if unstorable else "")
             log.warning("ssd tier: %d keys held only in DRAM could not be written to SSD (%s): the next start "
                         "will not have them", self.not_kept, why)
         elif started:
@@ -454,7 +467,8 @@ class Tiering(Demotion, DurableChanges):
         prev = self.previous_run
         unclean = prev is not None and prev.state == RUNNING  # 0 too for a new directory, or one of an older quilld
         lost = 0 if prev is None else prev.dram_only if unclean else prev.not_kept
-        out += [("last_run_unclean", int(unclean)), ("last_run_lost_keys", lost), ("dram_only_keys", self.dram_only())]
+        out += [("last_run_unclean", int(unclean)), ("last_run_lost_keys", lost), ("dram_only_keys", self.dram_only()),
+                ("unstorable_held", self.unstorable_held())]
         stats = {"demote_usec": 0, "demoted_bytes": 0, **self.stats}
         if self._busy_since is not None:  # a batch in flight: its time so far counts too
             stats["demote_usec"] = stats.get("demote_usec", 0) + int((time.perf_counter() - self._busy_since) * 1e6)

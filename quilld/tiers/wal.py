@@ -26,6 +26,7 @@ from typing import NamedTuple
 import msgpack
 from crc32c import crc32c
 
+FILE_MODE = 0o600  # every file of the SSD tier, logs included: its owner's alone (ssd_files.py)
 BLOCK_SIZE = 32 * 1024  # as LevelDB's log::kBlockSize
 HEADER_SIZE = 7  # crc u32 + length u16 + type u8
 _HEADER = struct.Struct("<IHB")
@@ -225,6 +226,21 @@ class BadRecord(ValueError):
     """A framed record that is not a batch of PUT and DEL operations of this format."""
 
 
+EXPIRE_MAX = (1 << 63) - 1  # the latest expiry the tier can hold (unix ms): the block header's i64
+
+
+class Unstorable(ValueError):
+    """What the SSD tier's formats cannot hold (an expiry outside 0..EXPIRE_MAX). Raised before
+    anything of it is written, so it fails its own value or change only, never the tier."""
+
+
+def check_expire(expire: int) -> int:
+    """`expire` (unix ms, 0: never) if the tier can hold it; else Unstorable."""
+    if not 0 <= expire <= EXPIRE_MAX:
+        raise Unstorable(f"expiry {expire} is outside what the SSD tier holds (0..{EXPIRE_MAX} unix ms)")
+    return expire
+
+
 Record = PutRecord | DelRecord | MetaRecord
 
 
@@ -234,15 +250,17 @@ def encode_batch(ops: Iterable[Record]) -> bytes:
     msgpack: an array of [1, generation, tenant, model, tokenizer, adapter, key, seg,
     offset, length, crc, expire] (PUT), [2, generation, tenant, model, tokenizer, adapter,
     key] (DEL) and [3, generation, tenant, model, tokenizer, adapter, key, expire] (META)
-    arrays. One record per batch keeps replay cost per batch, not per op.
+    arrays. One record per batch keeps replay cost per batch, not per op. An expiry the
+    tier cannot hold raises Unstorable (nothing is encoded).
     """
     out = []
     for op in ops:
         t = type(op)
         if t is PutRecord:
-            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc, op.expire))
+            out.append((_PUT, op.generation, *op.scope, op.key, op.seg, op.offset, op.length, op.crc,
+                        check_expire(op.expire)))
         elif t is MetaRecord:
-            out.append((_META, op.generation, *op.scope, op.key, op.expire))
+            out.append((_META, op.generation, *op.scope, op.key, check_expire(op.expire)))
         else:
             out.append((_DEL, op.generation, *op.scope, op.key))
     return msgpack.packb(out)
@@ -293,7 +311,7 @@ class WalWriter:
     def __init__(self, path: str, number: int) -> None:
         self.path = path
         self.number = number
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
         self.size = os.fstat(self.fd).st_size
 
     def append(self, records: Iterable[bytes]) -> int:

@@ -59,7 +59,7 @@ def test_a_recovering_node_is_alive_and_not_ready(tmp_path):
     key_file = ssd_dir / KEY_FILE
     key = key_file.read_bytes()
     key_file.unlink()
-    os.mkfifo(key_file)  # recovery's open waits here until the test writes the key
+    os.mkfifo(key_file, 0o600)  # the owner's alone, as a key must be; recovery's open waits here for the key
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env.update(PYTHONPATH=str(ROOT), QUILLD_ADMIN_TOKEN=TOKEN, QUILLD_SSD_SEGMENT_SIZE="32MiB")

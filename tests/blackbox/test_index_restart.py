@@ -9,17 +9,23 @@ that restarted meanwhile) is gone. With LMDB and RocksDB; every wait is bounded.
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import signal
 import threading
 import time
 
 import pytest
+import redis
 import vllm_schema as vllm
 import zmq
-from conftest import wait_until
+from conftest import http, wait_until
 from test_kv_events import HIT, MODEL, RECOMPUTE, Publisher, admin, plan
+from test_ssd_tier import tiny_fs  # noqa: F401 (a fixture: a 24 MiB tmpfs)
 
 from quilld.index.backend import BACKENDS
+from quilld.index.stores import open_store
 
 PERSISTENT = [b for b in BACKENDS if b != "memory"]
 
@@ -187,3 +193,102 @@ def test_a_kill_during_ingest_recovers_a_committed_state_and_converges(backend, 
     tail = [1000 + i for i in range(last - 49, last + 1)]
     assert wait_until(lambda: plan(r2, tail) == [HIT] * 50, timeout=20)
     assert plan(r2, [1000 + last - 50]) == [RECOMPUTE] and feed(q2)["drops"] == 0
+
+
+def test_an_index_that_cannot_write_on_a_full_disk_costs_no_ssd_flush(publisher, quilld_factory, tmp_path, tiny_fs):
+    """Issue 29.21: RocksDB's close raised on a full disk and Node.stop, calling it unguarded before
+    the SSD tier's stop, skipped the flush: 0 of 100 DRAM values came back (100 of 100 on a roomy
+    disk), and /healthz said ok meanwhile."""
+    conf = tmp_path / "full-index.toml"
+    conf.write_text(f"""[index]
+backend = "rocksdb"
+path = "{tiny_fs / 'index'}"
+commit_ms = 20
+
+[[engines]]
+id = "vllm-0"
+url = "http://127.0.0.1:9"
+model = "{MODEL}"
+kv_events = "tcp://127.0.0.1:{publisher.pub_port}"
+replay = "tcp://127.0.0.1:{publisher.replay_port}"
+""")
+    ssd = ["--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "64MiB"]
+    env = {"QUILLD_SSD_SEGMENT_SIZE": "32MiB"}
+    with open(tiny_fs / "filler", "wb", buffering=0) as f:  # the index's disk: 1 MiB left
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+        f.truncate(max(0, f.tell() - (1 << 20)))
+    q = quilld_factory("--dram", "64MiB", "--config", str(conf), *ssd, env=env)
+    r = q.client(protocol=2)
+    assert r.execute_command("SCOPE", MODEL, "") == b"OK"
+    fill(publisher, q, r)
+
+    def health():
+        status, _, body = http(q.admin_port, "GET", "/healthz")
+        return status, json.loads(body)
+
+    deadline, n = time.monotonic() + 30, 100
+    while health()[1]["status"] == "ok" and time.monotonic() < deadline:  # until a commit fails: disk full
+        publisher.publish(vllm.gpu(list(range(n, n + 4000))))
+        n += 4000
+        time.sleep(0.1)
+    status, seen = health()
+    values = {f"v{i}": os.urandom(4096) for i in range(100)}
+    plain = redis.Redis(port=q.port)
+    for k, v in values.items():
+        plain.set(k, v)
+    code = q.stop()
+    q2 = quilld_factory("--dram", "64MiB", *ssd, env=env)  # the memory index: only the SSD tier is asked
+    r2 = redis.Redis(port=q2.port)
+    back = sum(r2.get(k) == v for k, v in values.items())
+    assert back == 100, f"{back} of 100 DRAM values came back after the stop"
+    assert code == 1 and "stopping the control plane" in q.log() and "every key is on SSD" in q.log(), q.log()
+    assert status == 503 and seen["status"] == "degraded", seen
+    assert any("the residency index cannot write" in why for why in seen["reasons"]), seen
+
+
+def _truncate(path) -> None:
+    data = path / "lmdb" / "data.mdb"
+    os.truncate(data, os.path.getsize(data) // 2 // 4096 * 4096)
+
+
+def _garble_pages(path) -> None:
+    data = path / "lmdb" / "data.mdb"
+    rng = random.Random(29)
+    with open(data, "r+b") as f:
+        for page in range(2, os.path.getsize(data) // 4096):  # every page but the two meta pages
+            f.seek(page * 4096 + 16)
+            f.write(rng.randbytes(200))
+
+
+def _not_json(path) -> None:
+    store = open_store("lmdb", path)
+    try:
+        keys, _ = store.scan(b"s")  # the scope records: JSON
+        store.write([(keys[0], b"\xffnot json")], [])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble_pages, _not_json], ids=["truncated", "page", "not-json"])
+def test_a_damaged_lmdb_index_is_set_aside_and_rebuilt_from_the_replay(damage, publisher, quilld_factory, tmp_path):
+    """Issue 29.20: a truncated data.mdb killed quilld with SIGBUS before anything was logged; a
+    damaged page or a record that is not JSON exited 1 with a traceback."""
+    conf = config(tmp_path, publisher, "lmdb")
+    q, r = start(quilld_factory, conf)
+    fill(publisher, q, r)
+    assert q.stop() == 0
+    damage(tmp_path / "index")
+    q2, r2 = start(quilld_factory, conf)
+    lines = [line for line in q2.log().splitlines() if "is damaged" in line]
+    assert len(lines) == 1 and "starting empty" in lines[0], q2.log()
+    assert "Traceback" not in q2.log()
+    assert [p.name for p in (tmp_path / "index").iterdir() if p.name.startswith("lmdb.damaged-")]
+    # the engine's replay buffer gives back what the index held
+    assert wait_until(lambda: plan(r2, A + B) == [HIT] * 16, timeout=15), plan(r2, A + B)
+    assert q2.stop() == 0
+    q3, r3 = start(quilld_factory, conf)  # the new index was committed: no damage now
+    assert "is damaged" not in q3.log() and plan(r3, A + B) == [HIT] * 16

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import http, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
+from conftest import http, run_quilld, spill_to_ssd, ssd_node, stop_process, tiers_of, wait_held, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -236,6 +236,26 @@ def tiny_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def test_an_ssd_size_larger_than_the_free_disk_is_refused_and_fills_nothing(tmp_path, tiny_fs):
+    # issue 29.1: preallocating segment after segment filled the disk, then refused with ENOSPC
+    # and left the segments behind
+    ssd_dir = tiny_fs / "ssd"
+    free = os.statvfs(tiny_fs).f_bavail * os.statvfs(tiny_fs).f_frsize
+    r = run_quilld("--port", "0", "--admin-port", "0", "--dram", "8MiB", "--ssd-dir", str(ssd_dir),
+                   "--ssd-size", "64MiB", env={"QUILLD_SSD_SEGMENT_SIZE": "8MiB"})
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if "does not fit" in line]
+    assert len(lines) == 1 and "ssd.size 64.0 MiB (--ssd-size)" in lines[0] and "24.0 MiB free" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not ssd_dir.exists(), sorted(os.listdir(ssd_dir))
+    assert os.statvfs(tiny_fs).f_bavail * os.statvfs(tiny_fs).f_frsize == free
+    q = ssd_node(tmp_path, ssd_dir, ssd_size="16MiB", QUILLD_SSD_SEGMENT_SIZE="8MiB")  # one that fits starts
+    try:
+        assert "ssd tier: recovering %s; 16.0 MiB preallocated on disk" % ssd_dir in q.log()
+    finally:
+        assert stop_process(q.proc) == 0, q.log()
+
+
 def test_a_full_disk_fails_the_tier_and_the_node_keeps_serving_from_dram(tmp_path, tiny_fs, nodes):
     ssd_dir = tiny_fs / "ssd"
     q = ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="16MiB", QUILLD_SSD_SEGMENT_SIZE="16MiB")
@@ -360,3 +380,47 @@ def test_a_damaged_checkpoint_byte_loses_nothing_and_recovery_says_which_path_it
         assert stop_process(q.proc) == 0
         for checkpoint in sorted(ssd_dir.glob("checkpoint-*")):  # next: every checkpoint damaged
             _flip(checkpoint, 64 + 100)
+
+
+def test_a_restore_with_an_absurd_ttl_never_wedges_the_ssd_tier(tmp_path, nodes):
+    """Issue 29.14: `RESTORE k 9223372036854775807 <payload>` answered OK, then every demotion
+    batch failed packing its expiry: DRAM filled, other writes got OOM, the clean stop exited 1
+    and DRAM values were lost. The door may refuse such a TTL (as redis does); whatever it
+    answers, no other value is held back and the stop keeps everything it can."""
+    ssd_dir = tmp_path / "ssd"
+    q = ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="128MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    r.set("src", b"v" * 1000)
+    payload = r.dump("src")
+    r.delete("src")
+    try:
+        restored = r.execute_command("RESTORE", "absurd", "9223372036854775807", payload)
+    except redis.ResponseError:
+        restored = None
+    # 24 MiB of other values into 8 MiB of DRAM: they can only fit if demotion goes on
+    keys = [f"other{i}" for i in range(96)]
+    for k in keys:
+        assert r.set(k, value(k, 256 * KiB))
+    until(lambda: any(tiers_of(r, k) == {"ssd"} for k in keys[:8]), 30, "demotion to go on")
+    info = r.info("persistence")
+    assert info["ssd_failed"] == 0
+    status, _, body = http(q.admin_port, "GET", "/healthz")
+    health = json.loads(body)
+    if restored is not None:  # the door let it in: the tier refuses that value alone, and says so
+        assert r.exists("absurd") and r.get("absurd") == b"v" * 1000
+        assert info["ssd_unstorable"] >= 1 and info["unstorable_held"] == 1, info
+        assert status == 503 and health["status"] == "degraded", health
+        assert any("cannot hold" in why for why in health["reasons"]), health
+        assert "the SSD tier cannot hold it" in q.log()
+    else:
+        assert not r.exists("absurd")
+        assert status == 200 and health["status"] == "ok", health
+    for k in keys:
+        assert r.get(k) == value(k, 256 * KiB), k
+    assert stop_process(q.proc) == 0, q.log()
+    q = ssd_node(tmp_path, ssd_dir, dram="8MiB", ssd_size="128MiB")
+    nodes.append(q)
+    r = redis.Redis(port=q.port, socket_timeout=20)
+    for k in keys:
+        assert r.get(k) == value(k, 256 * KiB), k

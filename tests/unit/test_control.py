@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import pytest
 import vllm_schema as vllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from procs import free_port
 
-from quilld.config import Config, EngineConfig, RouterConfig
+from quilld.config import Config, EngineConfig, IndexConfig, RouterConfig
 from quilld.index.control import ControlPlane, chain_hashes
 from quilld.index.events import Batch, Stored, decode_payload
 from quilld.index.residency import ResidencyIndex
@@ -221,3 +224,40 @@ def test_single_block_events_cost_one_index_call_per_run():
     feed(control, *[vllm.gpu([i]) for i in range(48)], *[vllm.removed([i]) for i in range(16)])
     assert CountingIndex.calls == 2
     assert control.index.count("vllm-0", "hbm") == 32
+
+
+
+def test_a_subscriber_failing_to_stop_still_lets_the_index_commit_and_close(tmp_path):
+    """Issue 29.21: stop order survives any part failing: a subscriber whose stop raises no longer
+    skips the other subscribers' stops nor the persistent index's last commit."""
+    engines = tuple(EngineConfig(id=f"e{i}", url="http://127.0.0.1:9", model="m",
+                                 kv_events=f"tcp://127.0.0.1:{free_port()}") for i in range(2))
+    cfg = Config(engines=engines, index=IndexConfig(backend="lmdb", path=str(tmp_path / "index")))
+
+    async def body():
+        control = ControlPlane(cfg, ScopeRegistry())
+        await control.start()
+        assert control.subscriptions == 2
+        subs = list(control._subscribers.values())
+        stopped = []
+
+        async def broken():
+            raise RuntimeError("a subscriber that cannot stop")
+
+        subs[0].stop = broken
+        real = subs[1].stop
+
+        async def second():
+            stopped.append(subs[1].engine_id)
+            await real()
+
+        subs[1].stop = second
+        control.apply("e1", Batch(0.0, (Stored((11, 12, 13), None, (), 16, None, "GPU", None),), None, None))
+        with pytest.raises(RuntimeError, match="cannot stop"):
+            await control.stop()
+        assert stopped == ["e1"]
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+    again = ControlPlane(cfg, ScopeRegistry())  # the last changes were committed at the stop
+    assert len(again.index) == 3 and again.index.count("e1", "hbm") == 3
+    again.index.close()

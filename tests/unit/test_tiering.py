@@ -557,3 +557,102 @@ def test_random_sequence_keeps_values_and_accounting(tmp_path):
             check_accounting(ks)
             await check_ssd(ks, t)
     run(body())
+
+
+# -- what the SSD format cannot hold (issue 29.14) -------------------------------------------
+
+ABSURD = now_ms() + 9223372036854775807  # RESTORE k 9223372036854775807 ...: past the header's i64
+
+
+def test_a_value_whose_ttl_the_ssd_cannot_hold_stays_in_dram_and_fails_only_itself(tmp_path):
+    """Before, packing its expiry raised struct.error inside the batch: every batch failed, its
+    blocks stayed pinned, DRAM filled, the stop flushed nothing; ssd_failed stayed 0."""
+    values = {b"k%d" % i: data(VAL, 90 + i) for i in range(6)}
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            for key, value in values.items():
+                put(ks, tag, key, value)
+            put(ks, tag, b"small", b"inline")
+            ks.set_expire(tag, b"k0", ABSURD)  # the coldest: first in every batch
+            ks.set_expire(tag, b"small", ABSURD)
+            await demote_all(t)
+            assert set(ks.lower) == {tag + k for k in values if k != b"k0"}
+            assert set(ks.data) == {tag + b"k0", tag + b"small"}
+            assert t.active and t.stats["ssd_unstorable"] == 2 and t.unstorable_held() == 2
+            assert t.stats["demote_errors"] == 0
+            await demote_all(t)  # refused once: not picked again, not counted again
+            assert t.stats["ssd_unstorable"] == 2
+            check_accounting(ks)  # nothing left pinned
+            await check_ssd(ks, t)
+            for key, value in values.items():
+                assert await read_back(ks, tag, key) == value
+            assert ks.expire_time(tag, b"k0") == ABSURD
+            # a new value of the key is a new value: picked again (and it fits)
+            put(ks, tag, b"small", b"inline2")
+            assert t.unstorable_held() == 1
+            await demote_all(t)
+            assert tag + b"small" in ks.lower
+            put(ks, tag, b"late", b"x" * 300)  # refused, then given a TTL the tier can hold
+            ks.set_expire(tag, b"late", ABSURD)
+            await demote_all(t)
+            assert tag + b"late" in ks.data and t.unstorable_held() == 2
+            ks.set_expire(tag, b"late", now_ms() + 600_000)
+            assert t.unstorable_held() == 1
+            await demote_all(t)
+            assert tag + b"late" in ks.lower and t.stats["ssd_unstorable"] == 3
+        assert t.not_kept == 1  # the stop flushed everything else
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert t.report.recovered == len(values) + 1  # k1.. k5, small and late; k0's value could not be kept
+            assert ks.get(tag, b"k0") is None
+            for key, value in values.items():
+                if key != b"k0":
+                    assert await read_back(ks, tag, key) == value
+            assert await read_back(ks, tag, b"small") == b"inline2"
+    run(body())
+
+
+def test_a_batch_failing_on_anything_but_io_gives_its_values_back_and_the_tier_goes_on(tmp_path, monkeypatch):
+    values = {b"k%d" % i: data(VAL, 120 + i) for i in range(4)}
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            for key, value in values.items():
+                put(ks, tag, key, value)
+            real = t.ssd.write_blocks
+            calls = []
+
+            def fails_once(items):
+                calls.append(len(items))
+                if len(calls) == 1:
+                    raise RuntimeError("a bug in the write path")
+                return real(items)
+
+            monkeypatch.setattr(t.ssd, "write_blocks", fails_once)
+            assert not await t._demote_batch(everything=True)
+            assert t.active and t.stats["demote_errors"] == 1 and not ks.lower
+            check_accounting(ks)  # its blocks unpinned, its extents freed
+            assert t.used == 0
+            await demote_all(t)
+            assert set(ks.lower) == {tag + k for k in values}
+            check_accounting(ks)
+            await check_ssd(ks, t)
+    run(body())
+
+
+def test_a_new_ttl_the_ssd_cannot_hold_is_refused_alone(tmp_path):
+    soon = now_ms() + 60_000
+
+    async def body():
+        async with tiered(tmp_path) as (ks, t, tag):
+            put(ks, tag, b"a", data(VAL, 7))
+            put(ks, tag, b"b", data(VAL, 8))
+            await demote_all(t)
+            ks.set_expire(tag, b"a", ABSURD)
+            ks.set_expire(tag, b"b", soon)
+            await settle_deletes(t)
+            assert t.active and t.stats["ssd_unstorable"] == 1 and t.stats["ssd_retimes"] == 1
+            assert t.ssd.lookup(SCOPE, b"b").expire == soon
+        async with tiered(tmp_path) as (ks, t, tag):
+            assert ks.expire_time(tag, b"b") == soon and ks.expire_time(tag, b"a") == -1
+    run(body())
