@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from quilld.protocol.commands.rdb_payload import BadPayload, check, crc64, load, lzf_decompress
-from conftest import wait_until
+from conftest import spill_to_ssd, ssd_node, stop_process, tiers_of, wait_until
 from test_compat import run_script
 
 pytestmark = pytest.mark.shared_node  # one quilld and one redis-server for the module
@@ -230,3 +230,25 @@ def test_a_size_beyond_the_value_limit_is_refused_before_any_work(quilld):
         assert q.restore("k", 0, lzf_payload(ord("a"), 1 << 20)) and q.strlen("k") == 1 << 20  # at the limit
     finally:
         q.config_set("proto-max-bulk-len", str(512 << 20))
+
+
+def test_an_absurd_restore_ttl_leaves_the_ssd_tier_demoting(tmp_path):
+    """Issue 29.14: `RESTORE k 9223372036854775807 <payload>` made a key whose deadline (now +
+    2^63 - 1 ms) no SSD record can hold: every demotion batch failed after it, DRAM filled and
+    the clean stop exited 1. redis makes no key for it; nor does quilld now, and the tier demotes."""
+    q = ssd_node(tmp_path, tmp_path / "ssd")
+    try:
+        r = q.client(socket_timeout=30)
+        r.set("src", b"v" * 5000)
+        payload = r.dump("src")
+        assert r.restore("k", 9223372036854775807, payload) and r.exists("k") == 0
+        assert r.restore("src", 9223372036854775807, payload, replace=True) and r.exists("src") == 0
+        assert r.restore("far", 9223372036854775807, payload, absttl=True)  # the largest deadline there is
+        assert r.pexpiretime("far") == 9223372036854775807
+        values = {f"v{i}": os.urandom(256 * 1024) for i in range(48)}  # 12 MiB over an 8 MiB arena
+        spill_to_ssd(r, values, ["v0", "v1", "v2"])
+        assert wait_until(lambda: tiers_of(r, "far") == {"ssd"}, timeout=30)
+        assert r.get("far") == b"v" * 5000 and r.pexpiretime("far") == 9223372036854775807
+        assert r.get("v0") == values["v0"]
+    finally:
+        assert stop_process(q.proc) == 0, q.log()[-3000:]
