@@ -221,11 +221,15 @@ class Selector:
 
     # -- checks --------------------------------------------------------------------------
     def check(self, cmd: Command, argv: list) -> tuple[int, int]:
-        """(OK, DENIED_CMD or DENIED_KEY, the denied key's position)."""
+        """(OK, DENIED_CMD or DENIED_KEY, the denied key's position: -1 when a command that takes
+        keys names none the specs find and none is optional, which is refused, not let through)."""
         if NOAUTH not in cmd.flags and cmd.name not in self.allowed:
             return DENIED_CMD, 0
         if not self.allkeys and cmd.has_keys:
-            for pos, flags in keys_from_specs(cmd, argv) or ():
+            found = keys_from_specs(cmd, argv)
+            if not found and (found is None or "no_mandatory_keys" not in cmd.info_flags):
+                return DENIED_KEY, -1  # a command that takes keys, its keys not found: closed, not open
+            for pos, flags in found:
                 words = flags.split()
                 need = (READ if "access" in words else 0) | (WRITE if _WRITES.intersection(words) else 0)
                 key = bytes(argv[pos])
@@ -364,6 +368,8 @@ class AclUser:
                 worst, at = result, pos
         if worst == DENIED_CMD:
             return f"This user has no permissions to run the '{cmd.name}' command"
+        if at < 0:  # its keys could not be found
+            return "This user has no permissions to access one of the keys used as arguments"
         return f"This user has no permissions to access the '{bytes(argv[at]).decode('utf-8', 'replace')}' key"
 
 
