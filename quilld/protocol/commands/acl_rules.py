@@ -345,17 +345,35 @@ class AclUser:
         parts = ["user", name, *self.flags(), *("#" + d for d in self.login.digests), self.root.describe()]
         return " ".join(parts) + "".join(f" ({s.describe()})" for s in self.selectors)
 
-    def refusal(self, cmd: Command, argv: list) -> NoPerm | None:
-        """None when the user may run `argv` (command `cmd`), else the NOPERM redis answers."""
+    def denial(self, cmd: Command, argv: list) -> int:
+        """OK when the user may run `argv` (command `cmd`), else DENIED_CMD or DENIED_KEY."""
         worst = OK
         for selector in (self.root, *self.selectors):
             result, _ = selector.check(cmd, argv)
             if result == OK:
-                return None
+                return OK
             worst = max(worst, result)
+        return worst
+
+    def refusal(self, cmd: Command, argv: list) -> NoPerm | None:
+        """None when the user may run `argv` (command `cmd`), else the NOPERM redis answers."""
+        worst = self.denial(cmd, argv)
+        if worst == OK:
+            return None
         if worst == DENIED_CMD:
             return NoPerm(f"this user has no permissions to run the '{cmd.name}' command")
         return NoPerm("this user has no permissions to access one of the keys used as arguments")
+
+    def refusal_at_exec(self, cmd: Command, argv: list) -> NoPerm | None:
+        """None when the user may still run a command queued by MULTI, else redis's NOPERM for
+        rights that changed since it was queued (execCommand checks each one again)."""
+        worst = self.denial(cmd, argv)
+        if worst == OK:
+            return None
+        reason = ("no permission to execute the command or subcommand" if worst == DENIED_CMD
+                  else "no permission to touch the specified keys")
+        return NoPerm("ACLs rules changed between the moment the transaction was accumulated and the EXEC call. "
+                      f"This command is no longer allowed for the following reason: {reason}")
 
     def dry_run(self, cmd: Command, argv: list) -> str | None:
         """ACL DRYRUN's text for a refusal (the denied command or key), or None."""
