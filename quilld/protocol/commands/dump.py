@@ -28,6 +28,7 @@ from quilld.protocol.commands.rdb_payload import Compressed, check, dump, expand
 from quilld.protocol.commands.strings import storable
 from quilld.protocol.resp import OK
 from quilld.protocol.table import READONLY, WRITE, CommandTable
+from quilld.tiers.block import Block
 from quilld.tiers.keyspace import now_ms
 
 _SYNTAX = CommandError("syntax error")
@@ -102,7 +103,7 @@ def cmd_restore(c, args):
         out = bytearray(value.size)
         expand_into(value, out)
         value = bytes(out)
-    return _create(c, key, ttl, absttl, replace, storable(store, value))
+    return _create(c, key, ttl, absttl, replace, value)
 
 
 def _checked(payload, limit: int):
@@ -117,7 +118,7 @@ async def _restore_later(c, key: bytes, ttl: int, absttl: bool, replace: bool, p
     value = await loop.run_in_executor(None, _checked, payload, limit)
     store = c.keyspace
     if value.__class__ is not Compressed:
-        return _create(c, key, ttl, absttl, replace, storable(store, value))
+        return _create(c, key, ttl, absttl, replace, value)
     if value.size <= store.inline_max:
         out = bytearray(value.size)
         expand_into(value, out)
@@ -125,29 +126,32 @@ async def _restore_later(c, key: bytes, ttl: int, absttl: bool, replace: bool, p
     block = store.reserve(value.size, c.user)
     try:
         await loop.run_in_executor(None, expand_into, value, store.write_view(block))
-        return _create(c, key, ttl, absttl, replace, block)
-    except BaseException:
+    except BaseException:  # a bad stream, or cancelled (the node stops)
         store.discard(block)
         raise
+    return _create(c, key, ttl, absttl, replace, block)  # (gives the block back unless it is the value)
 
 
 def _create(c, key: bytes, ttl: int, absttl: bool, replace: bool, value):
-    """The key, made from its decoded value (bytes inline, or a filled Block), as redis makes it."""
+    """The key, made from its decoded value as redis makes it: `value` is bytes or a view of the
+    payload (stored here, once the key is to be made), or an arena Block already filled (given
+    back unless it becomes the value)."""
     store = c.keyspace
-    if not replace and store.contains(c.tag, key):  # made meanwhile, while a large payload was decoded
-        raise BusyKey("Target key name already exists.")
     now = now_ms()
     if ttl and not absttl:
         ttl += now
         if ttl > LLONG_MAX:  # redis's 64-bit sum wraps negative: already expired
             ttl = -1
-    if ttl and ttl <= now:  # already expired: nothing is created (an old key is deleted)
-        if value.__class__ is not bytes:
+    busy = not replace and store.contains(c.tag, key)  # made meanwhile, while a large payload was decoded
+    if busy or (ttl and ttl <= now):
+        if value.__class__ is Block:
             store.discard(value)
-        if replace:
+        if busy:
+            raise BusyKey("Target key name already exists.")
+        if replace:  # already expired: nothing is created (an old key is deleted)
             store.delete(c.tag, key)
         return OK
-    store.publish(c.tag, key, value)
+    store.publish(c.tag, key, value if value.__class__ is Block else storable(store, value))
     if ttl:
         store.set_expire(c.tag, key, ttl)
     return acked(store, OK) if store.unsynced else OK
