@@ -21,7 +21,7 @@ import sys
 import sysconfig
 import tempfile
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -73,6 +73,8 @@ class BuildHot(build_ext):
 
     def run(self) -> None:
         super().run()
+        if all(ext in C_MODULES for ext in self.extensions):  # the hot path is not compiled: no manifest
+            return
         native = _native()
         modules = {}
         for module in native["HOT"]:
@@ -101,15 +103,24 @@ class BuildHot(build_ext):
 BUILDING = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
+# C that has no Python twin, built whenever a compiler works (QUILLD_PURE_PYTHON or not): LZF
+# decompression for RESTORE (quilld/_lzf.c; without it quilld refuses LZF payloads, rdb_payload.py)
+C_MODULES = [Extension("quilld._lzf", ["quilld/_lzf.c"])]
+
+
 def extensions() -> list:
     if not BUILDING & set(sys.argv[1:]):
         return []
     native = _native()
     manifest = os.path.join(ROOT, "quilld", native["MANIFEST"])
+    compiler = _compiler_works()
+    if compiler is not None:
+        say(f"quilld/_lzf.c is not built, RESTORE refuses LZF payloads: {compiler}")
+    c_modules = C_MODULES if compiler is None else []
     if os.environ.get(native["PURE_ENV"], "") not in ("", "0"):
         reason = f"{native['PURE_ENV']} is set"
     else:
-        reason = _compiler_works()
+        reason = compiler
         if reason is None:
             try:
                 from mypyc.build import mypycify
@@ -119,14 +130,14 @@ def extensions() -> list:
         if os.path.exists(manifest):
             os.remove(manifest)  # whatever an earlier build compiled is not used (quilld/native.py)
         say(f"pure Python, the hot path is not compiled: {reason}")
-        return []
+        return c_modules
     paths = [os.path.relpath(native["source_path"](m), ROOT) for m in native["HOT"]]
     say(f"compiling with mypyc: {' '.join(paths)}")
     cwd = os.getcwd()
     os.chdir(ROOT)  # mypyc names modules after paths relative to here
     try:
-        return mypycify(["--config-file", os.path.join(ROOT, "pyproject.toml"), *paths],
-                        group_name=native["GROUP"], opt_level="3", debug_level="0")
+        return c_modules + mypycify(["--config-file", os.path.join(ROOT, "pyproject.toml"), *paths],
+                                    group_name=native["GROUP"], opt_level="3", debug_level="0")
     finally:
         os.chdir(cwd)
 

@@ -32,6 +32,7 @@ from quilld.cluster.transfer import Transfers
 from quilld.config import ClusterConfig
 from quilld.errors import QuillError
 from quilld.model import CacheTier, IdentityScope, Pinned
+from quilld.tiers.expiry import MAX_DEADLINE_MS, now_ms
 from quilld.tiers.keyspace import Keyspace
 
 log = logging.getLogger("quilld.cluster")
@@ -145,13 +146,17 @@ class PoolReads:
         return block, buf, expires
 
     def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | bytes | None, expires: int) -> bytes | Pinned:
-        """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does."""
+        """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does
+        (a peer's expiry is range-checked here, the one way it enters this node's keyspace)."""
         store = self.keyspace
         value = bytes(buf or b"") if block is None else block
-        if not self.cfg.keep_fetched:
+        if expires > MAX_DEADLINE_MS or expires < -1:  # not a 64-bit unix time: answered, never kept
+            log.warning("cluster: a peer's copy of a key came with an expiry out of range (%d): not kept", expires)
+        in_time = expires == -1 or now_ms() < expires <= MAX_DEADLINE_MS  # (or expired on the way)
+        if not (self.cfg.keep_fetched and in_time):
             return value if block is None else Pinned(store.view(block), lambda: store.discard(block))
         store.publish(tag, key, value)
-        if expires >= 0:
+        if expires != -1:
             store.set_expire(tag, key, expires)
         return value if block is None else store.pinned(block)
 

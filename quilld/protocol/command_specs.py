@@ -198,8 +198,9 @@ def keys_from_specs(cmd: Command, argv: list) -> list[tuple[int, str]] | None:
             return None
         return [(i, "") for i in range(cmd.first_key, last + 1, cmd.step or 1)]
     specs = doc.keys
-    variable = any("variable_flags" in s.flags.split() for s in specs)
-    if doc.getkeys is not None and (variable or not specs):
+    # the specs cannot tell (their flags vary, or some keys are past what they find): ask getkeys
+    partial = any({"variable_flags", "incomplete"} & set(s.flags.split()) for s in specs)
+    if doc.getkeys is not None and (partial or not specs):
         return doc.getkeys(argv)
     found = _keys_by_specs(specs, argv)
     if found is None and doc.getkeys is not None:

@@ -6,12 +6,19 @@ for the periodic sweep. It knows nothing of values: the keyspace (keyspace.py) r
 key whose time has come, and its TTL verbs (`set_expire`, `ttl_ms`, `expire_time`,
 `set_ttl`, `persist`, `sweep_expired`) are built on this. A key that is read after its
 deadline is reclaimed by that read; the sweep reclaims the others.
+
+A deadline is a signed 64-bit unix time in ms, as redis keeps it and as the SSD tier's
+records store it: every way a TTL comes in (RESTORE, the EXPIRE family, SET and GETEX's
+options, a peer's copy) range-checks it at the door, and `set` refuses one that is not.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+
+
+MAX_DEADLINE_MS = (1 << 63) - 1  # redis's LLONG_MAX; the SSD tier packs a deadline as an i64
 
 
 def now_ms() -> int:
@@ -26,6 +33,8 @@ class Expiry:
         self._heap: list[tuple[int, bytes]] = []
 
     def set(self, fk: bytes, at_ms: int) -> None:
+        if not 0 < at_ms <= MAX_DEADLINE_MS:  # the doors check first: this is a bug, refused before it is stored
+            raise ValueError(f"a deadline of {at_ms} ms is not a positive signed 64-bit unix time")
         self.at[fk] = at_ms
         heap = self._heap
         heapq.heappush(heap, (at_ms, fk))

@@ -200,3 +200,27 @@ def test_command_getkeys_matches_redis_for_every_redis_command(quilld_factory, r
     assert len(theirs) == len(script)
     for c, t, o in zip(script, theirs, ours):
         assert o == t, f"{c}: redis answered {t!r}, quilld {o!r}"
+
+
+def test_rights_revoked_while_a_transaction_is_queued_are_checked_at_exec(quilld_factory, redis_server):
+    """Issue 29.19: EXEC ran queued commands the user's ACL no longer allowed (`*2 +OK +OK`);
+    redis checks each again and answers NOPERM for those, running the others."""
+    q = quilld_factory(admin=False)
+    replies = {}
+    for name, port in (("redis", redis_server), ("quilld", q.port)):
+        op = redis.Redis(port=port)
+        assert op.acl_setuser("dan", enabled=True, passwords=["+dpw"], keys=["*"], commands=["+@all"])
+        dan = _login(port, "dan", "dpw")
+        out = [_call(dan, *c) for c in (("MULTI",), ("SET", "k", "v"), ("GET", "k"), ("SET", "other", "1"))]
+        op.acl_setuser("dan", reset_keys=True, keys=["other"])  # k is no longer his to touch
+        dan.sendall(cmd("EXEC"))
+        out.append(read_lines(dan, 4))  # *3 and its three replies
+        out += [_call(dan, *c) for c in (("MULTI",), ("SET", "other", "2"), ("GET", "other"))]
+        op.acl_setuser("dan", commands=["-get"])  # nor is GET his to run
+        dan.sendall(cmd("EXEC"))
+        out.append(read_lines(dan, 3))  # *2 and its two replies
+        out.append(_call(dan, "GET", "k"))
+        replies[name] = out
+        dan.close()
+    assert replies["quilld"] == replies["redis"]
+    assert replies["quilld"][4].count(b"-NOPERM ACLs rules changed") == 2

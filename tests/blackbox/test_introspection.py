@@ -110,10 +110,13 @@ def test_every_command_is_described_and_listed(quilld, redis_server):
     # quilld's own: in the same terms, with key specs where they take keys
     getblk, locate, put2phase, scope = q.execute_command("COMMAND", "INFO", "getblk", "locate", "put2phase", "scope")
     assert getblk[1:6] == [-2, [b"readonly", b"fast"], 1, 1, 1] and b"@read" in getblk[6]
-    assert locate[3:6] == [1, -1, 1] and put2phase[2] == [b"write", b"denyoom", b"movablekeys"]
+    assert locate[3:6] == [1, -1, 1]
+    assert put2phase[2] == [b"write", b"denyoom", b"no_mandatory_keys", b"movablekeys"]  # DATA names no key
     assert scope[6] == [b"@fast", b"@connection"]
     assert q.execute_command("COMMAND", "GETKEYS", "put2phase", "BEGIN", "k", "10") == [b"k"]
     assert q.execute_command("COMMAND", "GETKEYS", "put2phase", "DATA", "h", "0", "x") == []
+    assert q.execute_command("COMMAND", "GETKEYS", "put2phase", "PUT", "k", "CRC32C", "1", "x") == [b"k"]
+    assert q.execute_command("COMMAND", "GETKEYS", "put2phase", "DATA", "h", "0", "BEGIN") == []
     aclcat = q.execute_command("COMMAND", "LIST", "FILTERBY", "ACLCAT", "dangerous")
     assert b"client|kill" in aclcat and b"get" not in aclcat
     pattern = q.execute_command("COMMAND", "LIST", "FILTERBY", "PATTERN", "config|*re*")

@@ -3,11 +3,14 @@ restricted session may run, and how rules are kept and shown."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from handler_context import make_context, session
 from quilld.errors import NoPerm
 from quilld.protocol.resp import OK
+from quilld.protocol.table import Doc, KeySpec
 
 
 def call(ctx, s, *args):
@@ -62,3 +65,34 @@ def test_rules_are_kept_as_given_each_name_once(ctx):
     assert call(ctx, op, "ACL", "SETUSER", "g", "+@all") is OK and ctx.users.acl_of("g").root.commands_text() == "+@all"
     err = call(ctx, op, "ACL", "SETUSER", "g", "+select|0")
     assert "quilld does not allow a first argument of a command" in err.message
+
+
+def test_a_command_whose_key_specs_find_no_key_is_refused_not_let_through(ctx):
+    """Issue 29.17: Selector.check let through a command that takes keys when its specs found
+    none in the arguments (PUT2PHASE PUT, whose only spec looked for keys after BEGIN). A row
+    whose keyword spec is not in the arguments is now refused to a key-pattern user (and run
+    for one with every key); one whose keys are all optional (no_mandatory_keys) is not."""
+    ran = []
+
+    def handler(c, args):
+        ran.append(bytes(args[1]))
+        return OK
+
+    for name, flags in (("wput", "write"), ("wopt", "write no_mandatory_keys")):
+        row = ctx.table.add(name, -2, "write", handler)
+        doc = Doc("a write whose key follows a keyword", "1.0.0", "generic", flags=flags,
+                  keys=(KeySpec("OW update", keyword=("INTO", 1), range=(0, 1, 0)),))
+        ctx.table.commands[name.encode()] = replace(row, doc=doc)
+    op = session(ctx)
+    assert call(ctx, op, "ACL", "SETUSER", "h", "on", "nopass", "+@all", "~carol:*") is OK
+    h = session(ctx, "h")
+    refused = call(ctx, h, "WPUT", "alice:x")
+    assert isinstance(refused, NoPerm) and ran == []
+    assert refused.message == "this user has no permissions to access one of the keys used as arguments"
+    assert bytes(call(ctx, op, "ACL", "DRYRUN", "h", "wput", "alice:x")) == \
+        b"This user has no permissions to access one of the keys used as arguments"
+    assert isinstance(call(ctx, h, "WPUT", "INTO", "alice:x"), NoPerm)
+    assert call(ctx, h, "WPUT", "INTO", "carol:x") is OK
+    assert call(ctx, h, "WOPT", "alice:x") is OK  # none of its keys is mandatory: none named, none checked
+    assert call(ctx, op, "WPUT", "alice:x") is OK  # a user with every key is not checked at all
+    assert ran == [b"INTO", b"alice:x", b"alice:x"]

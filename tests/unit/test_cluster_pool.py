@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import crc32c
 import pytest
@@ -49,6 +50,7 @@ class Peers:
     def __init__(self, answers: dict, keyspace: Keyspace) -> None:
         self.answers = answers
         self.keyspace = keyspace
+        self.expires = -1  # the holder's expiry sent with each value (PXAT: unix ms, or -1)
         self.calls: list[str] = []
         self.batches: list[tuple[str, int]] = []  # (peer, keys) of each fetch_many
 
@@ -63,7 +65,7 @@ class Peers:
             raise what
         view = target(len(what))
         view[:] = what
-        return crc32c.crc32c(what), view, -1
+        return crc32c.crc32c(what), view, self.expires
 
     async def fetch_many(self, peer, addr, scope, keys, timeout):
         assert scope == SCOPE
@@ -72,7 +74,7 @@ class Peers:
         await asyncio.sleep(delay)
         if isinstance(what, Exception):
             raise what
-        return [None if what is None else [crc32c.crc32c(what), what, -1] for _ in keys]
+        return [None if what is None else [crc32c.crc32c(what), what, self.expires] for _ in keys]
 
     def peer_gone(self, peer) -> None:
         pass
@@ -127,6 +129,28 @@ def test_a_small_value_is_read_from_its_holder_and_kept():
 
 
 LARGE = 80 * 1024  # more than pool_reads.BATCH_VALUE_BYTES: read on its own, into the arena
+
+
+@pytest.mark.parametrize("size", [32, LARGE])
+def test_a_peers_expiry_is_range_checked_before_the_copy_is_kept(size):
+    """Issue 29.14: a holder's PXAT past a signed 64-bit unix time (or below -1) is never stored
+    (the SSD tier packs deadlines as i64): the value is answered, not kept; one in range is kept."""
+    value = bytes(range(256)) * (size // 256) if size > 256 else b"v" * size
+    for expires in ((1 << 63), (1 << 70), -5, int(time.time() * 1000) - 1000):
+        cluster, ks, tag = make({"n3": (0.0, value)}, holders={"n3": CacheTier.DRAM}, pages=64)
+        cluster.transfers.expires = expires
+        got = run(cluster.pool_read(SCOPE, tag, KEY))
+        assert bytes(got.view if isinstance(got, Pinned) else got) == value, expires
+        if isinstance(got, Pinned):
+            got.release()
+        assert ks.get(tag, KEY) is None and ks.expire_time(tag, KEY) == -2, expires  # not kept
+        assert nothing_held(ks)
+    cluster, ks, tag = make({"n3": (0.0, value)}, holders={"n3": CacheTier.DRAM}, pages=64)
+    cluster.transfers.expires = at = (1 << 63) - 1
+    got = run(cluster.pool_read(SCOPE, tag, KEY))
+    if isinstance(got, Pinned):
+        got.release()
+    assert ks.expire_time(tag, KEY) == at  # in range: kept, expiring with the holder's
 
 
 def test_a_large_value_comes_from_a_dram_holder_first_pinned_and_kept():

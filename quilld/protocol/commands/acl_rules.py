@@ -221,11 +221,15 @@ class Selector:
 
     # -- checks --------------------------------------------------------------------------
     def check(self, cmd: Command, argv: list) -> tuple[int, int]:
-        """(OK, DENIED_CMD or DENIED_KEY, the denied key's position)."""
+        """(OK, DENIED_CMD or DENIED_KEY, the denied key's position: -1 when a command that takes
+        keys names none the specs find and none is optional, which is refused, not let through)."""
         if NOAUTH not in cmd.flags and cmd.name not in self.allowed:
             return DENIED_CMD, 0
         if not self.allkeys and cmd.has_keys:
-            for pos, flags in keys_from_specs(cmd, argv) or ():
+            found = keys_from_specs(cmd, argv)
+            if not found and (found is None or "no_mandatory_keys" not in cmd.info_flags):
+                return DENIED_KEY, -1  # a command that takes keys, its keys not found: closed, not open
+            for pos, flags in found:
                 words = flags.split()
                 need = (READ if "access" in words else 0) | (WRITE if _WRITES.intersection(words) else 0)
                 key = bytes(argv[pos])
@@ -341,17 +345,35 @@ class AclUser:
         parts = ["user", name, *self.flags(), *("#" + d for d in self.login.digests), self.root.describe()]
         return " ".join(parts) + "".join(f" ({s.describe()})" for s in self.selectors)
 
-    def refusal(self, cmd: Command, argv: list) -> NoPerm | None:
-        """None when the user may run `argv` (command `cmd`), else the NOPERM redis answers."""
+    def denial(self, cmd: Command, argv: list) -> int:
+        """OK when the user may run `argv` (command `cmd`), else DENIED_CMD or DENIED_KEY."""
         worst = OK
         for selector in (self.root, *self.selectors):
             result, _ = selector.check(cmd, argv)
             if result == OK:
-                return None
+                return OK
             worst = max(worst, result)
+        return worst
+
+    def refusal(self, cmd: Command, argv: list) -> NoPerm | None:
+        """None when the user may run `argv` (command `cmd`), else the NOPERM redis answers."""
+        worst = self.denial(cmd, argv)
+        if worst == OK:
+            return None
         if worst == DENIED_CMD:
             return NoPerm(f"this user has no permissions to run the '{cmd.name}' command")
         return NoPerm("this user has no permissions to access one of the keys used as arguments")
+
+    def refusal_at_exec(self, cmd: Command, argv: list) -> NoPerm | None:
+        """None when the user may still run a command queued by MULTI, else redis's NOPERM for
+        rights that changed since it was queued (execCommand checks each one again)."""
+        worst = self.denial(cmd, argv)
+        if worst == OK:
+            return None
+        reason = ("no permission to execute the command or subcommand" if worst == DENIED_CMD
+                  else "no permission to touch the specified keys")
+        return NoPerm("ACLs rules changed between the moment the transaction was accumulated and the EXEC call. "
+                      f"This command is no longer allowed for the following reason: {reason}")
 
     def dry_run(self, cmd: Command, argv: list) -> str | None:
         """ACL DRYRUN's text for a refusal (the denied command or key), or None."""
@@ -364,6 +386,8 @@ class AclUser:
                 worst, at = result, pos
         if worst == DENIED_CMD:
             return f"This user has no permissions to run the '{cmd.name}' command"
+        if at < 0:  # its keys could not be found
+            return "This user has no permissions to access one of the keys used as arguments"
         return f"This user has no permissions to access the '{bytes(argv[at]).decode('utf-8', 'replace')}' key"
 
 

@@ -25,6 +25,10 @@ AUTH that waits before it is even checked), the command is answered `-TIMEOUT` a
 
 A queued HELLO may switch the protocol mid-transaction: as redis, each reply is then
 written in the protocol in force when its command ran.
+
+Each queued command's rights are checked again when EXEC runs it, as redis does: one the
+user's ACL no longer allows (ACL SETUSER since it was queued) is not run and answers redis's
+`-NOPERM ACLs rules changed ...`, the others run.
 """
 
 from __future__ import annotations
@@ -184,6 +188,10 @@ class _Exec:
         name = c.last_cmd
         denied = DENIED_IN_EXEC.get(cmd.name)
         try:
+            refusal = None if c.perms is None else c.perms.refusal_at_exec(cmd, args)
+            if refusal is not None:  # the user's rights changed since it was queued (ACL SETUSER)
+                table.count_error(refusal)  # errorstats' NOPERM; the command itself never ran
+                return refusal
             return table.call(c, cmd if denied is None else replace(cmd, handler=_denied(denied)), args)
         finally:
             c.last_cmd = name  # CLIENT LIST's cmd= stays `exec`

@@ -11,16 +11,25 @@ rdbSaveRawString, rdbSaveLongLongAsStringObject): a canonical integer that fits 
 as an 8, 16 or 32-bit integer; otherwise its length (6, 14, 32 or 64-bit encoding) and
 its bytes. redis also compresses strings longer than 20 bytes with LZF when that saves
 4 bytes or more (`rdbcompression yes`); quilld writes them uncompressed, as redis does
-with `rdbcompression no`, and reads both.
+with `rdbcompression no`, and reads both: LZF is decoded in C (quilld/_lzf.c, the GIL
+released, so RESTORE runs a large one in a worker thread). An LZF string declares its size
+before its data: `held` refuses one beyond the caller's limit before anything is decoded
+(a 300 KiB payload may declare 26 MB, or 2^64 bytes).
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import anycrc
 
 from quilld.errors import CommandError
+
+try:
+    from quilld._lzf import expand as _expand  # built by setup.py wherever a C compiler works
+except ImportError:  # no compiler at install: `held` refuses an LZF payload, the rest loads
+    _expand = None
 
 RDB_VERSION = 10  # redis 7.0's
 TYPE_STRING = 0
@@ -93,8 +102,22 @@ def check(payload: bytes) -> None:
         raise BadPayload(VERSION_OR_CHECKSUM)
 
 
-def load(payload: bytes) -> bytes:
-    """The string a checked payload holds; BadPayload when it holds anything else."""
+NO_LZF = ("this quilld was installed without a C compiler, so it cannot read LZF-compressed payloads "
+          "(quilld/_lzf.c; redis-server writes uncompressed ones with rdbcompression no)")
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """An LZF string of a payload, not decoded yet: its stream and the size it declares."""
+
+    data: memoryview
+    size: int
+
+
+def held(payload, limit: int) -> bytes | memoryview | Compressed:
+    """What a checked payload holds, undecoded: an integer's digits (bytes), a raw string (a
+    view of the payload) or an LZF string (`Compressed`). BadPayload when it holds anything
+    else, or a string longer than `limit` bytes (the value limit: checked before any work)."""
     view = memoryview(payload)[:-10]
     if not view:
         raise BadPayload(BAD_FORMAT)
@@ -104,8 +127,62 @@ def load(payload: bytes) -> bytes:
         if name is None:
             raise BadPayload(BAD_FORMAT)
         raise BadPayload(f"the DUMP payload holds a {name}: quilld stores strings only")
-    value, _ = _load_string(view, 1)
-    return value
+    n, encoded, pos = _load_length(view, 1)
+    if encoded:
+        if n in (0, 1, 2):  # INT8, INT16, INT32: the integer's decimal digits
+            size = 1 << n
+            if pos + size > len(view):
+                raise BadPayload(BAD_FORMAT)
+            return b"%d" % int.from_bytes(view[pos:pos + size], "little", signed=True)
+        if n != 3:
+            raise BadPayload(BAD_FORMAT)
+        clen, enc1, pos = _load_length(view, pos)  # LZF: compressed length, then the string's
+        n, enc2, pos = _load_length(view, pos)
+        if enc1 or enc2 or pos + clen > len(view):
+            raise BadPayload(BAD_FORMAT)
+        _within(n, limit)
+        if _expand is None:
+            raise BadPayload(NO_LZF)
+        return Compressed(view[pos:pos + clen], n)
+    if pos + n > len(view):
+        raise BadPayload(BAD_FORMAT)
+    _within(n, limit)
+    return view[pos:pos + n]
+
+
+def _within(n: int, limit: int) -> None:
+    if n > limit:
+        raise BadPayload(f"the DUMP payload holds a string of {n} bytes, more than proto-max-bulk-len ({limit})")
+
+
+def expand_into(c: Compressed, out) -> None:
+    """Decode `c` into `out` (a writable buffer of exactly `c.size` bytes: a bytearray, or a
+    reserved block's view), in C with the GIL released; BadPayload unless it yields exactly
+    that. Safe to call from a worker thread while the loop runs."""
+    assert _expand is not None  # `held` refused it otherwise
+    try:
+        written = _expand(c.data, out)
+    except ValueError:
+        raise BadPayload(BAD_FORMAT) from None
+    if written != c.size:
+        raise BadPayload(BAD_FORMAT)
+
+
+def lzf_decompress(data, size: int) -> bytes:
+    """The `size` bytes an LZF stream decodes to (redis's lzf_d.c format); BadPayload unless it
+    yields exactly that."""
+    out = bytearray(size)
+    expand_into(Compressed(memoryview(data), size), out)
+    return bytes(out)
+
+
+def load(payload, limit: int = 1 << 64) -> bytes:
+    """The string a checked payload holds, decoded here; BadPayload when it holds anything
+    else (or a string beyond `limit` bytes)."""
+    value = held(payload, limit)
+    if value.__class__ is Compressed:
+        return lzf_decompress(value.data, value.size)
+    return bytes(value)
 
 
 def _load_length(view: memoryview, pos: int) -> tuple[int, bool, int]:
@@ -126,63 +203,3 @@ def _load_length(view: memoryview, pos: int) -> tuple[int, bool, int]:
     if not size or pos + 1 + size > len(view):
         raise BadPayload(BAD_FORMAT)
     return int.from_bytes(view[pos + 1:pos + 1 + size], "big"), False, pos + 1 + size
-
-
-def _load_string(view: memoryview, pos: int) -> tuple[bytes, int]:
-    n, encoded, pos = _load_length(view, pos)
-    if encoded:
-        if n in (0, 1, 2):  # INT8, INT16, INT32: the integer's decimal digits
-            size = 1 << n
-            if pos + size > len(view):
-                raise BadPayload(BAD_FORMAT)
-            return b"%d" % int.from_bytes(view[pos:pos + size], "little", signed=True), pos + size
-        if n == 3:  # LZF
-            clen, enc1, pos = _load_length(view, pos)
-            ulen, enc2, pos = _load_length(view, pos)
-            if enc1 or enc2 or pos + clen > len(view):
-                raise BadPayload(BAD_FORMAT)
-            return lzf_decompress(view[pos:pos + clen], ulen), pos + clen
-        raise BadPayload(BAD_FORMAT)
-    if pos + n > len(view):
-        raise BadPayload(BAD_FORMAT)
-    return bytes(view[pos:pos + n]), pos + n
-
-
-def lzf_decompress(data: memoryview, size: int) -> bytes:
-    """liblzf's lzf_decompress (redis's lzf_d.c): literal runs and back references; BadPayload
-    unless it yields exactly `size` bytes."""
-    out = bytearray()
-    i, n = 0, len(data)
-    while i < n:
-        ctrl = data[i]
-        i += 1
-        if ctrl < 32:  # a literal run of ctrl + 1 bytes
-            run = ctrl + 1
-            if i + run > n:
-                raise BadPayload(BAD_FORMAT)
-            out += data[i:i + run]
-            i += run
-            continue
-        length = ctrl >> 5
-        if length == 7:
-            if i >= n:
-                raise BadPayload(BAD_FORMAT)
-            length += data[i]
-            i += 1
-        if i >= n:
-            raise BadPayload(BAD_FORMAT)
-        start = len(out) - ((ctrl & 0x1F) << 8) - data[i] - 1
-        i += 1
-        length += 2
-        if start < 0:
-            raise BadPayload(BAD_FORMAT)
-        while length:  # the reference may overlap what it produces
-            piece = out[start:start + length]
-            out += piece
-            start += len(piece)
-            length -= len(piece)
-        if len(out) > size:
-            raise BadPayload(BAD_FORMAT)
-    if len(out) != size:
-        raise BadPayload(BAD_FORMAT)
-    return bytes(out)

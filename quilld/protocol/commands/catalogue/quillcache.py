@@ -30,6 +30,17 @@ def _put2phase_multi(argv: list) -> str | None:
             "arrives); PUT2PHASE PUT and SET may be queued")
 
 
+def _put2phase_keys(argv: list) -> list[tuple[int, str]] | None:
+    """BEGIN and PUT name their key (the argument after the phase); DATA, COMMIT and ABORT name a
+    put's handle, whose key was checked when BEGIN reserved it. The key specs cannot tell a phase
+    from a payload or a handle that spells BEGIN or PUT, so they are marked incomplete and this
+    decides (ACL's key patterns, COMMAND GETKEYS)."""
+    phase = bytes(argv[1]).upper() if len(argv) > 1 else b""
+    if phase in (b"BEGIN", b"PUT"):
+        return [(2, "OW update")] if len(argv) > 2 else None
+    return []
+
+
 _PEER_ONLY = "admin no_multi"  # a cluster peer's commands are never queued (peers send no MULTI)
 
 
@@ -55,11 +66,14 @@ QUILLCACHE = {
     "put2phase": D(
         "Put a block in two phases: reserve, fill in any order, commit atomically (or abort)", SINCE, G,
         complexity="O(1) for BEGIN, COMMIT and ABORT; O(N) for DATA, N being the payload's length",
-        flags="write denyoom",
+        flags="write denyoom no_mandatory_keys",
         acl="string",
         multi=_put2phase_multi,
-        keys=(K("OW update", keyword=("BEGIN", 1), range=(0, 1, 0),
-                notes="only BEGIN names a key; DATA, COMMIT and ABORT name the put's handle"),),
+        getkeys=_put2phase_keys,
+        keys=(K("OW update incomplete", keyword=("BEGIN", 1), range=(0, 1, 0),
+                notes="BEGIN and PUT name a key; DATA, COMMIT and ABORT name the put's handle"),
+              K("OW update incomplete", keyword=("PUT", 1), range=(0, 1, 0),
+                notes="PUT key CRC32C crc bytes: a whole block at once")),
         args=(
             A("phase", "oneof", args=(
                 A("begin", "block", token="BEGIN", args=(
@@ -77,6 +91,11 @@ QUILLCACHE = {
                     A("handle", "string"), A("crc", "integer", token="CRC32C", flags="optional"),
                 )),
                 A("handle", "string", token="ABORT"),
+                A("put", "block", token="PUT", args=(
+                    A("key", "key", key_spec=1),
+                    A("crc", "integer", token="CRC32C"),
+                    A("bytes", "string"),
+                )),
             )),
         ),
     ),
