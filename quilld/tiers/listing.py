@@ -25,6 +25,7 @@ class KeyFacts(NamedTuple):
     inline: bytes | None  # the value itself when it is kept in the entry (at most dram.inline_max bytes)
     idle_s: float | None  # seconds since its last read: arena blocks only (inline values keep no clock)
     dram_bytes: int  # DRAM the value holds: its bytes inline, whole pages in the arena, 0 below DRAM
+    freq: int | None = None  # its LFU counter (eviction.py), under an LFU maxmemory policy only
 
 
 class Listing:
@@ -97,12 +98,15 @@ class Listing:
         if expire and not self.contains(tag, key):
             return None
         value = self.data.get(fk)
+        entry = None
         if value is None:
             entry = self.lower.get(fk)
             if entry is None:
                 return None
-            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0)
+        freq = None if self.freq is None else self.freq.of(fk)
+        if value is None:
+            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0, freq)
         if value.__class__ is bytes:
-            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value))
+            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value), freq)
         return KeyFacts(CacheTier.DRAM, value.length, None, max(0.0, time.time() - value.last_access),
-                        page_extent(value.length))
+                        page_extent(value.length), freq)

@@ -50,6 +50,8 @@ class Renames:
                 self.unsynced = True  # the demotion in flight writes it under the old name
         self.data[nk] = value
         self._added(nk)
+        if self.freq is not None:  # the value keeps its LFU counter under its new name
+            self.freq.moved(fk, nk)
         self._removed(fk)
         if self.touched is not None:
             self.touched(nk)

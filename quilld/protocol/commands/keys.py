@@ -455,20 +455,29 @@ def cmd_object_refcount(c, args):
     return None if c.keyspace.facts(c.tag, args[2]) is None else 1
 
 
+_SWITCHING = "Please note that when switching between policies at runtime LRU and LFU data will take some time to adjust."
+
+
 def cmd_object_idletime(c, args):
     """Seconds since the last read, for arena blocks; inline values (at most dram.inline_max
-    bytes) and values only on SSD keep no access clock (it would cost every GET): 0."""
+    bytes) and values only on SSD keep no access clock (it would cost every GET): 0. Under an
+    LFU maxmemory policy, refused as redis refuses it."""
     facts = c.keyspace.facts(c.tag, args[2])
     if facts is None:
         return None
+    if facts.freq is not None:
+        raise CommandError(f"An LFU maxmemory policy is selected, idle time not tracked. {_SWITCHING}")
     return int(facts.idle_s) if facts.idle_s is not None else 0
 
 
 def cmd_object_freq(c, args):
-    if c.keyspace.facts(c.tag, args[2]) is None:
+    """The key's LFU counter (tiers/eviction.py), under an LFU maxmemory policy only."""
+    facts = c.keyspace.facts(c.tag, args[2])
+    if facts is None:
         return None
-    raise CommandError("An LFU maxmemory policy is not selected, access frequency not tracked. Please note that "
-                       "when switching between policies at runtime LRU and LFU data will take some time to adjust.")
+    if facts.freq is None:
+        raise CommandError(f"An LFU maxmemory policy is not selected, access frequency not tracked. {_SWITCHING}")
+    return facts.freq
 
 
 def cmd_object_help(c, args):
