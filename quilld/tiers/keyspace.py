@@ -129,6 +129,9 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
         # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
         self.touched: Callable[[bytes], None] | None = None
+        # full key -> the label (OBJECT ENCODING's) a caller gave its inline value, when its bytes
+        # alone do not say it (a string redis edited in place is "raw"); replaced values lose it
+        self.labels: dict[bytes, bytes] = {}
         # the same-host lookup table (lookup_table.py), when clients may map the arena: told (`drop`)
         # before a key's block stops being its value, so that a reader's copy of it is never trusted
         self.lookup_table: Any = None
@@ -451,6 +454,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             old = self.lower.pop(fk, None)
         if self.freq is not None:  # an overwrite keeps the key's counter, as redis's dbOverwrite
             self.freq.created(fk) if old is None else self.freq.hit(fk)
+        if self.labels:
+            self.labels.pop(fk, None)
         if old is None:
             self._added(fk)
         else:
@@ -579,6 +584,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                     self._owners[key] = owner.pop()
         if self.freq is not None:
             self.freq.forget(fk)
+        if self.labels:
+            self.labels.pop(fk, None)
         if self.touched is not None:  # deleted, expired, evicted or renamed away
             self.touched(fk)
 

@@ -77,8 +77,8 @@ class ValueParts:
             return b""
         return Pinned(pinned.view[lo:hi], pinned.release)
 
-    def write_range(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                    fn: Callable[[memoryview], Any], unchanged: Callable[[Any], bool] | None = None) -> Any:
+    def write_range(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                    unchanged: Callable[[Any], bool] | None = None, label: bytes | None = None) -> Any:
         """Change bytes `offset:offset+n` of `key`'s value where it lies; returns `fn`'s result.
 
         The value is first made at least `offset + n` bytes long, padded with zero bytes (a
@@ -102,14 +102,22 @@ class ValueParts:
         `unchanged(result)`, when given, tells from `fn`'s result that `fn` changed no byte: a
         value that neither is created nor grows is then no change at all (no WATCH touched, no
         copy published, its CRC and lower copy kept), as redis counts SETBIT and BITFIELD.
+        `label`, when given, is the value's `label` once written (changed or not; see Listing.label).
 
         OutOfMemory is raised before anything changes.
         """
+        result = self._write_range(tag, key, offset, n, fn, unchanged, label)
+        if label is not None and result.__class__ is not Pending:
+            self.label(tag, key, label)
+        return result
+
+    def _write_range(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                     unchanged: Callable[[Any], bool] | None, label: bytes | None) -> Any:
         fk = tag + key
         value = self.data.get(fk)
         if value is None:
             if fk in self.lower:
-                return Pending(self._write_below(tag, key, offset, n, fn, unchanged))
+                return Pending(self._write_below(tag, key, offset, n, fn, unchanged, label))
         elif self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
             self.stats["expired"] += 1
@@ -187,8 +195,8 @@ class ValueParts:
         if self.touched is not None:
             self.touched(fk)
 
-    async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                           fn: Callable[[memoryview], Any], unchanged: Callable[[Any], bool] | None) -> Any:
+    async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                           unchanged: Callable[[Any], bool] | None, label: bytes | None) -> Any:
         await self.bring_back(tag, key)
-        result = self.write_range(tag, key, offset, n, fn, unchanged)  # in DRAM now, unless changed meanwhile
+        result = self.write_range(tag, key, offset, n, fn, unchanged, label)  # in DRAM now, unless changed meanwhile
         return await result.awaitable if result.__class__ is Pending else result

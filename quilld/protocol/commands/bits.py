@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
-from quilld.protocol.commands.common import acked, parse_int
+from quilld.protocol.commands.common import RAW, acked, parse_int
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 
 _SYNTAX = CommandError("syntax error")
@@ -88,7 +88,7 @@ def cmd_setbit(c, args):
         return 1 if old & mask else 0
 
     store = c.keyspace  # a bit set to what it was is no change (unless the key is created or grows)
-    result = store.write_range(c.tag, args[1], byte, 1, flip, lambda old: old == on)
+    result = store.write_range(c.tag, args[1], byte, 1, flip, lambda old: old == on, RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)
@@ -297,6 +297,7 @@ def _bitop(c, dest, op: bytes, values: list[bytes]):
         for v in ints[1:]:
             result ^= v
     store.publish(c.tag, dest, store.materialize(result.to_bytes(size, "big")))
+    store.label(c.tag, dest, RAW)  # redis builds BITOP's result as a raw string
     return _ack(store, size)
 
 
@@ -432,7 +433,7 @@ def _bitfield(c, args, read_only: bool):
         raise CommandError("BITFIELD_RO only supports the GET subcommand")
     changes = [0]  # writes that changed a field: none is no change of the key (redis's `changes`)
     result = store.write_range(c.tag, args[1], 0, (highest >> 3) + 1, lambda view: _run_fields(view, ops, changes),
-                               lambda _: not changes[0])
+                               lambda _: not changes[0], RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)
