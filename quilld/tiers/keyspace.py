@@ -653,6 +653,13 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         if self.on_free is not None:
             self.on_free()
 
+    def fit(self) -> None:
+        """`limit` or the watermarks just moved (CONFIG SET maxmemory): make room now, as redis
+        evicts at once, rather than at the next write; with a lower tier the demoter is woken."""
+        self._make_room(0)
+        if self.lower_tier is not None and self.lower_tier.active and self.used > self.high_bytes:
+            self.lower_tier.wake()
+
     def _make_room(self, need: int) -> None:
         if self.lower_tier is not None and self.lower_tier.active:
             # the demoter keeps use between the watermarks in the background; here only

@@ -89,6 +89,22 @@ def test_allkeys_lru_the_default_evicts_the_least_recently_used(node):
     assert r.info("memory")["used_memory"] <= 4 * MiB and r.exists("new99") == 1
 
 
+def test_a_lower_maxmemory_evicts_at_once_as_the_policy_allows(node):
+    """CONFIG SET maxmemory below what is used: redis evicts at once, not at the next write."""
+    r = _client(node.port)
+    for i in range(40):
+        r.set(f"k{i}", VALUE)  # 2.5 MiB, no limit yet
+    assert r.config_set("maxmemory-policy", "noeviction") and r.config_set("maxmemory", 1 * MiB)
+    info = r.info()
+    assert info["evicted_keys"] == 0 and r.dbsize() == 40  # noeviction: nothing goes, writes are refused
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        r.set("more", VALUE)
+    assert r.config_set("maxmemory-policy", "allkeys-lru") and r.config_set("maxmemory", 1 * MiB)
+    info = r.info()
+    assert info["evicted_keys"] > 0 and info["used_memory"] <= 1 * MiB, info["used_memory"]
+    assert r.exists("k39") == 1 and r.exists("k0") == 0
+
+
 def test_allkeys_lfu_keeps_the_often_read_over_the_recently_written(node):
     r = _client(node.port)
     assert r.config_set("maxmemory-policy", "allkeys-lfu") and r.config_set("maxmemory", 4 * MiB)
