@@ -25,7 +25,8 @@ lives in `expires` wherever its value is; the lower tier keeps a copy's own
 
 `used` (INFO's used_memory: arena pages plus inline bytes) is bounded by
 `limit` (maxmemory, else the arena): without a working lower tier by eviction
-(from the high watermark down to the low one); with one, the lower tier
+(from the high watermark down to the low one; which values go is the maxmemory
+policy's, eviction.py), a write that still cannot fit getting OutOfMemory; with one, the lower tier
 demotes from the high watermark in the background, and a write that would take
 `used` past `limit` gets OutOfMemory (the server retries it while the demoter
 frees DRAM, up to server.space_wait_ms) instead of growing DRAM without bound;
