@@ -33,8 +33,8 @@ from quilld.config import MAXMEMORY_POLICIES
 WINDOW = 16  # candidates looked at, from the LRU end, by the LFU and volatile policies (redis samples 5 + a pool of 16)
 SCAN = 1024  # LRU entries the volatile policies look through for keys with a TTL before any of those
 LFU_INIT = 5  # a new key's counter (redis's LFU_INIT_VAL): a fresh key is not the first to go
-LFU_LOG_FACTOR = 10  # lfu-log-factor: about a million hits take the counter to 255
-LFU_DECAY_MINUTES = 1  # lfu-decay-time: the counter loses one per this many idle minutes
+LFU_LOG_FACTOR = 10  # lfu-log-factor's default: about a million hits take the counter to 255
+LFU_DECAY_MINUTES = 1  # lfu-decay-time's default: the counter loses one per this many idle minutes (0: never)
 
 __all__ = ["MAXMEMORY_POLICIES", "Frequencies", "victim"]
 
@@ -44,18 +44,21 @@ def _minutes() -> int:
 
 
 class Frequencies:
-    """Each key's LFU counter (0..255) and the minute it was last changed."""
+    """Each key's LFU counter (0..255) and the minute it was last changed; `log_factor` and
+    `decay_minutes` are redis's lfu-log-factor and lfu-decay-time (CONFIG SET changes them)."""
 
     def __init__(self) -> None:
         self.at: dict[bytes, tuple[int, int]] = {}  # full key -> (counter, minute)
+        self.log_factor = LFU_LOG_FACTOR
+        self.decay_minutes = LFU_DECAY_MINUTES
 
     def of(self, fk: bytes) -> int:
         """The counter now, decayed by the minutes since it last changed (a key it never saw:
         a new key's)."""
         counter, minute = self.at.get(fk, (LFU_INIT, None))
-        if minute is None:
+        if minute is None or not self.decay_minutes:
             return counter
-        return max(counter - (_minutes() - minute) // LFU_DECAY_MINUTES, 0)
+        return max(counter - (_minutes() - minute) // self.decay_minutes, 0)
 
     def created(self, fk: bytes) -> None:
         self.at[fk] = (LFU_INIT, _minutes())
@@ -63,7 +66,7 @@ class Frequencies:
     def hit(self, fk: bytes) -> None:
         """An access: decay, then one more with probability 1 / ((counter - LFU_INIT) * factor + 1)."""
         counter = self.of(fk)
-        if counter < 255 and random.random() < 1.0 / (max(counter - LFU_INIT, 0) * LFU_LOG_FACTOR + 1):
+        if counter < 255 and random.random() < 1.0 / (max(counter - LFU_INIT, 0) * self.log_factor + 1):
             counter += 1
         self.at[fk] = (counter, _minutes())
 

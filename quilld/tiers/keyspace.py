@@ -90,7 +90,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self.low_bytes = int(self.limit * cfg.low_watermark)
         self.inline_max = cfg.inline_max
         self.policy = ""  # maxmemory-policy (eviction.py), set by set_policy
-        self.freq: Frequencies | None = None  # each key's LFU counter, under an LFU policy only
+        self.lfu = Frequencies()  # the LFU counters and their tuning (lfu-log-factor, lfu-decay-time)
+        self.freq: Frequencies | None = None  # `lfu` under an LFU policy, else None: no counting
         self.set_policy(cfg.maxmemory_policy)
         # reservations awaiting clients' bytes (see reserve): by tenant, and in all
         self.unfilled: dict[str, int] = {}
@@ -176,8 +177,9 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self.policy = name
         if "lfu" not in name:
             self.freq = None
-        elif self.freq is None:
-            self.freq = Frequencies()
+            self.lfu.at.clear()
+        else:
+            self.freq = self.lfu
 
     def keys_in(self, tag: bytes) -> int:
         return self.per_scope.get(tag, 0)

@@ -134,6 +134,19 @@ def test_allkeys_lfu_keeps_the_often_read_over_the_recently_written(node):
         r.object("freq", "f")
 
 
+def test_lfu_counters_follow_lfu_log_factor_as_redis_s(node, redis_server):
+    """With lfu-log-factor 0 every hit counts: the counters are exact, so both servers agree."""
+    script = [("CONFIG", "SET", "maxmemory-policy", "allkeys-lfu"), ("CONFIG", "SET", "lfu-log-factor", "0"),
+              ("SET", "k", "v1"), ("GET", "k"), ("GET", "k"), ("GET", "k"), ("OBJECT", "FREQ", "k"),
+              ("SET", "k", "v2"), ("OBJECT", "FREQ", "k"), ("CONFIG", "GET", "lfu-log-factor"),
+              ("OBJECT", "IDLETIME", "k"), ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
+              ("OBJECT", "FREQ", "k"), ("CONFIG", "SET", "lfu-log-factor", "10")]
+    for c in script:
+        theirs = exchange(redis_server, cmd(*c), lines=1)[0]
+        ours = exchange(node.port, cmd(*c), lines=1)[0]
+        assert ours == theirs, f"{c}: redis answered {theirs!r}, quilld {ours!r}"
+
+
 def test_volatile_policies_evict_only_keys_with_a_ttl(node):
     for policy in ("volatile-lru", "volatile-lfu", "volatile-ttl"):
         r = _client(node.port)

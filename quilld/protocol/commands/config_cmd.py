@@ -8,7 +8,8 @@ Each parameter is one of three things for quilld:
   default, means the whole arena, and CONFIG GET answers it as set, 0 included, as redis
   does, and so does INFO's maxmemory; INFO's dram_capacity is the arena), maxmemory-policy
   (dram.maxmemory_policy: what goes when DRAM is full and there is no SSD tier to demote to,
-  tiers/eviction.py; allkeys-lru by default), maxclients, timeout,
+  tiers/eviction.py; allkeys-lru by default) with lfu-log-factor and lfu-decay-time (its LFU
+  counters' growth and decay; until a restart, not rewritten), maxclients, timeout,
   slowlog-log-slower-than, slowlog-max-len, latency-monitor-threshold, proto-max-bulk-len,
   client-query-buffer-limit, loglevel, latency-tracking-info-percentiles, requirepass (user
   default's password, as redis: ACL SETUSER default resetpass >value; "" for nopass; kept
@@ -242,6 +243,10 @@ APPLIED: dict[str, tuple[Getter, Setter]] = {
     "requirepass": (_requirepass, _set_requirepass),
     "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory), _set_maxmemory),  # as set: 0 is "the whole arena"
     "maxmemory-policy": (lambda ctx: ctx.keyspace.policy, _set_policy),
+    "lfu-log-factor": (lambda ctx: str(ctx.keyspace.lfu.log_factor),
+                       lambda ctx, v: setattr(ctx.keyspace.lfu, "log_factor", int(v))),
+    "lfu-decay-time": (lambda ctx: str(ctx.keyspace.lfu.decay_minutes),
+                       lambda ctx, v: setattr(ctx.keyspace.lfu, "decay_minutes", int(v))),
     "maxclients": (lambda ctx: str(ctx.clients.max_clients), _set_maxclients),
     "timeout": _runtime("timeout"),
     "slowlog-log-slower-than": _runtime("slowlog_log_slower_than"),
