@@ -1,7 +1,8 @@
 """Which value DRAM drops when it is full: redis's `maxmemory-policy`, for the keyspace.
 
 The keyspace keeps `used` within `limit` (maxmemory). With a working lower tier nothing is
-dropped for room: DRAM demotes to it (tiering.py), whatever the policy. Without one, room is
+dropped for room: DRAM demotes to it (tiering.py), whatever the policy (a full SSD tier still
+drops its own coldest, noeviction or not: that is tiering.py's). Without one, room is
 made by dropping values, and the policy says which (the names and meanings are redis's):
 
 - `allkeys-lru` (the default): the least recently used value of any key. The keyspace's
