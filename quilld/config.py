@@ -97,6 +97,7 @@ class DramConfig:
     inline_max: int = 4 * KiB  # values up to this size live in the index entry, not in arena pages
     max_unfilled_share: float = 0.5  # of the arena, held at most by reservations still waiting for clients' bytes
     maxmemory: int = 0  # DRAM filled before eviction (the watermarks are fractions of it); 0: the whole arena
+    maxmemory_policy: str = "allkeys-lru"  # what goes when DRAM is full with no SSD tier (tiers/eviction.py)
     memory_file: str = ""  # the arena's memory file (on /dev/shm, say); empty: an anonymous memfd
 
 
@@ -169,6 +170,8 @@ SHM_SLOTS = 65536  # lease slots of the shared-memory lease table, for all conne
 
 TRANSFERS = ("auto", "tcp", "rdma")
 DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
+# redis's maxmemory-policy names quilld implements (tiers/eviction.py); the first is the default
+MAXMEMORY_POLICIES = ("allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-lfu", "volatile-ttl", "noeviction")
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,9 @@ class Config:
                               f"got {sec.enable_debug_command!r}")
         if not 0 <= d.maxmemory <= d.size:
             raise ConfigError(f"dram.maxmemory must be within 0..dram.size ({d.size}), got {d.maxmemory}")
+        if d.maxmemory_policy not in MAXMEMORY_POLICIES:
+            raise ConfigError(f"dram.maxmemory_policy must be one of {', '.join(MAXMEMORY_POLICIES)}, "
+                              f"got {d.maxmemory_policy!r}")
         if not 0 <= d.inline_max <= 64 * KiB:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:

@@ -132,6 +132,7 @@ def apply_maxmemory(ctx: NodeContext, n: int) -> None:
     ks.limit = n  # with an SSD tier, writes past it wait for demotion (keyspace.py)
     ks.high_bytes = int(n * dram.high_watermark)
     ks.low_bytes = int(n * dram.low_watermark)
+    ks.fit()
 
 
 def slow_ns(rt: Runtime) -> int:

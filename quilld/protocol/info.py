@@ -9,8 +9,8 @@ commandstats, errorstats, latencystats, cluster, keyspace), then quilld's own
 (tiers, router, gateway); `cluster` is quilld's cluster. Redis fields for what
 quilld does not have (RDB and AOF, replication, Lua, forks, active defrag) are
 those of a redis that never used it: zeros, `ok` statuses. `used_memory` is
-what maxmemory (dram.maxmemory, of which the DRAM watermarks are fractions) is
-measured against: the arena's pages and the values kept inline, not the Python
+what maxmemory (dram.maxmemory, of which the DRAM watermarks are fractions; 0, as
+set, is the whole arena, the tiers section's dram_capacity) is measured against: the arena's pages and the values kept inline, not the Python
 heap (`used_memory_rss` is the process).
 What a tenant sees of other tenants is aggregate only: its own clients, its own
 keyspace hits and misses, its own keys.
@@ -113,7 +113,7 @@ def _memory(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
     overhead = max(rss - used, 0)
     total = system_memory()
     arena = ks.arena.stats()
-    maxmemory = ctx.runtime.maxmemory or ks.capacity
+    maxmemory = ctx.runtime.maxmemory  # as set, as CONFIG GET answers it: 0 is the whole arena (dram_capacity)
     return [
         ("used_memory", used), ("used_memory_human", human(used)), ("used_memory_rss", rss),
         ("used_memory_rss_human", human(rss)), ("used_memory_peak", peak), ("used_memory_peak_human", human(peak)),
@@ -127,7 +127,7 @@ def _memory(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
         ("number_of_libraries", 0), ("used_memory_vm_functions", 0), ("used_memory_vm_total", 0),
         ("used_memory_vm_total_human", "0B"), ("used_memory_functions", 0), ("used_memory_scripts", 0),
         ("used_memory_scripts_human", "0B"), ("maxmemory", maxmemory), ("maxmemory_human", human(maxmemory)),
-        ("maxmemory_policy", "allkeys-lru"), ("allocator_frag_ratio", f"{arena['fragmentation'] + 1:.2f}"),
+        ("maxmemory_policy", ks.policy), ("allocator_frag_ratio", f"{arena['fragmentation'] + 1:.2f}"),
         ("allocator_frag_bytes", 0), ("allocator_rss_ratio", f"{rss / arena['used'] if arena['used'] else 1:.2f}"),
         ("allocator_rss_bytes", max(rss - arena["used"], 0)), ("rss_overhead_ratio", "1.00"),
         ("rss_overhead_bytes", 0), ("mem_fragmentation_ratio", f"{rss / used if used else 0:.2f}"),

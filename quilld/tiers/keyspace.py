@@ -25,7 +25,8 @@ lives in `expires` wherever its value is; the lower tier keeps a copy's own
 
 `used` (INFO's used_memory: arena pages plus inline bytes) is bounded by
 `limit` (maxmemory, else the arena): without a working lower tier by eviction
-(from the high watermark down to the low one); with one, the lower tier
+(from the high watermark down to the low one; which values go is the maxmemory
+policy's, eviction.py), a write that still cannot fit getting OutOfMemory; with one, the lower tier
 demotes from the high watermark in the background, and a write that would take
 `used` past `limit` gets OutOfMemory (the server retries it while the demoter
 frees DRAM, up to server.space_wait_ms) instead of growing DRAM without bound;
@@ -64,6 +65,7 @@ from quilld.model import CacheTier, Pending, Pinned
 from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.arena import NO_SPACE, DramArena
 from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.eviction import Frequencies, victim
 from quilld.tiers.expiry import Expiry, now_ms
 from quilld.tiers.listing import Listing
 from quilld.tiers.renames import Renames
@@ -87,6 +89,10 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self.high_bytes = int(self.limit * cfg.high_watermark)
         self.low_bytes = int(self.limit * cfg.low_watermark)
         self.inline_max = cfg.inline_max
+        self.policy = ""  # maxmemory-policy (eviction.py), set by set_policy
+        self.lfu = Frequencies()  # the LFU counters and their tuning (lfu-log-factor, lfu-decay-time)
+        self.freq: Frequencies | None = None  # `lfu` under an LFU policy, else None: no counting
+        self.set_policy(cfg.maxmemory_policy)
         # reservations awaiting clients' bytes (see reserve): by tenant, and in all
         self.unfilled: dict[str, int] = {}
         self.unfilled_bytes = 0
@@ -125,6 +131,9 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
         # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
         self.touched: Callable[[bytes], None] | None = None
+        # full key -> the label (OBJECT ENCODING's) a caller gave its inline value, when its bytes
+        # alone do not say it (a string redis edited in place is "raw"); replaced values lose it
+        self.labels: dict[bytes, bytes] = {}
         # the same-host lookup table (lookup_table.py), when clients may map the arena: told (`drop`)
         # before a key's block stops being its value, so that a reader's copy of it is never trusted
         self.lookup_table: Any = None
@@ -162,6 +171,16 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self._retired[(scope.tenant, "hits")] += self.hits.pop(tag, 0)
         self._retired[(scope.tenant, "misses")] += self.misses.pop(tag, 0)
 
+    def set_policy(self, name: str) -> None:
+        """Which value goes when DRAM is full (redis's maxmemory-policy, see eviction.py); switching
+        to an LFU policy starts every key's counter afresh, as a new key's."""
+        self.policy = name
+        if "lfu" not in name:
+            self.freq = None
+            self.lfu.at.clear()
+        else:
+            self.freq = self.lfu
+
     def keys_in(self, tag: bytes) -> int:
         return self.per_scope.get(tag, 0)
 
@@ -180,6 +199,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                     return None
                 self.lower.move_to_end(fk)
                 self.hits[tag] += 1
+                if self.freq is not None:
+                    self.freq.hit(fk)
                 return value
         if value is None:
             self.misses[tag] += 1
@@ -194,6 +215,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self.hits[tag] += 1
         if type(value) is Block:
             value.last_access = time.time()
+        if self.freq is not None:
+            self.freq.hit(fk)
         return value
 
     def _audit(self, tag: bytes, key: bytes) -> None:
@@ -327,14 +350,15 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         if nbytes > self.capacity:
             raise OutOfMemory(f"value of {nbytes} bytes is larger than the DRAM arena ({self.capacity} bytes)")
         need = page_extent(nbytes)
-        if need > self.capacity - self.held_bytes:  # evicting everything would not be enough
+        if need > min(self.capacity, self.limit) - self.held_bytes:  # evicting everything would not be enough
             raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         if owner is not None:
             self._check_unfilled(owner, need + extra)
         self._make_room(need)
-        tier = self.lower_tier
-        if tier is not None and tier.active and self.used + need > self.limit:
-            tier.wake()  # the demoter frees DRAM; the server retries the write meanwhile
+        if self.used + need > self.limit:  # nothing more may go now (the policy, pins, the demoter's pace)
+            tier = self.lower_tier
+            if tier is not None and tier.active:
+                tier.wake()  # the demoter frees DRAM; the server retries the write meanwhile
             raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
         handle = self.arena.reserve(nbytes)
         while handle == NO_SPACE:
@@ -430,7 +454,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         """
         fk = tag + key
         data = self.data
-        if value.__class__ is bytes and self.lower_tier is not None and self.used + len(value) > self.limit:
+        if value.__class__ is bytes and self.used + len(value) > self.limit:
             self._admit(fk, len(value))  # before anything changes: may raise OutOfMemory
         table = self.lookup_table
         if table is not None:
@@ -444,6 +468,10 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         old = data.pop(fk, None)
         if old is None and self.lower:
             old = self.lower.pop(fk, None)
+        if self.freq is not None:  # an overwrite keeps the key's counter, as redis's dbOverwrite
+            self.freq.created(fk) if old is None else self.freq.hit(fk)
+        if self.labels:
+            self.labels.pop(fk, None)
         if old is None:
             self._added(fk)
         else:
@@ -570,6 +598,10 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                 owner.discard(tag)
                 if len(owner) == 1:
                     self._owners[key] = owner.pop()
+        if self.freq is not None:
+            self.freq.forget(fk)
+        if self.labels:
+            self.labels.pop(fk, None)
         if self.touched is not None:  # deleted, expired, evicted or renamed away
             self.touched(fk)
 
@@ -637,6 +669,13 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         if self.on_free is not None:
             self.on_free()
 
+    def fit(self) -> None:
+        """`limit` or the watermarks just moved (CONFIG SET maxmemory): make room now, as redis
+        evicts at once, rather than at the next write; with a lower tier the demoter is woken."""
+        self._make_room(0)
+        if self.lower_tier is not None and self.lower_tier.active and self.used > self.high_bytes:
+            self.lower_tier.wake()
+
     def _make_room(self, need: int) -> None:
         if self.lower_tier is not None and self.lower_tier.active:
             # the demoter keeps use between the watermarks in the background; here only
@@ -652,7 +691,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                 return
 
     def _evict_one(self) -> bool:
-        """Evict the least-recently-used unpinned value; False when none can go.
+        """Evict the least-recently-used unpinned value (or the one the maxmemory policy
+        chooses, eviction.py); False when none can go.
 
         With a working lower tier nothing is lost: only blocks whose bytes are
         already there leave DRAM here (its demoter writes the others), and
@@ -675,29 +715,41 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                     return True
             self.lower_tier.wake()
             return False
+        if self.policy != "allkeys-lru":
+            fk = victim(self.policy, data, self.expires, self.freq, _evictable)
+            if fk is None:
+                return False
+            self._evict(fk, data.pop(fk))
+            return True
         for _ in range(len(data)):
             fk, value = data.popitem(last=False)
-            if type(value) is Block:
-                if value.pins:
-                    data[fk] = value  # in use: it is the most recent anyway
-                    continue
-                if value.lower is not None:  # its bytes are safe below (a failed tier still reads)
-                    self.demoted(fk, value, value.lower)
-                    self.stats["evictions_to_ssd"] += 1
-                    return True
-            elif copies and fk in copies:
-                self.demoted(fk, value, copies[fk])
-                self.stats["evictions_to_ssd"] += 1
-                return True
-            self._removed(fk)
-            if self.expires:
-                self.expires.pop(fk, None)
-            if self.tracked:
-                self._forget(fk)
-            self._release_value(value, fk)
-            self.stats["evictions"] += 1
+            if type(value) is Block and value.pins:
+                data[fk] = value  # in use: it is the most recent anyway
+                continue
+            self._evict(fk, value)
             return True
         return False
+
+    def _evict(self, fk: bytes, value: bytes | Block) -> None:
+        """`fk`'s `value` (unpinned, just popped from DRAM) leaves it: for its copy below when it
+        has one (a failed tier still reads), else out of the keyspace."""
+        copies = self.small_copies
+        if type(value) is Block:
+            if value.lower is not None:
+                self.demoted(fk, value, value.lower)
+                self.stats["evictions_to_ssd"] += 1
+                return
+        elif copies and fk in copies:
+            self.demoted(fk, value, copies[fk])
+            self.stats["evictions_to_ssd"] += 1
+            return
+        self._removed(fk)
+        if self.expires:
+            self.expires.pop(fk, None)
+        if self.tracked:
+            self._forget(fk)
+        self._release_value(value, fk)
+        self.stats["evictions"] += 1
 
     def close(self) -> None:
         self.data.clear()
@@ -706,3 +758,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             self.arena.close()
         except BufferError:  # a view is still exported somewhere; the OS reclaims it at exit
             pass
+
+
+def _evictable(value: bytes | Block) -> bool:
+    return type(value) is not Block or not value.pins

@@ -25,6 +25,8 @@ class KeyFacts(NamedTuple):
     inline: bytes | None  # the value itself when it is kept in the entry (at most dram.inline_max bytes)
     idle_s: float | None  # seconds since its last read: arena blocks only (inline values keep no clock)
     dram_bytes: int  # DRAM the value holds: its bytes inline, whole pages in the arena, 0 below DRAM
+    freq: int | None = None  # its LFU counter (eviction.py), under an LFU maxmemory policy only
+    label: bytes | None = None  # what a caller labelled its inline value (`label`), if anything
 
 
 class Listing:
@@ -89,6 +91,14 @@ class Listing:
             return fk[TAG_LEN:]
         return None
 
+    def label(self, tag: bytes, key: bytes, label: bytes) -> None:
+        """Label `key`'s inline value (facts' `label`) until it is replaced or deleted: for what its
+        bytes do not tell (OBJECT ENCODING of a string redis edited in place). A block, or a
+        missing key, takes no label."""
+        fk = tag + key
+        if self.data.get(fk).__class__ is bytes:
+            self.labels[fk] = label
+
     def facts(self, tag: bytes, key: bytes, expire: bool = True) -> KeyFacts | None:
         """What is known of `key`'s value, without counting a read or refreshing its LRU
         place; None when missing. `expire=False` also describes an expired key not yet
@@ -97,12 +107,15 @@ class Listing:
         if expire and not self.contains(tag, key):
             return None
         value = self.data.get(fk)
+        entry = None
         if value is None:
             entry = self.lower.get(fk)
             if entry is None:
                 return None
-            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0)
+        freq = None if self.freq is None else self.freq.of(fk)
+        if value is None:
+            return KeyFacts(self.lower_tier.tier, entry.length, None, None, 0, freq)
         if value.__class__ is bytes:
-            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value))
+            return KeyFacts(CacheTier.DRAM, len(value), value, None, len(value), freq, self.labels.get(fk))
         return KeyFacts(CacheTier.DRAM, value.length, None, max(0.0, time.time() - value.last_access),
-                        page_extent(value.length))
+                        page_extent(value.length), freq)

@@ -253,14 +253,15 @@ class LookupTable:
         self.dropped += 1
 
     def note_reads(self) -> int:
-        """Keys read through the table since the last call join the LRU's end (and count as hits);
-        their marks are cleared. How many."""
+        """Keys read through the table since the last call join the LRU's end (and count as hits,
+        for the LFU counters too under an LFU maxmemory policy: one a key, however many reads the
+        mark stands for); their marks are cleared. How many."""
         marks = self._marks
         pos = marks.find(b"\x01")
         if pos < 0:
             return 0
         ks, keys, blocks = self.keyspace, self._key, self._block
-        data, hits, now, n = ks.data, ks.hits, time.time(), 0
+        data, hits, freq, now, n = ks.data, ks.hits, ks.freq, time.time(), 0
         while pos >= 0:
             marks[pos] = 0
             fk = keys[pos]
@@ -270,6 +271,8 @@ class LookupTable:
                     data.move_to_end(fk)
                     block.last_access = now
                     hits[fk[:TAG_LEN]] += 1
+                    if freq is not None:
+                        freq.hit(fk)
                     n += 1
             pos = marks.find(b"\x01", pos + 1)
         self.reads_noted += n

@@ -50,6 +50,10 @@ class Renames:
                 self.unsynced = True  # the demotion in flight writes it under the old name
         self.data[nk] = value
         self._added(nk)
+        if self.freq is not None:  # the value keeps its LFU counter under its new name
+            self.freq.moved(fk, nk)
+        if fk in self.labels:  # and its label
+            self.labels[nk] = self.labels[fk]
         self._removed(fk)
         if self.touched is not None:
             self.touched(nk)
@@ -79,6 +83,9 @@ class Renames:
                 self.unpin(value)
             value = dup
         self.publish(tag, dst, value)
+        label = self.labels.get(tag + src)
+        if label is not None:
+            self.labels[tag + dst] = label
         if at is not None:
             self.set_expire(tag, dst, at)
         return True

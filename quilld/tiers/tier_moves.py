@@ -124,11 +124,13 @@ class TierMoves:
         self.promoted(fk, block, entry)
 
     def make_room_inline(self, n: int, slack: int = 0) -> None:
-        """Room within `limit` (plus `slack`) for `n` more inline bytes while a lower tier works;
-        raises OutOfMemory, as `reserve` does for a block. Copies already below leave DRAM
-        first; past `limit` the demoter is woken (by `_evict_one`) in any case."""
-        tier = self.lower_tier
-        while tier.active and self.used + n > self.limit:
+        """Room within `limit` (plus `slack`) for `n` more inline bytes; raises OutOfMemory, as
+        `reserve` does for a block. While a lower tier works, copies already below leave DRAM
+        first and past `limit` the demoter is woken (by `_evict_one`); without one, values go
+        as the maxmemory policy says (eviction.py). Nothing goes for a value that could never fit."""
+        if n > self.limit + slack:
+            raise OutOfMemory("command not allowed when used memory > 'maxmemory'.")
+        while self.used + n > self.limit:
             if not self._evict_one():
                 if self.used + n <= self.limit + slack:
                     return
@@ -151,8 +153,9 @@ class TierMoves:
         return self.small_copies.get(fk) if self.small_copies else None
 
     def _admit(self, fk: bytes, n: int) -> None:
-        """Room for a client's inline value of `n` bytes replacing `fk`'s, with a lower tier:
-        copies already below leave DRAM first, the demoter is woken past `limit`, and past
+        """Room for a client's inline value of `n` bytes replacing `fk`'s (`make_room_inline`:
+        with a lower tier copies already below leave DRAM first, the demoter is woken past
+        `limit`; without one the policy's values go), and past
         `limit` + INLINE_SLACK_SHARE of it the write gets OutOfMemory (the server retries it
         while the demoter frees DRAM). The slack lets one command finish what it started: a
         command with a large argument (MSET big small ...) cannot be run again once its

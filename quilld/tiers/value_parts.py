@@ -20,6 +20,10 @@ from quilld.tiers.expiry import now_ms
 _ZEROS = memoryview(bytes(1 << 20))
 
 
+def _never(result: Any) -> bool:
+    return False
+
+
 def _zero(view: memoryview) -> None:
     """Fill `view` with zero bytes, a MiB at a time (no buffer the size of the view)."""
     step = len(_ZEROS)
@@ -73,8 +77,8 @@ class ValueParts:
             return b""
         return Pinned(pinned.view[lo:hi], pinned.release)
 
-    def write_range(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                    fn: Callable[[memoryview], Any]) -> Any:
+    def write_range(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                    unchanged: Callable[[Any], bool] | None = None, label: bytes | None = None) -> Any:
         """Change bytes `offset:offset+n` of `key`'s value where it lies; returns `fn`'s result.
 
         The value is first made at least `offset + n` bytes long, padded with zero bytes (a
@@ -95,13 +99,25 @@ class ValueParts:
           as a promoting read does): a `Pending` is returned, resolving to `fn`'s result.
           With `n == 0` that alone happens, and nothing is written anywhere.
 
+        `unchanged(result)`, when given, tells from `fn`'s result that `fn` changed no byte: a
+        value that neither is created nor grows is then no change at all (no WATCH touched, no
+        copy published, its CRC and lower copy kept), as redis counts SETBIT and BITFIELD.
+        `label`, when given, is the value's `label` once written (changed or not; see Listing.label).
+
         OutOfMemory is raised before anything changes.
         """
+        result = self._write_range(tag, key, offset, n, fn, unchanged, label)
+        if label is not None and result.__class__ is not Pending:
+            self.label(tag, key, label)
+        return result
+
+    def _write_range(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                     unchanged: Callable[[Any], bool] | None, label: bytes | None) -> Any:
         fk = tag + key
         value = self.data.get(fk)
         if value is None:
             if fk in self.lower:
-                return Pending(self._write_below(tag, key, offset, n, fn))
+                return Pending(self._write_below(tag, key, offset, n, fn, unchanged, label))
         elif self.expires and fk in self.expires and self.expires[fk] <= now_ms():
             self._unlink(fk)
             self.stats["expired"] += 1
@@ -113,8 +129,10 @@ class ValueParts:
             return fn(memoryview(value or b""))
         old = 0 if value is None else len(value)
         new = max(old, (old if offset is None else offset) + n)
+        if unchanged is None or value is None or new > old:  # created or grown: a change whatever fn does
+            unchanged = _never
         if not is_block:
-            return self._rebuilt(tag, key, value or b"", new, fn)
+            return self._rebuilt(tag, key, value or b"", new, fn, unchanged)
         if not value.pins and page_extent(new) == page_extent(old):
             if self.lookup_table is not None:  # before its bytes change under a reader
                 self.lookup_table.drop(fk)
@@ -123,22 +141,26 @@ class ValueParts:
                 _zero(view[old:])
                 value.length = new
             result = fn(view)
-            self._rewritten(fk, value)
+            if not unchanged(result):
+                self._rewritten(fk, value)
             return result
         self.pin(value)  # copy-on-write: making room must not evict the source
         try:
-            return self._rebuilt(tag, key, self.arena.view(value.handle, old), new, fn)
+            return self._rebuilt(tag, key, self.arena.view(value.handle, old), new, fn, unchanged)
         finally:
             self.unpin(value)
 
-    def _rebuilt(self, tag: bytes, key: bytes, src: Any, new: int, fn: Callable[[memoryview], Any]) -> Any:
-        """Publish a new value of `new` bytes: `src`, zero bytes up to `new`, then changed by `fn`."""
+    def _rebuilt(self, tag: bytes, key: bytes, src: Any, new: int, fn: Callable[[memoryview], Any],
+                 unchanged: Callable[[Any], bool]) -> Any:
+        """Publish a new value of `new` bytes: `src`, zero bytes up to `new`, then changed by `fn`
+        (unless `unchanged(result)`: then the old value stays, untouched)."""
         had = len(src)
         if new <= self.inline_max:
             buf = bytearray(new)
             buf[:had] = src
             result = fn(memoryview(buf))
-            self.publish(tag, key, bytes(buf), keep_ttl=True)
+            if not unchanged(result):
+                self.publish(tag, key, bytes(buf), keep_ttl=True)
             return result
         block = self.reserve(new)
         try:
@@ -149,7 +171,10 @@ class ValueParts:
         except BaseException:
             self.discard(block)
             raise
-        self.publish(tag, key, block, keep_ttl=True)
+        if unchanged(result):
+            self.discard(block)
+        else:
+            self.publish(tag, key, block, keep_ttl=True)
         return result
 
     def _rewritten(self, fk: bytes, block: Block) -> None:
@@ -170,8 +195,8 @@ class ValueParts:
         if self.touched is not None:
             self.touched(fk)
 
-    async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int,
-                           fn: Callable[[memoryview], Any]) -> Any:
+    async def _write_below(self, tag: bytes, key: bytes, offset: int | None, n: int, fn: Callable[[memoryview], Any],
+                           unchanged: Callable[[Any], bool] | None, label: bytes | None) -> Any:
         await self.bring_back(tag, key)
-        result = self.write_range(tag, key, offset, n, fn)  # in DRAM now, unless changed meanwhile
+        result = self.write_range(tag, key, offset, n, fn, unchanged, label)  # in DRAM now, unless changed meanwhile
         return await result.awaitable if result.__class__ is Pending else result

@@ -87,6 +87,25 @@ OBJECTS = [
     ("MEMORY", "HELP", "x"), ("TIME", "x"),
 ]
 
+# OBJECT ENCODING after in-place edits (issue 29.11): redis holds a string it changed in place as a
+# raw one whatever its bytes, INCRBYFLOAT's result as a string, and a SET anew as its bytes say
+_ENC = ("OBJECT", "ENCODING")
+EDITS = [
+    ("SET", "e", "12345"), ("APPEND", "e", "6"), (*_ENC, "e"), ("SET", "e", "12345"), ("SETRANGE", "e", "0", "9"),
+    (*_ENC, "e"), ("SET", "e", "12345"), ("SETRANGE", "e", "0", ""), (*_ENC, "e"), ("SET", "e", "12345"),
+    ("APPEND", "e", ""), (*_ENC, "e"), ("SET", "f", "10"), ("INCRBYFLOAT", "f", "1"), (*_ENC, "f"),
+    ("INCRBYFLOAT", "f", "1.5"), (*_ENC, "f"), ("INCRBYFLOAT", "new", "2"), (*_ENC, "new"),
+    ("SETBIT", "b", "0", "1"), (*_ENC, "b"), ("SET", "b", "5"), ("SETBIT", "b", "0", "0"), (*_ENC, "b"),
+    ("APPEND", "n", "123"), (*_ENC, "n"), ("APPEND", "n2", ""), (*_ENC, "n2"), ("SETRANGE", "r", "0", "12"),
+    (*_ENC, "r"), ("SET", "bf", "1"), ("BITFIELD", "bf", "SET", "u8", "0", "49"), (*_ENC, "bf"),
+    ("SET", "bg", "1"), ("BITFIELD", "bg", "GET", "u8", "0"), (*_ENC, "bg"), ("SET", "s1", "1"),
+    ("BITOP", "NOT", "d", "s1"), (*_ENC, "d"), ("SET", "h", "hello"), ("APPEND", "h", "x"), (*_ENC, "h"),
+    ("SET", "x", "12345"), ("APPEND", "x", "6"), ("RENAME", "x", "y"), (*_ENC, "y"), ("COPY", "y", "z"),
+    (*_ENC, "z"), ("INCR", "y"), (*_ENC, "y"), ("SET", "z", "7"), (*_ENC, "z"), ("SET", "w", "1"),
+    ("SETBIT", "w", "3", "0"), ("GETSET", "w", "8"), (*_ENC, "w"), ("APPEND", "w", "1"), ("MSET", "w", "9"),
+    (*_ENC, "w"), ("APPEND", "w", "1"), ("DEL", "w"), ("SET", "w", "3"), (*_ENC, "w"),
+]
+
 KEY_NAMES = [b"foo", b"foobar", b"fab", b"f[x", b"f*", b"a\\b", b"hello", b"hallo", b"hxllo", b"hllo",
              b"heeeello", b"\xff\x80", b"a-b", b"]", b"^x", b"x" * 300, b"", b"a" * 50, b"A]b", b"f\x00o"]
 PATTERNS = [b"*", b"**", b"", b"f*", b"fo?", b"f??", b"f[ao]*", b"f[^o]*", b"f[a-o]*", b"f[o-a]*", b"f\\*",
@@ -127,8 +146,8 @@ def normalized(cmd, reply: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("resp3", [False, True], ids=["resp2", "resp3"])
-@pytest.mark.parametrize("script", [EXPIRES, NAMES, OBJECTS, ENUMERATION],
-                         ids=["expires", "rename-copy-flush", "object-memory", "keys-scan"])
+@pytest.mark.parametrize("script", [EXPIRES, NAMES, OBJECTS, EDITS, ENUMERATION],
+                         ids=["expires", "rename-copy-flush", "object-memory", "encodings-after-edits", "keys-scan"])
 def test_replies_match_redis_byte_for_byte(quilld, redis_server, script, resp3):
     theirs = run_script(redis_server, [("FLUSHALL",)] + script, resp3)[1:]
     ours = run_script(quilld.port, [("FLUSHALL",)] + script, resp3)[1:]

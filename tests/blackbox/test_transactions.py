@@ -138,6 +138,20 @@ SCRIPTS = {
         *on(1, "SET x v"), *on(0, "WATCH x"), (1, "APPEND", "x", ""), *on(0, "MULTI", "PING", "EXEC"),
         *on(0, "WATCH x"), (1, "SETRANGE", "x", "0", ""), *on(0, "MULTI", "PING", "EXEC"),  # ... and this not
     ],
+    "bit writes that change nothing": [  # redis counts SETBIT and BITFIELD only when a bit changes (issue 29.10)
+        step for cmd in ("SETBIT b 0 0", "SETBIT b 7 0", "BITFIELD b SET u8 0 0", "BITFIELD b INCRBY u8 0 0",
+                         "BITFIELD b OVERFLOW FAIL INCRBY u8 0 -1", "BITFIELD b SET i4 4 0 GET u8 0",
+                         "BITFIELD b OVERFLOW SAT INCRBY u8 0 -1", "BITFIELD b SET u8 0 0 SET u8 0 1",
+                         "SETBIT b 0 1", "SETBIT b 8 0", "BITFIELD b SET u8 8 0", "BITFIELD b SET u4 0 1",
+                         "BITFIELD b INCRBY i8 0 1", "SETBIT new 0 0")
+        for step in [*on(1, "DEL new"), (1, "SET", "b", "\x00"), *on(0, "WATCH b new"), (1, *cmd.split()),
+                     *on(0, "MULTI", "PING", "EXEC", "GET b")]
+    ],
+    "bit writes that change nothing, in an arena block": [
+        step for cmd in ("SETBIT b 9 0", "BITFIELD b SET u8 16 0", "SETBIT b 9 1")
+        for step in [(1, "SET", "b", "\x00" * 70000), *on(0, "WATCH b"), (1, *cmd.split()),
+                     *on(0, "MULTI", "PING", "EXEC", "STRLEN b", "GETBIT b 9")]
+    ],
     "watch a missing key": [
         *on(0, "DEL x", "WATCH x"), *on(1, "DEL x", "FLUSHALL"), *on(0, "MULTI", "PING", "EXEC"),
         *on(0, "WATCH x"), *on(1, "SET x 1"), *on(0, "MULTI", "PING", "EXEC"),

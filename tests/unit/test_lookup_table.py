@@ -292,6 +292,19 @@ def test_reads_through_the_table_count_in_the_lru(ks, table):
     assert table.note_reads() == 0, "each read is counted once"
 
 
+def test_reads_through_the_table_count_for_an_lfu_policy(ks, table):
+    """Under allkeys-lfu a key read only through the table is not the least frequently used."""
+    ks.set_policy("allkeys-lfu")
+    tag = ks.scopes.tag(ALICE)
+    put(ks, tag, b"a", os.urandom(VALUE))
+    fk = tag + b"a"
+    assert ks.facts(tag, b"a").freq == 5  # a new key's counter
+    r = reader(ks, table, tag)
+    assert r.read_key(b"a", memoryview(bytearray(VALUE)), verify=False) == VALUE
+    assert table.note_reads() == 1
+    assert ks.freq.of(fk) == 6  # the first hit always counts
+
+
 def test_a_key_whose_every_entry_is_taken_is_not_put_in_the_table(ks):
     table = LookupTable(ks, PROBE, frozenset({"alice"}))  # PROBE entries: one home window for all
     ks.lookup_table = table

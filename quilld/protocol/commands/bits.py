@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
-from quilld.protocol.commands.common import acked, parse_int
+from quilld.protocol.commands.common import RAW, acked, parse_int
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 
 _SYNTAX = CommandError("syntax error")
@@ -87,8 +87,8 @@ def cmd_setbit(c, args):
         view[byte] = old | mask if on else old & ~mask
         return 1 if old & mask else 0
 
-    store = c.keyspace
-    result = store.write_range(c.tag, args[1], byte, 1, flip)
+    store = c.keyspace  # a bit set to what it was is no change (unless the key is created or grows)
+    result = store.write_range(c.tag, args[1], byte, 1, flip, lambda old: old == on, RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)
@@ -297,6 +297,7 @@ def _bitop(c, dest, op: bytes, values: list[bytes]):
         for v in ints[1:]:
             result ^= v
     store.publish(c.tag, dest, store.materialize(result.to_bytes(size, "big")))
+    store.label(c.tag, dest, RAW)  # redis builds BITOP's result as a raw string
     return _ack(store, size)
 
 
@@ -399,7 +400,8 @@ def _parse_fields(c, args) -> tuple[list, int]:
     return ops, highest
 
 
-def _run_fields(view, ops: list) -> list:
+def _run_fields(view, ops: list, changes: list | None = None) -> list:
+    """The replies of `ops` on `view`; `changes[0]` counts the writes that changed a field."""
     out = []
     for op, signed, bits, offset, arg, how in ops:
         if op == _GET:
@@ -417,6 +419,8 @@ def _run_fields(view, ops: list) -> list:
             continue
         out.append(new if op == _INCRBY else old)
         _set_field(view, offset, bits, new & _U64)
+        if changes is not None and new != old:
+            changes[0] += 1
     return out
 
 
@@ -427,7 +431,9 @@ def _bitfield(c, args, read_only: bool):
         return _reading(store.read_slice(c.tag, args[1], _whole), lambda v: _run_fields(v or b"", ops))
     if read_only:
         raise CommandError("BITFIELD_RO only supports the GET subcommand")
-    result = store.write_range(c.tag, args[1], 0, (highest >> 3) + 1, lambda view: _run_fields(view, ops))
+    changes = [0]  # writes that changed a field: none is no change of the key (redis's `changes`)
+    result = store.write_range(c.tag, args[1], 0, (highest >> 3) + 1, lambda view: _run_fields(view, ops, changes),
+                               lambda _: not changes[0], RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)

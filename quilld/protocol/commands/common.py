@@ -9,6 +9,15 @@ from quilld.model import Pending, Pinned
 from quilld.protocol.resp import _parse_len as _strict_int
 
 _NOT_INT = "value is not an integer or out of range"
+EMBSTR_MAX = 44  # OBJ_ENCODING_EMBSTR_SIZE_LIMIT: redis keeps shorter strings in one allocation
+# OBJECT ENCODING of a string redis changed in place (APPEND, SETRANGE, SETBIT, BITFIELD: its
+# dbUnshareStringValue) or built as a raw one (BITOP), whatever its bytes: the keyspace's label
+RAW = b"raw"
+
+
+def float_encoding(text: bytes) -> bytes:
+    """OBJECT ENCODING of INCRBYFLOAT's result: redis makes a string of it, never an integer."""
+    return b"embstr" if len(text) <= EMBSTR_MAX else RAW
 
 
 def parse_int(raw: bytes, message: str = _NOT_INT) -> int:

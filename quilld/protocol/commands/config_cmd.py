@@ -6,14 +6,17 @@ Each parameter is one of three things for quilld:
   maxmemory (dram.maxmemory: eviction starts at dram.high_watermark of it and stops at
   dram.low_watermark of it; at most the arena's size, which is fixed at start; 0, the
   default, means the whole arena, and CONFIG GET answers it as set, 0 included, as redis
-  does; INFO's maxmemory is the bytes in effect), maxclients, timeout,
+  does, and so does INFO's maxmemory; INFO's dram_capacity is the arena), maxmemory-policy
+  (dram.maxmemory_policy: what goes when DRAM is full and there is no SSD tier to demote to,
+  tiers/eviction.py; allkeys-lru by default) with lfu-log-factor and lfu-decay-time (its LFU
+  counters' growth and decay; until a restart, not rewritten), maxclients, timeout,
   slowlog-log-slower-than, slowlog-max-len, latency-monitor-threshold, proto-max-bulk-len,
   client-query-buffer-limit, loglevel, latency-tracking-info-percentiles, requirepass (user
   default's password, as redis: ACL SETUSER default resetpass >value; "" for nopass; kept
   until a restart, not rewritten). CONFIG REWRITE writes those with a config key back to
   the config file (`CONFIG_KEYS`).
 - answered and kept (`REFUSED`): quilld has a value for it (port, bind, save, appendonly,
-  maxmemory-policy, hz, ...) or lacks the feature it switches on (keyspace
+  hz, ...) or lacks the feature it switches on (keyspace
   notifications, TLS, client eviction, active defrag); CONFIG GET answers quilld's value,
   CONFIG SET to that same value is accepted, and any other value is refused with the
   reason.
@@ -38,6 +41,7 @@ import tomllib
 from dataclasses import replace
 from typing import Callable
 
+from quilld.config import MAXMEMORY_POLICIES
 from quilld.errors import CommandError, echo
 from quilld.protocol.commands.client import operator_only
 from quilld.protocol.commands.command_docs import help_reply
@@ -167,6 +171,13 @@ def _set_maxmemory(ctx: NodeContext, value: str) -> None:
     apply_maxmemory(ctx, n)
 
 
+def _set_policy(ctx: NodeContext, value: str) -> None:
+    if value not in MAXMEMORY_POLICIES:
+        raise Failed(f"quilld does not offer {value}: a cache pool keeps an exact LRU, and a random victim is "
+                     f"only worse (one of {', '.join(MAXMEMORY_POLICIES)})")
+    ctx.keyspace.set_policy(value)
+
+
 def _runtime(field: str) -> tuple[Getter, Setter]:
     def get(ctx: NodeContext) -> str:
         return str(getattr(ctx.runtime, field))
@@ -231,6 +242,11 @@ def _set_requirepass(ctx: NodeContext, value: str) -> None:
 APPLIED: dict[str, tuple[Getter, Setter]] = {
     "requirepass": (_requirepass, _set_requirepass),
     "maxmemory": (lambda ctx: str(ctx.runtime.maxmemory), _set_maxmemory),  # as set: 0 is "the whole arena"
+    "maxmemory-policy": (lambda ctx: ctx.keyspace.policy, _set_policy),
+    "lfu-log-factor": (lambda ctx: str(ctx.keyspace.lfu.log_factor),
+                       lambda ctx, v: setattr(ctx.keyspace.lfu, "log_factor", int(v))),
+    "lfu-decay-time": (lambda ctx: str(ctx.keyspace.lfu.decay_minutes),
+                       lambda ctx, v: setattr(ctx.keyspace.lfu, "decay_minutes", int(v))),
     "maxclients": (lambda ctx: str(ctx.clients.max_clients), _set_maxclients),
     "timeout": _runtime("timeout"),
     "slowlog-log-slower-than": _runtime("slowlog_log_slower_than"),
@@ -267,8 +283,6 @@ REFUSED: dict[str, tuple[Getter, str]] = {
     "save": (lambda ctx: "", "quilld takes no RDB snapshots: its SSD tier (ssd.dir) keeps blocks across restarts"),
     "appendonly": (lambda ctx: "no", "quilld has no append-only file: its SSD tier (ssd.dir) keeps blocks "
                                      "across restarts, with its own write-ahead log"),
-    "maxmemory-policy": (lambda ctx: "allkeys-lru", "quilld evicts the least recently used values of all keys "
-                                                    "(and demotes them to the SSD tier when it has one)"),
     "maxmemory-clients": (lambda ctx: "0", "quilld does not evict clients"),
     "hz": (lambda ctx: str(HZ), f"quilld's housekeeping runs {HZ} times a second, always"),
     "dynamic-hz": (lambda ctx: "no", f"quilld's housekeeping runs {HZ} times a second, always"),
@@ -391,6 +405,8 @@ def cmd_config_resetstat(c, args):
 
 
 def _toml(value: object) -> str:
+    if isinstance(value, str):  # a TOML basic string (the values written here need no escapes)
+        return f'"{value}"'
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -449,6 +465,8 @@ def cmd_config_rewrite(c, args):
             updates[section, key] = now
     if ctx.runtime.maxmemory != ctx.cfg.dram.maxmemory:
         updates["dram", "maxmemory"] = ctx.runtime.maxmemory
+    if ctx.keyspace.policy != ctx.cfg.dram.maxmemory_policy:
+        updates["dram", "maxmemory_policy"] = ctx.keyspace.policy
     try:
         rewrite(ctx.config_file, updates)
     except (OSError, tomllib.TOMLDecodeError) as e:

@@ -27,7 +27,7 @@ from typing import Callable
 
 from quilld.errors import CommandError, OutOfMemory
 from quilld.model import CacheTier, Pending
-from quilld.protocol.commands.common import parse_int
+from quilld.protocol.commands.common import EMBSTR_MAX, parse_int
 from quilld.protocol.commands.strings import acked
 from quilld.context.figures import human, rss_bytes
 from quilld.protocol.resp import OK, Status, Verbatim
@@ -39,7 +39,6 @@ _SYNTAX = CommandError("syntax error")
 LLONG_MAX = (1 << 63) - 1
 LLONG_MIN = -(1 << 63)
 ULONG_MAX = (1 << 64) - 1
-EMBSTR_MAX = 44  # OBJ_ENCODING_EMBSTR_SIZE_LIMIT: redis keeps shorter strings in one allocation
 SCAN_COUNT = 10  # SCAN's default COUNT
 BRING_BACK_TRIES = 8  # reads of an SSD-only value back into DRAM (or waits for room) before giving up
 
@@ -432,10 +431,13 @@ _OBJECT_HELP = (
 
 def encoding_of(facts) -> bytes:
     """redis's choice for a string set by SET: "int" for what string2l reads in at most 20
-    bytes, "embstr" up to 44 bytes, else "raw"; an arena block (or SSD value) is "raw"."""
+    bytes, "embstr" up to 44 bytes, else "raw"; an arena block (or SSD value) is "raw". A value
+    a command labelled (common.RAW: edited in place; INCRBYFLOAT's) is what it was labelled."""
     value = facts.inline
     if value is None:
         return b"raw"
+    if facts.label is not None:
+        return facts.label
     if len(value) <= 20:
         try:
             parse_int(value)
@@ -455,20 +457,29 @@ def cmd_object_refcount(c, args):
     return None if c.keyspace.facts(c.tag, args[2]) is None else 1
 
 
+_SWITCHING = "Please note that when switching between policies at runtime LRU and LFU data will take some time to adjust."
+
+
 def cmd_object_idletime(c, args):
     """Seconds since the last read, for arena blocks; inline values (at most dram.inline_max
-    bytes) and values only on SSD keep no access clock (it would cost every GET): 0."""
+    bytes) and values only on SSD keep no access clock (it would cost every GET): 0. Under an
+    LFU maxmemory policy, refused as redis refuses it."""
     facts = c.keyspace.facts(c.tag, args[2])
     if facts is None:
         return None
+    if facts.freq is not None:
+        raise CommandError(f"An LFU maxmemory policy is selected, idle time not tracked. {_SWITCHING}")
     return int(facts.idle_s) if facts.idle_s is not None else 0
 
 
 def cmd_object_freq(c, args):
-    if c.keyspace.facts(c.tag, args[2]) is None:
+    """The key's LFU counter (tiers/eviction.py), under an LFU maxmemory policy only."""
+    facts = c.keyspace.facts(c.tag, args[2])
+    if facts is None:
         return None
-    raise CommandError("An LFU maxmemory policy is not selected, access frequency not tracked. Please note that "
-                       "when switching between policies at runtime LRU and LFU data will take some time to adjust.")
+    if facts.freq is None:
+        raise CommandError(f"An LFU maxmemory policy is not selected, access frequency not tracked. {_SWITCHING}")
+    return facts.freq
 
 
 def cmd_object_help(c, args):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
-from quilld.protocol.commands.common import acked, parse_int, pool_exists, pool_get, pool_mget, settle
+from quilld.protocol.commands.common import (
+    RAW, acked, float_encoding, parse_int, pool_exists, pool_get, pool_mget, settle,
+)
 from quilld.protocol.commands.lcs import LcsTable
 from quilld.protocol.commands.longdouble import (
     MAX_LONG_DOUBLE_CHARS,
@@ -321,7 +323,7 @@ def cmd_setrange(c, args):
         view[offset:offset + n] = data
         return len(view)
 
-    result = store.write_range(c.tag, key, offset, n, write)
+    result = store.write_range(c.tag, key, offset, n, write, label=RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)
@@ -344,7 +346,8 @@ def cmd_append(c, args):
             view[len(view) - n:] = data
         return len(view)
 
-    result = store.write_range(c.tag, key, None, n, write)
+    # appended to, a value is a raw string in redis; a new key is encoded as SET would
+    result = store.write_range(c.tag, key, None, n, write, label=None if size is None else RAW)
     if result.__class__ is Pending:
         return _deferred(store, result)
     return _ack(store, result)
@@ -403,6 +406,7 @@ def cmd_incrbyfloat(c, args):
     value = add_long_double(current, parse_long_double(args[2]))
     text = format_long_double(value)
     store.publish(c.tag, key, storable(store, text), keep_ttl=True)
+    store.label(c.tag, key, float_encoding(text))
     return _ack(store, text)
 
 
