@@ -176,7 +176,8 @@ class Node:
             cfg=cfg, node_id=node_id, keyspace=keyspace,
             puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms),
             scopes=scopes, users=Users.from_config(cfg.security), control=control, table=build_table(),
-            clients=Clients(cfg.server.max_clients, on_close=self._session_closed),
+            clients=Clients(cfg.server.max_clients, on_close=self._session_closed,
+                            tracking_max_keys=cfg.server.tracking_table_max_keys),
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket

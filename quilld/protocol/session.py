@@ -54,7 +54,7 @@ class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
                  "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm", "multi",
-                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms")
+                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms", "tracking", "channels")
 
     def __init__(self, ctx: NodeContext, addr: str, laddr: str, unix: bool = False) -> None:
         self.ctx = ctx
@@ -89,6 +89,11 @@ class Session:
         self.multi_bytes = 0
         self.watched: dict[bytes, bool] | None = None
         self.cas_dirty = False
+        # CLIENT TRACKING (protocol/tracking.py): the connection's state while tracking is on, else
+        # None (the dispatcher's fast path checks that one attribute); the pub/sub channels it
+        # is subscribed to (SUBSCRIBE: the tracking channel only)
+        self.tracking = None
+        self.channels: set[bytes] = set()
         self.tag = b""
         self.set_scope(IdentityScope(), capped=False, chosen=False)
         if ctx.cfg.security.require_scope:
@@ -129,8 +134,10 @@ class Session:
     def reset(self) -> None:
         """RESET: the state of a new connection (its id, addresses and age kept): RESP2, no name,
         replies on, user `default` (authenticated only when it has no password), no scope chosen,
-        no transaction and no key watched."""
+        no transaction, no key watched, no tracking, no subscription."""
         end(self)
+        self.ctx.clients.tracking.disable(self)
+        self.channels = set()
         self.name = None
         self.resp3 = False
         self.reply_mode = 0
@@ -144,8 +151,9 @@ class Session:
 
     def close(self) -> None:
         """The connection is gone: its scope is no longer held by it, its transaction and watched
-        keys are dropped (what its queued commands held is given back)."""
+        keys are dropped (what its queued commands held is given back), and its tracking."""
         end(self)
+        self.ctx.clients.tracking.disable(self)
         if self.tag:
             self.ctx.scopes.drop(self.tag)
             self.tag = b""
