@@ -41,6 +41,11 @@ def _connections(c):
     return [conn for conn in c.ctx.clients.connections.values() if conn.session.user == c.user]
 
 
+def _kind(s) -> str:
+    """redis's getClientType: a subscribed connection is a pubsub client, every other one normal."""
+    return "pubsub" if s.channels else "normal"
+
+
 def _command_bytes(args: list) -> int:
     return sum(len(bulk_header(len(a))) + len(a) + 2 for a in args) + len(array_header(len(args)))
 
@@ -85,7 +90,7 @@ def cmd_client_list(c, args):
         kind = CLIENT_TYPES.get(bytes(args[3]).lower())
         if kind is None:
             raise CommandError(f"Unknown client type '{echo(args[3])}'")
-        conns = conns if kind == "normal" else []  # every quilld connection is a normal client
+        conns = [conn for conn in conns if _kind(conn.session) == kind]
     elif len(args) > 3 and bytes(args[2]).lower() == b"id":
         ids = []
         for raw in args[3:]:
@@ -162,7 +167,7 @@ def cmd_client_kill(c, args):
         s = conn.session
         if (addr is not None and s.addr.encode() != addr) or (laddr is not None and s.laddr.encode() != laddr):
             continue
-        if (kind is not None and kind != "normal") or (cid and s.id != cid) or (user is not None and s.user != user):
+        if (kind is not None and kind != _kind(s)) or (cid and s.id != cid) or (user is not None and s.user != user):
             continue
         if s is c:
             if skipme:
