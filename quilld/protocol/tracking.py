@@ -37,8 +37,10 @@ server.tracking_table_max_keys; 0: no bound, redis's default 1000000): past it t
 keys are forgotten, each sent to the connections that had read it as if it had changed, at
 most `TRIM_EFFORT` times the number of passes that found the table still too full per pass
 (redis's trackingLimitUsedSlots). A connection that does not read what it is sent is closed
-once `PUSH_BACKLOG_MAX` bytes wait for it (redis closes a pub/sub client past its
-client-output-buffer-limit, 32mb): messages never grow a connection's memory without bound.
+once more than `PUSH_BACKLOG_MAX` bytes beyond server.client_output_high_water wait for it (its
+own replies stop its reading at that high water, so the rest is messages; redis closes a pub/sub
+client past its client-output-buffer-limit, 32mb): messages never grow a connection's memory
+without bound.
 A connection that closes or turns tracking off is forgotten lazily, as redis forgets it: its
 entries go with the keys' next change or with the trim.
 """
@@ -303,11 +305,11 @@ class Tracking:
         out: list = []
         encode(frame, resp3, out)
         data = b"".join(out)
-        if conn.transport.get_write_buffer_size() + len(data) > PUSH_BACKLOG_MAX:
-            log.warning("closing client id=%d addr=%s: %d bytes of invalidation messages wait unread "
-                        "(more than %d)", s.id, s.addr, conn.transport.get_write_buffer_size(), PUSH_BACKLOG_MAX)
-            self.clients.stats["tracking_backlog_disconnections"] += 1
-            conn.transport.close()
+        waiting = conn.transport.get_write_buffer_size()
+        if waiting + len(data) > conn.ctx.cfg.server.client_output_high_water + PUSH_BACKLOG_MAX:
+            log.warning("closing client id=%d addr=%s: it does not read its invalidation messages (%d bytes "
+                        "wait unsent)", s.id, s.addr, waiting)
+            conn.transport.abort()  # close() would wait to send what waits: it never would be read
             return
         if s is self.clients.running:
             conn.push_after(data)  # after the reply of the command that made the change

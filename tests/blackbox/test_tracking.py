@@ -371,7 +371,36 @@ def test_redis_py_client_side_cache(quilld, monkeypatch):
         assert cached.get("k") == b"v1"  # from the cache: the node sees no GET
     assert other.info("commandstats")["cmdstat_get"]["calls"] == calls
     other.set("k", "v2")
-    wait_until(lambda: cached.get("k") == b"v2", timeout=10)
+    assert wait_until(lambda: cached.get("k") == b"v2", timeout=10)
     other.flushall()
-    wait_until(lambda: cached.get("k") is None, timeout=10)
+    assert wait_until(lambda: cached.get("k") is None, timeout=10)
     cached.close()
+
+
+def test_unread_messages_close_the_connection(quilld_factory):
+    """A tracking connection that never reads its messages does not grow the node's memory without
+    bound: once more than 32 MiB beyond server.client_output_high_water wait for it, it is closed
+    (redis closes a pub/sub client past its output limit); the node and other clients go on."""
+    q = quilld_factory("--dram", "64MiB", env={"QUILLD_SERVER_CLIENT_OUTPUT_HIGH_WATER": "1MiB"})
+    t, w = Resp3(q.port), q.client()
+    t.call("CLIENT", "TRACKING", "ON")
+    names = [b"%06d" % i + b"k" * 100_000 for i in range(500)]  # 50 MB of invalidations once all change
+    t.sock.sendall(b"".join(cmd("GET", n) for n in names))
+    for _ in names:
+        assert t._next(30) is None
+    with w.pipeline(transaction=False) as p:  # t reads nothing from here on
+        for n in names:
+            p.set(n, "changed")
+        p.execute()
+    assert wait_until(lambda: len(w.client_list()) == 1, timeout=30)  # t is gone, the writer is not
+    assert "does not read its invalidation messages" in q.log()
+    assert w.ping()
+    t.sock.settimeout(10)
+    got = 0
+    try:
+        while chunk := t.sock.recv(1 << 20):
+            got += len(chunk)
+    except (ConnectionResetError, socket.timeout):
+        pass
+    assert got < len(names) * 100_000  # not everything was sent: it was closed first
+    t.close()
