@@ -370,6 +370,7 @@ class Node:
                     ctx.keyspace.lookup_table.note_reads()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()
+                ctx.clients.tracking.trim()  # a table over tracking-table-max-keys shrinks with no read too
                 ctx.clients.close_stalled(self.cfg.server.payload_timeout_ms / 1000, time.monotonic())
             except Exception:  # a housekeeping bug must not stop housekeeping
                 log.exception("housekeeping failed")
