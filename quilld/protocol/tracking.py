@@ -17,8 +17,11 @@ cached is dropped:
 - A flush (FLUSHALL, FLUSHDB) sends one `invalidate` with a null instead of keys: every key.
 
 A key is tracked in its identity scope: the table's keys are full keys (scope tag + key),
-a prefix matches the keys of the scope it was given in, and a message names the plain key. So
-a connection hears only of keys it could read, and learns nothing of another scope's keys.
+BCAST prefixes match the keys of the scope the connection had when it turned BCAST on, and a
+message names the plain key. So a connection hears only of keys it could read, and learns
+nothing of another scope's keys; a change is matched only against its own scope's prefixes,
+and a connection may have at most `MAX_PREFIXES` (redis has no such bound; a tenant's
+prefixes would slow every write of its scope).
 
 What changes a key is the keyspace's one `touched` hook (key_changes.py, shared with WATCH):
 a write, delete, expiry (read or swept), eviction, rename, TTL set or removed, and in a
@@ -57,6 +60,7 @@ from quilld.protocol.replies import Push
 from quilld.scopes import TAG_LEN
 
 CHANNEL = b"__redis__:invalidate"  # where a RESP2 connection redirected to hears the messages
+MAX_PREFIXES = 1024  # BCAST prefixes one connection may have (each change of a key of its scope is matched against them)
 TRIM_EFFORT = 100  # keys forgotten per pass over a full table, times the passes that found it still full
 PUSH_BACKLOG_MAX = 32 * 1024 * 1024  # unsent bytes a connection may have before it is closed (redis's pubsub hard limit)
 log = logging.getLogger("quilld.protocol")
@@ -65,7 +69,7 @@ log = logging.getLogger("quilld.protocol")
 class ClientTracking:
     """A connection's tracking state (Session.tracking while tracking is on)."""
 
-    __slots__ = ("bcast", "optin", "optout", "noloop", "caching", "redirect", "broken", "prefixes")
+    __slots__ = ("bcast", "optin", "optout", "noloop", "caching", "redirect", "broken", "prefixes", "tag")
 
     def __init__(self) -> None:
         self.bcast = self.optin = self.optout = self.noloop = False
@@ -73,6 +77,7 @@ class ClientTracking:
         self.redirect = 0  # the connection the messages go to (0: this one)
         self.broken = False  # that connection has gone
         self.prefixes: list[bytes] = []  # BCAST's, as given (without the scope's tag)
+        self.tag = b""  # the scope they match keys of: the connection's when it turned BCAST on
 
     def flags(self) -> list[bytes]:
         """TRACKINGINFO's flags after `on`, in redis's order."""
@@ -95,8 +100,10 @@ class Tracking:
         self.clients = clients  # protocol/clients.py Clients: connections by session id, the running one
         self.keys: dict[bytes, set[int]] = {}  # full key -> ids of the sessions that read it
         self.items = 0  # ids over all keys (INFO's tracking_total_items)
-        self.prefixes: dict[bytes, dict[int, Any]] = {}  # tag + prefix -> {session id: session} (BCAST)
-        self.changed: dict[bytes, dict[bytes, Any]] = {}  # tag + prefix -> {full key: who changed it last}
+        # BCAST: scope tag -> prefix -> {session id: session}; and the keys changed since the last
+        # broadcast: scope tag -> prefix -> {full key: the session that changed it last}
+        self.prefixes: dict[bytes, dict[bytes, dict[int, Any]]] = {}
+        self.changed: dict[bytes, dict[bytes, dict[bytes, Any]]] = {}
         self.tracking_clients = 0
         self.max_keys = 1_000_000  # tracking-table-max-keys (0: no bound)
         self._full_passes = 0  # passes of trim that found the table still over max_keys
@@ -116,10 +123,13 @@ class Tracking:
         t.redirect, t.broken = redirect, False
         t.bcast, t.optin, t.optout, t.noloop = bcast, optin, optout, noloop
         if bcast:
+            if not t.prefixes:
+                t.tag = s.tag
+            mine = self.prefixes.setdefault(t.tag, {})
             for p in prefixes or [b""]:
                 if p not in t.prefixes:
                     t.prefixes.append(p)
-                    self.prefixes.setdefault(s.tag + p, {})[s.id] = s
+                    mine.setdefault(p, {})[s.id] = s
         keyspace = s.ctx.keyspace
         cluster = s.ctx.cluster
         if self._keyspace is None:
@@ -134,14 +144,16 @@ class Tracking:
         if t is None:
             return
         self.tracking_clients -= 1
-        for p in t.prefixes:
-            fp = s.tag + p
-            subs = self.prefixes.get(fp)
+        mine = self.prefixes.get(t.tag)
+        for p in t.prefixes if mine is not None else ():
+            subs = mine.get(p)
             if subs is not None:
                 subs.pop(s.id, None)
                 if not subs:
-                    del self.prefixes[fp]
-                    self.changed.pop(fp, None)
+                    del mine[p]
+                    self.changed.get(t.tag, {}).pop(p, None)
+        if mine is not None and not mine:
+            del self.prefixes[t.tag]
         if not self.tracking_clients and self._keyspace is not None:
             self.clients.changes.unlisten(self)
             self._keyspace = None
@@ -152,7 +164,12 @@ class Tracking:
     @staticmethod
     def overlap(old: list[bytes], new: list[bytes]) -> bytes | None:
         """redis's checkPrefixCollisionsOrReply: the error text when two prefixes would both match
-        one key (one starts the other), else None."""
+        one key (one starts the other), else None. Whether any do is seen in the sorted order (a
+        prefix sorts right before the strings it starts, with nothing else between them); only
+        then are the pairs walked in redis's order, for the one it names."""
+        every = sorted(old + new)
+        if not any(q.startswith(p) for p, q in zip(every, every[1:])):
+            return None
         for i, p in enumerate(new):
             for q in old:
                 if p.startswith(q) or q.startswith(p):
@@ -212,7 +229,7 @@ class Tracking:
         flushing = self._flushing
         if flushing is not None and fk[:TAG_LEN] == flushing:
             return  # the flush sends one message for all of them
-        if self.prefixes:
+        if self.prefixes and fk[:TAG_LEN] in self.prefixes:
             self._note_for_bcast(fk)
         if fk in self.keys:
             self._invalidate(fk, self.clients.running)
@@ -239,22 +256,22 @@ class Tracking:
     def _flushed(self, tag: bytes) -> None:
         for fk in [fk for fk in self.keys if fk[:TAG_LEN] == tag]:
             self.items -= len(self.keys.pop(fk))
-        for fp, keys in self.changed.items():
-            if fp[:TAG_LEN] == tag:
-                keys.clear()
+        self.changed.pop(tag, None)
         for s in list(self.clients.sessions.values()):
             if s.tracking is not None and s.tag == tag:
                 self._send(s, None)
 
     def _note_for_bcast(self, fk: bytes) -> None:
+        """`fk` changed: remembered for each prefix of its scope it starts with, with who changed it."""
+        tag, key = fk[:TAG_LEN], fk[TAG_LEN:]
         writer = self.clients.running
-        for fp, keys in self.changed.items():
-            if fk.startswith(fp):
-                keys[fk] = writer
-        for fp in self.prefixes:
-            if fp not in self.changed and fk.startswith(fp):
-                self.changed[fp] = {fk: writer}
-        if self.changed and not self._broadcast_due:
+        pending = None
+        for p in self.prefixes[tag]:
+            if key.startswith(p):
+                if pending is None:
+                    pending = self.changed.setdefault(tag, {})
+                pending.setdefault(p, {})[fk] = writer
+        if pending is not None and not self._broadcast_due:
             self._broadcast_due = True
             try:
                 asyncio.get_running_loop().call_soon(self.broadcast)
@@ -267,20 +284,22 @@ class Tracking:
         changes left out of its copy."""
         self._broadcast_due = False
         changed, self.changed = self.changed, {}
-        for fp, keys in changed.items():
-            if not keys:
-                continue
-            every = [fk[TAG_LEN:] for fk in keys]
-            for s in list(self.prefixes.get(fp, {}).values()):
-                t = s.tracking
-                if t is None:
+        for tag, per_prefix in changed.items():
+            mine = self.prefixes.get(tag, {})
+            for p, keys in per_prefix.items():
+                if not keys:
                     continue
-                if t.noloop:
-                    own = [fk[TAG_LEN:] for fk, w in keys.items() if w is not s]
-                    if own:
-                        self._send(s, own)
-                else:
-                    self._send(s, every)
+                every = [fk[TAG_LEN:] for fk in keys]
+                for s in list(mine.get(p, {}).values()):
+                    t = s.tracking
+                    if t is None:
+                        continue
+                    if t.noloop:
+                        own = [fk[TAG_LEN:] for fk, w in keys.items() if w is not s]
+                        if own:
+                            self._send(s, own)
+                    else:
+                        self._send(s, every)
 
     def _send(self, s: Any, keys: list | None) -> None:
         """One invalidation (`keys`; None: every key) for tracking session `s`, where it goes."""
@@ -319,7 +338,7 @@ class Tracking:
     # -- figures -----------------------------------------------------------------------
     def figures(self) -> tuple[int, int, int, int]:
         """(tracking_clients, tracking_total_keys, tracking_total_items, tracking_total_prefixes)."""
-        return self.tracking_clients, len(self.keys), self.items, len(self.prefixes)
+        return self.tracking_clients, len(self.keys), self.items, sum(len(m) for m in self.prefixes.values())
 
 
 class _Flush:

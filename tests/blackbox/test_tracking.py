@@ -404,3 +404,19 @@ def test_unread_messages_close_the_connection(quilld_factory):
         pass
     assert got < len(names) * 100_000  # not everything was sent: it was closed first
     t.close()
+
+
+def test_bcast_prefixes_are_bounded_per_connection(quilld):
+    """One connection's BCAST prefixes are matched against every change of its scope: at most
+    1024 of them (redis has no bound), a CLIENT TRACKING that would pass it is refused whole."""
+    t, w = Resp3(quilld.port), quilld.client()
+    args = ["CLIENT", "TRACKING", "ON", "BCAST"]
+    for i in range(1024):
+        args += ["PREFIX", f"p{i:04d}:"]
+    assert t.call(*args) == b"OK"
+    refused = t.call("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", "q:")
+    assert isinstance(refused, Exception) and "at most 1024 BCAST prefixes" in str(refused), refused
+    assert len(t.call("CLIENT", "TRACKINGINFO")[b"prefixes"]) == 1024
+    w.set("p0500:x", "1")
+    assert t.invalidated() == [b"p0500:x"]
+    t.close()

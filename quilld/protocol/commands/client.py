@@ -20,6 +20,7 @@ from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
 from quilld.protocol.resp import OK, OrderedSet, Raw, Status, Verbatim, array_header, bulk_header
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
+from quilld.protocol.tracking import MAX_PREFIXES
 from quilld.protocol.transactions import multi_mem
 
 _SYNTAX = CommandError("syntax error")
@@ -294,6 +295,9 @@ def cmd_client_tracking(c, args):
             clash = tracking.overlap(t.prefixes if t is not None else [], prefixes)
             if clash is not None:
                 raise CommandError(clash.decode("utf-8", "surrogateescape"))
+            if len(set(prefixes) | set(t.prefixes if t is not None else ())) > MAX_PREFIXES:
+                raise CommandError(f"a connection may have at most {MAX_PREFIXES} BCAST prefixes in quilld "
+                                   "(each change of a key of its scope is matched against them)")
         tracking.enable(c, redirect, bcast, optin, optout, noloop, prefixes)
     elif on == b"off":
         tracking.disable(c)
