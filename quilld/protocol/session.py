@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from quilld.errors import QuillError
+from quilld.errors import CommandError, QuillError
 from quilld.model import IdentityScope
 from quilld.context.node_context import NodeContext
 from quilld.protocol.transactions import end
@@ -123,8 +123,18 @@ class Session:
             kept = self.scope._replace(tenant=user)
             self.set_scope(kept, capped=bool(kept.model or kept.tokenizer or kept.adapter), chosen=False)
         self.user = user
-        self.perms = _perms(self.ctx, user)
+        self.set_perms(_perms(self.ctx, user))
         self.authenticated = True
+
+    def set_perms(self, acl) -> None:
+        """The user's ACL changed (None: it restricts nothing); a RESP2 subscribed connection keeps
+        its subscribed context on top of it."""
+        self.perms = Subscribed(acl) if self.channels and not self.resp3 else acl
+
+    def subscriptions_changed(self) -> None:
+        """SUBSCRIBE or UNSUBSCRIBE ran: the subscribed context starts or ends (RESP2 only)."""
+        acl = self.perms.acl if self.perms.__class__ is Subscribed else self.perms
+        self.set_perms(acl)
 
     def peer_login(self) -> None:
         """A cluster peer (PEERAUTH): it may run the node-to-node commands, which name the scope
@@ -164,3 +174,24 @@ def _perms(ctx: NodeContext, user: str):
     fast path serves a session whose `perms` is None without asking."""
     acl = ctx.users.acl_of(user)
     return acl if acl is not None and acl.restricted else None
+
+
+SUBSCRIBED_MAY_RUN = frozenset({"subscribe", "psubscribe", "ssubscribe", "unsubscribe", "punsubscribe",
+                                "sunsubscribe", "ping", "quit", "reset"})
+
+
+class Subscribed:
+    """A RESP2 connection subscribed to a channel (SUBSCRIBE, commands/pubsub.py) runs only what
+    redis's processCommand allows there, after what its user's ACL (`acl`, or None) allows."""
+
+    __slots__ = ("acl",)
+
+    def __init__(self, acl) -> None:
+        self.acl = acl
+
+    def refusal(self, cmd, argv: list):
+        refused = self.acl.refusal(cmd, argv) if self.acl is not None else None
+        if refused is None and cmd.name not in SUBSCRIBED_MAY_RUN:
+            refused = CommandError(f"Can't execute '{cmd.name}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / "
+                                   "QUIT / RESET are allowed in this context")
+        return refused

@@ -103,7 +103,12 @@ STEPS = [
     ("b", ["SET", "r1", "v"]),
     ("b", ["FLUSHDB"]),
     ("f", ["CLIENT", "LIST", "TYPE", "pubsub"]),
+    ("c", ["GET", "r1"]),  # a RESP2 subscriber runs only the pub/sub commands, PING, QUIT, RESET
+    ("c", ["PING"]),
+    ("c", ["PING", "hello"]),
+    ("c", ["SUBSCRIBE", "__redis__:invalidate"]),
     ("c", ["UNSUBSCRIBE"]),
+    ("c", ["PING"]),
     ("c", ["UNSUBSCRIBE"]),
     ("f", ["GET", "r2"]),
     ("b", ["SET", "r2", "v"]),  # c no longer subscribed: nothing is sent anywhere

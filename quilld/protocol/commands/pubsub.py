@@ -7,6 +7,8 @@ ON REDIRECT <id>`, protocol/tracking.py), as pub/sub messages. These two command
 subscription, with redis's replies (one `subscribe`/`unsubscribe` frame per channel, with the
 count of channels the connection is subscribed to: pushes in RESP3, arrays in RESP2). Any
 other channel is refused (nothing would ever be published on it), the whole command unrun.
+A RESP2 connection subscribed to it runs only (P|S)SUBSCRIBE, (P|S)UNSUBSCRIBE, PING (answered
+`pong` as a message array), QUIT and RESET, as redis allows there (session.Subscribed).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def cmd_subscribe(c, args):
     for _ in args[1:]:
         c.channels.add(CHANNEL)
         frames.append((b"subscribe", CHANNEL, len(c.channels)))
+    c.subscriptions_changed()
     return _frames(c, frames)
 
 
@@ -45,6 +48,7 @@ def cmd_unsubscribe(c, args):
     for name in names:
         c.channels.discard(name)
         frames.append((b"unsubscribe", name, len(c.channels)))
+    c.subscriptions_changed()
     return _frames(c, frames)
 
 
