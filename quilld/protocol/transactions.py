@@ -22,8 +22,8 @@ publishes it without a copy. The queue's other bytes count against
 the transaction marked.
 
 `Watches` is the node's WATCH registry: full key (scope tag + key, so a key is watched in
-the scope it was watched in) -> the sessions watching it. While any key is watched it
-listens to the keyspace's `touched` hook (key_changes.py), which the keyspace calls after any change of a key: a write,
+the scope it was watched in) -> the sessions watching it. While any key is watched it hears
+the keyspace's `touched` hook, which the keyspace calls after any change of a key: a write,
 delete, expiry (read or swept), eviction, FLUSHALL/FLUSHDB (the caller's scope), TTL set
 or removed, rename; never a demotion to SSD or a promotion back (the value did not
 change, and redis has no such thing to count). A touch marks the watching sessions
@@ -32,7 +32,7 @@ a null array. A key that had already expired (not yet reclaimed) when it was wat
 counts as changed only if it comes back to life; its reclaiming is no change. At EXEC a
 watched key that has expired since it was watched counts as changed (isWatchedKeyExpired).
 
-In a cluster the registry also listens to the directory's `touched` hook: every entry of a peer's
+In a cluster the registry also hears the directory's `touched` hook: every entry of a peer's
 replication log (a block that peer placed, moved between its tiers or removed) counts as a
 change of that key here, as soon as this node applies it. So a change on another node is
 seen where this node can know of it, conservatively (a demotion there counts too), and only
