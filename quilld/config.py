@@ -72,6 +72,7 @@ class ServerConfig:
     slowlog_log_slower_than: int = 10_000  # microseconds: commands this slow go to SLOWLOG; < 0: none; 0: all
     slowlog_max_len: int = 128  # entries SLOWLOG keeps
     latency_monitor_threshold: int = 0  # milliseconds: events this slow go to LATENCY; 0: the monitor is off
+    tracking_table_max_keys: int = 1_000_000  # keys CLIENT TRACKING's table remembers at most; 0: no bound (redis's)
     unixsocket: str = ""  # path of a unix socket to listen on beside TCP (redis's unixsocket); empty: none
     unixsocketperm: int = 0o700  # the socket file's mode (octal, as redis's unixsocketperm)
     shm_lease_ms: int = 5_000  # a shared-memory read's lease (SHM GET) ends after this unless released first
@@ -297,6 +298,8 @@ class Config:
             raise ConfigError("dram.inline_max must be within 0..64KiB")
         if self.blocks.default_lease_ms <= 0 or self.blocks.max_lease_ms < self.blocks.default_lease_ms:
             raise ConfigError("blocks leases must satisfy 0 < default_lease_ms <= max_lease_ms")
+        if s.tracking_table_max_keys < 0:
+            raise ConfigError(f"server.tracking_table_max_keys must be 0 (no bound) or more, got {s.tracking_table_max_keys}")
         if s.timeout < 0 or s.slowlog_max_len < 0 or s.latency_monitor_threshold < 0:
             raise ConfigError("server.timeout, server.slowlog_max_len and server.latency_monitor_threshold "
                               "must be at least 0")

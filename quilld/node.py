@@ -206,7 +206,8 @@ class Node:
             puts=TwoPhasePuts(keyspace, cfg.blocks.default_lease_ms, cfg.blocks.max_lease_ms,
                               cfg.security.max_open_puts_per_tenant),
             scopes=scopes, users=Users.from_config(cfg.security), control=control, table=build_table(),
-            clients=Clients(cfg.server.max_clients, on_close=self._session_closed),
+            clients=Clients(cfg.server.max_clients, on_close=self._session_closed,
+                            tracking_max_keys=cfg.server.tracking_table_max_keys),
             tiering=tiering, config_file=config_file, port=cfg.server.port, admin_port=cfg.admin.port,
             gateway_port=cfg.gateway.port, space_freed=self.space_freed)
         if cfg.server.unixsocket:  # the shared-memory path's read leases live beside the unix socket
@@ -420,6 +421,7 @@ class Node:
                     ctx.keyspace.lookup_table.note_reads()
                 ctx.control.housekeeping()
                 ctx.clients.check_draining()
+                ctx.clients.tracking.trim()  # a table over tracking-table-max-keys shrinks with no read too
                 ctx.clients.close_stalled(self.cfg.server.payload_timeout_ms / 1000, time.monotonic())
             except Exception:  # a housekeeping bug must not stop housekeeping
                 log.exception("housekeeping failed")

@@ -3,7 +3,8 @@
 Also what concerns them all at once: CLIENT PAUSE (commands wait, every connection's or
 only their writes, until the pause ends), MONITOR (each command run is sent to the
 monitoring connections of the same user), the idle timeout (redis's `timeout`), the
-watched keys (`watches`, protocol/transactions.py), and the hold of an EXEC whose queued
+watched keys (`watches`, protocol/transactions.py), client-side caching's table
+(`tracking`, protocol/tracking.py), and the hold of an EXEC whose queued
 command waits for the disk or a peer: until it ends, no other connection runs a command
 (commands/multi.py; a cluster peer's connection is never held). A hold lasts at most
 `server.exec_hold_ms`, and at most what its tenant has saved of its budget: each tenant
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from quilld.config import PROTECTED_MODE_REFUSAL, protected_mode_refuses
 from quilld.protocol.resp import shown_arg
+from quilld.protocol.key_changes import KeyChanges
+from quilld.protocol.tracking import Tracking
 from quilld.protocol.transactions import Watches
 
 if TYPE_CHECKING:  # for annotations only: server.py imports this module
@@ -33,7 +36,7 @@ log = logging.getLogger("quilld.protocol")
 
 
 class Clients:
-    def __init__(self, max_clients: int, on_close: Any = None) -> None:
+    def __init__(self, max_clients: int, on_close: Any = None, tracking_max_keys: int = 1_000_000) -> None:
         self.max_clients = max_clients
         self.connections: dict[int, RespConnection] = {}
         self.sessions: dict[int, Any] = {}
@@ -50,7 +53,11 @@ class Clients:
         self._held: set[RespConnection] = set()  # connections whose next command waits for the pause's end
         self._pause_timer: asyncio.TimerHandle | None = None
         self.monitors: dict[int, RespConnection] = {}  # MONITOR: session id -> connection
-        self.watches = Watches()  # WATCH: the node's watched keys
+        self.changes = KeyChanges()  # the keyspace's one `touched` hook, for WATCH and tracking
+        self.watches = Watches(self.changes)  # WATCH: the node's watched keys
+        self.tracking = Tracking(self)  # CLIENT TRACKING: who may cache which keys
+        self.tracking.max_keys = tracking_max_keys
+        self.running: Any = None  # the session whose commands run now (tracking's NOLOOP and message order)
         self.exclusive: Any = None  # the session of an EXEC holding the node (see hold_for), or None
         self._exec_held: set[RespConnection] = set()  # connections waiting for that hold's end
         self._held_since = 0.0  # when that hold began

@@ -102,7 +102,8 @@ def _clients(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
     watching, watched = clients.watches.clients_watching(conn.session for conn in mine)
     return [("connected_clients", len(mine)), ("cluster_connections", 0), ("maxclients", clients.max_clients),
             ("client_recent_max_input_buffer", max_in), ("client_recent_max_output_buffer", max_out),
-            ("blocked_clients", 0), ("tracking_clients", 0), ("clients_in_timeout_table", 0),
+            ("blocked_clients", 0), ("tracking_clients", sum(conn.session.tracking is not None for conn in mine)),
+            ("clients_in_timeout_table", 0),
             ("watching_clients", watching), ("total_watched_keys", watched)]  # these two: redis 7.4's
 
 
@@ -159,6 +160,12 @@ def _persistence(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
 def _stats(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
     c = counters(ctx, session.user)
     ops, kin, kout = ctx.clients.instantaneous()
+    _, keys, items, prefixes = ctx.clients.tracking.figures()
+    if session.user != "default":  # the table is the node's: a tenant is not told how full others keep it
+        keys = items = 0
+        prefixes = sum(len(s.tracking.prefixes) for s in ctx.clients.sessions.values()
+                       if s.user == session.user and s.tracking is not None)
+    channels = int(any(s.channels for s in ctx.clients.sessions.values() if s.user == session.user))
     redis = [
         ("total_connections_received", c["total_connections_received"]),
         ("total_commands_processed", c["total_commands_processed"]), ("instantaneous_ops_per_sec", ops),
@@ -171,12 +178,12 @@ def _stats(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
         ("expired_time_cap_reached_count", 0), ("expire_cycle_cpu_milliseconds", 0),
         ("evicted_keys", c["evicted_keys"]), ("evicted_clients", 0), ("total_eviction_exceeded_time", 0),
         ("current_eviction_exceeded_time", 0), ("keyspace_hits", c["keyspace_hits"]),
-        ("keyspace_misses", c["keyspace_misses"]), ("pubsub_channels", 0), ("pubsub_patterns", 0),
+        ("keyspace_misses", c["keyspace_misses"]), ("pubsub_channels", channels), ("pubsub_patterns", 0),
         ("pubsubshard_channels", 0), ("latest_fork_usec", 0), ("total_forks", 0), ("migrate_cached_sockets", 0),
         ("slave_expires_tracked_keys", 0), ("active_defrag_hits", 0), ("active_defrag_misses", 0),
         ("active_defrag_key_hits", 0), ("active_defrag_key_misses", 0), ("total_active_defrag_time", 0),
-        ("current_active_defrag_time", 0), ("tracking_total_keys", 0), ("tracking_total_items", 0),
-        ("tracking_total_prefixes", 0), ("unexpected_error_replies", 0),
+        ("current_active_defrag_time", 0), ("tracking_total_keys", keys), ("tracking_total_items", items),
+        ("tracking_total_prefixes", prefixes), ("unexpected_error_replies", 0),
         ("total_error_replies", ctx.table.error_replies), ("dump_payload_sanitizations", 0),
         ("io_threaded_reads_processed", 0), ("io_threaded_writes_processed", 0),
     ]

@@ -132,6 +132,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._read_len = 0  # the size of the buffer last handed to the transport
         self._more_input = False  # the last read filled it: more input is likely already here
         self._held: list = []  # small replies held while the input streams in (see the module docstring)
+        self._after: list = []  # invalidations of this connection's own change: sent after that command's reply
 
     # -- transport callbacks ----------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -204,6 +205,14 @@ class RespConnection(asyncio.BufferedProtocol):
             self.clients.net_out += len(data)
             self.transport.write(data)
 
+    def push_after(self, data: bytes) -> None:
+        """Send `data` (an invalidation caused by the command running now on this connection)
+        after that command's reply."""
+        if self._out is not None:
+            self._after.append(data)
+        else:
+            self.push(data)
+
     def resume_after_pause(self) -> None:
         """CLIENT PAUSE ended: run the commands it held."""
         if self.transport.is_closing():
@@ -225,6 +234,7 @@ class RespConnection(asyncio.BufferedProtocol):
         out: list = []
         pins: list = []
         self._out = out
+        clients.running = session
         ncmds = 0
         cluster = self.ctx.cluster
         placed = cluster.link.placements if cluster is not None else 0
@@ -238,9 +248,13 @@ class RespConnection(asyncio.BufferedProtocol):
                     break  # held by CLIENT PAUSE
             else:
                 ncmds += self._run_batch(batch, out, pins)
+            if self._after:
+                out += self._after
+                self._after = []
             if self._deferred is not None:
                 break
         self._out = None
+        clients.running = None
         if ncmds:
             self.clients.commands_processed += ncmds
             session.last_active = time.monotonic()
@@ -329,6 +343,9 @@ class RespConnection(asyncio.BufferedProtocol):
         append = out.append
         resp3 = session.resp3
         for i, item in enumerate(batch):
+            if self._after:  # the previous command's own invalidations, after its reply
+                out += self._after
+                self._after = []
             large = self._large
             if large:
                 self._large = False
@@ -390,6 +407,9 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._drop_deferred = self._deferred is not None
                 if mode == 2 and session.reply_mode == 2:
                     session.reply_mode = 0  # SKIP covered this one command
+            if self._after:  # invalidations are pushed even while replies are off (redis's CLIENT_PUSHING)
+                out += self._after
+                self._after = []
             if session.closing or self._deferred is not None:
                 self._backlog = list(batch[i + 1:])
                 return i + 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from quilld.errors import QuillError
+from quilld.errors import CommandError, QuillError
 from quilld.model import IdentityScope
 from quilld.context.node_context import NodeContext
 from quilld.protocol.transactions import end
@@ -54,7 +54,7 @@ class Session:
     __slots__ = ("ctx", "keyspace", "puts", "control", "id", "addr", "laddr", "name", "lib_name", "lib_ver",
                  "resp3", "user", "authenticated", "scope", "tag", "created", "last_active", "last_cmd",
                  "closing", "qbuf", "peer", "reply_mode", "monitor", "no_evict", "unix", "shm", "multi",
-                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms")
+                 "multi_error", "multi_bytes", "watched", "cas_dirty", "perms", "tracking", "channels")
 
     def __init__(self, ctx: NodeContext, addr: str, laddr: str, unix: bool = False) -> None:
         self.ctx = ctx
@@ -89,6 +89,11 @@ class Session:
         self.multi_bytes = 0
         self.watched: dict[bytes, bool] | None = None
         self.cas_dirty = False
+        # CLIENT TRACKING (protocol/tracking.py): the connection's state while tracking is on, else
+        # None (the dispatcher's fast path checks that one attribute); the pub/sub channels it
+        # is subscribed to (SUBSCRIBE: the tracking channel only)
+        self.tracking = None
+        self.channels: set[bytes] = set()
         self.tag = b""
         self.set_scope(IdentityScope(), capped=False, chosen=False)
         if ctx.cfg.security.require_scope:
@@ -118,8 +123,18 @@ class Session:
             kept = self.scope._replace(tenant=user)
             self.set_scope(kept, capped=bool(kept.model or kept.tokenizer or kept.adapter), chosen=False)
         self.user = user
-        self.perms = _perms(self.ctx, user)
+        self.set_perms(_perms(self.ctx, user))
         self.authenticated = True
+
+    def set_perms(self, acl) -> None:
+        """The user's ACL changed (None: it restricts nothing); a RESP2 subscribed connection keeps
+        its subscribed context on top of it."""
+        self.perms = Subscribed(acl) if self.channels and not self.resp3 else acl
+
+    def subscriptions_changed(self) -> None:
+        """SUBSCRIBE or UNSUBSCRIBE ran: the subscribed context starts or ends (RESP2 only)."""
+        acl = self.perms.acl if self.perms.__class__ is Subscribed else self.perms
+        self.set_perms(acl)
 
     def peer_login(self) -> None:
         """A cluster peer (PEERAUTH): it may run the node-to-node commands, which name the scope
@@ -129,8 +144,10 @@ class Session:
     def reset(self) -> None:
         """RESET: the state of a new connection (its id, addresses and age kept): RESP2, no name,
         replies on, user `default` (authenticated only when it has no password), no scope chosen,
-        no transaction and no key watched."""
+        no transaction, no key watched, no tracking, no subscription."""
         end(self)
+        self.ctx.clients.tracking.disable(self)
+        self.channels = set()
         self.name = None
         self.resp3 = False
         self.reply_mode = 0
@@ -144,8 +161,9 @@ class Session:
 
     def close(self) -> None:
         """The connection is gone: its scope is no longer held by it, its transaction and watched
-        keys are dropped (what its queued commands held is given back)."""
+        keys are dropped (what its queued commands held is given back), and its tracking."""
         end(self)
+        self.ctx.clients.tracking.disable(self)
         if self.tag:
             self.ctx.scopes.drop(self.tag)
             self.tag = b""
@@ -156,3 +174,24 @@ def _perms(ctx: NodeContext, user: str):
     fast path serves a session whose `perms` is None without asking."""
     acl = ctx.users.acl_of(user)
     return acl if acl is not None and acl.restricted else None
+
+
+SUBSCRIBED_MAY_RUN = frozenset({"subscribe", "psubscribe", "ssubscribe", "unsubscribe", "punsubscribe",
+                                "sunsubscribe", "ping", "quit", "reset"})
+
+
+class Subscribed:
+    """A RESP2 connection subscribed to a channel (SUBSCRIBE, commands/pubsub.py) runs only what
+    redis's processCommand allows there, after what its user's ACL (`acl`, or None) allows."""
+
+    __slots__ = ("acl",)
+
+    def __init__(self, acl) -> None:
+        self.acl = acl
+
+    def refusal(self, cmd, argv: list):
+        refused = self.acl.refusal(cmd, argv) if self.acl is not None else None
+        if refused is None and cmd.name not in SUBSCRIBED_MAY_RUN:
+            refused = CommandError(f"Can't execute '{cmd.name}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / "
+                                   "QUIT / RESET are allowed in this context")
+        return refused

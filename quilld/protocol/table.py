@@ -183,7 +183,8 @@ class CommandTable:
         """Run one command; returns the reply value (errors are returned, never raised)."""
         try:
             fast = self._fast.get(args[0])
-            if fast is not None and client.authenticated and client.multi is None and client.perms is None:
+            if fast is not None and client.authenticated and client.multi is None and client.perms is None and (
+                    client.tracking is None):
                 handler, arity, client.last_cmd, st, mask = fast
                 n = len(args)
                 if n == arity or (arity < 0 and n >= -arity):
@@ -330,7 +331,7 @@ class CommandTable:
             return QUEUED if refused is None else self._rejected(client, cmd, refused)
         return self._call(client, cmd, args)
 
-    def _call(self, client: Any, cmd: Command, args: list) -> Any:
+    def _call(self, client: Any, cmd: Command, args: list, top: bool = True) -> Any:
         st = self.stats[cmd.name]
         st[0] += 1
         reply = None
@@ -338,6 +339,8 @@ class CommandTable:
             reply = self._timed(client, st, cmd.handler, args)
             return reply
         finally:
+            if client.tracking is not None:  # CLIENT TRACKING: a read's keys are remembered (tracking.py)
+                client.ctx.clients.tracking.after_command(client, cmd, args, top)
             if self.monitor is not None and not {"admin", "skip_monitor"} & set(cmd.info_flags) and not (
                     reply.__class__ is Pending and cmd.name == "exec"):  # a waiting EXEC: once its commands ran
                 self.monitor(client, cmd, args)
@@ -346,7 +349,7 @@ class CommandTable:
         """Run a command checked already (one EXEC runs): counted, timed and monitored as any
         call; its errors are returned, as dispatch returns them."""
         try:
-            return self._call(client, cmd, args)
+            return self._call(client, cmd, args, top=False)
         except Exception as e:
             err = self.raised(client.ctx, cmd.name, e)
             self.failed(cmd.name, err)

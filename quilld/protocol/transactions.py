@@ -22,7 +22,7 @@ publishes it without a copy. The queue's other bytes count against
 the transaction marked.
 
 `Watches` is the node's WATCH registry: full key (scope tag + key, so a key is watched in
-the scope it was watched in) -> the sessions watching it. While any key is watched it is
+the scope it was watched in) -> the sessions watching it. While any key is watched it hears
 the keyspace's `touched` hook, which the keyspace calls after any change of a key: a write,
 delete, expiry (read or swept), eviction, FLUSHALL/FLUSHDB (the caller's scope), TTL set
 or removed, rename; never a demotion to SSD or a promotion back (the value did not
@@ -32,7 +32,7 @@ a null array. A key that had already expired (not yet reclaimed) when it was wat
 counts as changed only if it comes back to life; its reclaiming is no change. At EXEC a
 watched key that has expired since it was watched counts as changed (isWatchedKeyExpired).
 
-In a cluster the registry is also the directory's `touched` hook: every entry of a peer's
+In a cluster the registry also hears the directory's `touched` hook: every entry of a peer's
 replication log (a block that peer placed, moved between its tiers or removed) counts as a
 change of that key here, as soon as this node applies it. So a change on another node is
 seen where this node can know of it, conservatively (a demotion there counts too), and only
@@ -122,7 +122,7 @@ def unwatch(client: Any) -> None:
 def touch(client: Any, key: bytes) -> None:
     """`key` of the client's scope counts as changed though the keyspace saw no change (redis
     signals some commands that change nothing, as APPEND of nothing)."""
-    client.ctx.clients.watches.touched(client.tag + bytes(key))
+    client.ctx.clients.changes.touched(client.tag + bytes(key))  # WATCH's and tracking's
 
 
 def multi_mem(client: Any) -> int:
@@ -133,10 +133,10 @@ def multi_mem(client: Any) -> int:
 class Watches:
     """The node's watched keys (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: Any) -> None:
         self.keys: dict[bytes, dict[int, Any]] = {}  # full key -> {session id: session}
-        self.keyspace: Any = None  # whose `touched` hook this is while any key is watched
-        self.directory: Any = None  # ... and the cluster directory's (a peer's log changed a key)
+        self.keyspace: Any = None  # whose changes this hears while any key is watched
+        self.changes = changes  # the keyspace's and the directory's `touched` hook (key_changes.KeyChanges)
 
     def watch(self, client: Any, keyspace: Any, tag: bytes, keys: list) -> None:
         """`client` watches `keys` of scope `tag` (a key watched already stays as it was)."""
@@ -157,10 +157,7 @@ class Watches:
             cluster.link.ctag(tag)  # the directory names scopes by digest: this one's is known from now on
         if self.keys and self.keyspace is None:
             self.keyspace = keyspace
-            keyspace.touched = self.touched
-            if cluster is not None:
-                self.directory = cluster.link
-                self.directory.touched = self.touched
+            self.changes.listen(self, keyspace, cluster.link if cluster is not None else None)
 
     def unwatch(self, client: Any) -> None:
         watched, client.watched = client.watched, None
@@ -172,11 +169,8 @@ class Watches:
                 if not watchers:
                     del keys[fk]
         if not keys and self.keyspace is not None:
-            self.keyspace.touched = None
+            self.changes.unlisten(self)
             self.keyspace = None
-            if self.directory is not None:
-                self.directory.touched = None
-                self.directory = None
 
     def touched(self, fk: bytes) -> None:
         """The keyspace changed `fk`: every session watching it will see its EXEC fail."""

@@ -129,7 +129,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
         self.track_all = False  # in a cluster every value is tracked: the directory places them all
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
-        # TTL set or removed (never for a move between tiers); WATCH sets it while keys are watched
+        # TTL set or removed (never for a move between tiers); WATCH and CLIENT TRACKING set it while in use
         self.touched: Callable[[bytes], None] | None = None
         # full key -> the label (OBJECT ENCODING's) a caller gave its inline value, when its bytes
         # alone do not say it (a string redis edited in place is "raw"); replaced values lose it

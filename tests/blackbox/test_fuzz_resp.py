@@ -144,8 +144,9 @@ NOT_COMPARED = {b"info", b"command", b"config", b"memory", b"object", b"time", b
 MS_EXPIRY = {b"set": b"PX", b"getex": b"PX", b"psetex": None, b"pexpire": None}
 CLIENT_COMPARED = {b"setname", b"getname"}
 # Commands after which a connection no longer answers one reply per command (pushes, silence, a
-# block): a case holding one is only sanity-checked, and never sent to redis.
-MODAL = {b"monitor", b"subscribe", b"psubscribe", b"ssubscribe", b"sync", b"psync", b"replicaof", b"slaveof",
+# block; (UN)SUBSCRIBE answers one frame per channel): a case holding one is only sanity-checked,
+# and never sent to redis.
+MODAL = {b"monitor", b"subscribe", b"psubscribe", b"ssubscribe", b"unsubscribe", b"punsubscribe", b"sunsubscribe", b"sync", b"psync", b"replicaof", b"slaveof",
          b"shutdown", b"debug", b"failover", b"blpop", b"brpop", b"blmove", b"brpoplpush", b"blmpop", b"bzpopmin",
          b"bzpopmax", b"bzmpop", b"xread", b"xreadgroup", b"wait", b"waitaof", b"multi"}
 MODAL_CLIENT = {b"reply", b"pause", b"kill", b"unblock", b"no-evict", b"tracking"}

@@ -60,7 +60,7 @@ class Acl:
         users.set_login(name, acl.login, acl.settle(self.universe))
         for conn in c.ctx.clients.connections.values():
             if conn.session.user == name:
-                conn.session.perms = acl if acl.restricted else None
+                conn.session.set_perms(acl if acl.restricted else None)
 
 
 def _all_channels(c) -> bool:

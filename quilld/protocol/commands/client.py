@@ -1,5 +1,5 @@
-"""CLIENT (LIST, INFO, KILL, ID, GETNAME, SETNAME, REPLY, PAUSE, UNPAUSE, NO-EVICT, GETREDIR,
-HELP) and RESET, as redis 7.0.15 answers them.
+"""CLIENT (LIST, INFO, KILL, ID, GETNAME, SETNAME, REPLY, PAUSE, UNPAUSE, NO-EVICT, TRACKING,
+CACHING, GETREDIR, TRACKINGINFO, HELP) and RESET, as redis 7.0.15 answers them.
 
 A tenant sees and kills its own connections only (their user is its user); a node without
 passwords has one user, `default`, who sees everyone. Pausing every client is the
@@ -7,8 +7,8 @@ operator's (`default`'s) alone. CLIENT LIST's figures are the connection's own: 
 bytes received and not yet run (with the command being run, as redis counts it),
 `qbuf-free` what the parser's buffer holds unused, `argv-mem` the arguments of the command
 being run or assembled, `omem` what the transport has not sent yet, `tot-mem` their sum.
-quilld has no client-side caching, pub/sub or transactions: those fields are redis's idle
-values, and CLIENT SETINFO is unknown, as in redis 7.0.
+`redir` and the flags `t`, `R`, `B` are CLIENT TRACKING's (protocol/tracking.py), `P` a
+subscription to its channel. CLIENT SETINFO is unknown, as in redis 7.0.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 from quilld.errors import CommandError, NoPerm, echo
 from quilld.protocol.commands.command_docs import help_reply
 from quilld.protocol.commands.connection import _client_name
-from quilld.protocol.resp import OK, Raw, Status, Verbatim, array_header, bulk_header
+from quilld.protocol.resp import OK, OrderedSet, Raw, Status, Verbatim, array_header, bulk_header
 from quilld.protocol.table import FAST, NOAUTH, CommandTable
+from quilld.protocol.tracking import MAX_PREFIXES
 from quilld.protocol.transactions import multi_mem
 
 _SYNTAX = CommandError("syntax error")
@@ -41,6 +42,11 @@ def _connections(c):
     return [conn for conn in c.ctx.clients.connections.values() if conn.session.user == c.user]
 
 
+def _kind(s) -> str:
+    """redis's getClientType: a subscribed connection is a pubsub client, every other one normal."""
+    return "pubsub" if s.channels else "normal"
+
+
 def _command_bytes(args: list) -> int:
     return sum(len(bulk_header(len(a))) + len(a) + 2 for a in args) + len(array_header(len(args)))
 
@@ -58,17 +64,20 @@ def client_line(conn, now: float, current: list | None = None) -> str:
     sock = transport.get_extra_info("socket") if transport is not None else None
     fd = sock.fileno() if sock is not None else -1
     # redis's order (networking.c catClientInfoString): O x d c U e
-    flags = ("O" if s.monitor else "") + ("x" if s.multi is not None else "") + ("d" if s.cas_dirty else "") + (
+    t = s.tracking
+    tflags = "" if t is None else "t" + ("R" if t.broken else "") + ("B" if t.bcast else "")
+    flags = ("O" if s.monitor else "") + ("P" if s.channels else "") + ("x" if s.multi is not None else "") + (
+        tflags) + ("d" if s.cas_dirty else "") + (
         "c" if s.closing else "") + ("U" if s.unix else "") + ("e" if s.no_evict else "")
     mmem = multi_mem(s)
     reading = transport is not None and getattr(transport, "is_reading", lambda: True)()
     events = ("r" if reading else "") + ("w" if omem else "")
     name = (s.name or b"").decode("utf-8", "surrogateescape")
     return (f"id={s.id} addr={s.addr} laddr={s.laddr} fd={fd} name={name} age={int(now - s.created)} "
-            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub=0 psub=0 ssub=0 "
+            f"idle={int(now - s.last_active)} flags={flags or 'N'} db=0 sub={len(s.channels)} psub=0 ssub=0 "
             f"multi={-1 if s.multi is None else len(s.multi)} qbuf={qbuf} "
             f"qbuf-free={qbuf_free} argv-mem={argv} multi-mem={mmem} rbs=0 rbp=0 obl=0 oll=0 omem={omem} "
-            f"tot-mem={qbuf + qbuf_free + argv + mmem + omem} events={events} cmd={s.last_cmd} user={s.user} redir=-1 "
+            f"tot-mem={qbuf + qbuf_free + argv + mmem + omem} events={events} cmd={s.last_cmd} user={s.user} redir={-1 if t is None else t.redirect} "
             f"resp={3 if s.resp3 else 2}\n")
 
 
@@ -82,7 +91,7 @@ def cmd_client_list(c, args):
         kind = CLIENT_TYPES.get(bytes(args[3]).lower())
         if kind is None:
             raise CommandError(f"Unknown client type '{echo(args[3])}'")
-        conns = conns if kind == "normal" else []  # every quilld connection is a normal client
+        conns = [conn for conn in conns if _kind(conn.session) == kind]
     elif len(args) > 3 and bytes(args[2]).lower() == b"id":
         ids = []
         for raw in args[3:]:
@@ -159,7 +168,7 @@ def cmd_client_kill(c, args):
         s = conn.session
         if (addr is not None and s.addr.encode() != addr) or (laddr is not None and s.laddr.encode() != laddr):
             continue
-        if (kind is not None and kind != "normal") or (cid and s.id != cid) or (user is not None and s.user != user):
+        if (kind is not None and kind != _kind(s)) or (cid and s.id != cid) or (user is not None and s.user != user):
             continue
         if s is c:
             if skipme:
@@ -231,8 +240,101 @@ def cmd_client_unpause(c, args):
     return OK
 
 
+def cmd_client_tracking(c, args):
+    """CLIENT TRACKING ON|OFF [REDIRECT id] [BCAST] [PREFIX p ...] [OPTIN] [OPTOUT] [NOLOOP],
+    checked as redis checks it, in its order and with its errors (protocol/tracking.py keeps
+    the table). REDIRECT names a connection of the caller's own user (a tenant sees no other)."""
+    redirect, prefixes = 0, []
+    bcast = optin = optout = noloop = False
+    i, n = 3, len(args)
+    while i < n:
+        opt = bytes(args[i]).lower()
+        more = i + 1 < n
+        if opt == b"redirect" and more:
+            i += 1
+            if redirect:
+                raise CommandError("A client can only redirect to a single other client")
+            try:
+                redirect = _int(args[i])
+            except ValueError:
+                raise CommandError("value is not an integer or out of range") from None
+            target = c.ctx.clients.sessions.get(redirect)
+            if target is None or target.user != c.user:
+                raise CommandError("The client ID you want redirect to does not exist")
+        elif opt == b"bcast":
+            bcast = True
+        elif opt == b"optin":
+            optin = True
+        elif opt == b"optout":
+            optout = True
+        elif opt == b"noloop":
+            noloop = True
+        elif opt == b"prefix" and more:
+            i += 1
+            prefixes.append(bytes(args[i]))
+        else:
+            raise _SYNTAX
+        i += 1
+    on = bytes(args[2]).lower()
+    tracking = c.ctx.clients.tracking
+    if on == b"on":
+        t = c.tracking
+        if not bcast and prefixes:
+            raise CommandError("PREFIX option requires BCAST mode to be enabled")
+        if t is not None and t.bcast != bcast:
+            raise CommandError("You can't switch BCAST mode on/off before disabling tracking for this client, "
+                               "and then re-enabling it with a different mode.")
+        if bcast and (optin or optout):
+            raise CommandError("OPTIN and OPTOUT are not compatible with BCAST")
+        if optin and optout:
+            raise CommandError("You can't specify both OPTIN mode and OPTOUT mode")
+        if t is not None and ((optin and t.optout) or (optout and t.optin)):
+            raise CommandError("You can't switch OPTIN/OPTOUT mode before disabling tracking for this client, "
+                               "and then re-enabling it with a different mode.")
+        if bcast:
+            clash = tracking.overlap(t.prefixes if t is not None else [], prefixes)
+            if clash is not None:
+                raise CommandError(clash.decode("utf-8", "surrogateescape"))
+            if len(set(prefixes) | set(t.prefixes if t is not None else ())) > MAX_PREFIXES:
+                raise CommandError(f"a connection may have at most {MAX_PREFIXES} BCAST prefixes in quilld "
+                                   "(each change of a key of its scope is matched against them)")
+        tracking.enable(c, redirect, bcast, optin, optout, noloop, prefixes)
+    elif on == b"off":
+        tracking.disable(c)
+    else:
+        raise _SYNTAX
+    return OK
+
+
+def cmd_client_caching(c, args):
+    """CLIENT CACHING YES|NO: whether the next command's reads are remembered (OPTIN, OPTOUT)."""
+    t = c.tracking
+    if t is None:
+        raise CommandError("CLIENT CACHING can be called only when the client is in tracking mode with OPTIN or "
+                           "OPTOUT mode enabled")
+    opt = bytes(args[2]).lower()
+    if opt == b"yes":
+        if not t.optin:
+            raise CommandError("CLIENT CACHING YES is only valid when tracking is enabled in OPTIN mode.")
+    elif opt == b"no":
+        if not t.optout:
+            raise CommandError("CLIENT CACHING NO is only valid when tracking is enabled in OPTOUT mode.")
+    else:
+        raise _SYNTAX
+    t.caching = True
+    return OK
+
+
 def cmd_client_getredir(c, args):
-    return -1  # quilld has no client-side caching: never tracking, never redirecting
+    """The connection the invalidations go to: 0 this one, -1 when tracking is off."""
+    return -1 if c.tracking is None else c.tracking.redirect
+
+
+def cmd_client_trackinginfo(c, args):
+    t = c.tracking
+    if t is None:
+        return {b"flags": OrderedSet((b"off",)), b"redirect": -1, b"prefixes": []}
+    return {b"flags": OrderedSet((b"on", *t.flags())), b"redirect": t.redirect, b"prefixes": sorted(t.prefixes)}
 
 
 def cmd_client_setname(c, args):
@@ -250,6 +352,8 @@ def cmd_client_id(c, args):
 
 
 _HELP = (
+    "CACHING (YES|NO)",
+    "    Enable/disable tracking of the keys for next command in OPTIN/OPTOUT modes.",
     "GETREDIR",
     "    Return the client ID we are redirecting to when tracking is enabled.",
     "GETNAME",
@@ -284,6 +388,11 @@ _HELP = (
     "    Control the replies sent to the current connection.",
     "SETNAME <name>",
     "    Assign the name <name> to the current connection.",
+    "TRACKING (ON|OFF) [REDIRECT <id>] [BCAST] [PREFIX <prefix> [...]]",
+    "         [OPTIN] [OPTOUT] [NOLOOP]",
+    "    Control server assisted client side caching.",
+    "TRACKINGINFO",
+    "    Report tracking status for the current connection.",
     "NO-EVICT (ON|OFF)",
     "    Protect current client connection from eviction.",
 )
@@ -304,6 +413,7 @@ def cmd_reset(c, args):
 
 def register(t: CommandTable) -> None:
     sub = CommandTable()
+    sub.add("client|caching", 3, "", cmd_client_caching)
     sub.add("client|getname", 2, FAST, cmd_client_getname)
     sub.add("client|getredir", 2, FAST, cmd_client_getredir)
     sub.add("client|help", 2, "", cmd_client_help)
@@ -315,6 +425,8 @@ def register(t: CommandTable) -> None:
     sub.add("client|pause", -3, "", cmd_client_pause)
     sub.add("client|reply", 3, "", cmd_client_reply)
     sub.add("client|setname", 3, FAST, cmd_client_setname)
+    sub.add("client|tracking", -3, "", cmd_client_tracking)
+    sub.add("client|trackinginfo", 2, "", cmd_client_trackinginfo)
     sub.add("client|unpause", 2, "", cmd_client_unpause)
     t.add("client", -2, "", lambda c, a: None, subcommands={n.split(b"|")[1]: cmd for n, cmd in sub.commands.items()})
     t.add("reset", 1, f"{NOAUTH} {FAST}", cmd_reset)

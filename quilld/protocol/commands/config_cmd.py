@@ -11,7 +11,8 @@ Each parameter is one of three things for quilld:
   tiers/eviction.py; allkeys-lru by default) with lfu-log-factor and lfu-decay-time (its LFU
   counters' growth and decay; until a restart, not rewritten), maxclients, timeout,
   slowlog-log-slower-than, slowlog-max-len, latency-monitor-threshold, proto-max-bulk-len,
-  client-query-buffer-limit, loglevel, latency-tracking-info-percentiles, requirepass (user
+  client-query-buffer-limit, loglevel, latency-tracking-info-percentiles,
+  tracking-table-max-keys (CLIENT TRACKING's table, protocol/tracking.py), requirepass (user
   default's password, as redis: ACL SETUSER default resetpass >value; "" for nopass; kept
   until a restart, not rewritten). CONFIG REWRITE writes those with a config key back to
   the config file (`CONFIG_KEYS`).
@@ -221,6 +222,14 @@ def _set_percentiles(ctx: NodeContext, value: str) -> None:
     ctx.runtime.inert["latency-tracking-info-percentiles"] = value
 
 
+def _set_tracking_max_keys(ctx: NodeContext, value: str) -> None:
+    """CLIENT TRACKING's table holds at most this many keys (0: no bound); a table fuller than the
+    new bound is trimmed at once, as much as one pass may (tracking.TRIM_EFFORT), then by each read."""
+    tracking = ctx.clients.tracking
+    tracking.max_keys = int(value)
+    tracking.trim()
+
+
 def _requirepass(ctx: NodeContext) -> str:
     return ctx.runtime.inert.get("requirepass", ctx.cfg.security.requirepass)
 
@@ -256,6 +265,7 @@ APPLIED: dict[str, tuple[Getter, Setter]] = {
     "client-query-buffer-limit": _runtime("client_query_buffer_limit"),
     "loglevel": (_loglevel, _set_loglevel),
     "latency-tracking-info-percentiles": (_percentiles, _set_percentiles),
+    "tracking-table-max-keys": (lambda ctx: str(ctx.clients.tracking.max_keys), _set_tracking_max_keys),
 }
 
 # config keys CONFIG REWRITE writes: parameter -> (section, key, value from the runtime)
@@ -266,6 +276,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "latency-monitor-threshold": ("server", "latency_monitor_threshold"),
     "proto-max-bulk-len": ("server", "proto_max_bulk_len"),
     "client-query-buffer-limit": ("server", "client_query_buffer_limit"),
+    "tracking-table-max-keys": ("server", "tracking_table_max_keys"),
 }
 
 _RESTART = "set it in the config file and restart quilld"

@@ -40,6 +40,8 @@ class NoProto(QuillError):
 def cmd_ping(c, args):
     if len(args) > 2:
         raise CommandError("wrong number of arguments for 'ping' command")
+    if c.channels and not c.resp3:  # a RESP2 subscriber: as a message (redis's pingCommand)
+        return [b"pong", bytes(args[1]) if len(args) == 2 else b""]
     if len(args) == 2:
         return bytes(args[1])
     return PONG
@@ -188,6 +190,8 @@ def cmd_hello(c, args, throttle: AuthThrottle):
             c.name = name or None
         if proto is not None:
             c.resp3 = proto == 3
+            if c.channels:  # a subscriber: RESP2's subscribed context starts or ends
+                c.subscriptions_changed()
         return {b"server": b"redis", b"version": REDIS_VERSION.encode(), b"proto": 3 if c.resp3 else 2,
                 b"id": c.id, b"mode": b"standalone", b"role": b"master", b"modules": []}
 

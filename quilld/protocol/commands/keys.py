@@ -402,7 +402,8 @@ def cmd_flushdb(c, args):
     if len(args) > 2 or (len(args) == 2 and _token(args[1]) not in (b"ASYNC", b"SYNC")):
         raise _SYNTAX
     store = c.keyspace
-    store.flush_scope(c.tag)
+    with c.ctx.clients.tracking.flush(c.tag):  # one invalidation of every key, not one a key
+        store.flush_scope(c.tag)
     return _reply(store, OK)
 
 

@@ -159,7 +159,8 @@ def cmd_flushall(c, args):
     if len(args) > 2 or (len(args) == 2 and bytes(args[1]).upper() not in (b"ASYNC", b"SYNC")):
         raise _SYNTAX
     store = c.keyspace
-    store.flush_scope(c.tag)
+    with c.ctx.clients.tracking.flush(c.tag):  # one invalidation of every key, not one a key
+        store.flush_scope(c.tag)
     return acked(store, OK) if store.unsynced else OK
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from quilld.protocol.commands.catalogue.connection import CONNECTION
 from quilld.protocol.commands.catalogue.generic import GENERIC
+from quilld.protocol.commands.catalogue.pubsub import PUBSUB
 from quilld.protocol.commands.catalogue.quillcache import QUILLCACHE
 from quilld.protocol.commands.catalogue.server import SERVER
 from quilld.protocol.commands.catalogue.strings import STRING
 from quilld.protocol.commands.catalogue.transactions import TRANSACTIONS
 from quilld.protocol.table import Doc
 
-DOCS: dict[str, Doc] = {**CONNECTION, **STRING, **GENERIC, **SERVER, **QUILLCACHE, **TRANSACTIONS}
+DOCS: dict[str, Doc] = {**CONNECTION, **STRING, **GENERIC, **SERVER, **QUILLCACHE, **TRANSACTIONS, **PUBSUB}

@@ -205,6 +205,43 @@ CONNECTION = {
         flags="admin noscript loading stale",
         acl="connection",
     ),
+    "client|tracking": D(
+        "Enable or disable server assisted client side caching support", "6.0.0", "connection",
+        complexity="O(1). Some options may introduce additional complexity.",
+        flags="noscript loading stale",
+        acl="connection",
+        args=(
+            A("status", "oneof", args=(
+                A("on", "pure-token", token="ON"),
+                A("off", "pure-token", token="OFF"),
+            )),
+            A("client-id", "integer", token="REDIRECT", flags="optional"),
+            A("prefix", "string", token="PREFIX", flags="optional multiple multiple_token"),
+            A("BCAST", "pure-token", token="BCAST", flags="optional"),
+            A("OPTIN", "pure-token", token="OPTIN", flags="optional"),
+            A("OPTOUT", "pure-token", token="OPTOUT", flags="optional"),
+            A("NOLOOP", "pure-token", token="NOLOOP", flags="optional"),
+        ),
+    ),
+    "client|caching": D(
+        "Instruct the server about tracking or not keys in the next request", "6.0.0", "connection",
+        complexity="O(1)",
+        flags="noscript loading stale",
+        acl="connection",
+        args=(
+            A("mode", "oneof", args=(
+                A("yes", "pure-token", token="YES"),
+                A("no", "pure-token", token="NO"),
+            )),
+        ),
+    ),
+    "client|trackinginfo": D(
+        "Return information about server assisted client side caching for the current connection",
+        "6.2.0", "connection",
+        complexity="O(1)",
+        flags="noscript loading stale",
+        acl="connection",
+    ),
     "client|getredir": D(
         "Get tracking notifications redirection client ID if any", "6.0.0", "connection",
         complexity="O(1)",
