@@ -5,7 +5,8 @@ directory) into a `ChatTokenizer`: `tokenizer.json` (the `tokenizers` package), 
 template (`chat_template.jinja` if present, else `tokenizer_config.json`'s `chat_template`,
 a string or a list of named templates) and the named special tokens the template sees
 (`bos_token`, `eos_token`, ...). Everything here is plain sync code: a caller on the event
-loop runs it in an executor.
+loop runs it in an executor. It needs the `gateway` extra (jinja2, tokenizers), so the gateway
+imports it only for an engine whose `tokenizer` names a directory.
 
 What vLLM does, and so what this does:
 
@@ -335,7 +336,7 @@ def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
     try:
         return env.from_string(source), frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
     except jinja2.TemplateSyntaxError as e:
-        raise TemplateUnavailable(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+        raise TemplateUnavailable(f"chat template does not compile: {e.message} (line {e.lineno})") from None
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -389,8 +390,11 @@ def _load(directory: str) -> ChatTokenizer:
     if not templates:
         raise TemplateUnavailable(f"{directory}: no chat template (neither chat_template.jinja nor a chat_template "
                                   f"in tokenizer_config.json): vLLM refuses chat requests for it too")
-    for source in templates.values():
-        _compile(source)  # a broken template is the engine's configuration error, found at load
+    for name, source in templates.items():  # a broken template is the engine's configuration error, found now
+        try:
+            _compile(source)
+        except TemplateUnavailable as e:
+            raise TemplateUnavailable(f"{directory}: {name} {e.message}") from None
     special = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
     # transformers adds a named special token that tokenizer.json lacks, so its text encodes as one id
     missing = [AddedToken(t, special=True) for t in dict.fromkeys(special.values()) if tokenizer.token_to_id(t) is None]
