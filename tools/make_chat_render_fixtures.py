@@ -216,8 +216,9 @@ def main() -> int:
         from transformers import AutoTokenizer
         from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system
     except ImportError as e:
-        print(f"this script needs vLLM 0.33 and transformers installed (a private venv): {e}", file=sys.stderr)
-        return 2
+        print(f"vLLM is not importable here ({e}): run this with a Python that has vLLM 0.33 and its "
+              f"transformers installed (a private venv, see --help)", file=sys.stderr)
+        return 1
     dirs = build_dirs(args.out)
     cases: dict = {"made_by": {"vllm": vllm.__version__, "transformers": transformers.__version__,
                                "script": "tools/make_chat_render_fixtures.py"}, "chat": [], "completion": []}
