@@ -26,11 +26,13 @@ What vLLM does, and so what this does:
   `add_bos_token`/`add_eos_token` when a tokenizer.json exists, and so does this; a
   tokenizer.json with no post-processor adds nothing.
 
-Not covered (`NotCovered`, so a caller can fall back to its own hashing): multimodal content
-parts and templates of the "openai" content format, which vLLM detects from the template's
-syntax tree; a model-specific tokenizer class whose pipeline differs from its tokenizer.json
-(transformers 5 rebuilds e.g. Qwen2Tokenizer from vocab and merges; published models ship a
-tokenizer.json equal to it); truncation (`truncate_prompt_tokens`) and a chat request's
+Refused (`NotCovered`, so a caller can fall back to its own hashing): requests with `tools` or
+`documents` (not yet checked against vLLM, nor a template's `tool_use` variant) and multimodal
+content parts. Not detected, so not refused: templates of vLLM's "openai" content format (vLLM
+tells them from the template's syntax tree and hands them content parts as a list), a
+model-specific tokenizer class whose pipeline differs from its tokenizer.json (transformers 5
+rebuilds e.g. Qwen2Tokenizer from vocab and merges; published models ship a tokenizer.json
+equal to it), truncation (`truncate_prompt_tokens`) and a chat request's
 `add_special_tokens=True`. tests/unit/test_chat_render.py checks all of this against token
 ids made by transformers and vLLM (tools/make_chat_render_fixtures.py).
 """
@@ -60,6 +62,7 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for contin
 _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM drops this first line of a system text part
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _FORBIDDEN_KWARGS = frozenset({"chat_template", "tokenize"})  # vLLM refuses these in chat_template_kwargs
+_UNCHECKED_KWARGS = frozenset({"tools", "documents"})  # not yet checked against vLLM: refused, never guessed
 LOADED_DIRS = 32  # tokenizer directories kept loaded (one per engine family in practice)
 
 
@@ -276,28 +279,27 @@ class ChatTokenizer:
     templates: Mapping[str, str]  # name -> template text; a single template is "default"
     special_tokens: Mapping[str, str]  # what the template sees as bos_token, eos_token, ...
 
-    def template(self, tools: Any = None) -> str:
-        """The template transformers picks: the only one, or `tool_use` for a request with tools, or `default`."""
-        if len(self.templates) == 1 and "default" in self.templates:
-            return self.templates["default"]
-        if tools is not None and "tool_use" in self.templates:
-            return self.templates["tool_use"]
+    def template(self) -> str:
+        """The template transformers picks for a request without tools: the only one, or `default`."""
         if "default" in self.templates:
             return self.templates["default"]
-        raise TemplateUnavailable(f"{self.directory}: several chat templates ({', '.join(sorted(self.templates))}) "
-                                  f"and none named 'default'")
+        if len(self.templates) == 1:
+            return next(iter(self.templates.values()))
+        raise TemplateRejected(f"{self.directory}: several chat templates ({', '.join(sorted(self.templates))}) "
+                               f"and none named 'default'")
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list[dict] | None = None,
-               documents: list[dict] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The chat as the engine's template renders it (the text before tokenizing)."""
         if add_generation_prompt and continue_final_message:
             raise TemplateRejected("cannot set both `continue_final_message` and `add_generation_prompt`")
-        source = self.template(tools)
+        source = self.template()
         compiled, variables = _compile(source)
         extra = dict(chat_template_kwargs or {})
         if bad := _FORBIDDEN_KWARGS & extra.keys():
             raise TemplateRejected(f"unexpected chat template kwargs: {', '.join(sorted(bad))}")
+        if bad := _UNCHECKED_KWARGS & extra.keys():
+            raise NotCovered(f"requests with {', '.join(sorted(bad))} are not rendered by quilld yet")
         extra = {k: v for k, v in extra.items() if k in variables and v is not None}  # vLLM's filter
         chat = _conversation(messages, source)
         final = None
@@ -308,7 +310,7 @@ class ChatTokenizer:
             chat[-1]["content"] = final + _CONTINUE_TAG
         context = {**self.special_tokens, **_plain(extra)}
         try:
-            text = compiled.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+            text = compiled.render(messages=chat, tools=None, documents=None,
                                    add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:
             raise TemplateRejected(f"the chat template rejected the request: {e}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,16 @@ def test_a_directory_is_loaded_once_and_can_be_used_from_threads():
     for t in threads:
         t.join(timeout=30)
     assert got == [want] * 4
+
+
+def test_named_templates_in_the_config_use_default_and_strftime_now_is_todays_date(tmp_path):
+    shutil.copy(FIXTURES / "qwen25" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ strftime_now('%Y-%m-%d') }} {{ messages[0].content }}"}]}))
+    before = datetime.now().strftime("%Y-%m-%d")
+    text = chat_render.load(tmp_path).render([{"role": "user", "content": "x"}])
+    assert text in (f"{before} x", f"{datetime.now().strftime('%Y-%m-%d')} x")
 
 
 def test_a_directory_without_a_template_says_so(tmp_path):
@@ -127,3 +138,6 @@ def test_requests_it_does_not_reproduce_are_refused_not_guessed():
         tok.render([{"role": "user", "content": "x"}], chat_template_kwargs={"tokenize": False})
     with pytest.raises(TemplateRejected, match="non-empty list"):
         tok.render([])
+    for key in ("tools", "documents"):
+        with pytest.raises(NotCovered, match=key):
+            tok.chat_token_ids([{"role": "user", "content": "x"}], chat_template_kwargs={key: [{"a": 1}]})
