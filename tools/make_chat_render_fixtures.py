@@ -247,9 +247,13 @@ def main() -> int:
         for name, prompt in PROMPTS:
             ids = renderer.tokenizer.encode(prompt, add_special_tokens=True)
             cases["completion"].append({"dir": family, "name": name, "prompt": prompt, "token_ids": list(ids)})
+    from vllm.renderers.hf import _detect_content_format
+    cases["content_format"] = {t.name: _detect_content_format(t.read_text(encoding="utf-8"), default="string")
+                               for t in sorted(TEMPLATES.glob("*.jinja"))}
     path = args.out / "cases.json"
     with open(path, "w", encoding="utf-8") as f:
         f.write("{\n" + f'"made_by": {json.dumps(cases["made_by"])},\n')
+        f.write(f'"content_format": {json.dumps(cases["content_format"])},\n')
         for key in ("chat", "completion"):
             f.write(f'"{key}": [\n' + ",\n".join(json.dumps(c, ensure_ascii=False) for c in cases[key]) + "\n]"
                     + (",\n" if key == "chat" else "\n"))

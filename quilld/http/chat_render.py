@@ -28,8 +28,9 @@ What vLLM does, and so what this does:
 
 Refused (`NotCovered`, so a caller can fall back to its own hashing): requests with `tools` or
 `documents` (not yet checked against vLLM, nor a template's `tool_use` variant) and multimodal
-content parts. Not detected, so not refused: templates of vLLM's "openai" content format (vLLM
-tells them from the template's syntax tree and hands them content parts as a list), a
+content parts, and chats for a template that loops over content parts (vLLM's "openai" content
+format: vLLM tells it from the template's syntax tree and hands such a template the parts as a
+list; `walks_content_parts` errs towards refusing). Not detected, so not refused: a
 model-specific tokenizer class whose pipeline differs from its tokenizer.json (transformers 5
 rebuilds e.g. Qwen2Tokenizer from vocab and merges; published models ship a tokenizer.json
 equal to it), truncation (`truncate_prompt_tokens`) and a chat request's
@@ -295,6 +296,9 @@ class ChatTokenizer:
             raise TemplateRejected("cannot set both `continue_final_message` and `add_generation_prompt`")
         source = self.template()
         compiled, variables = _compile(source)
+        if walks_content_parts(source):
+            raise NotCovered(f"{self.directory}: the chat template loops over content parts (vLLM's \"openai\" "
+                             f"content format), which quilld does not render yet")
         extra = dict(chat_template_kwargs or {})
         if bad := _FORBIDDEN_KWARGS & extra.keys():
             raise TemplateRejected(f"unexpected chat template kwargs: {', '.join(sorted(bad))}")
@@ -339,6 +343,36 @@ def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
         return env.from_string(source), frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
     except jinja2.TemplateSyntaxError as e:
         raise TemplateUnavailable(f"chat template does not compile: {e.message} (line {e.lineno})") from None
+
+
+def _loop_source(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """What a for loop walks, under its filters, tests and slices (`content | list`, `content[1:]`)."""
+    while True:
+        if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+@functools.lru_cache(maxsize=64)
+def walks_content_parts(source: str) -> bool:
+    """Whether the template may loop over a message's content as a list of parts, which vLLM then
+    hands it as a list (its "openai" content format) rather than joined text. Errs towards yes: any
+    loop over something's `content`, over a variable named `content`, or over a macro's parameter."""
+    tree = _environment().parse(source)
+    params = {arg.name for macro in tree.find_all(jinja2.nodes.Macro) for arg in macro.args}
+    for loop in tree.find_all(jinja2.nodes.For):
+        it = _loop_source(loop.iter)
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
+                and it.arg.value == "content":
+            return True
+        if isinstance(it, jinja2.nodes.Name) and (it.name == "content" or it.name in params):
+            return True
+    return False
 
 
 def _read_json(path: str) -> dict[str, Any]:

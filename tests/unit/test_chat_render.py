@@ -31,6 +31,7 @@ def test_the_fixtures_come_from_vllm_033_and_cover_both_families_and_both_templa
     options = [c["options"] for c in CASES["chat"]]
     assert {"add_generation_prompt": False} in options and {} in options
     assert any(o.get("continue_final_message") for o in options)
+    assert set(CASES["content_format"].values()) == {"string", "openai"}
 
 
 @pytest.mark.parametrize("case", CASES["chat"], ids=lambda c: f"{c['dir']}-{c['name']}")
@@ -75,6 +76,21 @@ def test_named_templates_in_the_config_use_default_and_strftime_now_is_todays_da
     before = datetime.now().strftime("%Y-%m-%d")
     text = chat_render.load(tmp_path).render([{"role": "user", "content": "x"}])
     assert text in (f"{before} x", f"{datetime.now().strftime('%Y-%m-%d')} x")
+
+
+@pytest.mark.parametrize("name", sorted(CASES["content_format"]))
+def test_a_template_vllm_hands_content_parts_to_is_refused_and_the_families_are_not(name):
+    source = (FIXTURES / "templates" / name).read_text(encoding="utf-8")
+    assert chat_render.walks_content_parts(source) == (CASES["content_format"][name] == "openai")
+
+
+def test_chats_for_a_content_parts_template_are_not_covered_but_completions_are(tmp_path):
+    shutil.copy(FIXTURES / "qwen25" / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(FIXTURES / "templates" / "openai_parts.jinja", tmp_path / "chat_template.jinja")
+    tok = chat_render.load(tmp_path)
+    with pytest.raises(NotCovered, match="content parts"):
+        tok.chat_token_ids([{"role": "user", "content": "x"}])
+    assert tok.prompt_token_ids("x") == chat_render.load(FIXTURES / "qwen25").prompt_token_ids("x")
 
 
 def test_a_directory_without_a_template_says_so(tmp_path):
