@@ -316,7 +316,7 @@ class ChatTokenizer:
         try:
             text = compiled.render(messages=chat, tools=None, documents=None,
                                    add_generation_prompt=add_generation_prompt, **context)
-        except jinja2.TemplateError as e:
+        except Exception as e:  # vLLM answers 400 with the reason for anything raised inside the template
             raise TemplateRejected(f"the chat template rejected the request: {e}") from None
         if final is not None:
             tag = _CONTINUE_TAG.strip()

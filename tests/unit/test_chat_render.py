@@ -136,6 +136,13 @@ def test_raise_exception_carries_the_templates_message():
         tok.render([{"role": "user", "content": "boom"}])
 
 
+def test_a_template_that_fails_on_the_request_rejects_it_with_the_reason(tmp_path):
+    shutil.copy(FIXTURES / "qwen25" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content + 1 }}")
+    with pytest.raises(TemplateRejected, match="rejected the request: .*str"):
+        chat_render.load(tmp_path).render([{"role": "user", "content": "x"}])
+
+
 def test_the_sandbox_refuses_what_transformers_refuses(tmp_path):
     shutil.copy(FIXTURES / "qwen25" / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}{% set ns = namespace() %}"
