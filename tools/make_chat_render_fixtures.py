@@ -178,7 +178,8 @@ CHATS = [  # (name, messages, options)
     ("long_user_message", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LONG}], {}),
 ]
 PROMPTS = [("hello", "Hello world"), ("empty", ""), ("special_token", "<|im_start|>user\nhi<|eot_id|>"),
-           ("long", LONG), ("unicode", "Caf\u0065\u0301 \U0001F600 \u6771\u4eac")]
+           ("long", LONG), ("unicode", "Caf\u0065\u0301 \U0001F600 \u6771\u4eac"),
+           ("a_config_only_special_token", "x <|extra_bos|> y")]  # qwen25_jinja: added from its config
 
 
 def vllm_renderer(d: Path, family: str):
