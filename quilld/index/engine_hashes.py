@@ -28,8 +28,8 @@ protocol, 5), `sha256_cbor` (SHA-256 of `cbor2.dumps(..., canonical=True)`), `xx
 stores otherwise (index/handoff.py), and the two do not mix.
 tests/unit/test_engine_hashes.py checks all of this against vectors made by vLLM's own code
 (tools/make_vllm_hash_fixtures.py). Not covered yet: multimodal and prompt-embeds keys,
-lookahead hashing (speculative decoding's `num_hash_lookahead_tokens`), a hash block size
-other than the engine's block size, and turning a chat request into token ids.
+lookahead hashing (speculative decoding's `num_hash_lookahead_tokens`) and a hash block size
+other than the engine's block size. A chat request's token ids come from quilld/http/chat_render.py.
 """
 
 from __future__ import annotations

@@ -46,6 +46,12 @@ def test_the_vllm_fixture_maker_says_vllm_is_missing_and_writes_nothing(tmp_path
     assert not (tmp_path / "x.json").exists()
 
 
+def test_the_chat_render_fixture_maker_says_vllm_is_missing_and_writes_nothing(tmp_path):
+    out = run(ROOT / "tools" / "make_chat_render_fixtures.py", "--out", str(tmp_path / "fx"))
+    assert out.returncode == 1 and "vLLM is not importable here" in out.stderr, out
+    assert not (tmp_path / "fx").exists()
+
+
 def test_sglang_check_says_sglang_is_missing_before_starting_anything():
     out = run(ROOT / "tools" / "sglang_check.py")
     assert out.returncode == 1, out
