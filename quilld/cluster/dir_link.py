@@ -9,9 +9,10 @@
 * **Requests from peers.** `handle` answers a peer's `DIR` (the RESP command in
   protocol/commands/cluster.py).
 * **This node's lookups.** `key_holders` (pool reads, GETBLK, LOCATE) and `block_holders`
-  (ROUTE) ask each owner once for everything it owns, all owners at once, and a second owner
-  only for what the first could not answer fully (a bucket still filling, an owner that
-  failed): at most two round trips, one in the common case, none when this node owns it.
+  (ROUTE, the gateway's handoff check) ask each owner once for everything it owns, all owners
+  at once, and a second owner only for what the first could not answer fully (a bucket still
+  filling, an owner that failed): one round trip in the common case, none when this node owns
+  it.
 * **What this node places.** `placed`/`removed` (the keyspace's values, through the
   residency feed) and `engine_stored`/`engine_removed`/`engine_cleared` (the KV events of the
   engines this node is home to) become the directory's entries; so do the placements another
@@ -344,29 +345,46 @@ class DirectoryLink:
         """For each block of a prompt (from its first): (holder, tiers) of every engine and node
         holding it; and the owner round trips it took.
 
-        First wave: each prompt segment's owners (a block placed from its chain is there). When
-        the first block is held but a later one was not found in its segment, a second wave asks
-        the owners of those blocks' own shards, all at once (up to a segment's worth): a block
-        placed with no known parent (a pool block stored alone with HASH, by a node that does
-        not hold the block before it) starts a chain of its own, under its own hash."""
+        First wave: each prompt segment's owners (a block placed from its chain is there). A
+        block placed with no known parent (a pool block stored with HASH alone, or the first of
+        a chain whose parent its holder lacks) heads a segment of its own, under its own hash,
+        whatever its place in the prompt. So where a holder of a block is not found at the
+        next one in the same segment, a second wave asks the blocks from there to the
+        segment's end at their own shards, all segments' at once (the first of each also with
+        the blocks after it, for a chain that starts there)."""
         ctag = self.ctag(tag)
         parts = [hash_key(h) for h in hashes]
         items = self.d.block_items(ctag, parts)
         answers, trips = await self.lookup([item for item, _ in items])
         found: list[list] = [per for seg in answers for per in seg]
-        gap = next((i for i, per in enumerate(found) if not per), None)
-        if gap:  # block 0 is held (a prefix may go on), block `gap` was not found in its segment
-            g = self.d.s.group_blocks
-            lone = [i for i in range(gap, min(len(parts), gap + g)) if i % g]  # segment heads were asked
-            if lone:
-                more, trips2 = await self.lookup([(BLOCK, block_shard(ctag, parts[i]), [parts[i]]) for i in lone])
-                trips += trips2
-                for i, seg in zip(lone, more):
-                    found[i] = _union(found[i], seg[0])
-                self.stats["route_second_waves"] += 1
+        g = self.d.s.group_blocks
+        more, starts = [], []
+        for s in range(0, len(parts), g):
+            end = min(len(parts), s + g)
+            j = next((j for j in range(s + 1, end) if _left(found[j - 1], found[j])), None)
+            if j is None:
+                continue
+            more.append((BLOCK, block_shard(ctag, parts[j]), parts[j:j + g]))
+            starts.append(j)
+            for k in range(j + 1, end):
+                more.append((BLOCK, block_shard(ctag, parts[k]), [parts[k]]))
+                starts.append(k)
+        if more:
+            got, trips2 = await self.lookup(more)
+            trips += trips2
+            for j, seg in zip(starts, got):
+                for k, per in enumerate(seg, j):
+                    found[k] = _union(found[k], per)
+            self.stats["route_second_waves"] += 1
         self.stats["routes"] += 1
         self.stats["route_owner_trips"] += trips
         return [[(h, tiers(code)) for h, code in per] for per in found], trips
+
+
+def _left(before: list, here: list) -> bool:
+    """Whether a holder of the block before is not among this block's (found so far)."""
+    names = {h for h, _ in here}
+    return any(h not in names for h, _ in before)
 
 
 def _merge(kind: int, a: Any, b: Any) -> Any:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import crc32c
 import openai
 import pytest
 import redis
@@ -24,6 +25,7 @@ from conftest import ROOT, free_port, http, start_quilld, stop_process, wait_por
 from quillclient import QuillClient
 
 from quilld.http.prompt_blocks import chunk_hashes, render_chat
+from quilld.index.handoff import kv_key
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -356,3 +358,47 @@ def test_a_decode_engine_on_another_node_reads_the_prefills_kv_locally_pulled_th
     assert info["cluster_prefetch_keys_pulled"] == n and info["cluster_peer_fetch_bytes"] >= n * BLOCK_BYTES
     stats = setup.gw_stats()
     assert stats["gateway_prefetches"] == 1 and stats["gateway_prefetch_blocks"] == n
+
+
+def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setup):
+    """A connector that stores each block with HASH alone (index/handoff.py's scheme, no PARENT), on
+    another node than the gateway's: the handoff check and ROUTE's pool credit count every block."""
+    from test_cluster import free_udp_tcp_port, members
+
+    ga, gb = free_udp_tcp_port(), free_udp_tcp_port()
+    setup.node("a", "--gossip-port", str(ga), gateway=True, env=ALWAYS | FAST_GOSSIP)
+    setup.node("b", "--gossip-port", str(gb), "--seeds", f"127.0.0.1:{ga}", env=FAST_GOSSIP)
+    for n in "ab":
+        assert wait_until(lambda n=n: members(redis.Redis(port=setup.nodes[n].port)) == {"a": "alive", "b": "alive"},
+                          timeout=20), f"node {n} did not see both members"
+    setup.engine("p1", "prefill", "b", "--hash-only", locality="b")
+    setup.engine("d1", "decode", "a", locality="a")
+    client = setup.client()
+
+    def prompt(n: int, what: str) -> str:
+        text = "".join(f"{what}-{n:02d}-{i:03d} ".ljust(256, "x") for i in range(n))  # exactly n blocks of 256
+        assert len(chunk_hashes(text, 256)) == n
+        return text
+
+    for n in (10, 33, 70):  # the handoff check, on a, of what p1 stored through b
+        raw = client.completions.with_raw_response.create(model="m", prompt=prompt(n, "gw"), max_tokens=4)
+        handoff = raw.headers["x-quillcache-handoff"]
+        assert f"blocks={n} resident={n} late=0" in handoff, (n, handoff)
+        assert raw.parse().model_extra["quillcache_kv"] == {"loaded": n, "recomputed": 0, "corrupt": 0}
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_on_time"] == 3 and stats["gateway_handoff_missing"] == 0, stats
+
+    # ROUTE's pool credit, for blocks only the pool holds (no engine's record of them): stored on b alone
+    pool = QuillClient("127.0.0.1", setup.nodes["b"].port).scope(model="m", tokenizer="t")
+    for n in (10, 33, 70):
+        hashes = chunk_hashes(prompt(n, "route"), 256)
+        for h in hashes:
+            handle = pool.execute("PUT2PHASE", "BEGIN", kv_key(h), 64, "HASH", h)
+            pool.execute("PUT2PHASE", "DATA", handle, 0, b"k" * 64, "CRC32C", crc32c.crc32c(b"k" * 64))
+        for node in "ab":
+            status, _, body = http(setup.nodes[node].admin_port, "POST", "/v1/route",
+                                   json.dumps({"model": "m", "tokenizer": "t", "blocks": hashes,
+                                               "decode_tokens": 4}).encode(), {"Content-Type": "application/json"})
+            assert status == 200, body
+            plan = [s["action"] for s in json.loads(body)["plan"]]
+            assert plan == ["fetch"] * n, (n, node, plan)
