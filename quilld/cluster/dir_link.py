@@ -295,17 +295,30 @@ class DirectoryLink:
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, items: list[tuple]) -> tuple[list, int]:
         """LOOKUP `items` through their owners: (answers, owner round trips). An answer is what
-        the owners hold: for a key [(holder, code)], for a segment [[(holder, code)] per block]."""
+        the owners hold: for a key [(holder, code)], for a segment [[(holder, code)] per block].
+
+        An item goes to its first owner (this node when it is one); what an owner could not
+        answer fully (it failed, or its bucket is filling) goes to the next, round after round,
+        until one has or every owner in the view, and during a handoff every old owner still a
+        member, has been asked: only then is an item absent. An item that ends with no holder is
+        a miss, counted `lookup_misses` when an owner answered it fully, else (every owner asked
+        failed or was still filling, one at least failed) `lookup_misses_unreachable`."""
         answers: dict[int, Any] = {}
         asked: dict[int, set[str]] = {}
+        full: set[int] = set()  # items an owner answered fully
+        failed: set[int] = set()  # items an owner failed to answer
         pending = list(range(len(items)))
         trips = 0
-        for _round in range(2):
+        me = self.node_id
+        while pending:  # each round asks owners not asked before: it ends
             plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)},
                                time.monotonic())
-            for j, (answer, _partial) in plan.local.items():
+            for j, (answer, partial) in plan.local.items():
                 i = pending[j]
+                asked.setdefault(i, set()).add(me)
                 answers[i] = _merge(items[i][0], answers.get(i), answer)
+                if not partial:
+                    full.add(i)
             if not plan.asks:
                 break
             owners = list(plan.asks)
@@ -322,18 +335,23 @@ class DirectoryLink:
                     if not isinstance(reply, (QuillError, ValueError, TypeError)):
                         raise reply
                     self.stats["lookup_failures"] += 1
+                    failed.add(i)
                     again.append(i)
                     continue
                 answer, partial = reply[1][k]
                 answers[i] = _merge(items[i][0], answers.get(i), answer)
                 if partial:
                     again.append(i)
-            pending = again
-            if not pending:
-                break
+                else:
+                    full.add(i)
+            pending = [i for i in again if i not in full]
+        out = [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))]
+        for i, answer in enumerate(out):
+            if not (any(answer) if items[i][0] == BLOCK else answer):
+                self.stats["lookup_misses" if i in full or i not in failed else "lookup_misses_unreachable"] += 1
         self.stats["lookups"] += 1
         self.stats[f"lookups_{min(trips, 3)}_trips"] += 1
-        return [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))], trips
+        return out, trips
 
     async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
         """For each key of scope `tag`: (holder, tiers, bytes) of every node the directory names."""
