@@ -193,6 +193,7 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--local-reads", action="store_true", help="read with GETBLK ... LOCAL: its node's copies only")
     p.add_argument("--hash-only", action="store_true", help="store blocks with HASH and no PARENT")
+    p.add_argument("--api-key", default="", help="require Authorization: Bearer KEY on /v1 (vLLM's --api-key)")
     args = p.parse_args()
     web.run_app(build_app(KvEngine(args)), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True, shutdown_timeout=0.5)

@@ -402,3 +402,44 @@ def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setu
             assert status == 200, body
             plan = [s["action"] for s in json.loads(body)["plan"]]
             assert plan == ["fetch"] * n, (n, node, plan)
+
+
+def test_engines_with_api_keys_get_a_bearer_token_on_both_legs_and_kv_node_is_one_name_both_ways(setup):
+    """Engines that require a bearer key (vLLM's --api-key), registered with `api_key` and `kv_node`:
+    the gateway sends each its own key on the prefill and the decode leg; the key is never shown or
+    logged; `kv_node` is taken by POST /v1/engines as /v1/engines shows it (`locality` its old name)."""
+    q = setup.node("a", gateway=True, env=ALWAYS)
+    keys = {"p1": "sk-prefill-7d1e", "d1": "sk-decode-93aa"}
+    for name, role in (("p1", "prefill"), ("d1", "decode")):
+        setup.engine(name, role, "a", "--api-key", keys[name], register=False)
+        status, body = setup.admin("POST", "/v1/engines", {
+            "id": name, "url": f"http://127.0.0.1:{setup.engines[name].port}", "model": "m", "tokenizer": "t",
+            "role": role, "kv_node": "a", "api_key": keys[name]})
+        assert status == 201, body
+        assert body["kv_node"] == "a" and "api_key" not in body and "locality" not in body, body
+    status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "other",
+                                                       "kv_node": "a", "locality": "b"})
+    assert status == 400 and "kv_node" in body["error"], body
+    status, body = setup.admin("POST", "/v1/engines", {"id": "old", "url": "http://127.0.0.1:9", "model": "other",
+                                                       "locality": "a"})  # the older name, still taken
+    assert status == 201 and body["kv_node"] == "a", body
+    msgs = messages("with keys")
+    n = prompt_blocks(msgs)
+    for stream in (False, True):
+        with setup.client().chat.completions.with_streaming_response.create(model="m", messages=msgs,
+                                                                            stream=stream) as response:
+            assert response.headers["x-quillcache-disaggregated"] == "true", dict(response.headers)
+            assert f"blocks={n} resident={n}" in response.headers["x-quillcache-handoff"]
+            response.read()
+    p, d = (setup.engines[e].stats() for e in ("p1", "d1"))
+    assert (p["unauthorized"], d["unauthorized"]) == (0, 0), (p, d)
+    assert p["kv"]["prefills"] == 2 and d["kv"]["decodes"] == 2 and d["kv"]["loaded"] == 2 * n, (p, d)
+    # what the operator sees: kv_node, never a key
+    status, body = setup.admin("GET", "/v1/engines")
+    listed = {e["id"]: e for e in body["engines"]}
+    assert listed["p1"]["kv_node"] == "a" and "api_key" not in listed["p1"], listed["p1"]
+    shown = [json.dumps(body), str(redis.Redis(port=q.port).info("everything")),
+             http(q.admin_port, "GET", "/metrics")[2].decode(), http(q.admin_port, "GET", "/v1/config")[2].decode(),
+             q.log()]
+    for text in shown:
+        assert not any(k in text for k in keys.values())
