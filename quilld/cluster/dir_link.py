@@ -35,7 +35,7 @@ from typing import Any, Callable
 import msgpack
 
 from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
-from quilld.cluster.directory import BATCH, LOOKUP, Directory
+from quilld.cluster.directory import BATCH, LOOKUP, Directory, LookupRun, union
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
 from quilld.index.residency import hash_key
@@ -294,64 +294,26 @@ class DirectoryLink:
 
     # -- lookups --------------------------------------------------------------------------
     async def lookup(self, items: list[tuple]) -> tuple[list, int]:
-        """LOOKUP `items` through their owners: (answers, owner round trips). An answer is what
-        the owners hold: for a key [(holder, code)], for a segment [[(holder, code)] per block].
-
-        An item goes to its first owner (this node when it is one); what an owner could not
-        answer fully (it failed, or its bucket is filling) goes to the next, round after round,
-        until one has or every owner in the view, and during a handoff every old owner still a
-        member, has been asked: only then is an item absent. An item that ends with no holder is
-        a miss, counted `lookup_misses` when an owner answered it fully, else (every owner asked
-        failed or was still filling, one at least failed) `lookup_misses_unreachable`."""
-        answers: dict[int, Any] = {}
-        asked: dict[int, set[str]] = {}
-        full: set[int] = set()  # items an owner answered fully
-        failed: set[int] = set()  # items an owner failed to answer
-        pending = list(range(len(items)))
-        trips = 0
-        me = self.node_id
-        while pending:  # each round asks owners not asked before: it ends
-            plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)},
-                               time.monotonic())
-            for j, (answer, partial) in plan.local.items():
-                i = pending[j]
-                asked.setdefault(i, set()).add(me)
-                answers[i] = _merge(items[i][0], answers.get(i), answer)
-                if not partial:
-                    full.add(i)
-            if not plan.asks:
-                break
-            owners = list(plan.asks)
-            trips += len(owners)
-            replies = await asyncio.gather(*(self.call(o, (LOOKUP, plan.asks[o])) for o in owners),
-                                           return_exceptions=True)
-            got = dict(zip(owners, replies))
-            again = []
-            for j, (owner, k) in plan.route.items():
-                i = pending[j]
-                asked.setdefault(i, set()).add(owner)
-                reply = got[owner]
+        """LOOKUP `items` through their owners (`LookupRun`: every owner before an item is
+        absent): (answers, owner round trips). An answer is what the owners hold: for a key
+        [(holder, code)], for a segment [[(holder, code)] per block]."""
+        run = LookupRun(self.d, items)
+        while asks := run.asks(time.monotonic()):
+            owners = list(asks)
+            replies = await asyncio.gather(*(self.call(o, (LOOKUP, asks[o])) for o in owners), return_exceptions=True)
+            for owner, reply in zip(owners, replies):
                 if isinstance(reply, BaseException):
                     if not isinstance(reply, (QuillError, ValueError, TypeError)):
                         raise reply
                     self.stats["lookup_failures"] += 1
-                    failed.add(i)
-                    again.append(i)
-                    continue
-                answer, partial = reply[1][k]
-                answers[i] = _merge(items[i][0], answers.get(i), answer)
-                if partial:
-                    again.append(i)
-                else:
-                    full.add(i)
-            pending = [i for i in again if i not in full]
-        out = [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))]
-        for i, answer in enumerate(out):
-            if not (any(answer) if items[i][0] == BLOCK else answer):
-                self.stats["lookup_misses" if i in full or i not in failed else "lookup_misses_unreachable"] += 1
+                    reply = None
+                run.took(owner, reply)
+        out = run.answers()
+        self.stats["lookup_misses"] += run.misses
+        self.stats["lookup_misses_unreachable"] += run.unreachable
         self.stats["lookups"] += 1
-        self.stats[f"lookups_{min(trips, 3)}_trips"] += 1
-        return out, trips
+        self.stats[f"lookups_{min(run.trips, 3)}_trips"] += 1
+        return out, run.trips
 
     async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
         """For each key of scope `tag`: (holder, tiers, bytes) of every node the directory names."""
@@ -392,7 +354,7 @@ class DirectoryLink:
             trips += trips2
             for j, seg in zip(starts, got):
                 for k, per in enumerate(seg, j):
-                    found[k] = _union(found[k], per)
+                    found[k] = union(found[k], per)
             self.stats["route_second_waves"] += 1
         self.stats["routes"] += 1
         self.stats["route_owner_trips"] += trips
@@ -403,17 +365,3 @@ def _left(before: list, here: list) -> bool:
     """Whether a holder of the block before is not among this block's (found so far)."""
     names = {h for h, _ in here}
     return any(h not in names for h, _ in before)
-
-
-def _merge(kind: int, a: Any, b: Any) -> Any:
-    """Two owners' answers to one item, together (a key's holders, or a segment's, block by block)."""
-    if a is None:
-        return b
-    if kind == BLOCK:
-        return [_union(x, y) for x, y in zip(a, b)]
-    return _union(a, b)
-
-
-def _union(a: list, b: list) -> list:
-    seen = {(h, c) for h, c in a}
-    return list(a) + [(h, c) for h, c in b if (h, c) not in seen]
