@@ -35,7 +35,8 @@ from typing import Any, Callable
 import msgpack
 
 from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
-from quilld.cluster.directory import BATCH, LOOKUP, Directory, LookupRun, union
+from quilld.cluster.dir_lookup import LookupRun, union
+from quilld.cluster.directory import BATCH, LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
 from quilld.index.residency import hash_key

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from quilld.cluster.dir_entries import BLOCK, KEY, key_shard, scope_digest
 from quilld.cluster.dir_owned import OwnedEntries, run_items
-from quilld.cluster.directory import BATCH, COPY, LOOKUP, Directory, DirectorySettings, LookupRun
+from quilld.cluster.dir_lookup import LookupRun
+from quilld.cluster.directory import BATCH, COPY, LOOKUP, Directory, DirectorySettings
 from quilld.cluster.swim import EventKind, Swim
 from quilld.cluster.wire import State
 
