@@ -238,7 +238,9 @@ class EngineConfig:
     model: str = ""
     tokenizer: str = ""
     tenant: str = "default"  # the identity its cached blocks belong to (KV events carry none)
-    locality: str = ""  # the quilld node id it stores its KV through; empty: the node it is registered on
+    # the quilld node id it stores its KV through; empty: the node it is registered on. Its key is
+    # `kv_node` in the config file and the API (`locality`, its older name, is still accepted)
+    locality: str = ""
     role: str = "both"  # prefill, decode or both (index/pairing.py)
     kv_bytes_per_token: int = 131_072  # the KV one token takes (Llama-3.1-8B in 16 bits), to price moving it
     kv_events: str = ""  # vLLM's ZMQ publisher, e.g. tcp://10.0.0.5:5557; empty: no subscription
@@ -247,6 +249,13 @@ class EngineConfig:
     # the engine's KV-cache groups by kind, in vLLM's order; empty: a block counts while every group
     # its events name holds it (index/groups.py)
     groups: tuple[GroupConfig, ...] = ()
+    # sent as `Authorization: Bearer <api_key>` with every request the gateway forwards to it (vLLM's
+    # --api-key); a secret: never logged, never shown by /v1/engines, INFO or the redacted config
+    api_key: str = field(default="", repr=False)
+
+
+# an engine's keys as the config file and the API name them, where they differ from its field's
+ENGINE_KEY_ALIASES = {"kv_node": "locality"}
 
 
 @dataclass(frozen=True)
@@ -425,6 +434,9 @@ class Config:
         for section, key in _SECRETS:
             if out[section][key]:
                 out[section][key] = "***"
+        for e in out["engines"]:
+            if e["api_key"]:
+                e["api_key"] = "***"
         return out
 
 
@@ -539,6 +551,10 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{origin}: an engine must be a table")
     types = _types(EngineConfig)
+    if "kv_node" in data:
+        if "locality" in data and data["locality"] != data["kv_node"]:
+            raise ConfigError(f"{origin}: kv_node and locality (its older name) differ: give kv_node alone")
+        data = {ENGINE_KEY_ALIASES.get(k, k): v for k, v in data.items() if k != "locality"}
     unknown = set(data) - set(types)
     if unknown:
         raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}"

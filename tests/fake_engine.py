@@ -1,7 +1,7 @@
 """A small OpenAI-compatible inference server, for the gateway's tests and benchmark.
 
     python tests/fake_engine.py --port P --model M [--lora NAME ...] [--delay-ms D]
-        [--chunk-delay-ms C] [--chunks N] [--status S] [--name N]
+        [--chunk-delay-ms C] [--chunks N] [--status S] [--name N] [--api-key K]
 
 Like vLLM's server it sends its headers at once and the first chunk after a
 "prefill" of `--delay-ms`, then `--chunks` content chunks `--chunk-delay-ms`
@@ -13,6 +13,8 @@ that status and an OpenAI-style error. Unknown models get a 404 as vLLM gives.
 `GET /stats` tells what it saw: requests, open (being answered now), completed,
 cancelled (the client went away mid-answer) and the last request's body.
 `POST /control` changes delay_ms, chunk_delay_ms, chunks or status at run time.
+With `--api-key`, as vLLM's, every /v1 request needs `Authorization: Bearer <key>`:
+without it the answer is 401 and it is counted (`unauthorized` in /stats).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class FakeEngine:
         self.settings = {"delay_ms": args.delay_ms, "chunk_delay_ms": args.chunk_delay_ms, "chunks": args.chunks,
                          "status": args.status}
         self.counts: Counter[str] = Counter()
+        self.api_key = getattr(args, "api_key", "")
         self.open = 0
         self.last: dict = {}
 
@@ -107,7 +110,7 @@ class FakeEngine:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.counts["requests"], "open": self.open,
                                   "completed": self.counts["completed"], "cancelled": self.counts["cancelled"],
-                                  "last": self.last})
+                                  "unauthorized": self.counts["unauthorized"], "last": self.last})
 
     async def control(self, request: web.Request) -> web.Response:
         changes = await request.json()
@@ -119,7 +122,15 @@ class FakeEngine:
 
 
 def build_app(engine: FakeEngine) -> web.Application:
-    app = web.Application()
+    @web.middleware
+    async def bearer(request: web.Request, handler):
+        if engine.api_key and request.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {engine.api_key}":  # as vLLM's --api-key
+            engine.counts["unauthorized"] += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    app = web.Application(middlewares=[bearer])
     app.router.add_get("/v1/models", engine.models_list)
     app.router.add_post("/v1/chat/completions", engine.completion)
     app.router.add_post("/v1/completions", engine.completion)
@@ -139,6 +150,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--status", type=int, default=200)
     p.add_argument("--name", default="fake")
+    p.add_argument("--api-key", default="", help="require Authorization: Bearer KEY on /v1 (vLLM's --api-key)")
     args = p.parse_args()
     try:
         import uvloop

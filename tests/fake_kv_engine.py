@@ -2,6 +2,7 @@
 
     python tests/fake_kv_engine.py --port P --model M --name N --role prefill|decode|both
         --quilld HOST:PORT [--tokenizer T] [--chunk-chars 256] [--block-bytes 65536] [--local-reads]
+        [--hash-only]
         [fake_engine.py's options]
 
 As vLLM with a KV connector pointed at quilld, it answers vLLM's disaggregated-serving
@@ -11,7 +12,8 @@ proxy protocol (what the gateway sends, quilld/http/gateway_disagg.py):
   hashes the prompt as quilld's gateway does (quilld/http/prompt_blocks.py: character
   chunks of `--chunk-chars`, or token ids by `--block-size`), writes every block's KV into
   quilld through `quillclient` under index/handoff.py's key scheme (`kv:<hash>` in the
-  engine's scope, `PUT2PHASE BEGIN key n HASH h`, DATA with its CRC32C), and answers one
+  engine's scope, `PUT2PHASE BEGIN key n HASH h PARENT p`, DATA with its CRC32C; with
+  `--hash-only` no PARENT, as a connector that knows only each block's hash), and answers one
   token, not streamed, with `kv_transfer_params` as vLLM's NIXL connector does
   (do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port);
 - a request with `kv_transfer_params.do_remote_prefill` true is a decode: the engine reads
@@ -66,6 +68,7 @@ class KvEngine(FakeEngine):
         self.client = QuillClient(host, int(port)).scope(model=args.model, tokenizer=args.tokenizer)
         self.chunk_chars, self.block_size, self.block_bytes = args.chunk_chars, args.block_size, args.block_bytes
         self.local_reads = args.local_reads
+        self.hash_only = args.hash_only
         self.kv = {"prefills": 0, "decodes": 0, "aggregated": 0, "misrouted": 0, "blocks_written": 0, "loaded": 0,
                    "recomputed": 0, "corrupt": 0}
         self.last_kv_params: dict | None = None
@@ -85,7 +88,8 @@ class KvEngine(FakeEngine):
         parent = None
         for h in hashes:
             data = kv_bytes(h, self.block_bytes)
-            chain = () if parent is None else ("PARENT", parent)  # the block's place in its prompt's chain
+            # the block's place in its prompt's chain (none with --hash-only, as index/handoff.py documents it)
+            chain = () if parent is None or self.hash_only else ("PARENT", parent)
             handle = self.client.execute("PUT2PHASE", "BEGIN", kv_key(h), len(data), "HASH", h & ((1 << 64) - 1),
                                          *chain)
             parent = h & ((1 << 64) - 1)
@@ -192,6 +196,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--local-reads", action="store_true", help="read with GETBLK ... LOCAL: its node's copies only")
+    p.add_argument("--hash-only", action="store_true", help="store blocks with HASH and no PARENT")
+    p.add_argument("--api-key", default="", help="require Authorization: Bearer KEY on /v1 (vLLM's --api-key)")
     args = p.parse_args()
     web.run_app(build_app(KvEngine(args)), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True, shutdown_timeout=0.5)

@@ -392,6 +392,8 @@ class Cluster:
                 ("cluster_lookups_one_hop", link["lookups_1_trips"]),
                 ("cluster_lookups_two_hops", link["lookups_2_trips"] + link["lookups_3_trips"]),
                 ("cluster_lookup_failures", link["lookup_failures"]),
+                ("cluster_lookup_misses", link["lookup_misses"]),
+                ("cluster_lookup_misses_unreachable", link["lookup_misses_unreachable"]),
                 ("cluster_route_lookups", link["routes"]),
                 ("cluster_route_owner_round_trips", link["route_owner_trips"]),
                 ("cluster_route_second_waves", link["route_second_waves"]),

@@ -9,9 +9,10 @@
 * **Requests from peers.** `handle` answers a peer's `DIR` (the RESP command in
   protocol/commands/cluster.py).
 * **This node's lookups.** `key_holders` (pool reads, GETBLK, LOCATE) and `block_holders`
-  (ROUTE) ask each owner once for everything it owns, all owners at once, and a second owner
-  only for what the first could not answer fully (a bucket still filling, an owner that
-  failed): at most two round trips, one in the common case, none when this node owns it.
+  (ROUTE, the gateway's handoff check) ask each owner once for everything it owns, all owners
+  at once, and a second owner only for what the first could not answer fully (a bucket still
+  filling, an owner that failed): one round trip in the common case, none when this node owns
+  it.
 * **What this node places.** `placed`/`removed` (the keyspace's values, through the
   residency feed) and `engine_stored`/`engine_removed`/`engine_cleared` (the KV events of the
   engines this node is home to) become the directory's entries; so do the placements another
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import msgpack
 
 from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.dir_lookup import LookupRun, union
 from quilld.cluster.directory import BATCH, LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
@@ -292,47 +294,30 @@ class DirectoryLink:
         self.kick()
 
     # -- lookups --------------------------------------------------------------------------
-    async def lookup(self, items: list[tuple]) -> tuple[list, int]:
-        """LOOKUP `items` through their owners: (answers, owner round trips). An answer is what
-        the owners hold: for a key [(holder, code)], for a segment [[(holder, code)] per block]."""
-        answers: dict[int, Any] = {}
-        asked: dict[int, set[str]] = {}
-        pending = list(range(len(items)))
-        trips = 0
-        for _round in range(2):
-            plan = self.d.plan([items[i] for i in pending], {j: asked.get(i, set()) for j, i in enumerate(pending)},
-                               time.monotonic())
-            for j, (answer, _partial) in plan.local.items():
-                i = pending[j]
-                answers[i] = _merge(items[i][0], answers.get(i), answer)
-            if not plan.asks:
-                break
-            owners = list(plan.asks)
-            trips += len(owners)
-            replies = await asyncio.gather(*(self.call(o, (LOOKUP, plan.asks[o])) for o in owners),
-                                           return_exceptions=True)
-            got = dict(zip(owners, replies))
-            again = []
-            for j, (owner, k) in plan.route.items():
-                i = pending[j]
-                asked.setdefault(i, set()).add(owner)
-                reply = got[owner]
+    async def lookup(self, items: list[tuple], counted: bool = True) -> tuple[list, int]:
+        """LOOKUP `items` through their owners (`LookupRun`: every owner before an item is
+        absent): (answers, owner round trips). An answer is what the owners hold: for a key
+        [(holder, code)], for a segment [[(holder, code)] per block]. `counted` false: a view's
+        look (the status page's), left out of the lookup and miss counts, which are reads'."""
+        run = LookupRun(self.d, items)
+        while asks := run.asks(time.monotonic()):
+            owners = list(asks)
+            replies = await asyncio.gather(*(self.call(o, (LOOKUP, asks[o])) for o in owners), return_exceptions=True)
+            for owner, reply in zip(owners, replies):
                 if isinstance(reply, BaseException):
                     if not isinstance(reply, (QuillError, ValueError, TypeError)):
                         raise reply
                     self.stats["lookup_failures"] += 1
-                    again.append(i)
-                    continue
-                answer, partial = reply[1][k]
-                answers[i] = _merge(items[i][0], answers.get(i), answer)
-                if partial:
-                    again.append(i)
-            pending = again
-            if not pending:
-                break
+                    reply = None
+                run.took(owner, reply)
+        out = run.answers()
+        if not counted:
+            return out, run.trips
+        self.stats["lookup_misses"] += run.misses
+        self.stats["lookup_misses_unreachable"] += run.unreachable
         self.stats["lookups"] += 1
-        self.stats[f"lookups_{min(trips, 3)}_trips"] += 1
-        return [answers.get(i, [] if items[i][0] == KEY else [[] for _ in items[i][2]]) for i in range(len(items))], trips
+        self.stats[f"lookups_{min(run.trips, 3)}_trips"] += 1
+        return out, run.trips
 
     async def first_block_holders(self, routed: list[tuple[bytes, Any]]) -> list[list[tuple[str, list[CacheTier]]]]:
         """For each (tag, block) a prompt was routed with as its first block: (holder, tiers) of every
@@ -341,7 +326,7 @@ class DirectoryLink:
         if not routed:
             return []
         items = [self.d.block_items(self.ctag(tag), [hash_key(block)])[0][0] for tag, block in routed]
-        answers, _trips = await self.lookup(items)
+        answers, _trips = await self.lookup(items, counted=False)
         return [[(h, tiers(code)) for h, code in a[0]] for a in answers]
 
     async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
@@ -354,40 +339,43 @@ class DirectoryLink:
         """For each block of a prompt (from its first): (holder, tiers) of every engine and node
         holding it; and the owner round trips it took.
 
-        First wave: each prompt segment's owners (a block placed from its chain is there). When
-        the first block is held but a later one was not found in its segment, a second wave asks
-        the owners of those blocks' own shards, all at once (up to a segment's worth): a block
-        placed with no known parent (a pool block stored alone with HASH, by a node that does
-        not hold the block before it) starts a chain of its own, under its own hash."""
+        First wave: each prompt segment's owners (a block placed from its chain is there). A
+        block placed with no known parent (a pool block stored with HASH alone, or the first of
+        a chain whose parent its holder lacks) heads a segment of its own, under its own hash,
+        whatever its place in the prompt. So where a holder of a block is not found at the
+        next one in the same segment, a second wave asks the blocks from there to the
+        segment's end at their own shards, all segments' at once (the first of each also with
+        the blocks after it, for a chain that starts there)."""
         ctag = self.ctag(tag)
         parts = [hash_key(h) for h in hashes]
         items = self.d.block_items(ctag, parts)
         answers, trips = await self.lookup([item for item, _ in items])
         found: list[list] = [per for seg in answers for per in seg]
-        gap = next((i for i, per in enumerate(found) if not per), None)
-        if gap:  # block 0 is held (a prefix may go on), block `gap` was not found in its segment
-            g = self.d.s.group_blocks
-            lone = [i for i in range(gap, min(len(parts), gap + g)) if i % g]  # segment heads were asked
-            if lone:
-                more, trips2 = await self.lookup([(BLOCK, block_shard(ctag, parts[i]), [parts[i]]) for i in lone])
-                trips += trips2
-                for i, seg in zip(lone, more):
-                    found[i] = _union(found[i], seg[0])
-                self.stats["route_second_waves"] += 1
+        g = self.d.s.group_blocks
+        more, starts = [], []
+        for s in range(0, len(parts), g):
+            end = min(len(parts), s + g)
+            j = next((j for j in range(s + 1, end) if _left(found[j - 1], found[j])), None)
+            if j is None:
+                continue
+            more.append((BLOCK, block_shard(ctag, parts[j]), parts[j:j + g]))
+            starts.append(j)
+            for k in range(j + 1, end):
+                more.append((BLOCK, block_shard(ctag, parts[k]), [parts[k]]))
+                starts.append(k)
+        if more:
+            got, trips2 = await self.lookup(more)
+            trips += trips2
+            for j, seg in zip(starts, got):
+                for k, per in enumerate(seg, j):
+                    found[k] = union(found[k], per)
+            self.stats["route_second_waves"] += 1
         self.stats["routes"] += 1
         self.stats["route_owner_trips"] += trips
         return [[(h, tiers(code)) for h, code in per] for per in found], trips
 
 
-def _merge(kind: int, a: Any, b: Any) -> Any:
-    """Two owners' answers to one item, together (a key's holders, or a segment's, block by block)."""
-    if a is None:
-        return b
-    if kind == BLOCK:
-        return [_union(x, y) for x, y in zip(a, b)]
-    return _union(a, b)
-
-
-def _union(a: list, b: list) -> list:
-    seen = {(h, c) for h, c in a}
-    return list(a) + [(h, c) for h, c in b if (h, c) not in seen]
+def _left(before: list, here: list) -> bool:
+    """Whether a holder of the block before is not among this block's (found so far)."""
+    names = {h for h, _ in here}
+    return any(h not in names for h, _ in before)

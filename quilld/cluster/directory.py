@@ -137,6 +137,7 @@ class Directory:
         self._pending_at = 0.0
         self._pending_since = 0.0
         self._now = 0.0  # the latest time the caller gave (a lookup's answers need it)
+        self._handoff_until = 0.0  # until when lookups may also ask a bucket's old owners
         self._ready: set[str] = set()  # channels with something to send and nothing in flight
         self._unacked: set[str] = set()  # channels with something queued or in flight
         self._timers: list[tuple[float, int, str, Any]] = []  # (when, tie, what, arg): retries, digests, drops
@@ -189,6 +190,7 @@ class Directory:
         if dead_holders:
             self.stats["holders_dropped"] += self.owned.drop_holders(dead_holders)
         if len(changed):
+            self._handoff_until = now + self.s.handoff_grace_s
             self._moved(changed, now, alone, mine_before)
         for node in added:
             if node != self.node_id:
@@ -742,11 +744,17 @@ class Directory:
 
     # -- lookups ---------------------------------------------------------------------------
     def owners_to_ask(self, shard: bytes) -> list[str]:
-        """The shard's owners in the order to ask them: this node first when it is one."""
-        owners = list(self.ownership.owners_of(shard))
+        """The shard's owners in the order to ask them: this node first when it is one; during a
+        handoff (`handoff_grace_s` after the view moved buckets) then its old owners still alive,
+        which keep what they lost that long."""
+        own = self.ownership
+        b = own.bucket_of(shard)
+        owners = list(own.owners(b))
         if self.node_id in owners:
             owners.remove(self.node_id)
             owners.insert(0, self.node_id)
+        if self._now < self._handoff_until:
+            owners += [o for o in own.previous_owners(b) if o not in owners and o in self.members]
         return owners
 
     def plan(self, items: list[tuple], asked: dict[int, set[str]] | None = None,

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from quilld.cluster.dir_entries import BLOCK, KEY, key_shard, scope_digest
 from quilld.cluster.dir_owned import OwnedEntries, run_items
-from quilld.cluster.directory import BATCH, COPY, Directory, DirectorySettings, LOOKUP
+from quilld.cluster.dir_lookup import LookupRun
+from quilld.cluster.directory import BATCH, COPY, LOOKUP, Directory, DirectorySettings
 from quilld.cluster.swim import EventKind, Swim
 from quilld.cluster.wire import State
 
@@ -362,58 +363,28 @@ class Simulation:
         return bad
 
     def lookup(self, node: SimNode, items: list[tuple]) -> tuple[list, int, int]:
-        """Resolve LOOKUP items from `node` the way quilld does, through owners, running the
-        clock: (answers, owner round trips, rounds)."""
+        """Resolve LOOKUP items from `node` with quilld's own lookup loop (`LookupRun`, as
+        dir_link.py drives it), its owners asked one after another on the running clock (a
+        down owner or a lost message costs RPC_TIMEOUT): (answers, owner round trips, rounds)."""
         d = node.directory
-        answers: dict[int, list] = {}
-        asked: dict[int, set[str]] = {}
-        trips = rounds = 0
-        pending = list(range(len(items)))
-        while pending:
-            sub = [items[i] for i in pending]
-            plan = d.plan(sub, {j: asked.get(i, set()) for j, i in enumerate(pending)}, self.now)
-            for j, (ans, _partial) in plan.local.items():
-                answers[pending[j]] = _merge(answers.get(pending[j]), ans)
-            if not plan.asks:
-                break
-            rounds += 1
-            replies = {}
-            for owner, its in plan.asks.items():
-                trips += 1
+        run = LookupRun(d, items)
+        while asks := run.asks(self.now):
+            for owner, its in asks.items():
                 t0 = self.now
                 if owner in self.down or self._lost():
                     self.run(RPC_TIMEOUT)
+                    run.took(owner, None)
                     continue
                 self.run(self._link_delay())
-                replies[owner] = self.nodes[owner].directory.handle(node.node_id, (LOOKUP, its), self.now)
+                reply = self.nodes[owner].directory.handle(node.node_id, (LOOKUP, its), self.now)
                 self.run(self._link_delay())
                 self.stats["lookup_seconds"] += self.now - t0
-            again = []
-            for j, (owner, k) in plan.route.items():
-                i = pending[j]
-                asked.setdefault(i, set()).add(owner)
-                got = replies.get(owner)
-                if got is None:
-                    again.append(i)
-                    continue
-                ans, partial = got[1][k]
-                answers[i] = _merge(answers.get(i), ans)
-                if partial:
-                    again.append(i)
-            pending = again
-        return [answers.get(i) for i in range(len(items))], trips, rounds
+                run.took(owner, reply)
+        return run.answers(), run.trips, run.rounds
 
     def directory_bytes(self, node: SimNode) -> int:
         """Bytes of the entries this node keeps as an owner (the structures, their keys and values)."""
         return owned_bytes(node.directory.owned)
-
-
-def _merge(a, b):
-    if a is None:
-        return b
-    if a and isinstance(a[0], list):  # a segment: merge per block
-        return [sorted(set(x) | set(y)) for x, y in zip(a, b)]
-    return sorted(set(a) | set(b))
 
 
 def owned_bytes(owned: OwnedEntries) -> int:

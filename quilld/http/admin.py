@@ -27,7 +27,7 @@ from aiohttp import web
 
 from quilld import __version__
 from quilld.cluster.cluster import standalone_meta
-from quilld.config import engine_from
+from quilld.config import EngineConfig, engine_from
 from quilld.errors import CommandError, QuillError
 from quilld.context.listeners import ListenerFigures, http_budget, soft_nofile
 from quilld.http.history import History
@@ -200,12 +200,21 @@ async def list_engines(request: web.Request) -> web.Response:
             kv_state = "alive" if kv_node == node.node_id else "unknown"
         if home in (None, node.node_id):
             blocks = _blocks_of(index, e.id)
-        out.append(dataclasses.asdict(e) | {
+        out.append(engine_view(e, node.node_id) | {
             "in_flight": control.engines.in_flight[e.id], "load": _load(control, e.id),
             "feed": control.feed_view(e.id), "blocks": blocks,
             "node": origin or node.node_id, "origin": origin, "home": home or node.node_id,
-            "kv_node": kv_node, "kv_node_state": kv_state})
+            "kv_node_state": kv_state})
     return web.json_response({"node": node.node_id, "cluster": cluster is not None, "engines": out})
+
+
+def engine_view(e: EngineConfig, node_id: str) -> dict:
+    """An engine's config as the API shows it: its keys as POST /v1/engines takes them (`kv_node`,
+    where it stores its KV: this node when it names none), its api_key left out (a secret)."""
+    out = dataclasses.asdict(e)
+    del out["api_key"]
+    out["kv_node"] = out.pop("locality") or node_id
+    return out
 
 
 def _load(control, engine_id: str) -> dict[str, int]:
@@ -230,7 +239,7 @@ async def add_engine(request: web.Request) -> web.Response:
     else:  # the cluster's: known on every node, homed here while this node lives
         new = await node.cluster.engines.register(engine)
         engine = node.control.engines.get(engine.id)
-    return web.json_response(dataclasses.asdict(engine), status=201 if new else 200)
+    return web.json_response(engine_view(engine, node.node_id), status=201 if new else 200)
 
 
 async def delete_engine(request: web.Request) -> web.Response:

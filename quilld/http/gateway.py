@@ -80,7 +80,7 @@ from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, ba
                                         prompt_of, read_body)
 from quilld.http.gateway_stats import GatewayStats
 from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFailed, answer_ok, decision_headers,
-                                          describe, upstream_headers, upstream_url)
+                                          describe, engine_headers, upstream_headers, upstream_url)
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
@@ -411,7 +411,7 @@ class Gateway:
 
     async def _ask(self, req: Parsed, choice: Choice, relay: Relay, deadline: float) -> aiohttp.ClientResponse:
         """Send the request to the engine; its status and headers are due by `deadline` (loop time)."""
-        headers = upstream_headers(relay.request.headers, req.request_id)
+        headers = engine_headers(upstream_headers(relay.request.headers, req.request_id), choice.engine)
         try:
             async with asyncio.timeout_at(deadline):
                 return await self.session.post(self._url(choice.engine.url, req.path),

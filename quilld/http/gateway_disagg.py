@@ -48,7 +48,7 @@ from quilld.config import EngineConfig
 from quilld.http.gateway_relay import Relay
 from quilld.http.gateway_request import Parsed
 from quilld.http.gateway_upstream import (HANDOFF_HEADER, Choice, UpstreamFailed, decode_body, describe,
-                                          prefill_body, upstream_headers)
+                                          engine_headers, prefill_body, upstream_headers)
 from quilld.http.prompt_blocks import Family, family
 from quilld.index.handoff import kv_key
 from quilld.index.pairing import Pair
@@ -132,7 +132,8 @@ class Disaggregation:
         deadline = asyncio.get_running_loop().time() + gw.cfg.first_byte_timeout_ms / 1000
         try:
             async with asyncio.timeout_at(deadline):
-                async with gw.session.post(gw._url(engine.url, req.path), data=data, headers=headers) as resp:
+                async with gw.session.post(gw._url(engine.url, req.path), data=data,
+                                           headers=engine_headers(headers, engine)) as resp:
                     status, raw = resp.status, await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamFailed(describe(e)) from None

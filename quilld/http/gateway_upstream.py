@@ -55,6 +55,11 @@ def upstream_headers(asked: Mapping[str, str], request_id: str) -> dict[str, str
             "Accept-Encoding": asked.get("Accept-Encoding", "identity"), "X-Request-Id": request_id}
 
 
+def engine_headers(headers: dict[str, str], engine: EngineConfig) -> dict[str, str]:
+    """`headers` for one request to `engine`: with its api_key as a bearer token when it has one."""
+    return headers | {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else headers
+
+
 def answer_ok(status: int, headers_sent: bool) -> bool:
     """Whether the engine's answer is a success (2xx) to relay as such.
 

@@ -186,7 +186,8 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_peers_declared_dead", "cluster_peers_left", "cluster_pool_reads",
                     "cluster_pool_read_hits", "cluster_pool_read_errors", "cluster_pool_read_ask_failures",
                     "cluster_pool_read_batches", "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
-                    "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_route_lookups",
+                    "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_lookup_misses",
+                    "cluster_lookup_misses_unreachable", "cluster_route_lookups",
                     "cluster_route_owner_round_trips", "cluster_directory_requests",
                     "cluster_directory_message_failures", "cluster_peer_connection_waits",  # the link's
                     *(f"cluster_directory_{k}" for k in (
@@ -216,6 +217,9 @@ CLUSTER_HELP = {
     "cluster_lookups_local": "Directory lookups this node answered itself (it owns the bucket).",
     "cluster_lookups_one_hop": "Directory lookups that took one owner round trip.",
     "cluster_lookups_two_hops": "Directory lookups that took two owner round trips (an owner failed or was filling).",
+    "cluster_lookup_misses": "Directory lookup items with no holder, answered so by an owner.",
+    "cluster_lookup_misses_unreachable": "Directory lookup items with no holder because no owner could answer "
+                                         "(every owner asked failed or was still filling).",
     "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
     "cluster_directory_ae_repairs": "Buckets replaced after an anti-entropy digest differed.",
     "cluster_directory_message_failures": "Directory messages to a peer (batches, lookups, copies, digests) that "

@@ -12,7 +12,10 @@ An engine's connector stores block i of a prompt
   as an unsigned 64-bit integer (`kv:00000000000003e9` for 1001);
 - with `PUT2PHASE BEGIN key nbytes HASH h` (then DATA and COMMIT with its CRC32C), so that
   the residency index records the block under its hash on the node that holds it (the
-  gateway's check reads the index, one lookup a block, never the keys).
+  gateway's check reads the index, one lookup a block, never the keys). `PARENT p`, the hash
+  of the block before, is optional: in a cluster it places the block in its prompt's segment
+  of the directory (found in ROUTE's first round trip); without it the block heads a segment
+  of its own and is found in the second (cluster/dir_link.py `block_holders`).
 
 The hashes are quilld's own prompt block hashes (http/prompt_blocks.py): a prompt's token
 ids chained `block_size` at a time (`chain_hashes`), or its rendered text in

@@ -119,7 +119,7 @@ def test_an_engine_registered_on_b_is_the_clusters_and_survives_b(cluster):
     views = until(listed, SETTLE, "every node to list the three engines")
     known_s = time.monotonic() - t0
     for n, v in views.items():
-        assert (v["vllm-b"]["origin"], v["vllm-b"]["home"], v["vllm-b"]["locality"]) == ("b", "b", "b"), (n, v)
+        assert (v["vllm-b"]["origin"], v["vllm-b"]["home"], v["vllm-b"]["kv_node"]) == ("b", "b", "b"), (n, v)
         assert (v["vllm-c"]["origin"], v["vllm-c"]["home"]) == ("c", "c"), (n, v)
 
     # KV events pushed to its home credit it on every node, with the same decision everywhere

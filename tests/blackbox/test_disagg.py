@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import crc32c
 import openai
 import pytest
 import redis
@@ -24,6 +25,7 @@ from conftest import ROOT, free_port, http, start_quilld, stop_process, wait_por
 from quillclient import QuillClient
 
 from quilld.http.prompt_blocks import chunk_hashes, render_chat
+from quilld.index.handoff import kv_key
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -394,3 +396,88 @@ def test_a_decode_engine_on_another_node_reads_the_prefills_kv_locally_pulled_th
     assert info["cluster_prefetch_keys_pulled"] == n and info["cluster_peer_fetch_bytes"] >= n * BLOCK_BYTES
     stats = setup.gw_stats()
     assert stats["gateway_prefetches"] == 1 and stats["gateway_prefetch_blocks"] == n
+
+
+def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setup):
+    """A connector that stores each block with HASH alone (index/handoff.py's scheme, no PARENT), on
+    another node than the gateway's: the handoff check and ROUTE's pool credit count every block."""
+    from test_cluster import free_udp_tcp_port, members
+
+    ga, gb = free_udp_tcp_port(), free_udp_tcp_port()
+    setup.node("a", "--gossip-port", str(ga), gateway=True, env=ALWAYS | FAST_GOSSIP)
+    setup.node("b", "--gossip-port", str(gb), "--seeds", f"127.0.0.1:{ga}", env=FAST_GOSSIP)
+    for n in "ab":
+        assert wait_until(lambda n=n: members(redis.Redis(port=setup.nodes[n].port)) == {"a": "alive", "b": "alive"},
+                          timeout=20), f"node {n} did not see both members"
+    setup.engine("p1", "prefill", "b", "--hash-only", locality="b")
+    setup.engine("d1", "decode", "a", locality="a")
+    client = setup.client()
+
+    def prompt(n: int, what: str) -> str:
+        text = "".join(f"{what}-{n:02d}-{i:03d} ".ljust(256, "x") for i in range(n))  # exactly n blocks of 256
+        assert len(chunk_hashes(text, 256)) == n
+        return text
+
+    for n in (10, 33, 70):  # the handoff check, on a, of what p1 stored through b
+        raw = client.completions.with_raw_response.create(model="m", prompt=prompt(n, "gw"), max_tokens=4)
+        handoff = raw.headers["x-quillcache-handoff"]
+        assert f"blocks={n} resident={n} late=0" in handoff, (n, handoff)
+        assert raw.parse().model_extra["quillcache_kv"] == {"loaded": n, "recomputed": 0, "corrupt": 0}
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_on_time"] == 3 and stats["gateway_handoff_missing"] == 0, stats
+
+    # ROUTE's pool credit, for blocks only the pool holds (no engine's record of them): stored on b alone
+    pool = QuillClient("127.0.0.1", setup.nodes["b"].port).scope(model="m", tokenizer="t")
+    for n in (10, 33, 70):
+        hashes = chunk_hashes(prompt(n, "route"), 256)
+        for h in hashes:
+            handle = pool.execute("PUT2PHASE", "BEGIN", kv_key(h), 64, "HASH", h)
+            pool.execute("PUT2PHASE", "DATA", handle, 0, b"k" * 64, "CRC32C", crc32c.crc32c(b"k" * 64))
+        for node in "ab":
+            status, _, body = http(setup.nodes[node].admin_port, "POST", "/v1/route",
+                                   json.dumps({"model": "m", "tokenizer": "t", "blocks": hashes,
+                                               "decode_tokens": 4}).encode(), {"Content-Type": "application/json"})
+            assert status == 200, body
+            plan = [s["action"] for s in json.loads(body)["plan"]]
+            assert plan == ["fetch"] * n, (n, node, plan)
+
+
+def test_engines_with_api_keys_get_a_bearer_token_on_both_legs_and_kv_node_is_one_name_both_ways(setup):
+    """Engines that require a bearer key (vLLM's --api-key), registered with `api_key` and `kv_node`:
+    the gateway sends each its own key on the prefill and the decode leg; the key is never shown or
+    logged; `kv_node` is taken by POST /v1/engines as /v1/engines shows it (`locality` its old name)."""
+    q = setup.node("a", gateway=True, env=ALWAYS)
+    keys = {"p1": "sk-prefill-7d1e", "d1": "sk-decode-93aa"}
+    for name, role in (("p1", "prefill"), ("d1", "decode")):
+        setup.engine(name, role, "a", "--api-key", keys[name], register=False)
+        status, body = setup.admin("POST", "/v1/engines", {
+            "id": name, "url": f"http://127.0.0.1:{setup.engines[name].port}", "model": "m", "tokenizer": "t",
+            "role": role, "kv_node": "a", "api_key": keys[name]})
+        assert status == 201, body
+        assert body["kv_node"] == "a" and "api_key" not in body and "locality" not in body, body
+    status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "other",
+                                                       "kv_node": "a", "locality": "b"})
+    assert status == 400 and "kv_node" in body["error"], body
+    status, body = setup.admin("POST", "/v1/engines", {"id": "old", "url": "http://127.0.0.1:9", "model": "other",
+                                                       "locality": "a"})  # the older name, still taken
+    assert status == 201 and body["kv_node"] == "a", body
+    msgs = messages("with keys")
+    n = prompt_blocks(msgs)
+    for stream in (False, True):
+        with setup.client().chat.completions.with_streaming_response.create(model="m", messages=msgs,
+                                                                            stream=stream) as response:
+            assert response.headers["x-quillcache-disaggregated"] == "true", dict(response.headers)
+            assert f"blocks={n} resident={n}" in response.headers["x-quillcache-handoff"]
+            response.read()
+    p, d = (setup.engines[e].stats() for e in ("p1", "d1"))
+    assert (p["unauthorized"], d["unauthorized"]) == (0, 0), (p, d)
+    assert p["kv"]["prefills"] == 2 and d["kv"]["decodes"] == 2 and d["kv"]["loaded"] == 2 * n, (p, d)
+    # what the operator sees: kv_node, never a key
+    status, body = setup.admin("GET", "/v1/engines")
+    listed = {e["id"]: e for e in body["engines"]}
+    assert listed["p1"]["kv_node"] == "a" and "api_key" not in listed["p1"], listed["p1"]
+    shown = [json.dumps(body), str(redis.Redis(port=q.port).info("everything")),
+             http(q.admin_port, "GET", "/metrics")[2].decode(), http(q.admin_port, "GET", "/v1/config")[2].decode(),
+             q.log()]
+    for text in shown:
+        assert not any(k in text for k in keys.values())

@@ -74,10 +74,27 @@ def test_sample_config_names_every_key():
     for section, keys in declared.items():
         assert set(data[section]) == keys, f"[{section}] in conf/quilld.toml"
     # engines default to none: the sample shows one commented out, with every key
-    from quilld.config import EngineConfig
+    from quilld.config import ENGINE_KEY_ALIASES, EngineConfig
 
+    named = {field: key for key, field in ENGINE_KEY_ALIASES.items()}  # a key the file names otherwise
     for f in dataclasses.fields(EngineConfig):
-        assert f"# {f.name} = " in text, f"engine key {f.name} is not documented"
+        key = named.get(f.name, f.name)
+        assert f"# {key} = " in text, f"engine key {key} is not documented"
+
+
+def test_an_engine_takes_kv_node_and_its_older_name_locality_and_keeps_its_api_key_secret():
+    from quilld.config import engine_from
+
+    base = {"id": "e", "url": "http://127.0.0.1:8000", "model": "m"}
+    assert engine_from(base | {"kv_node": "n1"}, "t").locality == "n1"
+    assert engine_from(base | {"locality": "n1"}, "t").locality == "n1"
+    assert engine_from(base | {"kv_node": "n1", "locality": "n1"}, "t").locality == "n1"
+    with pytest.raises(ConfigError, match="kv_node and locality"):
+        engine_from(base | {"kv_node": "n1", "locality": "n2"}, "t")
+    e = engine_from(base | {"api_key": "sk-secret-1"}, "t")
+    assert e.api_key == "sk-secret-1" and "sk-secret-1" not in repr(e)
+    cfg = Config(engines=(e,))
+    assert cfg.redacted()["engines"][0]["api_key"] == "***"
 
 
 # -- precedence -----------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""One directory lookup's rounds through the owners, sans-IO: the loop `dir_link.py` drives on the
+event loop and the simulation (simulation.py) on its virtual clock, so both run the same code."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from quilld.cluster.dir_entries import BLOCK, KEY
+
+if TYPE_CHECKING:
+    from quilld.cluster.directory import Directory
+
+
+class LookupRun:
+    """One lookup of `items` through their owners, sans-IO: the asyncio shell (dir_link.py) and
+    the simulation drive this same loop, round by round.
+
+    Each round (`asks`) sends every pending item to its next owner not asked yet (this node
+    answers what it owns itself); `took` hands each owner's reply back (None: it failed). What
+    an owner could not answer fully (it failed, or its bucket is filling) stays pending for the
+    next, until one has or every owner in the view, and during a handoff every old owner still
+    a member, has been asked: only then is an item absent. Each round asks owners not asked
+    before, so it ends. `answers()`: for a key [(holder, code)], for a segment
+    [[(holder, code)] per block]; `misses` counts the items left with no holder that an owner
+    answered fully, `unreachable` those no owner could answer (one at least failed)."""
+
+    def __init__(self, d: Directory, items: list[tuple]) -> None:
+        self.d, self.items = d, items
+        self._answers: dict[int, Any] = {}
+        self._asked: dict[int, set[str]] = {}
+        self._full: set[int] = set()
+        self._failed: set[int] = set()
+        self._pending = list(range(len(items)))
+        self._route: dict[int, tuple[str, int]] = {}
+        self._again: list[int] = []
+        self.trips = self.rounds = 0
+        self.misses = self.unreachable = 0
+
+    def asks(self, now: float) -> dict[str, list]:
+        """The owners to ask this round, each with its items; empty once the lookup is done."""
+        self._pending = [i for i in self._again if i not in self._full] if self.rounds else self._pending
+        self._again = []
+        if not self._pending:
+            return {}
+        pending, me = self._pending, self.d.node_id
+        plan = self.d.plan([self.items[i] for i in pending],
+                           {j: self._asked.get(i, set()) for j, i in enumerate(pending)}, now)
+        for j, (answer, partial) in plan.local.items():
+            i = pending[j]
+            self._asked.setdefault(i, set()).add(me)
+            self._answers[i] = merge(self.items[i][0], self._answers.get(i), answer)
+            if not partial:
+                self._full.add(i)
+        self._route = {pending[j]: where for j, where in plan.route.items()}
+        if plan.asks:
+            self.rounds += 1
+            self.trips += len(plan.asks)
+        else:
+            self._pending = []
+        return plan.asks
+
+    def took(self, owner: str, reply: tuple | None) -> None:
+        """`owner`'s reply to this round's LOOKUP (None: it failed or could not be reached)."""
+        for i, (o, k) in self._route.items():
+            if o != owner:
+                continue
+            self._asked.setdefault(i, set()).add(owner)
+            if reply is None:
+                self._failed.add(i)
+                self._again.append(i)
+                continue
+            answer, partial = reply[1][k]
+            self._answers[i] = merge(self.items[i][0], self._answers.get(i), answer)
+            if partial:
+                self._again.append(i)
+            else:
+                self._full.add(i)
+
+    def answers(self) -> list:
+        """Every item's answer (none found: empty), the misses counted."""
+        items, out = self.items, []
+        for i, item in enumerate(items):
+            answer = self._answers.get(i, [] if item[0] == KEY else [[] for _ in item[2]])
+            out.append(answer)
+            if not (any(answer) if item[0] == BLOCK else answer):
+                if i in self._full or i not in self._failed:
+                    self.misses += 1
+                else:
+                    self.unreachable += 1
+        return out
+
+
+def merge(kind: int, a: Any, b: Any) -> Any:
+    """Two owners' answers to one item, together (a key's holders, or a segment's, block by block)."""
+    if a is None:
+        return b
+    if kind == BLOCK:
+        return [union(x, y) for x, y in zip(a, b)]
+    return union(a, b)
+
+
+def union(a: list, b: list) -> list:
+    seen = {(h, c) for h, c in a}
+    return list(a) + [(h, c) for h, c in b if (h, c) not in seen]
