@@ -8,7 +8,7 @@
   login  a right password's AUTH latency while another client from the same address keeps
          failing (item 22)
 
-    python bench/holds_bench.py [--tree PATH] [hold|puts|login ...]
+    python bench/holds_bench.py [--tree PATH] [--plot PATH] [hold|puts|short|login ...]
 
 `--tree` runs another source tree's quilld (e.g. the unfixed /work/main) for a before figure.
 """
@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from procs import start_quilld, stop_process  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from plot import QUILLD, Panel, add_flag, save  # noqa: E402
 
 import redis  # noqa: E402
 
@@ -74,8 +77,10 @@ def hold(q, seconds: float = 4.0) -> str:
     stop.set()
     t.join(30)
     holds = b.info("stats")["exec_holds"]
-    return (f"hold: {len(lat)} GETs of another tenant in {seconds:.0f} s: p50 {pct(lat, .5) * 1e3:.2f} ms, "
-            f"p99 {pct(lat, .99) * 1e3:.2f} ms, max {max(lat) * 1e3:.2f} ms; exec_holds={holds}")
+    p50, p99, worst = pct(lat, .5) * 1e3, pct(lat, .99) * 1e3, max(lat) * 1e3
+    return (f"hold: {len(lat)} GETs of another tenant in {seconds:.0f} s: p50 {p50:.2f} ms, "
+            f"p99 {p99:.2f} ms, max {worst:.2f} ms; exec_holds={holds}",
+            ("another tenant's GET during MULTI/AUTH wrong/EXEC", {"p50": p50, "p99": p99, "max": worst}, "ms"))
 
 
 def puts(q, n: int = 400, key_len: int = 1 << 20) -> str:
@@ -95,7 +100,8 @@ def puts(q, n: int = 400, key_len: int = 1 << 20) -> str:
     grown = rss(q.proc.pid) - before
     used = r.info("memory")["used_memory"]
     return (f"puts: {n} BEGIN key(1 MiB) 0 in {elapsed:.1f} s: {ok} accepted, {refused} refused; "
-            f"RSS +{grown / 2**20:.0f} MiB, used_memory {used}")
+            f"RSS +{grown / 2**20:.0f} MiB, used_memory {used}",
+            (f"{n} zero-byte BEGINs, 1 MiB keys", {"accepted": ok, "RSS growth (MiB)": grown / 2**20}, "count / MiB"))
 
 
 def short(q, n: int = 200_000, batch: int = 2000) -> str:
@@ -117,7 +123,9 @@ def short(q, n: int = 200_000, batch: int = 2000) -> str:
     elapsed = time.monotonic() - t0
     grown = rss(q.proc.pid) - before
     s.close()
-    return f"short: {n} BEGIN <short key> 0 in {elapsed:.1f} s: {ok} accepted; RSS +{grown / 2**20:.0f} MiB"
+    return (f"short: {n} BEGIN <short key> 0 in {elapsed:.1f} s: {ok} accepted; RSS +{grown / 2**20:.0f} MiB",
+            (f"{n:,} zero-byte BEGINs, short keys", {"accepted (thousands)": ok / 1000,
+                                                     "RSS growth (MiB)": grown / 2**20}, "thousands / MiB"))
 
 
 def login(q, tries: int = 10) -> str:
@@ -148,23 +156,38 @@ def login(q, tries: int = 10) -> str:
         lat.append(time.perf_counter() - s)
     stop.set()
     t.join(30)
+    median, worst = statistics.median(lat) * 1e3, max(lat) * 1e3
     return (f"login: {tries} right-password logins while another client at the same address fails: "
-            f"median {statistics.median(lat) * 1e3:.1f} ms, max {max(lat) * 1e3:.1f} ms")
+            f"median {median:.1f} ms, max {worst:.1f} ms",
+            ("a right password while a neighbour fails", {"median": median, "max": worst}, "ms"))
+
+
+def plot(path: str, figures: list[tuple[str, dict[str, float], str]], tree: Path) -> None:
+    """One panel per measure run: its figures as bars, exactly the numbers the text lines print."""
+    panels = [Panel(title, list(values), {"quilld": list(values.values())}, unit, bar_colors=[QUILLD] * len(values))
+              for title, values, unit in figures]
+    save(path, panels, f"EXEC holds, open puts and logins under attack ({tree})",
+         note="bench/holds_bench.py; run again with --tree OLD_TREE for the before figure")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tree", type=Path, default=ROOT)
-    ap.add_argument("what", nargs="*", default=["hold", "puts", "login"])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the source tree whose quilld runs (default: this one)")
+    ap.add_argument("what", nargs="*", default=["hold", "puts", "login"], help="hold, puts, short, login")
+    add_flag(ap)
     a = ap.parse_args()
+    figures = []
     for what in a.what:
         with tempfile.TemporaryDirectory() as tmp:
             q = start_quilld(Path(tmp), "--dram", "64MiB", "--requirepass", PASSWORD, tree=a.tree)
             try:
-                print(f"[{a.tree}] " + {"hold": hold, "puts": puts, "short": short, "login": login}[what](q),
-                      flush=True)
+                text, figure = {"hold": hold, "puts": puts, "short": short, "login": login}[what](q)
+                print(f"[{a.tree}] {text}", flush=True)
+                figures.append(figure)
             finally:
                 stop_process(q.proc)
+    if a.plot:
+        plot(a.plot, figures, a.tree)
 
 
 if __name__ == "__main__":

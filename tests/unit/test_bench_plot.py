@@ -219,3 +219,16 @@ def test_save_writes_a_small_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and 2_000 < len(data) < 100_000, len(data)
     with pytest.raises(ValueError, match="has 1 values for 2 categories"):
         plot.save(tmp_path / "bad.png", [plot.Panel("c", ["x", "y"], {"s": [1.0]}, "s")], "t")
+
+
+def test_restore_freeze_and_holds_draw_what_they_print(saved):
+    rows = {"quilld": (0.040, 0.004, 300), "redis-server": (0.160, 0.150, 20)}
+    bench("restore_freeze_bench").plot("x.png", rows, 26.4, 293)
+    took, worst = saved[-1]["panels"]
+    assert took.series == {"redis-server": [160.0], "quilld": [40.0]} and took.labels == ["quilld 0.25x"]
+    assert worst.series["quilld"] == [4.0]
+    figures = [("hold", {"p50": 0.2, "p99": 4.6, "max": 12.0}, "ms"), ("puts", {"accepted": 15, "RSS growth (MiB)": 62.0}, "x")]
+    bench("holds_bench").plot("x.png", figures, Path("/tree"))
+    hold, put = saved[-1]["panels"]
+    assert hold.categories == ["p50", "p99", "max"] and hold.series == {"quilld": [0.2, 4.6, 12.0]}
+    assert put.series == {"quilld": [15, 62.0]}

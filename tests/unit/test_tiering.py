@@ -561,10 +561,19 @@ def test_random_sequence_keeps_values_and_accounting(tmp_path):
 
 # -- what the SSD format cannot hold (issue 29.14) -------------------------------------------
 
-ABSURD = now_ms() + 9223372036854775807  # RESTORE k 9223372036854775807 ...: past the header's i64
+# The doors keep every deadline within an i64 (RESTORE k 9223372036854775807 makes no key, as in
+# redis), which is what the block header holds; so these tests lower the format's ceiling
+# (wal.EXPIRE_MAX, read at each check) to get a deadline the keyspace takes and the tier cannot hold.
+ABSURD = now_ms() + 10 ** 13  # about 317 years: within an i64, past the lowered ceiling
 
 
-def test_a_value_whose_ttl_the_ssd_cannot_hold_stays_in_dram_and_fails_only_itself(tmp_path):
+@pytest.fixture
+def low_ceiling(monkeypatch):
+    import quilld.tiers.wal as wal
+    monkeypatch.setattr(wal, "EXPIRE_MAX", now_ms() + 10 ** 12)
+
+
+def test_a_value_whose_ttl_the_ssd_cannot_hold_stays_in_dram_and_fails_only_itself(tmp_path, low_ceiling):
     """Before, packing its expiry raised struct.error inside the batch: every batch failed, its
     blocks stayed pinned, DRAM filled, the stop flushed nothing; ssd_failed stayed 0."""
     values = {b"k%d" % i: data(VAL, 90 + i) for i in range(6)}
@@ -640,7 +649,7 @@ def test_a_batch_failing_on_anything_but_io_gives_its_values_back_and_the_tier_g
     run(body())
 
 
-def test_a_new_ttl_the_ssd_cannot_hold_is_refused_alone(tmp_path):
+def test_a_new_ttl_the_ssd_cannot_hold_is_refused_alone(tmp_path, low_ceiling):
     soon = now_ms() + 60_000
 
     async def body():
