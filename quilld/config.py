@@ -252,7 +252,17 @@ class EngineConfig:
     # sent as `Authorization: Bearer <api_key>` with every request the gateway forwards to it (vLLM's
     # --api-key); a secret: never logged, never shown by /v1/engines, INFO or the redacted config
     api_key: str = field(default="", repr=False)
+    # vLLM's prefix-cache hashing as the engine runs it (its --prefix-caching-hash-algo; quilld then
+    # computes the engine's own block hashes, index/engine_hashes.py); empty: quilld does not hash
+    # for this engine the way it does (the gateway's own chunks, as before)
+    prefix_caching_hash_algo: str = ""
+    # the engine's PYTHONHASHSEED (vLLM's NONE_HASH seed); empty: unset on the engine (then only the
+    # sha256 algos can be reproduced). A secret: never logged or shown, like api_key
+    hash_seed: str = field(default="", repr=False)
 
+
+# vLLM 0.33's --prefix-caching-hash-algo values (index/engine_hashes.py computes each)
+PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # an engine's keys as the config file and the API name them, where they differ from its field's
 ENGINE_KEY_ALIASES = {"kv_node": "locality"}
@@ -435,8 +445,9 @@ class Config:
             if out[section][key]:
                 out[section][key] = "***"
         for e in out["engines"]:
-            if e["api_key"]:
-                e["api_key"] = "***"
+            for secret in ("api_key", "hash_seed"):
+                if e[secret]:
+                    e[secret] = "***"
         return out
 
 
@@ -519,6 +530,9 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
         raise ConfigError(f"engine {e.id}: role must be one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
     if e.kv_bytes_per_token <= 0:
         raise ConfigError(f"engine {e.id}: kv_bytes_per_token must be positive")
+    if e.prefix_caching_hash_algo and e.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+        raise ConfigError(f"engine {e.id}: prefix_caching_hash_algo must be one of {', '.join(PREFIX_HASH_ALGOS)} "
+                          f"(vLLM's --prefix-caching-hash-algo), got {e.prefix_caching_hash_algo!r}")
     if len(e.groups) > MAX_KV_GROUPS:
         raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
     for i, g in enumerate(e.groups):

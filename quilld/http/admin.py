@@ -210,9 +210,9 @@ async def list_engines(request: web.Request) -> web.Response:
 
 def engine_view(e: EngineConfig, node_id: str) -> dict:
     """An engine's config as the API shows it: its keys as POST /v1/engines takes them (`kv_node`,
-    where it stores its KV: this node when it names none), its api_key left out (a secret)."""
+    where it stores its KV: this node when it names none), its api_key and hash_seed left out (secrets)."""
     out = dataclasses.asdict(e)
-    del out["api_key"]
+    del out["api_key"], out["hash_seed"]
     out["kv_node"] = out.pop("locality") or node_id
     return out
 

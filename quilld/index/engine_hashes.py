@@ -43,10 +43,11 @@ from typing import Literal
 import cbor2
 import xxhash
 
+from quilld.config import PREFIX_HASH_ALGOS
 from quilld.errors import ConfigError
 
 Algo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-ALGOS: tuple[Algo, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+ALGOS: tuple[Algo, ...] = PREFIX_HASH_ALGOS  # type: ignore[assignment]
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for the sha256 algos with PYTHONHASHSEED unset
 RANDOM_SEED_ALGOS = frozenset({"xxhash", "xxhash_cbor"})  # ... and these draw a random one instead
 PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on every Python vLLM 0.33 runs on (3.10-3.13)

@@ -97,6 +97,17 @@ def test_an_engine_takes_kv_node_and_its_older_name_locality_and_keeps_its_api_k
     assert cfg.redacted()["engines"][0]["api_key"] == "***"
 
 
+def test_an_engines_prefix_hashing_is_checked_and_its_seed_kept_secret():
+    from quilld.config import engine_from
+
+    base = {"id": "e", "url": "http://127.0.0.1:8000", "model": "m"}
+    e = engine_from(base | {"prefix_caching_hash_algo": "xxhash_cbor", "hash_seed": "4242"}, "t")
+    assert e.prefix_caching_hash_algo == "xxhash_cbor" and "4242" not in repr(e)
+    assert Config(engines=(e,)).redacted()["engines"][0]["hash_seed"] == "***"
+    with pytest.raises(ConfigError, match="prefix_caching_hash_algo must be one of sha256, sha256_cbor"):
+        engine_from(base | {"prefix_caching_hash_algo": "md5"}, "t")
+
+
 # -- precedence -----------------------------------------------------------------
 
 def test_file_overrides_defaults(tmp_path):
