@@ -129,9 +129,9 @@ RESP3 = "abdef"
 
 
 def _run(port: int) -> list[tuple[str, list[str], dict[str, bytes]]]:
-    """Each step's command, then what every connection received meanwhile: a RESP3 connection
-    is read up to the reply of an ECHO sent after the step (everything sent because of the step
-    has gone out before it), the RESP2 subscriber until it is quiet."""
+    """Each step's command, then what every connection received meanwhile: each is read up to
+    the reply of a mark sent after the step (everything sent because of the step has gone out
+    before it): an ECHO on a RESP3 connection, a PING on the RESP2 one (a subscriber may PING)."""
     socks = {n: socket.create_connection(("127.0.0.1", port), timeout=10) for n in "abcdef"}
     try:
         ids = {}
@@ -164,25 +164,23 @@ def _run(port: int) -> list[tuple[str, list[str], dict[str, bytes]]]:
                 if n in in_multi:  # inside MULTI an ECHO would be queued: the one-line reply (+OK, +QUEUED)
                     while not data.endswith(b"\r\n"):
                         data += s.recv(1 << 16)
-                elif n == "c":
-                    s.settimeout(0.3)
-                    try:
-                        while chunk := s.recv(1 << 16):
-                            data += chunk
-                    except socket.timeout:
-                        pass
                 else:
+                    # a mark the connection answers once everything the step sent it has gone out: ECHO
+                    # on a RESP3 connection; PING on the RESP2 one, which may be a subscriber (answered
+                    # as a message then: *2 pong mark) and may not ECHO
                     mark = f"sync-{i}".encode()
-                    s.sendall(cmd("ECHO", mark))
-                    end = b"$%d\r\n%b\r\n" % (len(mark), mark)
+                    bulk = b"$%d\r\n%b\r\n" % (len(mark), mark)
+                    ends = (b"*2\r\n$4\r\npong\r\n" + bulk, bulk) if n == "c" else (bulk,)
+                    s.sendall(cmd("PING", mark) if n == "c" else cmd("ECHO", mark))
                     deadline = time.monotonic() + 10
-                    while not data.endswith(end) and time.monotonic() < deadline:
+                    while not data.endswith(ends) and time.monotonic() < deadline:
                         s.settimeout(max(0.05, deadline - time.monotonic()))
                         try:
                             data += s.recv(1 << 16)
                         except socket.timeout:
                             break
-                    assert data.endswith(end), (i, n, bytes(data))
+                    end = next((e for e in ends if data.endswith(e)), None)
+                    assert end is not None, (i, n, bytes(data))
                     data = data[:-len(end)]
                 if data:
                     got[n] = _named(bytes(data), ids, args)
