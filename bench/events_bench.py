@@ -380,9 +380,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def applied(info_client, engine: str = "vllm-0") -> int:
-    line = info_client.info("router")[f"kv_engine_{engine}"]
-    return line["events"]
+def applied(info_client) -> int:
+    """Events applied so far, over every engine (--hash-check follows two, one at a time)."""
+    info = info_client.info("router")
+    return sum(line["events"] for key, line in info.items() if key.startswith("kv_engine_"))
 
 
 def schedstat(pid: int) -> tuple[float, float]:
@@ -615,21 +616,21 @@ def main() -> int:
                               percentile(lat, 99)))
         for per_batch in sizes:
             cpu_per_event = {}
-            for engine in pipes:  # vllm-1 (--hash-check): the same events, their hashes checked
-                checked_now = engine != "vllm-0"
-                lat, t1, t0, send_s, _, cpu, sched, snap, _, rest_of = ingest(total, per_batch, 0, 120.0, engine)
+            for name in pipes:  # vllm-1 (--hash-check): the same events, their hashes checked
+                checked_now = name != "vllm-0"
+                lat, t1, t0, send_s, _, cpu, sched, snap, _, rest_of = ingest(total, per_batch, 0, 120.0, name)
                 label = " (hash check on)" if checked_now else " (hash check off)" if args.hash_check else ""
                 if t1 is None:
                     print(f"{per_batch:>3} events/batch{label}: did not finish in 120 s")
                     continue
                 rate = total / (t1 - t0)
-                cpu_per_event[engine] = cpu / total * 1e6
+                cpu_per_event[name] = cpu / total * 1e6
                 if not checked_now:
                     results[per_batch] = rate
                     latencies.append((f"ingest,\n{per_batch}/batch", statistics.median(lat), percentile(lat, 99)))
                 print(f"{per_batch:>3} events/batch as fast as ZMQ takes them{label}: {rate:>9,.0f} events/s applied "
                       f"({total:,} events, publisher sent them in {send_s:.2f} s, quilld "
-                      f"{cpu_per_event[engine]:.1f} CPU-µs per event); {summary('during ingest', lat)}")
+                      f"{cpu_per_event[name]:.1f} CPU-µs per event); {summary('during ingest', lat)}")
                 print(where(snap, cpu, sched, t1 - t0) + rest_of)
             if len(cpu_per_event) == 2:
                 print(f"    the hash check's cost at {per_batch} a batch: "
