@@ -5,6 +5,7 @@
     python bench/events_bench.py --sizes 1    # one batch size only
     python bench/events_bench.py --rate 0     # no paced phase
     python bench/events_bench.py --quick --plot events.png   # also the figure (the `bench` extra)
+    python bench/events_bench.py --quick --rate 0 --hash-check   # ingest with and without the block hash check
 
 A real quilld (uvloop, as deployed) follows one engine's KV events over ZMQ. The engine
 is a publisher process doing on the wire what vLLM 0.33's ZmqEventPublisher does (PUB
@@ -72,7 +73,66 @@ def percentile(xs: list[float], p: float) -> float:
 # ---------------------------------------------------------------- the engine (a separate process)
 
 
-def publisher(pub_port: int, replay_port: int, conn) -> None:
+def engine_events(total: int, rng: random.Random, real_hashes: bool) -> list:
+    """`total` events of 64 running requests: three BlockStored of one 16-token block for each
+    BlockRemoved. `real_hashes`: tokens drawn at random and each block's hash the one vLLM 0.33
+    computes (sha256, PYTHONHASHSEED unset: quilld/index/engine_hashes.py), its parent the
+    request's previous block; else random hashes over tokens 0..15."""
+    import vllm_schema as vllm
+    from quilld.index.engine_hashes import EngineHashing
+
+    hashing = EngineHashing("sha256", None, 16)
+    stored: list[int] = []
+    events = []
+    chains: list = [None] * REQUESTS  # each running request's last block (event form, full digest)
+    for i in range(total):
+        if i % 4 == 3:
+            events.append(vllm.removed([stored.pop(rng.randrange(len(stored)))]))
+            continue
+        r = rng.randrange(REQUESTS)
+        parent = chains[r]
+        if real_hashes:
+            tokens = [rng.randrange(150_000) for _ in range(16)]
+            full = hashing.block_hashes(tokens, parent=None if parent is None else parent[1])[0]
+            h = full.event_form()
+            events.append(vllm.BlockStored(block_hashes=[h], parent_block_hash=None if parent is None else parent[0],
+                                           token_ids=tokens, block_size=16, lora_id=None, medium=vllm.MEDIUM_GPU,
+                                           lora_name=None, extra_keys=[None], group_idx=0,
+                                           kv_cache_spec_kind="full_attention"))
+        else:
+            h, full = rng.getrandbits(64), None
+            events.append(vllm.gpu([h], parent=None if parent is None else parent[0]))
+        stored.append(h)
+        chains[r] = (h, full) if rng.random() > 1 / REQUEST_LENGTH else None  # a request ends, another starts
+    return events
+
+
+def check_cost(n: int = 20_000) -> str:
+    """The hash check's own cost per event, in this process: every event checked (an engine's first
+    CHECK_FIRST events), and as sampled after them."""
+    import vllm_schema as vllm
+    from quilld.index import hash_check
+    from quilld.index.events import decode_payload
+
+    events = decode_payload(vllm.encode(engine_events(n, random.Random(2), True))).events
+    out = []
+    for label, first in (("every event checked", n + 1), ("sampled (the steady state)", hash_check.CHECK_FIRST)):
+        saved, hash_check.CHECK_FIRST = hash_check.CHECK_FIRST, first
+        try:
+            check = hash_check.HashCheck("bench", "sha256", "", 16)
+            t0 = time.perf_counter()
+            for i in range(0, n, 64):
+                check.events(events[i:i + 64])
+            took = time.perf_counter() - t0
+        finally:
+            hash_check.CHECK_FIRST = saved
+        v = check.view()
+        out.append(f"{label}: {took / n * 1e6:.2f} µs per event ({v['agreed']:,} blocks agreed, {v['disagreed']} "
+                   f"disagreed, {v['unverifiable']:,} unverifiable of {n:,} events)")
+    return "hash check in-process, 64 events a call: " + "; ".join(out)
+
+
+def publisher(pub_port: int, replay_port: int, conn, real_hashes: bool = False) -> None:
     """vLLM's publisher: encodes what it is told to send, then sends it all when told to go."""
     from collections import deque
 
@@ -118,17 +178,7 @@ def publisher(pub_port: int, replay_port: int, conn) -> None:
         else:
             _, total, per_batch, rate = msg
             interval = per_batch / rate if rate else 0.0
-            stored: list[int] = []
-            events = []
-            chains = [None] * REQUESTS  # each running request's last block: its next one's parent
-            for i in range(total):
-                if i % 4 == 3:
-                    events.append(vllm.removed([stored.pop(rng.randrange(len(stored)))]))
-                else:
-                    h, r = rng.getrandbits(64), rng.randrange(REQUESTS)
-                    stored.append(h)
-                    events.append(vllm.gpu([h], parent=chains[r]))
-                    chains[r] = h if rng.random() > 1 / REQUEST_LENGTH else None  # a request ends, another starts
+            events = engine_events(total, rng, real_hashes)
             ts = time.time()
             payloads = [vllm.encode(events[i:i + per_batch], ts=ts) for i in range(0, total, per_batch)]
             conn.send("ready")
@@ -273,15 +323,19 @@ CLUSTER_ENV = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_
 
 
 def start_quilld(pub_port: int, replay_port: int, probe_out: Path, tree: Path = ROOT, extra: tuple = (),
-                 env: dict | None = None):
+                 env: dict | None = None, checked: tuple[int, int] | None = None):
     """One quilld under the probe, following the engine (in a cluster, if it becomes its home)."""
     import redis
     from procs import free_port, wait_port
 
     port = free_port()
     conf = Path(tempfile.mkdtemp()) / "events.toml"
-    conf.write_text(f'[[engines]]\nid = "vllm-0"\nurl = "http://127.0.0.1:9"\nmodel = "{MODEL}"\n'
-                    f'kv_events = "tcp://127.0.0.1:{pub_port}"\nreplay = "tcp://127.0.0.1:{replay_port}"\n')
+    engines = [("vllm-0", pub_port, replay_port, "")]
+    if checked is not None:  # --hash-check: a second engine, its block hashes checked (vLLM's default sha256)
+        engines.append(("vllm-1", *checked, 'prefix_caching_hash_algo = "sha256"\n'))
+    conf.write_text("".join(f'[[engines]]\nid = "{e}"\nurl = "http://127.0.0.1:9"\nmodel = "{MODEL}"\n'
+                            f'kv_events = "tcp://127.0.0.1:{pub}"\nreplay = "tcp://127.0.0.1:{rep}"\n{more}'
+                            for e, pub, rep, more in engines))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probed-quilld", str(probe_out),
                              "--port", str(port), "--admin-port", "0",
                              "--config", str(conf), "--log-level", "warning", *extra],
@@ -292,7 +346,8 @@ def start_quilld(pub_port: int, replay_port: int, probe_out: Path, tree: Path = 
     return proc, r, redis.Redis(port=port, protocol=2)
 
 
-def start_nodes(n: int, pub_port: int, replay_port: int, tree: Path) -> list[tuple]:
+def start_nodes(n: int, pub_port: int, replay_port: int, tree: Path,
+                checked: tuple[int, int] | None = None) -> list[tuple]:
     """`n` quilld (a cluster when n > 1, every node configured with the engine), each
     (proc, ROUTE client, INFO client, probe file); the engine's home first."""
     from procs import free_port
@@ -305,7 +360,8 @@ def start_nodes(n: int, pub_port: int, replay_port: int, tree: Path) -> list[tup
             gport = free_port()
             extra = ("--node-id", f"n{i}", "--gossip-port", str(gport), *(("--seeds", seeds[0]) if seeds else ()))
             seeds.append(f"127.0.0.1:{gport}")
-        nodes.append((*start_quilld(pub_port, replay_port, out, tree, extra, CLUSTER_ENV if n > 1 else None), out))
+        nodes.append((*start_quilld(pub_port, replay_port, out, tree, extra, CLUSTER_ENV if n > 1 else None,
+                                    checked), out))
     if n == 1:
         return nodes
     deadline = time.monotonic() + 60
@@ -325,8 +381,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def applied(info_client) -> int:
-    line = info_client.info("router")["kv_engine_vllm-0"]
-    return line["events"]
+    """Events applied so far, over every engine (--hash-check follows two, one at a time)."""
+    info = info_client.info("router")
+    return sum(line["events"] for key, line in info.items() if key.startswith("kv_engine_"))
 
 
 def schedstat(pid: int) -> tuple[float, float]:
@@ -425,6 +482,10 @@ def main() -> int:
                     "the samples where it holds the GIL: its CPU in Python, and the system calls made holding it)")
     ap.add_argument("--nodes", type=int, default=1, help="quilld nodes (a cluster when > 1: the engine's home "
                     "also places its residencies in the sharded directory; the other nodes' CPU is printed too)")
+    ap.add_argument("--hash-check", action="store_true", help="real vLLM block hashes over random tokens, and each "
+                    "batch size run twice in the same quilld: for an engine without the block hash check and for "
+                    "one with it (prefix_caching_hash_algo = sha256, index/hash_check.py); also the check's cost "
+                    "per event in this process")
     ap.add_argument("--tree", type=Path, default=ROOT, help="run the quilld of this source tree (default: this one), "
                     "for old-against-new runs")
     add_flag(ap)
@@ -436,18 +497,29 @@ def main() -> int:
 
     from procs import free_port, stop_process
 
+    if args.hash_check:
+        if args.nodes != 1:
+            ap.error("--hash-check runs one node")
+        print(check_cost())
     pub_port, replay_port = free_port(), free_port()
     here, there = mp.Pipe()
-    engine = mp.Process(target=publisher, args=(pub_port, replay_port, there), daemon=True)
+    engine = mp.Process(target=publisher, args=(pub_port, replay_port, there, args.hash_check), daemon=True)
     engine.start()
-    nodes = start_nodes(args.nodes, pub_port, replay_port, args.tree.resolve())
+    pipes = {"vllm-0": here}
+    checked = None
+    if args.hash_check:  # the checked engine's own publisher, the same events
+        checked = (free_port(), free_port())
+        pipes["vllm-1"], there1 = mp.Pipe()
+        engine1 = mp.Process(target=publisher, args=(*checked, there1, True), daemon=True)
+        engine1.start()
+    nodes = start_nodes(args.nodes, pub_port, replay_port, args.tree.resolve(), checked)
     proc, r, info_client, probe_out = nodes[0]
     others = [node[0] for node in nodes[1:]]
     print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores"
           + (f"; {args.nodes} nodes, ROUTE asked of the engine's home" if others else ""))
     try:
         deadline = time.monotonic() + 10
-        while info_client.info("router")["kv_engine_vllm-0"]["state"] != "live":
+        while any(info_client.info("router")[f"kv_engine_{e}"]["state"] != "live" for e in pipes):
             assert time.monotonic() < deadline, "quilld never connected to the publisher"
             time.sleep(0.05)
         here.send(("warm",))
@@ -486,8 +558,9 @@ def main() -> int:
                   + others_line(o0))
             return rest
 
-        def ingest(events: int, per_batch: int, rate: float, limit_s: float):
+        def ingest(events: int, per_batch: int, rate: float, limit_s: float, engine: str = "vllm-0"):
             """Send `events` (at `rate` events/s, 0: as fast as ZMQ takes them); ROUTE meanwhile."""
+            here = pipes[engine]
             before = applied(info_client)
             here.send(("blast", events, per_batch, rate))
             assert here.recv() == "ready"
@@ -542,29 +615,42 @@ def main() -> int:
             latencies.append((f"ingest {args.rate / 1000:.0f}k/s,\n{args.paced_batch}/batch", statistics.median(lat),
                               percentile(lat, 99)))
         for per_batch in sizes:
-            lat, t1, t0, send_s, _, cpu, sched, snap, _, rest_of = ingest(total, per_batch, 0, 120.0)
-            if t1 is None:
-                print(f"{per_batch:>3} events/batch: did not finish in 120 s")
-                continue
-            rate = total / (t1 - t0)
-            results[per_batch] = rate
-            latencies.append((f"ingest,\n{per_batch}/batch", statistics.median(lat), percentile(lat, 99)))
-            print(f"{per_batch:>3} events/batch as fast as ZMQ takes them: {rate:>9,.0f} events/s applied "
-                  f"({total:,} events, publisher sent them in {send_s:.2f} s); {summary('during ingest', lat)}")
-            print(where(snap, cpu, sched, t1 - t0) + rest_of)
+            cpu_per_event = {}
+            for name in pipes:  # vllm-1 (--hash-check): the same events, their hashes checked
+                checked_now = name != "vllm-0"
+                lat, t1, t0, send_s, _, cpu, sched, snap, _, rest_of = ingest(total, per_batch, 0, 120.0, name)
+                label = " (hash check on)" if checked_now else " (hash check off)" if args.hash_check else ""
+                if t1 is None:
+                    print(f"{per_batch:>3} events/batch{label}: did not finish in 120 s")
+                    continue
+                rate = total / (t1 - t0)
+                cpu_per_event[name] = cpu / total * 1e6
+                if not checked_now:
+                    results[per_batch] = rate
+                    latencies.append((f"ingest,\n{per_batch}/batch", statistics.median(lat), percentile(lat, 99)))
+                print(f"{per_batch:>3} events/batch as fast as ZMQ takes them{label}: {rate:>9,.0f} events/s applied "
+                      f"({total:,} events, publisher sent them in {send_s:.2f} s, quilld "
+                      f"{cpu_per_event[name]:.1f} CPU-µs per event); {summary('during ingest', lat)}")
+                print(where(snap, cpu, sched, t1 - t0) + rest_of)
+            if len(cpu_per_event) == 2:
+                print(f"    the hash check's cost at {per_batch} a batch: "
+                      f"{cpu_per_event['vllm-1'] - cpu_per_event['vllm-0']:+.2f} CPU-µs per event")
         for spy in spies:
             spy.send_signal(signal.SIGINT)
         for spy in spies:
             spy.wait(30)
         at_rest("at rest after ingest")
-        line = info_client.info("router")["kv_engine_vllm-0"]
-        print(f"feed: {line}")
+        for e in pipes:
+            print(f"feed {e}: {info_client.info('router')[f'kv_engine_{e}']}")
         print("targets: >= 100,000 events/s at 64 per batch, >= 20,000 at 1 per batch, ROUTE p99 <= 5 ms during ingest")
         if args.plot:
             plot(args.plot, results, latencies, total)
     finally:
-        here.send(("quit",))
+        for pipe in pipes.values():
+            pipe.send(("quit",))
         engine.join(10)
+        if args.hash_check:
+            engine1.join(10)
         for node in nodes:
             stop_process(node[0])
     return 0

@@ -47,6 +47,7 @@ from quilld.http.command_latency import CommandLatency
 from quilld.http.gateway_stats import COUNTERS as GATEWAY_COUNTERS
 from quilld.http.gateway_stats import GatewayStats, handoff_histogram, ttft_histogram
 from quilld.index.engines import FEED_COUNTERS
+from quilld.index.hash_check import RESULTS as HASH_CHECK_RESULTS
 from quilld.index.pairing import REASONS
 from quilld.model import CacheTier
 from quilld.context.node_context import NodeContext
@@ -480,6 +481,12 @@ class Figures(Collector):
         for key in FEED_COUNTERS:
             yield _labelled(CounterMetricFamily, f"kv_engine_{key}", FEED_HELP.get(key, f"KV-event feed: {key}."),
                             ["engine"], [([e], v[key]) for e, v in views.items()])
+        checks = {e: v["hash_check"] for e, v in views.items() if v["hash_check"] is not None}
+        yield _labelled(CounterMetricFamily, "kv_engine_hash_check_blocks", "Blocks of an engine's KV events whose "
+                        "hash quilld computed again from their token ids (engines with prefix_caching_hash_algo), "
+                        "by result: agreed, disagreed (the engine hashes otherwise: its blocks are never credited), "
+                        "unverifiable (LoRA, extra keys or a parent not seen).", ["engine", "result"],
+                        [([e, r], c[r]) for e, c in checks.items() for r in HASH_CHECK_RESULTS])
         yield _labelled(GaugeMetricFamily, "kv_engine_last_sequence", "Sequence number of the last KV-event batch "
                         "applied (-1: none).", ["engine"],
                         [([e], -1 if v["last_seq"] is None else v["last_seq"]) for e, v in views.items()])

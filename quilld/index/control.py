@@ -29,6 +29,7 @@ from quilld.index.affinity import SessionAffinity, check_session_id
 from quilld.index.backend import open_index
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
+from quilld.index.hash_check import HashCheck
 from quilld.index.groups import EVERY_GROUP, GroupedHoldings, HitRule, HybridHoldings
 from quilld.index.pairing import NoDecodeEngine, Pair, PairCandidate, PairCosts, decide
 from quilld.index.residency import TIER_SLOTS, TIERS, ResidencyIndex
@@ -129,6 +130,7 @@ class ControlPlane:
         self._scope_of: dict[str, dict[str | None, IdentityScope]] = {}  # engine id -> adapter -> scope
         self._grouped: dict[str, GroupedHoldings] = {}  # engines whose events name more than one group
         self._hybrid: dict[str, HybridHoldings] = {}  # engines with declared KV-cache group kinds
+        self._checks: dict[str, HashCheck] = {}  # engines with a prefix_caching_hash_algo: their hash check
         for e in cfg.engines:
             self._declare(e)
         self._whole: dict[str, set[CacheTier]] = {}  # engine id -> tiers its events stored with no group
@@ -185,6 +187,9 @@ class ControlPlane:
         stores (or removals) of one scope and tier in one call: vLLM sends one event per
         request and step, often of a single block, and the index's cost is mostly per call.
         """
+        check = self._checks.get(engine_id)
+        if check is not None:
+            check.events(events)
         tags = self._tags.get(engine_id)
         if tags is None:
             tags = self._tags[engine_id] = set()
@@ -319,7 +324,13 @@ class ControlPlane:
         return len(events)
 
     def _declare(self, engine: EngineConfig) -> None:
-        """Keep `engine`'s residencies per declared group, when its config declares their kinds."""
+        """Keep `engine`'s residencies per declared group, when its config declares their kinds; check
+        its events' block hashes when it names its prefix-cache hashing (index/hash_check.py)."""
+        if engine.prefix_caching_hash_algo:
+            self._checks[engine.id] = HashCheck(engine.id, engine.prefix_caching_hash_algo, engine.hash_seed,
+                                                engine.block_size)
+        else:
+            self._checks.pop(engine.id, None)
         if engine.groups:
             rule = HitRule.of(engine.groups, engine.block_size)
             self._hybrid[engine.id] = HybridHoldings(engine.id, self.index, rule)
@@ -557,6 +568,7 @@ class ControlPlane:
             if holdings is not None:
                 holdings.clear()
         self._whole.pop(engine_id, None)
+        self._checks.pop(engine_id, None)
         self._cursors.pop(engine_id, None)
         self.feeds.pop(engine_id, None)
         self.sessions.forget_engine(engine_id)
@@ -670,6 +682,8 @@ class ControlPlane:
         view["subscribed"] = sub is not None
         if sub is None:
             view["state"] = "push"  # fed by POST /v1/kv-events or KVEVENTS, if at all
+        check = self._checks.get(engine_id)  # None: the engine names no prefix-cache hashing, nothing checked
+        view["hash_check"] = None if check is None else check.view()
         committed = self.index.committed_state(engine_id)
         if committed is not None:  # a persistent index: the last batch a restart would resume after
             view["persisted_seq"] = (committed.get("cursor") or [None])[0]

@@ -95,6 +95,9 @@ class Stored(NamedTuple):
     group_idx: int | None = None  # the KV-cache group; None: the block as a whole (every group)
     kv_cache_spec_kind: str | None = None  # the group's attention kind, e.g. full_attention, sliding_window
     sliding_window: int | None = None  # the group's window in tokens, for sliding-window groups
+    # per block, its untagged extra keys ([lora name, salt], [salt], ... or None), or None for none
+    # (index/hash_check.py reads them; the index does not)
+    extra_keys: tuple | None = None
 
 
 class Removed(NamedTuple):
@@ -253,8 +256,8 @@ class SequenceTracker:
 # with their defaults where vLLM's omit_defaults may leave them out. Keyed (vLLM 0.33:
 # `{"type": "BlockStored", ...}`, unknown fields skipped), declared in `Stored`'s and `Removed`'s
 # field order so that a decoded event becomes one by `astuple`; and positional (older releases:
-# `["BlockStored", ...]` in vLLM's declaration order, `extra_keys` kept as raw bytes and never
-# decoded, trailing fields ignored).
+# `["BlockStored", ...]` in vLLM's declaration order, `extra_keys` decoded as they come, for
+# index/hash_check.py; trailing fields ignored).
 
 _Hash = int | Annotated[bytes, msgspec.Meta(min_length=1)]  # msgpack ints are at most 64 bits wide
 _Medium = Literal[tuple(_MEDIA)]  # type: ignore[valid-type]  # the media spelled exactly as _MEDIA has them
@@ -273,6 +276,7 @@ class _KStored(msgspec.Struct, tag="BlockStored", kw_only=True, gc=False):
     group_idx: _Group | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    extra_keys: tuple | None = None
 
 
 class _KRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
@@ -293,7 +297,7 @@ class _PStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
     lora_id: int | None = None
     medium: _Medium | None = None
     lora_name: str | None = None
-    extra_keys: msgspec.Raw = msgspec.Raw(b"")
+    extra_keys: tuple | None = None
     group_idx: _Group | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -349,7 +353,8 @@ def _strict(payload: bytes, seq: int | None) -> Batch | None:
             append(_new(Removed, _astuple(e)))
         elif kind is _PStored:
             append(Stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium,
-                          e.lora_name, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window))
+                          e.lora_name, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+                          e.extra_keys))
         else:
             append(_CLEARED_EVENT)
     return Batch(raw.ts, tuple(events), raw.dp_rank, seq)
@@ -476,7 +481,10 @@ def _event(ev: Any, hash_fn: HashFn, i: int) -> Event:
         _opt(fields, "lora_name", str, where)
         _opt(fields, "kv_cache_spec_kind", str, where)
         _opt(fields, "kv_cache_spec_sliding_window", int, where)
-    return Stored(hashes, parent, tuple(token_ids), block_size, lora_id, medium, lora_name, group, spec_kind, window)
+    extra = get("extra_keys")  # only the hash check reads them: anything but an array is none
+    extra = tuple(extra) if extra.__class__ is list else None
+    return Stored(hashes, parent, tuple(token_ids), block_size, lora_id, medium, lora_name, group, spec_kind, window,
+                  extra)
 
 
 def _kind(tag: Any, i: int) -> str:

@@ -314,17 +314,23 @@ def _router(ctx: NodeContext, session: Any) -> list[tuple[str, Any]]:
             ("hot_prefixes", top)] + _engine_feeds(ctx)
 
 
+HASH_CHECK_RESULTS = ("agreed", "disagreed", "unverifiable")
 ENGINE_FEED_FIELDS = ("batches", "events", "malformed", "gaps", "replays", "restarts", "missed", "drops")
 
 
 def _engine_feeds(ctx: NodeContext) -> list[tuple[str, Any]]:
-    """One INFO line per engine, `kv_engine_<id>:batches=..,...,last_seq=..,state=..,idle_s=..`."""
+    """One INFO line per engine, `kv_engine_<id>:batches=..,...,last_seq=..,state=..,idle_s=..`, then, for an
+    engine whose block hashes are checked, the blocks `hash_agreed=..,hash_disagreed=..,hash_unverifiable=..`
+    and `hash_check=` its state (checking, seed_unknown)."""
     ctl, now, out = ctx.control, time.monotonic(), []
     for engine_id in ctl.engines.engines:
         f = ctl.feed_view(engine_id, now)
         fields = [f"{k}={f[k]}" for k in ENGINE_FEED_FIELDS]
         last = f["last_seq"]
         fields += [f"last_seq={-1 if last is None else last}", f"state={f['state']}", f"idle_s={f['idle_s']}"]
+        check = f["hash_check"]  # engines naming their prefix-cache hashing (index/hash_check.py)
+        if check is not None:
+            fields += [f"hash_{k}={check[k]}" for k in HASH_CHECK_RESULTS] + [f"hash_check={check['state']}"]
         out.append((f"kv_engine_{_info_name(engine_id)}", ",".join(fields)))
     return out
 

@@ -275,3 +275,57 @@ def test_route_stays_fast_during_full_rate_ingest(publisher, quilld_factory, tmp
     assert len(waits) >= min_routes and p99 < bound, (
         f"ROUTE p99 {p99 * 1000:.1f} ms (bound {bound * 1000:.0f} ms), median {statistics.median(waits) * 1000:.2f} ms, "
         f"ingest {ingest:.2f} s")
+
+
+def test_engine_block_hashes_are_checked_and_a_misconfigured_engine_is_loud(publisher, quilld_factory, tmp_path):
+    """issue 30.2: vLLM 0.33's own hashes (tests/fixtures/vllm_block_hashes.json) over ZMQ into two engines,
+    one configured as the engine hashes, one with another algo: INFO, /v1/engines and /metrics count the
+    blocks that agree and those that do not, and the log names the cause once (never the seed)."""
+    from pathlib import Path
+    fixtures = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "vllm_block_hashes.json").read_text())
+    case = next(c for c in fixtures["cases"] if (c["name"], c["algo"], c["hash_seed"]) == ("four_blocks", "sha256", "4242"))
+    events = [vllm.BlockStored(block_hashes=e["block_hashes"], parent_block_hash=e["parent_block_hash"],
+                               token_ids=e["token_ids"], block_size=e["block_size"], lora_id=None,
+                               medium=vllm.MEDIUM_GPU, lora_name=None, extra_keys=e["extra_keys"], group_idx=0,
+                               kv_cache_spec_kind="full_attention") for e in case["events_int"]]
+    other = Publisher()
+    try:
+        path = tmp_path / "hashes.toml"
+        path.write_text("".join(f"""
+[[engines]]
+id = "{name}"
+url = "http://127.0.0.1:9"
+model = "{MODEL}"
+kv_events = "tcp://127.0.0.1:{pub.pub_port}"
+replay = "tcp://127.0.0.1:{pub.replay_port}"
+block_size = 16
+prefix_caching_hash_algo = "{algo}"
+hash_seed = "4242"
+""" for name, pub, algo in (("vllm-0", publisher, "sha256"), ("vllm-1", other, "sha256_cbor"))))
+        q, r = start(quilld_factory, str(path))
+        for pub in (publisher, other):
+            for ev in events:  # the prompt's first two blocks, then the next two (their parent: block 1)
+                pub.publish(ev)
+        info = lambda: q.client().info("router")  # noqa: E731
+        assert wait_until(lambda: info()["kv_engine_vllm-1"].get("hash_disagreed", 0) > 0
+                          and info()["kv_engine_vllm-0"].get("hash_agreed", 0) == 4, timeout=10), info()
+        good, bad = info()["kv_engine_vllm-0"], info()["kv_engine_vllm-1"]
+        assert (good["hash_agreed"], good["hash_disagreed"], good["hash_unverifiable"]) == (4, 0, 0)
+        # the first event disagrees; the second continues a chain that never agreed: it cannot be checked
+        assert (bad["hash_agreed"], bad["hash_disagreed"], bad["hash_unverifiable"]) == (0, 2, 2)
+        assert good["hash_check"] == "checking"
+        feeds = {e["id"]: e["feed"] for e in admin(q, "/v1/engines")["engines"]}
+        assert feeds["vllm-0"]["hash_check"] == {"agreed": 4, "disagreed": 0, "unverifiable": 0, "state": "checking",
+                                                 "cause": None}
+        cause = "the engine hashes with sha256, the config says prefix_caching_hash_algo = sha256_cbor"
+        assert feeds["vllm-1"]["hash_check"]["cause"] == cause
+        metrics = admin(q, "/metrics")
+        assert 'quilld_kv_engine_hash_check_blocks_total{engine="vllm-0",result="agreed"} 4.0' in metrics
+        assert 'quilld_kv_engine_hash_check_blocks_total{engine="vllm-1",result="disagreed"} 2.0' in metrics
+        for pub in (publisher, other):  # more of the same: counted, not logged again
+            pub.publish(events[0])
+        assert wait_until(lambda: info()["kv_engine_vllm-1"]["hash_disagreed"] == 4, timeout=10)
+        log = q.log()
+        assert log.count(cause) == 1 and "engine vllm-1" in log and "4242" not in log
+    finally:
+        other.close()

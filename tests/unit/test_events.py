@@ -116,7 +116,7 @@ def test_group_fields_and_extra_positional_fields():
         ]
     )
     stored, removed = decode_payload(payload).events
-    assert stored == Stored((1,), None, (1,), 1, None, "GPU", None, 1, "sliding_window", 4096)
+    assert stored == Stored((1,), None, (1,), 1, None, "GPU", None, 1, "sliding_window", 4096, (["mm", 1],))
     assert removed == Removed((1,), "GPU", 1)
 
 
@@ -188,7 +188,7 @@ def test_vllm_033_encoding_decodes_field_for_field():
     assert got == Batch(
         10.5,
         (
-            Stored((BIG, b"\x01" * 32), None, (1, 2), 1, 3, "GPU", "ad", 1, "sliding_window", 4096),
+            Stored((BIG, b"\x01" * 32), None, (1, 2), 1, 3, "GPU", "ad", 1, "sliding_window", 4096, (["mm", 1], None)),
             Removed((BIG,), "CPU", 1),
             Cleared(),
         ),

@@ -1,0 +1,207 @@
+"""Proof that an engine's block hashes are the ones quilld computes for it (issue 30, item 2).
+
+An engine with `prefix_caching_hash_algo` configured is credited, by the gateway and ROUTE, for
+blocks whose hashes quilld computes from token ids (index/engine_hashes.py). If the engine
+hashes otherwise (another algo, another PYTHONHASHSEED, another block size), nothing it holds
+is ever credited, silently. vLLM's BlockStored events for GPU blocks carry the blocks' token
+ids, their parent and per-block extra keys, so each such event can be hashed again here and
+compared with what the engine sent: `HashCheck` counts the blocks that agree and those that
+do not, and on the first disagreement logs, once per engine, the likely cause.
+
+What one event lets us check exactly. An event carries each hash in its event form: by
+default the low 64 bits of the digest, not the digest. The chain needs the parent's *full*
+digest, so:
+
+- an event with no parent (a prompt's first blocks) is checked in full: its first parent is
+  NONE_HASH, from the configured seed, and each later block's parent is the digest just
+  computed;
+- an event whose parent is in bytes form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) is checked in
+  full from that digest;
+- an event whose parent is an int is checked when that parent was a block that agreed here
+  before (its full digest is kept, `KNOWN` of them per engine); otherwise it cannot be, and is
+  counted `unverifiable`, as are blocks of a LoRA request (the adapter's path is in the hash and
+  not in the event) and blocks with extra keys other than a cache salt (multimodal, prompt
+  embeds: not covered by engine_hashes.py).
+
+The cost is one hash per block (a few µs, bench/events_bench.py --hash-check): the first
+`CHECK_FIRST` events of an engine are all checked, then one chain in `SAMPLE_EVERY`, i.e. a
+root event (no parent) in `SAMPLE_EVERY` and every later event that continues a chain checked
+here. A misconfiguration shows on the first events; the sampling only keeps a steady stream
+cheap. The check runs inside the subscriber's slices (an event's blocks are at most a slice's
+worth), so it never holds the loop for long.
+
+The check proves the hashing (algo, seed, block size, extra keys), not the tokenizer: the
+events' token ids are the engine's own. A hash_seed is a secret: no log here shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from quilld.index.engine_hashes import ALGOS, RANDOM_SEED_ALGOS, EngineBlockHash, EngineHashing, SeedUnknown
+from quilld.index.events import Event, Stored
+from quilld.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CHECK_FIRST = 64  # events of an engine checked in full before sampling starts
+SAMPLE_EVERY = 16  # then one chain in this many: a root event in 16, and what continues it
+KNOWN = 4096  # full digests of agreeing blocks kept per engine, to check the events that continue them
+_MASK = (1 << 64) - 1
+RESULTS = ("agreed", "disagreed", "unverifiable")
+
+
+class HashCheck:
+    """One engine's check: `events(evs)` on each run of its events, `view()` for the figures."""
+
+    __slots__ = ("engine_id", "hashing", "block_size", "counts", "cause", "state", "_seen", "_roots", "_known",
+                 "_warned")
+
+    def __init__(self, engine_id: str, algo: str, hash_seed: str, block_size: int) -> None:
+        self.engine_id, self.block_size = engine_id, block_size
+        self.counts = dict.fromkeys(RESULTS, 0)
+        self.cause: str | None = None  # the likely cause of the first disagreement
+        self.hashing: EngineHashing | None = None
+        self._seen = self._roots = 0
+        self._known: dict[int | bytes, EngineBlockHash] = {}  # event form -> full digest, oldest first
+        self._warned = False
+        try:
+            self.hashing = EngineHashing(algo, hash_seed or None, block_size)  # type: ignore[arg-type]
+            self.state = "checking"
+        except SeedUnknown:
+            self.state = "seed_unknown"
+            log.warning("engine %s: its block hashes cannot be checked or computed: with %s and no hash_seed, vLLM "
+                        "draws a random seed per process. Set PYTHONHASHSEED on the engine and the same value as "
+                        "its hash_seed, or use sha256", engine_id, algo)
+        except ConfigError as e:
+            self.state = "off"
+            log.warning("engine %s: no block hash check: %s", engine_id, e.message)
+
+    # -- the check ------------------------------------------------------------
+    def events(self, events: Sequence[Event]) -> None:
+        """Check the GPU BlockStored events among `events` that the sampling picks."""
+        if self.hashing is None:
+            return
+        for ev in events:
+            if type(ev) is not Stored or not ev.token_ids or ev.medium not in (None, "GPU"):
+                continue
+            self._seen += 1
+            parent = ev.parent
+            if parent is None:
+                self._roots += 1
+                if self._seen > CHECK_FIRST and self._roots % SAMPLE_EVERY:
+                    continue
+            elif self._seen > CHECK_FIRST and parent not in self._known:
+                continue  # continues a chain not sampled (or one that did not agree)
+            self._check(ev)
+
+    def _check(self, ev: Stored) -> None:
+        counts, hashes = self.counts, ev.block_hashes
+        n = len(hashes)
+        if ev.block_size != self.block_size:
+            counts["disagreed"] += n
+            self._explain(ev, None)
+            return
+        salt = self._salt(ev)
+        if salt is False or len(ev.token_ids) != n * self.block_size:
+            counts["unverifiable"] += n
+            return
+        parent = ev.parent
+        if parent is not None:
+            parent = self._known.get(parent) if parent.__class__ is int else EngineBlockHash(parent)
+            if parent is None:
+                counts["unverifiable"] += n
+                return
+        assert self.hashing is not None
+        ours = self.hashing.block_hashes(ev.token_ids, None, salt, parent)
+        agreed = 0
+        known = self._known
+        for theirs, mine in zip(hashes, ours):
+            if not _agrees(theirs, mine):
+                break
+            agreed += 1
+            known[theirs] = mine
+        while len(known) > KNOWN:
+            del known[next(iter(known))]
+        counts["agreed"] += agreed
+        if agreed < n:  # a block that differs: every later one in its chain differs too
+            counts["disagreed"] += n - agreed
+            self._explain(ev, salt)
+
+    @staticmethod
+    def _salt(ev: Stored) -> str | None | bool:
+        """The event's cache salt (None: none), or False when its extra keys are not a salt alone (a
+        LoRA, multimodal or embeds keys: not checkable from the event)."""
+        if ev.lora_name is not None or ev.lora_id is not None:
+            return False
+        extra = ev.extra_keys
+        if not extra:
+            return None
+        salt = None
+        for i, keys in enumerate(extra):
+            if keys is None:
+                continue
+            if i or ev.parent is not None or len(keys) != 1 or keys[0].__class__ is not str:
+                return False  # only a prompt's block 0 carries a salt, alone when there is no LoRA
+            salt = keys[0]
+        return salt
+
+    # -- the likely cause -----------------------------------------------------
+    def _explain(self, ev: Stored, salt: str | None) -> None:
+        """Log, once per engine, why its hashes are not ours, from the first event that disagrees."""
+        if self._warned:
+            return
+        self._warned = True
+        self.cause = cause = self._diagnose(ev, salt)
+        log.warning("engine %s: its KV events' block hashes are not the ones quilld computes for it (%s): "
+                    "its blocks are not credited to requests until its config matches the engine", self.engine_id,
+                    cause)
+
+    def _diagnose(self, ev: Stored, salt: str | None) -> str:
+        assert self.hashing is not None
+        mine, seed = self.hashing, self.hashing.hash_seed
+        if ev.block_size != mine.block_size:
+            why = f"the events' block_size is {ev.block_size}, the config's {mine.block_size}"
+            fits = self._fits(ev, salt, mine.algo, seed, ev.block_size) if ev.block_size > 0 else []
+            return why + ("; with block_size " + str(ev.block_size) + " they agree" if fits else "")
+        if ev.parent is not None:  # a continued chain whose parent agreed: not the algo nor the seed
+            return ("a block continuing a chain that agreed differs: the extra keys (LoRA, cache salt, multimodal) "
+                    "or the token ids as the engine hashed them")
+        for algo in ALGOS:  # the seed as configured, another algo
+            if algo != mine.algo and self._fits(ev, salt, algo, seed, mine.block_size):
+                return f"the engine hashes with {algo}, the config says prefix_caching_hash_algo = {mine.algo}"
+        for algo in ALGOS:  # no seed on the engine (PYTHONHASHSEED unset), any algo it can be reproduced for
+            if seed is not None and algo not in RANDOM_SEED_ALGOS and self._fits(ev, salt, algo, None, mine.block_size):
+                return (f"the engine runs {algo} with PYTHONHASHSEED unset, the config gives a hash_seed"
+                        + ("" if algo == mine.algo else f" and prefix_caching_hash_algo = {mine.algo}"))
+        if seed is None:
+            return ("no algo agrees with PYTHONHASHSEED unset: the engine likely has a PYTHONHASHSEED (set hash_seed "
+                    "to it) or runs xxhash with a random seed")
+        return ("no algo agrees with the configured hash_seed nor with none: the engine's PYTHONHASHSEED likely "
+                "differs from hash_seed")
+
+    def _fits(self, ev: Stored, salt: str | None, algo: str, seed: str | None, size: int) -> bool:
+        """Whether the event's hashes agree with hashing done as given (the first block is enough)."""
+        if ev.parent is not None or len(ev.token_ids) < size:
+            return False
+        try:
+            other = EngineHashing(algo, seed, size)  # type: ignore[arg-type]
+        except ConfigError:
+            return False
+        first = other.block_hashes(ev.token_ids[:size], None, salt)
+        return bool(first) and _agrees(ev.block_hashes[0], first[0])
+
+    def view(self) -> dict:
+        """The figures (INFO, /metrics, /v1/engines): never the seed."""
+        return dict(self.counts, state=self.state, cause=self.cause)
+
+
+def _agrees(theirs: int | bytes, mine: EngineBlockHash) -> bool:
+    """Whether the engine's hash, in the form its event carries it, is `mine` (an int may come signed)."""
+    if theirs.__class__ is int:
+        return theirs & _MASK == int.from_bytes(mine[-8:], "big")
+    return theirs == mine
+
+
+__all__ = ["CHECK_FIRST", "HashCheck", "KNOWN", "RESULTS", "SAMPLE_EVERY"]
