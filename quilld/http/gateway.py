@@ -73,7 +73,9 @@ from aiohttp import web
 from prometheus_client import Histogram
 from yarl import URL
 
+from quilld.cluster.local_secret import local_secret
 from quilld.config import EngineConfig
+from quilld.errors import ConfigError
 from quilld.http.gateway_disagg import Disaggregation
 from quilld.http.gateway_relay import Relay
 from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, drop_owned,
@@ -84,6 +86,7 @@ from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFai
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
+from quilld.http.engine_prompts import EngineBlocks, EnginePrompts, NotCovered, salt_for
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.pairing import NoDecodeEngine
@@ -109,6 +112,9 @@ class Gateway:
         self.cfg = node.cfg.gateway
         self.control = node.control
         self.hasher = PromptHasher(self.cfg.chunk_chars)
+        self.engine_prompts = EnginePrompts()  # engines' own block hashes (engine_prompts.py)
+        self._salt_key: bytes | None = None  # the cache_salt key: the cluster's secret (salt_key)
+        self._fallback_said: set = set()  # engine families whose first fallback was logged
         self.stats = GatewayStats(ttft, handoff)
         self.disaggregation = Disaggregation(self)
         self.cooling: dict[str, float] = {}  # engine id -> monotonic time its cooldown ends
@@ -220,15 +226,19 @@ class Gateway:
             except SessionIdTooLong as e:
                 raise bad_request(f"{SESSION_HEADER}: {e.message}", SESSION_HEADER, "session_id_too_long") from None
         return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
-                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session)
+                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session, body)
 
     # -- routing ----------------------------------------------------------------
     def _cool(self, engine_id: str) -> None:
         self.cooling[engine_id] = time.monotonic() + ENGINE_COOLDOWN
 
-    def scope_tag(self, req: Parsed, fam: Family) -> tuple[IdentityScope, bytes]:
-        """The request's identity for engines of family `fam`, and its scope tag."""
+    def scope_tag(self, req: Parsed, fam: Family, blocks: list[int]) -> tuple[IdentityScope, bytes]:
+        """The request's identity for engines of family `fam`, and the scope tag its `blocks` are
+        looked up and recorded under: the engines' own scope for their own hashes (a request of
+        another identity is salted, engine_prompts.py), else the request's."""
         scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
+        if isinstance(blocks, EngineBlocks):  # where the engines' KV events record them
+            return scope, self.node.scopes.tag(IdentityScope(fam.tenant, req.model, fam.tokenizer, req.adapter))
         try:
             return scope, self.node.scopes.tag(scope, capped=True)
         except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
@@ -237,8 +247,51 @@ class Gateway:
     async def prompt_blocks(self, req: Parsed, fam: Family, hashes: dict[Family, list[int]]) -> list[int]:
         blocks = hashes.get(fam)
         if blocks is None:
-            blocks = hashes[fam] = await self.hasher.blocks(req.prompt, fam)
+            if fam.hashing is not None and not req.adapter:  # a LoRA's hash needs its load path: not known
+                blocks = await self._engine_blocks(req, fam)
+            if blocks is None:
+                blocks = await self.hasher.blocks(req.prompt, fam)
+            hashes[fam] = blocks
         return blocks
+
+    async def _engine_blocks(self, req: Parsed, fam: Family) -> EngineBlocks | None:
+        """The prompt in the engines' own block hashes, computed off the loop; None when not covered."""
+        salt = None
+        if req.tenant != fam.tenant:  # another identity than the engine's: its own partition of the cache
+            salt = salt_for(self.salt_key(), IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter))
+        try:
+            blocks = await asyncio.to_thread(self.engine_prompts.hashes, fam.hashing, req.path == CHAT,
+                                             req.fields, salt)
+        except NotCovered as e:
+            self.stats.counts["engine_hash_fallbacks"] += 1
+            if fam.hashing not in self._fallback_said:
+                self._fallback_said.add(fam.hashing)
+                log.warning("gateway: %s: routing on quilld's own prompt hashes instead of the engine's (%s); "
+                            "said once per engine family", fam.tokenizer, e.message)
+            return None
+        self.stats.counts["engine_hashed"] += 1
+        return blocks
+
+    def salt_key(self) -> bytes:
+        """The key of every cache_salt: cluster.secret, else the host's peer secret (local_secret.py),
+        the secret every node of the cluster already shares and no client can read."""
+        if self._salt_key is None:
+            try:
+                self._salt_key = (self.node.cfg.cluster.secret or local_secret()).encode()
+            except ConfigError as e:
+                log.warning("gateway: no cluster secret for cache salts (%s): a random one, this process only",
+                            e.message)
+                self._salt_key = secrets.token_bytes(32)
+        return self._salt_key
+
+    def salted_body(self, req: Parsed, blocks: list[int]) -> bytes | None:
+        """The body sent to an engine for `blocks`: the request's with their cache_salt; None: as it is."""
+        salt = getattr(blocks, "salt", None)
+        if salt is None:
+            return None
+        body = json.loads(req.body)
+        body["cache_salt"] = salt
+        return json.dumps(body).encode()
 
     async def choose(self, req: Parsed, tried: set[str], hashes: dict[Family, list[int]]) -> Choice | None:
         """The next engine to try: healthy before cooling, the router's pick, then by cost. Prefill
@@ -255,7 +308,7 @@ class Gateway:
         best: tuple | None = None
         for fam, ids in groups.items():
             blocks = await self.prompt_blocks(req, fam, hashes)
-            scope, tag = self.scope_tag(req, fam)
+            scope, tag = self.scope_tag(req, fam, blocks)
             per_block = self.hasher.tokens_per_block(fam)
             cluster = self.node.cluster  # in a cluster, the blocks' residencies from the directory's owners
             view = None if cluster is None else await cluster.route_view(tag, blocks)
@@ -277,7 +330,7 @@ class Gateway:
         if c.engine != d.engine:  # not the router's pick (it failed or cools down)
             d = self._decision_for(engine, c, d, tag, blocks, view)
         uncached = int(round(max(0.0, len(blocks) - c.credit) * per_block))
-        return Choice(engine, d, tag, blocks, uncached)
+        return Choice(engine, d, tag, blocks, uncached, self.salted_body(req, blocks))
 
     def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
                       blocks: list[int], view=None) -> Decision:

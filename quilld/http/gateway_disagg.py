@@ -74,7 +74,7 @@ class Disaggregation:
         """Serve `req` by `choice`'s pair; None once it is answered (or given up), else the aggregated
         attempt the caller makes instead (every prefill engine failed)."""
         gw, pair = self.gw, choice.decision.pair
-        body = json.loads(req.body)
+        body = json.loads(req.body if choice.body is None else choice.body)  # with its cache_salt, if any
         headers = upstream_headers(relay.request.headers, req.request_id) | {"Accept-Encoding": "identity"}
         kv, prefill, failures = await self._prefill(req, choice.decision, body, headers, hashes)
         if prefill is None:
@@ -86,7 +86,7 @@ class Disaggregation:
                            fallback="prefill_failed: " + ("; ".join(failures) or "no prefill engine left"))
         prefill_fam = family(prefill)
         prefill_blocks = await gw.prompt_blocks(req, prefill_fam, hashes)
-        gw.record(prefill, gw.scope_tag(req, prefill_fam)[1], prefill_blocks)  # it prefilled the prompt
+        gw.record(prefill, gw.scope_tag(req, prefill_fam, prefill_blocks)[1], prefill_blocks)  # it prefilled the prompt
         await self._decode(req, choice, prefill, prefill_blocks, decode_body(body, kv), relay, hashes, tried)
         return None
 
@@ -184,7 +184,7 @@ class Disaggregation:
                                 replace(pair, decode=engine_id, prefill=prefill.id, prefill_url=prefill.url,
                                         prefill_lease=None, decode_node=dst))
             pull = pulled.get(dst)
-            attempt = Choice(engine, decision, gw.scope_tag(req, fam)[1], engine_blocks, 0, data,
+            attempt = Choice(engine, decision, gw.scope_tag(req, fam, engine_blocks)[1], engine_blocks, 0, data,
                              {HANDOFF_HEADER: handoff + f" prefetched={'-' if pull is None else pull}"})
             tried.add(engine_id)
             lease = engines.acquire(engine_id, "decode")

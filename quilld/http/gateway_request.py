@@ -18,7 +18,8 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Fields of a request body the gateway owns: a client's are dropped before any engine sees them.
 # `kv_transfer_params` tells a KV connector which host, port, engine and blocks to read KV from
 # (vLLM's NixlConnector would read from wherever a client pointed it); `cache_salt` partitions an
-# engine's prefix cache, and only the gateway knows whose request it is (it sets none yet).
+# engine's prefix cache, and only the gateway knows whose request it is (it sets its own for
+# requests of another identity than the engine's, quilld/http/engine_prompts.py).
 OWNED_FIELDS = ("kv_transfer_params", "cache_salt")
 
 
@@ -113,3 +114,4 @@ class Parsed(NamedTuple):
     t0: float  # perf_counter when the request arrived
     request_id: str
     session: str | None = None  # x-quillcache-session: requests of one session stay on one engine
+    fields: dict[str, Any] | None = None  # the request's JSON object (engine_prompts.py reads its prompt)

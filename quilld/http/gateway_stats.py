@@ -38,6 +38,8 @@ COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_mo
             "residencies_recorded", "residencies_forgotten", "slo_counted", "within_slo",
             # fields of the gateway's own a client sent and the gateway dropped (gateway_request.OWNED_FIELDS)
             "dropped_kv_transfer_params", "dropped_cache_salt",
+            # prompts hashed as their engines hash them, and those that fell back to quilld's own hashes
+            "engine_hashed", "engine_hash_fallbacks",
             # disaggregated requests (engine roles): prefills, the handoff, the prefetch, decodes
             "disaggregated", "prefills", "prefill_failures", "prefill_fallbacks", "decode_retries",
             "handoff_on_time", "handoff_late", "handoff_missing", "handoff_blocks", "handoff_blocks_late",
@@ -133,6 +135,8 @@ class GatewayStats:
             ("gateway_residencies_forgotten", c["residencies_forgotten"]),  # past gateway.recorded_blocks
             ("gateway_dropped_kv_transfer_params", c["dropped_kv_transfer_params"]),  # a client's, never sent on
             ("gateway_dropped_cache_salt", c["dropped_cache_salt"]),
+            ("gateway_engine_hashed", c["engine_hashed"]),  # routed on their engines' own block hashes
+            ("gateway_engine_hash_fallbacks", c["engine_hash_fallbacks"]),  # ... or not covered: quilld's own
             ("gateway_engines_cooling", cooling),
             ("gateway_ttft_slo_ms", slo_ms),
             ("gateway_slo_counted", c["slo_counted"]),

@@ -239,6 +239,9 @@ GATEWAY_HELP = {
     "gateway_goodput": "Share of counted requests within their TTFT budget, since the start.",
     "gateway_dropped_kv_transfer_params": "Requests whose client-sent kv_transfer_params the gateway dropped.",
     "gateway_dropped_cache_salt": "Requests whose client-sent cache_salt the gateway dropped.",
+    "gateway_engine_hashed": "Prompts routed on their engines' own block hashes (engine_prompts.py).",
+    "gateway_engine_hash_fallbacks": "Prompts for engines that name their hashing routed on quilld's own hashes "
+                                     "instead (a request or engine not covered).",
 }
 GATEWAY_FROM_HISTOGRAM = {"gateway_ttft_p50_ms", "gateway_ttft_p99_ms",  # quilld_gateway_ttft_seconds
                           "gateway_handoff_wait_p50_ms", "gateway_handoff_wait_p99_ms"}  # ..._handoff_wait_seconds

@@ -16,7 +16,9 @@ A completions prompt given as token ids is hashed as ids either way. Chat
 messages are rendered deterministically (`<|role|>` line, content, newline;
 non-text content parts as canonical JSON), so a shared system prompt is a
 shared leading run of blocks. These hashes are quilld's own, not the engine's
-internal ones (see quilld/index/control.py).
+internal ones (see quilld/index/control.py): for an engine that names its tokenizer directory
+and hash algo the gateway uses the engine's own (quilld/http/engine_prompts.py) and falls back
+to these only for what that does not cover.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from quilld.config import EngineConfig
+from quilld.http.engine_prompts import EngineFamily, engine_family
 from quilld.index.control import chain_hashes
 
 INLINE_ENCODE_CHARS = 16_384  # longer prompts are tokenized off the event loop
@@ -38,15 +41,20 @@ class TokenizerUnavailable(Exception):
 
 
 class Family(NamedTuple):
-    """Engines whose prompts hash alike: the same tokenizer and block size."""
+    """Engines whose prompts hash alike: the same tokenizer and block size (and, for engines that
+    name their own hashing, the same hashing and tenant: quilld/http/engine_prompts.py)."""
 
     tokenizer: str
     block_size: int
     tokenize: bool  # the tokenizer is a tokenizer.json to encode with; else character chunks
+    hashing: EngineFamily | None = None  # the engine's own block hashes, tried before these
+    tenant: str = ""  # the engines' tenant, with `hashing` (whose requests go without a cache_salt)
 
 
 def family(engine: EngineConfig) -> Family:
-    return Family(engine.tokenizer, engine.block_size, is_tokenizer_file(engine.tokenizer))
+    hashing = engine_family(engine)
+    return Family(engine.tokenizer, engine.block_size, is_tokenizer_file(engine.tokenizer), hashing,
+                  engine.tenant if hashing is not None else "")
 
 
 def is_tokenizer_file(tokenizer: str) -> bool:
@@ -130,7 +138,7 @@ class PromptHasher:
 
     def tokens_per_block(self, fam: Family) -> float:
         """Tokens one block stands for (about 4 characters a token in character mode)."""
-        return fam.block_size if fam.tokenize else self.chunk_chars / 4
+        return fam.block_size if fam.tokenize or fam.hashing is not None else self.chunk_chars / 4
 
 
 def _load_tokenizer(path: str) -> Any:
