@@ -25,9 +25,12 @@ digest, so:
 
 The cost is one hash per block (a few µs, bench/events_bench.py --hash-check): the first
 `CHECK_FIRST` events of an engine are all checked, then one chain in `SAMPLE_EVERY`, i.e. a
-root event (no parent) in `SAMPLE_EVERY` and every later event that continues a chain checked
-here. A misconfiguration shows on the first events; the sampling only keeps a steady stream
-cheap. The check runs inside the subscriber's slices (an event's blocks are at most a slice's
+root event (no parent) in `SAMPLE_EVERY` and the next `FOLLOW` events that continue a chain
+checked here (a chain checked during the first events too gets `FOLLOW` more after them, not
+the rest of a request that may run for thousands of decode blocks). Each later block of a chain
+is hashed as the one before it, so following a chain further proves nothing new; it was most of
+the check's cost. A misconfiguration shows on the first events; the sampling only keeps a steady
+stream cheap. The check runs inside the subscriber's slices (an event's blocks are at most a slice's
 worth), so it never holds the loop for long.
 
 The check proves the hashing (algo, seed, block size, extra keys), not the tokenizer: the
@@ -37,6 +40,7 @@ events' token ids are the engine's own. A hash_seed is a secret: no log here sho
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from quilld.index.engine_hashes import ALGOS, RANDOM_SEED_ALGOS, EngineBlockHash, EngineHashing, SeedUnknown
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 CHECK_FIRST = 64  # events of an engine checked in full before sampling starts
 SAMPLE_EVERY = 16  # then one chain in this many: a root event in 16, and what continues it
+FOLLOW = 4  # after the first events, a checked chain is followed this many events further
 KNOWN = 4096  # full digests of agreeing blocks kept per engine, to check the events that continue them
 _MASK = (1 << 64) - 1
 RESULTS = ("agreed", "disagreed", "unverifiable")
@@ -64,7 +69,9 @@ class HashCheck:
         self.cause: str | None = None  # the likely cause of the first disagreement
         self.hashing: EngineHashing | None = None
         self._seen = self._roots = 0
-        self._known: dict[int | bytes, EngineBlockHash] = {}  # event form -> full digest, oldest first
+        # event form -> (full digest, events of its chain checked since sampling started), oldest first;
+        # an OrderedDict, as a plain dict emptied from the front makes each next(iter()) scan its holes
+        self._known: OrderedDict[int | bytes, tuple[EngineBlockHash, int]] = OrderedDict()
         self._warned = False
         try:
             self.hashing = EngineHashing(algo, hash_seed or None, block_size)  # type: ignore[arg-type]
@@ -83,20 +90,28 @@ class HashCheck:
         """Check the GPU BlockStored events among `events` that the sampling picks."""
         if self.hashing is None:
             return
+        known = self._known
         for ev in events:
             if type(ev) is not Stored or not ev.token_ids or ev.medium not in (None, "GPU"):
                 continue
             self._seen += 1
+            sampling = self._seen > CHECK_FIRST
             parent = ev.parent
+            depth = 0
             if parent is None:
                 self._roots += 1
-                if self._seen > CHECK_FIRST and self._roots % SAMPLE_EVERY:
+                if sampling and self._roots % SAMPLE_EVERY:
                     continue
-            elif self._seen > CHECK_FIRST and parent not in self._known:
-                continue  # continues a chain not sampled (or one that did not agree)
-            self._check(ev)
+            elif sampling:
+                entry = known.get(parent)
+                if entry is None or entry[1] >= FOLLOW:
+                    continue  # continues a chain not sampled, one that did not agree, or one followed far enough
+                depth = entry[1] + 1
+            self._check(ev, depth)
 
-    def _check(self, ev: Stored) -> None:
+    def _check(self, ev: Stored, depth: int) -> None:
+        """Hash `ev`'s blocks and count them; `depth`: how many events of its chain were checked
+        since sampling started (0 for a root and during the first events)."""
         counts, hashes = self.counts, ev.block_hashes
         n = len(hashes)
         if ev.block_size != self.block_size:
@@ -109,10 +124,14 @@ class HashCheck:
             return
         parent = ev.parent
         if parent is not None:
-            parent = self._known.get(parent) if parent.__class__ is int else EngineBlockHash(parent)
-            if parent is None:
-                counts["unverifiable"] += n
-                return
+            if parent.__class__ is int:
+                entry = self._known.get(parent)
+                if entry is None:
+                    counts["unverifiable"] += n
+                    return
+                parent = entry[0]
+            else:
+                parent = EngineBlockHash(parent)
         assert self.hashing is not None
         ours = self.hashing.block_hashes(ev.token_ids, None, salt, parent)
         agreed = 0
@@ -121,9 +140,9 @@ class HashCheck:
             if not _agrees(theirs, mine):
                 break
             agreed += 1
-            known[theirs] = mine
+            known[theirs] = (mine, depth)
         while len(known) > KNOWN:
-            del known[next(iter(known))]
+            known.popitem(last=False)
         counts["agreed"] += agreed
         if agreed < n:  # a block that differs: every later one in its chain differs too
             counts["disagreed"] += n - agreed
@@ -204,4 +223,4 @@ def _agrees(theirs: int | bytes, mine: EngineBlockHash) -> bool:
     return theirs == mine
 
 
-__all__ = ["CHECK_FIRST", "HashCheck", "KNOWN", "RESULTS", "SAMPLE_EVERY"]
+__all__ = ["CHECK_FIRST", "FOLLOW", "HashCheck", "KNOWN", "RESULTS", "SAMPLE_EVERY"]

@@ -163,3 +163,30 @@ def test_known_parents_are_bounded(monkeypatch):
     for i in range(4):
         check.events(chain(hashing, 1000 * i))
     assert check.view()["agreed"] == 12 and len(check._known) == 3
+
+
+def decode_chain(hashing: EngineHashing, first_token: int, events: int) -> list:
+    """One request of `events` one-block events, each the parent of the next (a prompt's block,
+    then decode blocks), as quilld's decoder gives them."""
+    size = hashing.block_size
+    tokens = list(range(first_token, first_token + events * size))
+    forms = [h.event_form() for h in hashing.block_hashes(tokens)]
+    stored = [vllm.gpu([f], parent=forms[i - 1] if i else None) for i, f in enumerate(forms)]
+    return [ev._replace(token_ids=tuple(tokens[i * size:(i + 1) * size]))
+            for i, ev in enumerate(decode_payload(vllm.encode(stored)).events)]
+
+
+def test_a_chain_is_followed_follow_events_past_the_first_events_and_past_a_sampled_root(monkeypatch):
+    monkeypatch.setattr(hash_check, "CHECK_FIRST", 2)
+    hashing = EngineHashing("sha256", None, 16)
+    check = HashCheck("e1", "sha256", "", 16)
+    long = decode_chain(hashing, 0, hash_check.FOLLOW + 10)
+    check.events(long[:2])  # the first events: both checked
+    check.events(long[2:])  # then FOLLOW more of the same chain, not its end
+    assert check.view()["agreed"] == 2 + hash_check.FOLLOW
+    for i in range(1, SAMPLE_EVERY - 1):  # roots 2 to SAMPLE_EVERY - 1: not sampled, nor their chains
+        check.events(decode_chain(hashing, 10**6 * i, 3))
+    assert check.view()["agreed"] == 2 + hash_check.FOLLOW
+    check.events(decode_chain(hashing, 10**9, hash_check.FOLLOW + 10))  # the root in SAMPLE_EVERY
+    assert check.view()["agreed"] == 2 + hash_check.FOLLOW + 1 + hash_check.FOLLOW
+    assert check.view()["disagreed"] == check.view()["unverifiable"] == 0
