@@ -105,7 +105,7 @@ def token_ids(directory: str, path_is_chat: bool, body: Mapping[str, Any]) -> li
     special = body.get("add_special_tokens", True) is not False
     if tok is None:
         from tokenizers import Tokenizer
-        return _plain_tokenizer(directory, Tokenizer).encode(prompt, add_special_tokens=special).ids
+        return chat_render.encode(_plain_tokenizer(directory, Tokenizer), prompt, special)
     return tok.prompt_token_ids(prompt, add_special_tokens=special)
 
 
