@@ -131,36 +131,33 @@ async def sizes(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> N
                 p50, p99 = pct(times[name], 50), pct(times[name], 99)
                 added = "" if name == "direct" else f"{p50 - d50:10.3f} {p99 - d99:10.3f}"
                 print(f"  {name:28} {p50:8.3f} {p99:8.3f} {added}")
-            await loop_check(session, urls, system, args.requests)
+            await loop_check(session, urls, system, max(20, args.requests // 2))
 
 
 async def loop_check(session: aiohttp.ClientSession, urls: dict[str, tuple[str, str]], system: str,
-                     requests: int) -> None:
-    """Small chats' TTFT alone, then beside back-to-back long `tok` requests."""
+                     longs: int) -> None:
+    """Small chats' TTFT alone, then back to back for as long as `longs` long `tok` requests run one
+    after another beside them."""
     small = "You are a careful assistant. " * 8
     url, model = urls["gateway, chars (no tokenizer)"]
     long_url, long_model = urls["gateway, tok (engine hashes)"]
-
-    async def smalls() -> list[float]:
-        return [await ttft(session, url, body(model, small, i)) for i in range(requests)]
-
-    alone = await smalls()
-    stop_long, longs = False, 0
+    alone = [await ttft(session, url, body(model, small, i)) for i in range(200)]
+    running = True
 
     async def long_loop() -> None:
-        nonlocal longs
-        while not stop_long:
-            await ttft(session, long_url, body(long_model, system, longs))
-            longs += 1
+        nonlocal running
+        for i in range(longs):
+            await ttft(session, long_url, body(long_model, system, i))
+        running = False
 
     task = asyncio.create_task(long_loop())
-    await asyncio.sleep(0.05)
-    beside = await smalls()
-    stop_long = True
+    beside = []
+    while running:
+        beside.append(await ttft(session, url, body(model, small, len(beside))))
     await task
-    print(f"  loop check, small chats through the gateway: alone p50 {pct(alone, 50):.3f} p99 {pct(alone, 99):.3f} "
-          f"max {max(alone):.3f} ms; beside {longs} long `tok` requests p50 {pct(beside, 50):.3f} "
-          f"p99 {pct(beside, 99):.3f} max {max(beside):.3f} ms")
+    print(f"  loop check, small chats through the gateway: {len(alone)} alone p50 {pct(alone, 50):.3f} p99 "
+          f"{pct(alone, 99):.3f} max {max(alone):.3f} ms; {len(beside)} beside {longs} long `tok` requests p50 "
+          f"{pct(beside, 50):.3f} p99 {pct(beside, 99):.3f} max {max(beside):.3f} ms")
 
 
 def _install_uvloop() -> None:
