@@ -44,7 +44,7 @@ import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -57,6 +57,7 @@ import jinja2.utils
 from tokenizers import AddedToken, Tokenizer
 
 from quilld.errors import CommandError, ConfigError
+from quilld.http.token_segments import SegmentCache
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
@@ -279,6 +280,10 @@ class ChatTokenizer:
     tokenizer: Tokenizer
     templates: Mapping[str, str]  # name -> template text; a single template is "default"
     special_tokens: Mapping[str, str]  # what the template sees as bos_token, eos_token, ...
+    segments: SegmentCache = field(init=False, repr=False)  # long chats' pieces, tokenized once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", SegmentCache(self.tokenizer))
 
     def template(self) -> str:
         """The template transformers picks for a request without tools: the only one, or `default`."""
@@ -328,7 +333,7 @@ class ChatTokenizer:
 
     def chat_token_ids(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
         """The chat's token ids as vLLM's chat endpoint computes them (see `render` for the options)."""
-        return encode(self.tokenizer, self.render(messages, **options), False)
+        return self.segments.ids(self.render(messages, **options))
 
     def prompt_token_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A completions prompt's token ids as vLLM's completions endpoint computes them."""
