@@ -27,6 +27,10 @@ event loop (they run in a thread, which still takes the GIL in turns).
     python bench/gateway_ttft_bench.py                     # ~1 min
     python bench/gateway_ttft_bench.py --requests 100 --tokens 32768
     python bench/gateway_ttft_bench.py --tree /tmp/old     # the gateway of another source tree
+
+The prompts share their system prompt, so from the second request on the gateway finds its
+pieces' token ids kept (quilld/http/token_segments.py): the figure is that of a shared system
+prompt or a conversation's earlier turns, not of a chat never seen.
 """
 
 from __future__ import annotations
@@ -193,7 +197,7 @@ def main() -> None:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(port), "--admin-port",
                  str(admin), "--gateway-port", str(gw_port), "--dram", "64MiB", "--config", str(conf),
-                 "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL))
+                 "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL, cwd=args.tree.resolve()))
             for port_, proc in zip((tok_port, chars_port, gw_port), procs):
                 wait_port(port_, proc)
             path = "/v1/chat/completions"
