@@ -257,7 +257,8 @@ class EngineConfig:
     # for this engine the way it does (the gateway's own chunks, as before)
     prefix_caching_hash_algo: str = ""
     # the engine's PYTHONHASHSEED (vLLM's NONE_HASH seed); empty: unset on the engine (then only the
-    # sha256 algos can be reproduced). A secret: never logged or shown, like api_key
+    # sha256 algos can be reproduced). A secret: never logged or shown, like api_key. The config file
+    # and the API may give it as `hash_seed_file = "path"` or `hash_seed = "env:NAME"` (engine_from)
     hash_seed: str = field(default="", repr=False)
 
 
@@ -560,6 +561,37 @@ def _group_from(data: Any, where: str) -> GroupConfig:
     return GroupConfig(**{k: _coerce(where, k, types[k], v) for k, v in data.items()})
 
 
+SEED_ENV_PREFIX = "env:"  # hash_seed = "env:NAME": the seed is environment variable NAME's value
+
+
+def _resolve_hash_seed(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """`data` with its hash_seed read from `hash_seed_file` (the file's text, stripped) or from the
+    environment (`hash_seed = "env:NAME"`). The errors name the file or variable, never the seed."""
+    out = dict(data)
+    path = out.pop("hash_seed_file", None)
+    if path is not None:
+        if "hash_seed" in out:
+            raise ConfigError(f"{origin}: give hash_seed or hash_seed_file, not both")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{origin}: hash_seed_file must be a file's path")
+        try:
+            with open(path, encoding="utf-8") as f:
+                seed = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{origin}: hash_seed_file {path!r} cannot be read: "
+                              f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        if not seed:
+            raise ConfigError(f"{origin}: hash_seed_file {path!r} is empty")
+        out["hash_seed"] = seed
+        return out
+    name = str(out["hash_seed"])[len(SEED_ENV_PREFIX):]
+    seed = os.environ.get(name, "") if name else ""
+    if not seed:
+        raise ConfigError(f"{origin}: hash_seed names environment variable {name!r}, which is unset or empty")
+    out["hash_seed"] = seed
+    return out
+
+
 def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     """An EngineConfig from a table of the config file or a JSON body."""
     if not isinstance(data, Mapping):
@@ -569,6 +601,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
         if "locality" in data and data["locality"] != data["kv_node"]:
             raise ConfigError(f"{origin}: kv_node and locality (its older name) differ: give kv_node alone")
         data = {ENGINE_KEY_ALIASES.get(k, k): v for k, v in data.items() if k != "locality"}
+    if "hash_seed_file" in data or str(data.get("hash_seed", "")).startswith(SEED_ENV_PREFIX):
+        data = _resolve_hash_seed(data, origin)
     unknown = set(data) - set(types)
     if unknown:
         raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}"
