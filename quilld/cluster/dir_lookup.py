@@ -59,8 +59,30 @@ class LookupRun:
             self._pending = []
         return plan.asks
 
+    def route_of(self, owner: str) -> list[tuple[int, int]]:
+        """This round's items asked of `owner`: (item, index in its ask), for a late reply."""
+        return [(i, k) for i, (o, k) in self._route.items() if o == owner]
+
+    def late(self, route: list[tuple[int, int]], reply: tuple) -> None:
+        """The reply of an owner an earlier round gave up waiting for (the lookup hedged to the
+        next owner): what it holds is merged in, nothing is asked again."""
+        for i, k in route:
+            answer, partial = reply[1][k]
+            self._answers[i] = merge(self.items[i][0], self._answers.get(i), answer)
+            if not partial:
+                self._full.add(i)
+
+    def unresolved(self) -> bool:
+        """Whether some item has no holder yet that no owner answered fully."""
+        for i, item in enumerate(self.items):
+            answer = self._answers.get(i)
+            if i not in self._full and not (answer and (item[0] != BLOCK or any(answer))):
+                return True
+        return False
+
     def took(self, owner: str, reply: tuple | None) -> None:
-        """`owner`'s reply to this round's LOOKUP (None: it failed or could not be reached)."""
+        """`owner`'s reply to this round's LOOKUP (None: it failed, could not be reached, or
+        was given up on for now: the lookup hedged to the next owner)."""
         for i, (o, k) in self._route.items():
             if o != owner:
                 continue
