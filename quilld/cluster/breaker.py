@@ -3,9 +3,9 @@
 SWIM (swim.py) says whether a member is alive in the view; a peer can be alive there and still
 not answer this node (SIGSTOPped, or a one-way partition). So each node also keeps, per peer,
 what its own calls saw:
-- a **breaker**: one call that failed or timed out opens it; while open the peer is skipped
-  (its lookups go to the next owner at once) until `open_ms` has passed, then one call is let
-  through as a probe (half-open): an answer closes it, a failure opens it again;
+- a **breaker**: one call that failed or timed out opens it; while open the peer is asked only
+  for items none of whose other owners is left (dir_lookup.py), until `open_ms` has passed;
+  then the next lookups ask it again (half-open): an answer closes it, a failure reopens it;
 - a **latency estimate** (smoothed mean and deviation, as TCP's RTO): `hedge_after` is
   mean + 4 deviations, at least `hedge_floor_ms` and at most `hedge_max_ms`. A lookup asks the
   next owner too once its owner has not answered by then (dir_link.py), so even the first
@@ -24,7 +24,6 @@ class _Peer:
     mean: float = -1.0  # seconds; < 0: no sample yet
     dev: float = 0.0
     open_until: float = 0.0  # > 0: the breaker is open (until then; a probe after)
-    probing: bool = False
 
 
 class PeerHealth:
@@ -33,6 +32,7 @@ class PeerHealth:
         self.clock, self.stats = clock, stats
         self.floor, self.cap, self.open_for = hedge_floor_ms / 1000, hedge_max_ms / 1000, open_ms / 1000
         self.peers: dict[str, _Peer] = {}
+        self.opened = 0  # peers whose breaker is open (or half-open)
 
     def _peer(self, peer: str) -> _Peer:
         p = self.peers.get(peer)
@@ -40,17 +40,16 @@ class PeerHealth:
             p = self.peers[peer] = _Peer()
         return p
 
-    def allow(self, peer: str) -> bool:
-        """Whether to call `peer` now: its breaker is closed, or it is the one half-open probe."""
-        p = self.peers.get(peer)
-        if p is None or not p.open_until:
-            return True
-        if p.probing or self.clock() < p.open_until:
-            self.stats["breaker_skips"] += 1
-            return False
-        p.probing = True
-        self.stats["breaker_probes"] += 1
-        return True
+    def avoid(self) -> set[str]:
+        """Peers to skip now: breaker open and its probe not due. The first lookup after `open_ms`
+        asks the peer again (the half-open probe): an answer closes it, a failure reopens it."""
+        if not self.opened:
+            return _NONE
+        now = self.clock()
+        out = {peer for peer, p in self.peers.items() if p.open_until > now}
+        if out:
+            self.stats["lookup_breaker_skips"] += 1
+        return out
 
     def answered(self, peer: str, seconds: float) -> None:
         p = self._peer(peer)
@@ -61,13 +60,17 @@ class PeerHealth:
             p.mean += (seconds - p.mean) / 8
         if p.open_until:
             self.stats["breaker_closes"] += 1
-        p.open_until, p.probing = 0.0, False
+            self.opened -= 1
+            p.open_until = 0.0
 
     def failed(self, peer: str) -> None:
         p = self._peer(peer)
-        if not p.open_until or p.probing:
+        now = self.clock()
+        if p.open_until <= now:  # closed, or a probe's call failed
             self.stats["breaker_opens"] += 1
-        p.open_until, p.probing = self.clock() + self.open_for, False
+        if not p.open_until:
+            self.opened += 1
+        p.open_until = now + self.open_for
 
     def hedge_after(self, peer: str) -> float:
         """Seconds to wait for `peer` before the next owner is asked too."""
@@ -77,7 +80,12 @@ class PeerHealth:
         return min(self.cap, max(self.floor, p.mean + 4 * p.dev))
 
     def forget(self, peer: str) -> None:
-        self.peers.pop(peer, None)
+        p = self.peers.pop(peer, None)
+        if p is not None and p.open_until:
+            self.opened -= 1
 
     def open_peers(self) -> int:
-        return sum(1 for p in self.peers.values() if p.open_until)
+        return self.opened
+
+
+_NONE: set[str] = set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quilld.cluster.dir_entries import BLOCK, KEY
+from quilld.cluster.dir_entries import BLOCK, KEY, key_shard
 
 if TYPE_CHECKING:
     from quilld.cluster.directory import Directory
@@ -36,15 +36,24 @@ class LookupRun:
         self.trips = self.rounds = 0
         self.misses = self.unreachable = 0
 
-    def asks(self, now: float) -> dict[str, list]:
-        """The owners to ask this round, each with its items; empty once the lookup is done."""
+    def asks(self, now: float, avoid: frozenset[str] | set[str] = frozenset()) -> dict[str, list]:
+        """The owners to ask this round, each with its items; empty once the lookup is done.
+        `avoid`: owners to ask an item of only once none of its other owners is left (their
+        breakers are open, breaker.py); empty on the common path, which then costs nothing more."""
         self._pending = [i for i in self._again if i not in self._full] if self.rounds else self._pending
         self._again = []
         if not self._pending:
             return {}
         pending, me = self._pending, self.d.node_id
-        plan = self.d.plan([self.items[i] for i in pending],
-                           {j: self._asked.get(i, set()) for j, i in enumerate(pending)}, now)
+        asked = {j: self._asked.get(i, set()) for j, i in enumerate(pending)}
+        if avoid:
+            for j, i in enumerate(pending):
+                item = self.items[i]
+                left = [o for o in self.d.owners_to_ask(key_shard(item[1]) if item[0] == KEY else item[1])
+                        if o not in asked[j]]
+                if any(o not in avoid for o in left):
+                    asked[j] = asked[j] | (avoid & set(left))
+        plan = self.d.plan([self.items[i] for i in pending], asked, now)
         for j, (answer, partial) in plan.local.items():
             i = pending[j]
             self._asked.setdefault(i, set()).add(me)

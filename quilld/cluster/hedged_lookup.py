@@ -1,7 +1,7 @@
 """The asyncio driver of a directory lookup (`LookupRun`), with per-peer failure detection.
 
-Each round asks its owners at once. An owner whose breaker is open (breaker.py) is not asked:
-its items go to the next owner in the same lookup. An owner that has not answered within its
+Each round asks its owners at once. An owner whose breaker is open (breaker.py) is asked an
+item only once no other owner of it is left (`LookupRun.asks`' `avoid`). An owner that has not answered within its
 hedge delay (`PeerHealth.hedge_after`) is given up on for this round, so the next owner is
 asked too (a hedge); its call goes on, and if it answers before the lookup ends its reply is
 merged in (`LookupRun.late`). Only when an item still has no holder once no owner is left is
@@ -30,16 +30,9 @@ async def drive(run: LookupRun, call: Call, health: PeerHealth, timeout: float, 
     """Run `run` to its end: `call(owner, msg(items), timeout)` per owner per round. Calls still
     out when the lookup ends are kept in `keep` until they finish (their outcome still counts)."""
     slow: list[tuple[asyncio.Task, list[tuple[int, int]]]] = []
-    while asks := run.asks(time.monotonic()):
-        tasks: dict[str, asyncio.Task] = {}
-        for owner, items in asks.items():
-            if not health.allow(owner):
-                stats["lookup_breaker_skips"] += 1
-                run.took(owner, None)
-                continue
-            tasks[owner] = asyncio.ensure_future(_timed(call, owner, msg(items), timeout, health))
-        if not tasks:
-            continue
+    while asks := run.asks(time.monotonic(), health.avoid()):
+        tasks = {owner: asyncio.ensure_future(_timed(call, owner, msg(items), timeout, health))
+                 for owner, items in asks.items()}
         wait = max(health.hedge_after(o) for o in tasks)
         done, _ = await asyncio.wait(tasks.values(), timeout=wait)
         for owner, task in tasks.items():

@@ -225,7 +225,7 @@ CLUSTER_HELP = {
                                          "(every owner asked failed or was still filling).",
     "cluster_lookup_hedged": "Directory lookup calls not answered within the owner's hedge delay (the next owner asked too).",
     "cluster_lookup_hedges_won": "Hedged directory lookups answered before the slow owner did.",
-    "cluster_lookup_breaker_skips": "Directory lookup calls skipped because the owner's circuit breaker was open.",
+    "cluster_lookup_breaker_skips": "Directory lookup rounds that passed over an owner whose circuit breaker was open.",
     "cluster_peer_breaker_opens": "Times a peer's circuit breaker opened (a lookup call to it failed or timed out).",
     "cluster_peer_breakers_open": "Peers whose circuit breaker is open now.",
     "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
