@@ -195,6 +195,10 @@ class ClusterConfig:
     directory_group_blocks: int = 32  # blocks of a prompt whose entries share owners (one lookup)
     directory_weighted: bool = False  # members own buckets in proportion to their DRAM capacity
     directory_anti_entropy_ms: int = 30_000  # how often a holder compares digests with each owner
+    lookup_timeout_ms: int = 1000  # a directory lookup's call to one owner fails after this (its breaker opens)
+    hedge_floor_ms: int = 30  # a lookup asks the next owner too after at least this (else the owner's p99 estimate)
+    hedge_max_ms: int = 1000  # ... and at most this
+    breaker_open_ms: int = 1000  # an owner that failed is skipped this long, then one probe call
 
 
 @dataclass(frozen=True)
@@ -378,6 +382,9 @@ class Config:
         passwords = bool(self.security.requirepass or self.security.users_file)
         if c.transfer not in TRANSFERS:
             raise ConfigError(f"cluster.transfer must be one of {', '.join(TRANSFERS)}, got {c.transfer!r}")
+        for name in ("lookup_timeout_ms", "hedge_floor_ms", "hedge_max_ms", "breaker_open_ms"):
+            if getattr(c, name) < 1:
+                raise ConfigError(f"cluster.{name} must be at least 1, got {getattr(c, name)}")
         if c.directory_replicas < 1:
             raise ConfigError(f"cluster.directory_replicas must be at least 1, got {c.directory_replicas}")
         b = c.directory_buckets

@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from quilld import __version__
+from quilld.cluster.breaker import PeerHealth
 from quilld.cluster.dir_link import DirectoryLink
 from quilld.cluster.directory import Directory, DirectorySettings
 from quilld.cluster.engines_sync import EngineSync
@@ -101,6 +102,9 @@ class Cluster:
         self.transfers = Transfers(self.cfg.transfer, self.pool)
         self.directory = Directory(node_id, directory_settings(cfg))
         self.link = DirectoryLink(self.directory, scopes, hello, self.addresses)
+        self.link.health = PeerHealth(time.monotonic, self.link.stats, self.cfg.hedge_floor_ms,
+                                      self.cfg.hedge_max_ms, self.cfg.breaker_open_ms)
+        self.link.lookup_timeout = self.cfg.lookup_timeout_ms / 1000
         self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
         self.members: dict[str, float] = {node_id: 1.0}  # live (alive or suspect) members -> weight
         self.suspects: set[str] = set()  # peers gossip suspects now
@@ -283,6 +287,7 @@ class Cluster:
             self.link.pool.drop(*addr)
         self.peer_meta.pop(peer, None)
         self.transfers.peer_gone(peer)
+        self.link.health.forget(peer)
         self.members.pop(peer, None)
         now = time.monotonic()
         dropped = self.directory.holder_gone(peer, now)
@@ -394,6 +399,11 @@ class Cluster:
                 ("cluster_lookup_failures", link["lookup_failures"]),
                 ("cluster_lookup_misses", link["lookup_misses"]),
                 ("cluster_lookup_misses_unreachable", link["lookup_misses_unreachable"]),
+                ("cluster_lookup_hedged", link["lookup_hedged"]),
+                ("cluster_lookup_hedges_won", link["lookup_hedges_won"]),
+                ("cluster_lookup_breaker_skips", link["lookup_breaker_skips"]),
+                ("cluster_peer_breaker_opens", link["breaker_opens"]),
+                ("cluster_peer_breakers_open", self.link.health.open_peers()),
                 ("cluster_route_lookups", link["routes"]),
                 ("cluster_route_owner_round_trips", link["route_owner_trips"]),
                 ("cluster_route_second_waves", link["route_second_waves"]),

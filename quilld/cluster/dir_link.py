@@ -35,7 +35,9 @@ from typing import Any, Callable
 import msgpack
 
 from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.breaker import PeerHealth
 from quilld.cluster.dir_lookup import LookupRun, union
+from quilld.cluster.hedged_lookup import drive
 from quilld.cluster.directory import BATCH, LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
@@ -109,6 +111,8 @@ class DirectoryLink:
         self._kicked = False
         self._inflight: set[asyncio.Task] = set()
         self._barriers: list[tuple[dict[str, int], asyncio.Future]] = []
+        self.health = PeerHealth(time.monotonic, self.stats)  # per-peer breakers and hedge delays (lookups)
+        self.lookup_timeout = CALL_TIMEOUT  # seconds a lookup's call to one owner may take
         self.placements = 0  # changes placed so far (the server shell compares it around a batch)
         directory.key_changed = self._key_changed
         scopes.on_release.append(self._released)
@@ -213,14 +217,14 @@ class DirectoryLink:
                 keep.append((barrier, fut))
         self._barriers = keep
 
-    async def call(self, dest: str, msg: tuple) -> Any:
+    async def call(self, dest: str, msg: tuple, timeout: float = CALL_TIMEOUT) -> Any:
         """One request to `dest`'s directory; its reply (raises QuillError when it failed)."""
         addr = self.addresses.get(dest)
         if addr is None:
             raise PeerError(f"no address for {dest}")
         conn = await self.pool.acquire(*addr)
         try:
-            reply = await conn.call("DIR", self.node_id, pack(msg), timeout=CALL_TIMEOUT)
+            reply = await conn.call("DIR", self.node_id, pack(msg), timeout=timeout)
         finally:
             self.pool.release(conn)
         if not isinstance(reply, bytes):
@@ -300,16 +304,8 @@ class DirectoryLink:
         [(holder, code)], for a segment [[(holder, code)] per block]. `counted` false: a view's
         look (the status page's), left out of the lookup and miss counts, which are reads'."""
         run = LookupRun(self.d, items)
-        while asks := run.asks(time.monotonic()):
-            owners = list(asks)
-            replies = await asyncio.gather(*(self.call(o, (LOOKUP, asks[o])) for o in owners), return_exceptions=True)
-            for owner, reply in zip(owners, replies):
-                if isinstance(reply, BaseException):
-                    if not isinstance(reply, (QuillError, ValueError, TypeError)):
-                        raise reply
-                    self.stats["lookup_failures"] += 1
-                    reply = None
-                run.took(owner, reply)
+        await drive(run, self.call, self.health, self.lookup_timeout, lambda asked: (LOOKUP, asked), self.stats,
+                    self._inflight)
         out = run.answers()
         if not counted:
             return out, run.trips

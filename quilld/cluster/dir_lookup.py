@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quilld.cluster.dir_entries import BLOCK, KEY
+from quilld.cluster.dir_entries import BLOCK, KEY, key_shard
 
 if TYPE_CHECKING:
     from quilld.cluster.directory import Directory
@@ -36,15 +36,24 @@ class LookupRun:
         self.trips = self.rounds = 0
         self.misses = self.unreachable = 0
 
-    def asks(self, now: float) -> dict[str, list]:
-        """The owners to ask this round, each with its items; empty once the lookup is done."""
+    def asks(self, now: float, avoid: frozenset[str] | set[str] = frozenset()) -> dict[str, list]:
+        """The owners to ask this round, each with its items; empty once the lookup is done.
+        `avoid`: owners to ask an item of only once none of its other owners is left (their
+        breakers are open, breaker.py); empty on the common path, which then costs nothing more."""
         self._pending = [i for i in self._again if i not in self._full] if self.rounds else self._pending
         self._again = []
         if not self._pending:
             return {}
         pending, me = self._pending, self.d.node_id
-        plan = self.d.plan([self.items[i] for i in pending],
-                           {j: self._asked.get(i, set()) for j, i in enumerate(pending)}, now)
+        asked = {j: self._asked.get(i, set()) for j, i in enumerate(pending)}
+        if avoid:
+            for j, i in enumerate(pending):
+                item = self.items[i]
+                left = [o for o in self.d.owners_to_ask(key_shard(item[1]) if item[0] == KEY else item[1])
+                        if o not in asked[j]]
+                if any(o not in avoid for o in left):
+                    asked[j] = asked[j] | (avoid & set(left))
+        plan = self.d.plan([self.items[i] for i in pending], asked, now)
         for j, (answer, partial) in plan.local.items():
             i = pending[j]
             self._asked.setdefault(i, set()).add(me)
@@ -59,8 +68,30 @@ class LookupRun:
             self._pending = []
         return plan.asks
 
+    def route_of(self, owner: str) -> list[tuple[int, int]]:
+        """This round's items asked of `owner`: (item, index in its ask), for a late reply."""
+        return [(i, k) for i, (o, k) in self._route.items() if o == owner]
+
+    def late(self, route: list[tuple[int, int]], reply: tuple) -> None:
+        """The reply of an owner an earlier round gave up waiting for (the lookup hedged to the
+        next owner): what it holds is merged in, nothing is asked again."""
+        for i, k in route:
+            answer, partial = reply[1][k]
+            self._answers[i] = merge(self.items[i][0], self._answers.get(i), answer)
+            if not partial:
+                self._full.add(i)
+
+    def unresolved(self) -> bool:
+        """Whether some item has no holder yet that no owner answered fully."""
+        for i, item in enumerate(self.items):
+            answer = self._answers.get(i)
+            if i not in self._full and not (answer and (item[0] != BLOCK or any(answer))):
+                return True
+        return False
+
     def took(self, owner: str, reply: tuple | None) -> None:
-        """`owner`'s reply to this round's LOOKUP (None: it failed or could not be reached)."""
+        """`owner`'s reply to this round's LOOKUP (None: it failed, could not be reached, or
+        was given up on for now: the lookup hedged to the next owner)."""
         for i, (o, k) in self._route.items():
             if o != owner:
                 continue

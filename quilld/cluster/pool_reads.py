@@ -30,7 +30,7 @@ from quilld.cluster.dir_link import DirectoryLink
 from quilld.cluster.peer_client import PeerError
 from quilld.cluster.transfer import Transfers
 from quilld.config import ClusterConfig
-from quilld.errors import QuillError
+from quilld.errors import OutOfMemory, QuillError
 from quilld.model import CacheTier, IdentityScope, Pinned
 from quilld.tiers.expiry import MAX_DEADLINE_MS, now_ms
 from quilld.tiers.keyspace import Keyspace
@@ -103,11 +103,12 @@ class PoolReads:
             if block is not None:  # called again (a fallback to TCP): the first reservation goes
                 store.discard(block)
                 block = None
-            if length <= store.inline_max:
-                buf = bytearray(length)
-                return memoryview(buf)
-            block = store.reserve(length)
-            return store.write_view(block)
+            if length > store.inline_max:
+                block = self._room(length)
+                if block is not None:
+                    return store.write_view(block)
+            buf = bytearray(length)
+            return memoryview(buf)
 
         addr = self.addresses.get(peer)
         if addr is None:
@@ -145,6 +146,17 @@ class PoolReads:
         self.observe_fetch(elapsed)
         return block, buf, expires
 
+    def _room(self, length: int) -> Any:
+        """An arena block for a fetched value of `length` bytes, or None when DRAM has no room
+        free or evictable now: the value is then read into plain memory, answered and not kept
+        (a copy for later never costs the read that asked for it, nor waits for the demoter)."""
+        try:
+            return self.keyspace.reserve(length)
+        except OutOfMemory:
+            if self.cfg.keep_fetched:
+                self.stats["pool_keep_skipped"] += 1
+            return None
+
     def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | bytes | None, expires: int) -> bytes | Pinned:
         """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does
         (a peer's expiry is range-checked here, the one way it enters this node's keyspace)."""
@@ -155,7 +167,14 @@ class PoolReads:
         in_time = expires == -1 or now_ms() < expires <= MAX_DEADLINE_MS  # (or expired on the way)
         if not (self.cfg.keep_fetched and in_time):
             return value if block is None else Pinned(store.view(block), lambda: store.discard(block))
-        store.publish(tag, key, value)
+        if block is None and len(value) > store.inline_max:  # no room was free for it: answered only
+            return value
+        try:
+            store.publish(tag, key, value)
+        except OutOfMemory:  # an inline value DRAM has no room for now: answered, not kept
+            self.stats["pool_keep_skipped"] += 1
+            return value
+        self.stats["pool_kept"] += 1
         if expires != -1:
             store.set_expire(tag, key, expires)
         return value if block is None else store.pinned(block)
@@ -241,8 +260,8 @@ class PoolReads:
                 continue
             self.stats["peer_fetches"] += 1
             self.stats["peer_fetch_bytes"] += len(value)
-            if len(value) > self.keyspace.inline_max:  # larger than the directory said: into the arena
-                block = self.keyspace.reserve(len(value))
+            block = self._room(len(value)) if len(value) > self.keyspace.inline_max else None
+            if block is not None:  # larger than the directory said: into the arena, if there is room
                 self.keyspace.write_view(block)[:] = value
                 block.crc = crc
                 out.append(self._deliver(tag, key, block, None, expires))

@@ -188,7 +188,9 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_pool_read_hits", "cluster_pool_read_errors", "cluster_pool_read_ask_failures",
                     "cluster_pool_read_batches", "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
                     "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_lookup_misses",
-                    "cluster_lookup_misses_unreachable", "cluster_route_lookups",
+                    "cluster_lookup_misses_unreachable", "cluster_lookup_hedged", "cluster_lookup_hedges_won",
+                    "cluster_lookup_breaker_skips", "cluster_peer_breaker_opens", "cluster_peer_breakers_open",
+                    "cluster_route_lookups",
                     "cluster_route_owner_round_trips", "cluster_directory_requests",
                     "cluster_directory_message_failures", "cluster_peer_connection_waits",  # the link's
                     *(f"cluster_directory_{k}" for k in (
@@ -221,6 +223,11 @@ CLUSTER_HELP = {
     "cluster_lookup_misses": "Directory lookup items with no holder, answered so by an owner.",
     "cluster_lookup_misses_unreachable": "Directory lookup items with no holder because no owner could answer "
                                          "(every owner asked failed or was still filling).",
+    "cluster_lookup_hedged": "Directory lookup calls not answered within the owner's hedge delay (the next owner asked too).",
+    "cluster_lookup_hedges_won": "Hedged directory lookups answered before the slow owner did.",
+    "cluster_lookup_breaker_skips": "Directory lookup rounds that passed over an owner whose circuit breaker was open.",
+    "cluster_peer_breaker_opens": "Times a peer's circuit breaker opened (a lookup call to it failed or timed out).",
+    "cluster_peer_breakers_open": "Peers whose circuit breaker is open now.",
     "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
     "cluster_directory_ae_repairs": "Buckets replaced after an anti-entropy digest differed.",
     "cluster_directory_message_failures": "Directory messages to a peer (batches, lookups, copies, digests) that "

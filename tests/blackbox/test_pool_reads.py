@@ -268,3 +268,30 @@ def _end_group(pgid: int, terminate: bool, timeout: float = 15.0) -> None:
     except ProcessLookupError:
         return
 
+
+
+def test_a_full_dram_with_keep_fetched_answers_every_peer_read(cluster):
+    """Issue 32, item 2: on a node whose DRAM is full, a block fetched from a peer is answered
+    (from plain memory) and not kept; nothing is evicted or waited for, and it is counted."""
+    cluster.start("a")
+    cluster.start("b", ["a"])
+    a, b = cluster.client("a"), cluster.client("b")
+    until(lambda: members(b) == {"a": "alive", "b": "alive"}, 15, "two members")
+    blocks = {f"blk{i}": os.urandom(MiB) for i in range(24)}
+    for k, v in blocks.items():
+        a.set(k, v)
+    until(lambda: all("a" in holders(b, k) for k in blocks), 10, "b's directory to list a's blocks")
+    b.config_set("maxmemory-policy", "noeviction")
+    b.config_set("maxmemory", str(16 * MiB))
+    filled = 0
+    with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+        for i in range(64):  # b's own values until DRAM takes no more
+            b.set(f"own{i}", os.urandom(MiB))
+            filled += 1
+    assert filled >= 8
+    got = [b.get(k) for k in blocks] + [b.execute_command("GETBLK", k) for k in blocks]
+    assert got == list(blocks.values()) * 2, f"{sum(v is None for v in got)} of {len(got)} peer reads missed"
+    assert b.mget(list(blocks)) == list(blocks.values())
+    info = cluster_info(b)
+    assert info["cluster_pool_keep_skipped"] >= len(blocks)
+    assert all(b.exists(f"own{i}") for i in range(filled)), "a copy for later evicted b's own values"

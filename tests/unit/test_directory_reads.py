@@ -23,7 +23,7 @@ class WiredLink(DirectoryLink):
     peers: dict[str, DirectoryLink]
     down: set[str]
 
-    async def call(self, dest, msg):
+    async def call(self, dest, msg, timeout=5.0):
         if dest in self.down:
             raise PeerError(f"connection to {dest} refused")
         self.stats["requests"] += 1
