@@ -27,6 +27,7 @@ event loop (they run in a thread, which still takes the GIL in turns).
     python bench/gateway_ttft_bench.py                     # ~1 min
     python bench/gateway_ttft_bench.py --requests 100 --tokens 32768
     python bench/gateway_ttft_bench.py --tree /tmp/old     # the gateway of another source tree
+    python bench/gateway_ttft_bench.py --plot ttft.png     # also the figure (the `bench` extra)
 
 The prompts share their system prompt, so from the second request on the gateway finds its
 pieces' token ids kept (quilld/http/token_segments.py): the figure is that of a shared system
@@ -52,6 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from procs import free_port, stop_process as stop, wait_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from plot import Panel, add_flag, save  # noqa: E402
 
 FAMILY = ROOT / "tests" / "fixtures" / "chat_render" / "llama31"
 HEADERS = {"Content-Type": "application/json"}
@@ -111,8 +115,9 @@ async def ttft(session: aiohttp.ClientSession, url: str, data: bytes) -> float:
     return t * 1000
 
 
-async def sizes(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> None:
-    """`urls`: path name -> (URL, model)."""
+async def sizes(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict[int, dict[str, tuple]]:
+    """`urls`: path name -> (URL, model). Returns tokens -> path name -> (p50, p99) in ms."""
+    results: dict[int, dict[str, tuple[float, float]]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         small = "You are a careful assistant. " * 8
         for i in range(50):  # warm the pools, the family's tokenizer and template
@@ -135,7 +140,24 @@ async def sizes(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> N
                 p50, p99 = pct(times[name], 50), pct(times[name], 99)
                 added = "" if name == "direct" else f"{p50 - d50:10.3f} {p99 - d99:10.3f}"
                 print(f"  {name:28} {p50:8.3f} {p99:8.3f} {added}")
+            results[n] = {name: (pct(times[name], 50), pct(times[name], 99)) for name in urls}
             await loop_check(session, urls, system, max(20, args.requests // 2))
+    return results
+
+
+def plot(path: str, results: dict[int, dict[str, tuple[float, float]]], requests: int) -> None:
+    """One panel per prompt size: p50 and p99 TTFT of each path; over each gateway path, what it
+    adds to straight-to-the-engine at p50."""
+    panels = []
+    for tokens, paths in results.items():
+        names = list(paths)
+        direct = paths["direct"][0]
+        panels.append(Panel(f"{tokens:,} tokens", names, {"p50": [paths[n][0] for n in names],
+                                                          "p99": [paths[n][1] for n in names]}, "TTFT (ms)",
+                            ["" if n == "direct" else f"+{paths[n][0] - direct:.1f} ms" for n in names]))
+    save(path, panels, "Gateway time to first token, long chat prompts",
+         f"{requests} sequential streaming requests per path and size; fake engines with no delay, so the "
+         "gap to 'direct' is the gateway's own time")
 
 
 async def loop_check(session: aiohttp.ClientSession, urls: dict[str, tuple[str, str]], system: str,
@@ -179,6 +201,7 @@ def main() -> None:
                    help="prompt sizes in tokens, comma-separated")
     p.add_argument("--tree", type=Path, default=ROOT, help="run the quilld of this source tree (default: this "
                    "one), for old-against-new runs")
+    add_flag(p)
     args = p.parse_args()
     _install_uvloop()
     tok_port, chars_port, gw_port, port, admin = (free_port() for _ in range(5))
@@ -205,7 +228,9 @@ def main() -> None:
                     "gateway, chars (no tokenizer)": (f"http://127.0.0.1:{gw_port}{path}", "chars-model"),
                     "gateway, tok (engine hashes)": (f"http://127.0.0.1:{gw_port}{path}", "tok-model")}
             print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores")
-            asyncio.run(sizes(urls, args))
+            results = asyncio.run(sizes(urls, args))
+            if args.plot:
+                plot(args.plot, results, args.requests)
         finally:
             for proc in procs:
                 stop(proc)

@@ -170,7 +170,7 @@ CLUSTER_GAUGES = ("cluster_enabled", "cluster_members", "cluster_members_alive",
                   "cluster_members_dead", "cluster_members_left", "cluster_directory_replicas",
                   "cluster_directory_entries_owned", "cluster_directory_buckets_owned", "cluster_directory_entries_held",
                   "cluster_directory_handoffs_in_flight", "cluster_directory_buckets_filling",
-                  "cluster_engines_known", "cluster_engines_homed")
+                  "cluster_engines_known", "cluster_engines_homed", "cluster_peer_breakers_open")
 CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_peer_fetch_usec", "cluster_peer_fetch_errors", "cluster_peer_fetch_stale",
                     "cluster_peer_fetch_checksum_failures", "cluster_members_without_address",
@@ -186,10 +186,11 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                         "push_pull_refused", "push_pull_served", "push_pull_skipped")),
                     "cluster_peers_declared_dead", "cluster_peers_left", "cluster_pool_reads",
                     "cluster_pool_read_hits", "cluster_pool_read_errors", "cluster_pool_read_ask_failures",
-                    "cluster_pool_read_batches", "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
+                    "cluster_pool_read_batches", "cluster_pool_kept", "cluster_pool_keep_skipped",
+                    "cluster_lookups", "cluster_lookups_local", "cluster_lookups_one_hop",
                     "cluster_lookups_two_hops", "cluster_lookup_failures", "cluster_lookup_misses",
                     "cluster_lookup_misses_unreachable", "cluster_lookup_hedged", "cluster_lookup_hedges_won",
-                    "cluster_lookup_breaker_skips", "cluster_peer_breaker_opens", "cluster_peer_breakers_open",
+                    "cluster_lookup_breaker_skips", "cluster_peer_breaker_opens",
                     "cluster_route_lookups",
                     "cluster_route_owner_round_trips", "cluster_directory_requests",
                     "cluster_directory_message_failures", "cluster_peer_connection_waits",  # the link's
@@ -228,6 +229,9 @@ CLUSTER_HELP = {
     "cluster_lookup_breaker_skips": "Directory lookup rounds that passed over an owner whose circuit breaker was open.",
     "cluster_peer_breaker_opens": "Times a peer's circuit breaker opened (a lookup call to it failed or timed out).",
     "cluster_peer_breakers_open": "Peers whose circuit breaker is open now.",
+    "cluster_pool_kept": "Peer-fetched values kept in this node's DRAM for later reads (cluster.keep_fetched).",
+    "cluster_pool_keep_skipped": "Peer-fetched values served but not kept: keeping them would have evicted "
+                                 "or exceeded maxmemory.",
     "cluster_route_owner_round_trips": "Owner round trips of ROUTE lookups (divide by cluster_route_lookups).",
     "cluster_directory_ae_repairs": "Buckets replaced after an anti-entropy digest differed.",
     "cluster_directory_message_failures": "Directory messages to a peer (batches, lookups, copies, digests) that "

@@ -232,3 +232,16 @@ def test_restore_freeze_and_holds_draw_what_they_print(saved):
     hold, put = saved[-1]["panels"]
     assert hold.categories == ["p50", "p99", "max"] and hold.series == {"quilld": [0.2, 4.6, 12.0]}
     assert put.series == {"quilld": [15, 62.0]}
+
+
+def test_gateway_ttft_bench_draws_each_size_with_what_the_gateway_adds(saved):
+    results = {4083: {"direct": (1.0, 2.0), "gateway, chars (no tokenizer)": (1.9, 3.5),
+                      "gateway, tok (engine hashes)": (5.8, 9.7)},
+               32806: {"direct": (2.0, 3.0), "gateway, chars (no tokenizer)": (3.5, 5.2),
+                       "gateway, tok (engine hashes)": (11.6, 16.2)}}
+    bench("gateway_ttft_bench").plot("x.png", results, 100)
+    small, large = saved[-1]["panels"]
+    assert small.categories == list(results[4083]) and small.series["p99"] == [2.0, 3.5, 9.7]
+    assert large.series["p50"] == [2.0, 3.5, 11.6]
+    assert small.labels == ["", "+0.9 ms", "+4.8 ms"] and large.labels[2] == "+9.6 ms"
+    assert "100 sequential" in saved[-1]["note"]
