@@ -105,21 +105,32 @@ def _batches(lane: list[tuple[bytes, int, memoryview]], chunk_size: int) -> list
 
 
 def put_blocks(client: QuillClient, items: Iterable | Mapping, chunk_size: int, parallelism: int,
-               round_bytes: int, lease_ms: int | None) -> list[bool]:
+               round_bytes: int, lease_ms: int | None, hashes: list[tuple[Any, Any]] | None = None) -> list[bool]:
     pairs = items.items() if isinstance(items, Mapping) else items
     blocks = [(key, as_readable(data)) for key, data in pairs]
     stored = [False] * len(blocks)
     for lo, hi in _rounds([v.nbytes for _, v in blocks], round_bytes):
-        _put_round(client, blocks, lo, hi, stored, chunk_size, parallelism, lease_ms)
+        _put_round(client, blocks, lo, hi, stored, chunk_size, parallelism, lease_ms, hashes)
     return stored
 
 
+def _chain(hashes: list[tuple[Any, Any]] | None, i: int) -> tuple:
+    """BEGIN's HASH and PARENT options for block `i`."""
+    if hashes is None:
+        return ()
+    h, parent = hashes[i]
+    return ("HASH", h) if parent is None else ("HASH", h, "PARENT", parent)
+
+
 def _put_round(client: QuillClient, blocks: list, lo: int, hi: int, stored: list[bool], chunk_size: int,
-               parallelism: int, lease_ms: int | None) -> None:
-    if sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size and _put_whole(client, blocks, lo, hi, stored):
+               parallelism: int, lease_ms: int | None, hashes: list[tuple[Any, Any]] | None = None) -> None:
+    # MPUTBLK names no engine hashes: blocks that carry them always BEGIN
+    if (hashes is None and sum(blocks[i][1].nbytes for i in range(lo, hi)) <= chunk_size
+            and _put_whole(client, blocks, lo, hi, stored)):
         return
     lease = ("LEASE", lease_ms) if lease_ms is not None else ()
-    begins = [("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease) for i in range(lo, hi)]
+    begins = [("PUT2PHASE", "BEGIN", blocks[i][0], blocks[i][1].nbytes, *lease, *_chain(hashes, i))
+              for i in range(lo, hi)]
     try:
         replies = _raw_pipeline(client, begins, take_bulks=True)
     except QuillConnectionError:  # BEGIN again, with redis-py's retries (a lost reply's space is leased)

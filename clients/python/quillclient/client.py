@@ -332,23 +332,30 @@ class QuillClient:
         return [r == 1 for r in self._pipeline([("EXISTS", k) for k in keys])]
 
     def put_blocks(self, items: Mapping | Iterable[tuple[Any, Any]], *, chunk_size: int | None = None,
-                   parallelism: int | None = None, lease_ms: int | None = None) -> list[bool]:
+                   parallelism: int | None = None, lease_ms: int | None = None,
+                   hashes: Sequence[tuple[int | str, int | str | None]] | None = None) -> list[bool]:
         """Store many blocks with PUT2PHASE: chunked DATA in parallel, COMMIT with CRC32C.
 
         `items` is a mapping or (key, data) pairs; a data that is a list of buffers is one
-        block, their concatenation (`quillclient.segments`). Returns, per item, True if it
+        block, their concatenation (`quillclient.segments`). `hashes`, parallel to the items:
+        each block's engine hash and the hash of the block before it in its chain (None: none),
+        sent as BEGIN's HASH and PARENT so ROUTE credits the copies. Returns, per item, True if it
         was stored and False if the key was already complete (`+EXISTS`; its
         value is kept). See `quillclient.blocks` for the failure rules.
         """
         cfg = self.config
         pairs = [(key, segments.readable(data)) for key, data in (items.items() if isinstance(items, Mapping)
                                                                    else items)]
+        chain = None if hashes is None else list(hashes)
+        if chain is not None and len(chain) != len(pairs):
+            raise ValueError(f"{len(pairs)} blocks but {len(chain)} hashes")
         pool = self._shm_pool()
         if pool is not None:  # written in place through the mapping, committed with their CRC32C
-            return shm.put_blocks(pool, pairs, cfg.lease_ms if lease_ms is None else lease_ms, cfg.put_round_bytes)
+            return shm.put_blocks(pool, pairs, cfg.lease_ms if lease_ms is None else lease_ms, cfg.put_round_bytes,
+                                  chain)
         pairs = [(key, data.joined() if isinstance(data, segments.Segments) else data) for key, data in pairs]
         return blocks.put_blocks(self, pairs, chunk_size or cfg.chunk_size, parallelism or cfg.parallelism,
-                                 cfg.put_round_bytes, cfg.lease_ms if lease_ms is None else lease_ms)
+                                 cfg.put_round_bytes, cfg.lease_ms if lease_ms is None else lease_ms, chain)
 
     # -- placement and routing ----------------------------------------------
 

@@ -454,9 +454,10 @@ def get_many(pool: ShmPool, keys: Sequence, views: Sequence[memoryview | Segment
 # -- writes --------------------------------------------------------------------
 
 def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], lease_ms: int | None,
-               round_bytes: int) -> list[bool]:
+               round_bytes: int, hashes: list[tuple[Any, Any]] | None = None) -> list[bool]:
     """Store each (key, data) in place: SHM RESERVE for a round, copy (Segments: each piece in
-    turn), SHM COMMIT with the CRC32Cs.
+    turn), SHM COMMIT with the CRC32Cs. `hashes`: per block (engine hash, parent or None), sent
+    with SHM RESERVE CHAINED.
     Per block True if stored, False if the key was already complete."""
     stored = [False] * len(blocks)
     todo = list(range(len(blocks)))
@@ -466,17 +467,22 @@ def put_blocks(pool: ShmPool, blocks: list[tuple[Any, memoryview | Segments]], l
             total += blocks[todo[n]][1].nbytes
             n += 1
         # what the server could not reserve yet (its cap on a tenant's unfilled puts) goes in the next round
-        todo = _put_round(pool, blocks, todo[:n], stored, lease_ms or 0) + todo[n:]
+        todo = _put_round(pool, blocks, todo[:n], stored, lease_ms or 0, hashes) + todo[n:]
     return stored
 
 
-def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool], lease_ms: int) -> list[int]:
+def _put_round(pool: ShmPool, blocks: list, order: list[int], stored: list[bool], lease_ms: int,
+               hashes: list[tuple[Any, Any]] | None = None) -> list[int]:
     """RESERVE, copy and COMMIT `order`'s blocks; the ones to try again in another round."""
     conn = pool.acquire()  # not retried on a fresh connection: a RESERVE is not idempotent
     later: list[int] = []
     try:
-        reserved = conn.command(pack_command("SHM", "RESERVE", lease_ms, *(
-            arg for i in order for arg in (blocks[i][0], blocks[i][1].nbytes))))
+        if hashes is None:
+            reserve = [arg for i in order for arg in (blocks[i][0], blocks[i][1].nbytes)]
+        else:
+            reserve = ["CHAINED", *(arg for i in order for arg in (
+                blocks[i][0], blocks[i][1].nbytes, hashes[i][0], "" if hashes[i][1] is None else hashes[i][1]))]
+        reserved = conn.command(pack_command("SHM", "RESERVE", lease_ms, *reserve))
         handles: dict[int, bytes] = {}
         offsets: dict[int, int] = {}
         error: QuillError | None = None

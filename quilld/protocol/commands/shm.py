@@ -29,7 +29,8 @@
 - `SHM RELEASE slot [slot ...]` ends leases; the number it ended.
 
 Writes: `SHM RESERVE lease-ms key nbytes [key nbytes ...]` is PUT2PHASE BEGIN ... SHM
-(LEASE lease-ms; 0: the default) for N blocks in one command: per key `[handle, offset]`
+(LEASE lease-ms; 0: the default) for N blocks in one command (`SHM RESERVE lease-ms CHAINED key
+nbytes hash parent ...`: with each block's HASH and PARENT too): per key `[handle, offset]`
 (the region to write in place),
 `EXISTS` (complete already) or its error; `SHM COMMIT handle crc32c [handle crc32c ...]`
 commits them, each checked against its CRC32C over its whole region: per handle OK or
@@ -47,7 +48,8 @@ from quilld.config import map_user_names
 from quilld.errors import CommandError, NoPerm, OutOfMemory, QuillError
 from quilld.model import Pending
 from quilld.protocol.commands.batches import EXISTS, crc_arg
-from quilld.protocol.commands.common import acked, parse_int
+from quilld.index.route_request import parse_block_hash
+from quilld.protocol.commands.common import acked, parse_int, text
 from quilld.protocol.resp import OK, WithFds
 from quilld.protocol.table import FAST, READONLY, WRITE, CommandTable
 from quilld.tiers.block import Block
@@ -242,20 +244,36 @@ def cmd_shm_reserve(c, args):
     (lease-ms 0: blocks.default_lease_ms). When the first key cannot have its space (-OOM) the
     command fails as a whole, so that the server runs it again once space is freed (as a lone
     BEGIN); a later key's -OOM is its own item (the client puts it in its next round, once these
-    are committed)."""
-    if len(args) % 2 == 0:
+    are committed).
+
+    `RESERVE lease-ms CHAINED key nbytes hash parent [...]` also names each block's engine hash
+    and the hash of the block before it in its chain (empty: none), as PUT2PHASE BEGIN's HASH and
+    PARENT do, so ROUTE credits the copies. The two forms differ in arity (pairs after the lease,
+    or CHAINED and quads), so a key named CHAINED is never taken for the flag."""
+    chained = len(args) % 4 == 0 and len(args) > 4 and bytes(args[3]).upper() == b"CHAINED"
+    if not chained and len(args) % 2 == 0:
         raise CommandError("wrong number of arguments for 'shm|reserve' command")
     check_map(c, "SHM RESERVE")
     lease = parse_int(args[2]) or None
     limit = c.ctx.cfg.server.proto_max_bulk_len
-    sizes = [parse_int(args[i]) for i in range(4, len(args), 2)]
+    first, step = (4, 4) if chained else (3, 2)
+    sizes = [parse_int(args[i + 1]) for i in range(first, len(args), step)]
     if any(not 0 <= n <= limit for n in sizes):
         raise CommandError(f"block size must be within 0..{limit} bytes")
+    hashes: list = [None] * len(sizes)
+    if chained:
+        cluster = c.ctx.cluster
+        for n, i in enumerate(range(first, len(args), step)):
+            hashes[n] = parse_block_hash(text(args[i + 2]))
+            if len(args[i + 3]):
+                parent = parse_block_hash(text(args[i + 3]))
+                if cluster is not None:
+                    cluster.link.note_parent(c.tag, hashes[n], parent)
     puts, tag, user = c.puts, c.tag, c.user
     out: list = []
-    for n, i in enumerate(range(3, len(args), 2)):
+    for n, i in enumerate(range(first, len(args), step)):
         try:
-            handle = puts.begin(tag, bytes(args[i]), user, sizes[n], lease, in_place=True)
+            handle = puts.begin(tag, bytes(args[i]), user, sizes[n], lease, hashes[n], in_place=True)
         except OutOfMemory:
             if not out:
                 raise

@@ -41,6 +41,13 @@ def _put2phase_keys(argv: list) -> list[tuple[int, str]] | None:
     return []
 
 
+def _shm_reserve_keys(argv: list) -> list[tuple[int, str]] | None:
+    """SHM RESERVE's keys: every other argument after the lease, or every fourth after CHAINED."""
+    if len(argv) % 4 == 0 and len(argv) > 4 and bytes(argv[3]).upper() == b"CHAINED":
+        return [(i, "OW update") for i in range(4, len(argv), 4)]
+    return [(i, "OW update") for i in range(3, len(argv), 2)] if len(argv) % 2 else None
+
+
 _PEER_ONLY = "admin no_multi"  # a cluster peer's commands are never queued (peers send no MULTI)
 
 
@@ -251,8 +258,12 @@ QUILLCACHE = {
         complexity="O(N), N being the number of keys",
         flags="write denyoom no_multi",
         acl="string",
-        keys=(K("OW update", index=3, range=(-1, 2, 0)),),
+        getkeys=_shm_reserve_keys,
+        keys=(K("OW update incomplete", index=3, range=(-1, 2, 0),
+                notes="CHAINED key nbytes hash parent ...: every fourth argument from the fifth"),),
         args=(A("lease-ms", "integer", summary="the puts' lease (0: blocks.default_lease_ms)"),
+              A("chained", "pure-token", token="CHAINED", flags="optional",
+                summary="each block also names its engine hash and its parent's (empty: none)"),
               A("block", "block", flags="multiple", args=(A("key", "key", key_spec=0), A("nbytes", "integer")))),
     ),
     "shm|commit": D(
