@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
+from urllib.parse import parse_qs, unquote, urlsplit
 
 MiB = 1024 * 1024
 # CPUs that keep loads in order (TSO): there the generation check alone catches a stale
@@ -83,6 +85,56 @@ class ClientConfig:
         if self.scope is not None and not isinstance(self.scope, Scope):
             object.__setattr__(self, "scope", Scope(*self.scope))
 
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> ClientConfig:
+        """A config from `quill://[user[:password]@]host[:port][?model=M&tokenizer=T&adapter=A]`
+        (`redis://` is read alike). The query names the identity scope (none: the user's default
+        scope); `password_file=PATH` or `password_env=NAME` in the query read the password from a
+        file or the environment instead of the URL. Other query keys are ClientConfig fields
+        (`shared_memory=off`, `socket_timeout=10`); `overrides` win over all of it."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("quill", "redis"):
+            raise ValueError(f"{_safe(url)}: the scheme must be quill:// (or redis://), not {parts.scheme!r}://")
+        if not parts.hostname:
+            raise ValueError(f"{_safe(url)}: no host")
+        if parts.path not in ("", "/"):
+            raise ValueError(f"{_safe(url)}: a path means nothing here (quilld has one keyspace per scope): "
+                             "name the scope with ?model=...&tokenizer=...")
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        given: dict[str, Any] = {"host": parts.hostname}
+        try:
+            if parts.port is not None:
+                given["port"] = parts.port
+        except ValueError:
+            raise ValueError(f"{_safe(url)}: the port is not a number within 0..65535") from None
+        if parts.username:
+            given["username"] = unquote(parts.username)
+        if parts.password is not None:
+            given["password"] = unquote(parts.password)
+        password_file, password_env = query.pop("password_file", None), query.pop("password_env", None)
+        if password_file is not None:
+            try:
+                with open(password_file, encoding="utf-8") as f:
+                    given["password"] = f.read().strip()
+            except OSError as e:
+                raise ValueError(f"{_safe(url)}: password_file {password_file}: {e.strerror}") from None
+        if password_env is not None:
+            if password_env not in os.environ:
+                raise ValueError(f"{_safe(url)}: password_env names {password_env}, which is not set")
+            given["password"] = os.environ[password_env]
+        model, tokenizer, adapter = query.pop("model", None), query.pop("tokenizer", None), query.pop("adapter", "")
+        if model is not None or tokenizer is not None or adapter:
+            if not model:
+                raise ValueError(f"{_safe(url)}: a scope needs its model (?model=...)")
+            given["scope"] = Scope(model, tokenizer or "", adapter)
+        known = {f.name: f for f in fields(cls)}
+        for name, raw in query.items():
+            f = known.get(name)
+            if f is None or name in ("host", "port", "username", "password", "scope"):
+                raise ValueError(f"{_safe(url)}: unknown option {name!r}")
+            given[name] = _typed(name, raw, f.type)
+        return cls(**{**given, **overrides})
+
     def handshake(self) -> list[tuple]:
         """The commands that set a fresh connection up: AUTH, then SCOPE."""
         cmds: list[tuple] = []
@@ -91,3 +143,28 @@ class ClientConfig:
         if self.scope is not None:
             cmds.append(self.scope.command())
         return cmds
+
+
+def _safe(url: str) -> str:
+    """A URL fit for an error message or a log: its password left out."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _typed(name: str, raw: str, kind: Any) -> Any:
+    text = str(kind)
+    try:
+        if "bool" in text:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return raw.lower() in ("1", "true", "yes", "on")
+        if "int" in text:
+            return None if raw.lower() == "none" and "None" in text else int(raw)
+        if "float" in text:
+            return None if raw.lower() == "none" and "None" in text else float(raw)
+    except ValueError:
+        raise ValueError(f"option {name}={raw!r} is not a {text}") from None
+    return raw
