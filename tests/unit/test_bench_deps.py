@@ -23,7 +23,8 @@ BENCHES = sorted(p for p in (ROOT / "bench").glob("*_bench.py")) + [ROOT / "benc
 LOCAL = {"plot", "procs", "index_trace", "vs_redis", "vllm_schema", "netns", "netns_cluster", "quilld", "quillclient",
          "quillwire"}
 OPTIONAL = {"mooncake",  # --mooncake only, never a dependency (get_into_bench.py says how to install it)
-            "sglang", "torch"}  # SGLang's own classes when installed (docs/connectors.md); replayed without them
+            "sglang", "torch",  # SGLang's own classes when installed (docs/connectors.md); replayed without them
+            "vllm"}  # vllm_tier_bench.py: vLLM's own tiers, imported when it runs (.ci/run installs vLLM)
 # import name -> distribution where they differ, for a package this Python has not installed (the
 # test extra does not hold the bench extra: packages_distributions() knows installed ones only)
 DISTRIBUTION_OF = {"blart": "blart-py", "zmq": "pyzmq"}
