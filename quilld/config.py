@@ -264,7 +264,16 @@ class EngineConfig:
     # sha256 algos can be reproduced). A secret: never logged or shown, like api_key. The config file
     # and the API may give it as `hash_seed_file = "path"` or `hash_seed = "env:NAME"` (engine_from)
     hash_seed: str = field(default="", repr=False)
+    # how KV moves when it prefills for another engine (gateway_disagg.py): "pool", its connector
+    # writes the pool under the engine's block hashes and the gateway waits for what is missing;
+    # "nixl", engine to engine (vLLM's NixlConnector, P2P): the decode leg goes at once, no pool wait
+    kv_transfer: str = "pool"
 
+
+# how a prefill engine hands its KV to the decode engine (EngineConfig.kv_transfer)
+KV_TRANSFERS = ("pool", "nixl")
+KV_TRANSFERS_NOT_YET = {"mooncake": "Mooncake's connector (both legs at once, a bootstrap address)",
+                        "lmcache": "LMCache's PD mode (disagg_spec, the prefill pushing to the decode engine)"}
 
 # vLLM 0.33's --prefix-caching-hash-algo values (index/engine_hashes.py computes each)
 PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -541,6 +550,12 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
     if e.prefix_caching_hash_algo and e.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
         raise ConfigError(f"engine {e.id}: prefix_caching_hash_algo must be one of {', '.join(PREFIX_HASH_ALGOS)} "
                           f"(vLLM's --prefix-caching-hash-algo), got {e.prefix_caching_hash_algo!r}")
+    if e.kv_transfer in KV_TRANSFERS_NOT_YET:
+        raise ConfigError(f"engine {e.id}: kv_transfer = {e.kv_transfer!r} is not supported yet "
+                          f"({KV_TRANSFERS_NOT_YET[e.kv_transfer]}); use one of {', '.join(KV_TRANSFERS)}")
+    if e.kv_transfer not in KV_TRANSFERS:
+        raise ConfigError(f"engine {e.id}: kv_transfer must be one of {', '.join(KV_TRANSFERS)} "
+                          f"(pool: through quilld; nixl: engine to engine), got {e.kv_transfer!r}")
     if len(e.groups) > MAX_KV_GROUPS:
         raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
     for i, g in enumerate(e.groups):

@@ -23,6 +23,10 @@ When ROUTE's decision pairs a prefill engine with another engine that decodes
    them locally. Counted: handoffs on time, late, missing (and their blocks), the wait
    in `quilld_gateway_handoff_wait_seconds`. The decode request goes when the wait ends,
    whatever arrived: the decode engine recomputes what is missing.
+   A prefill engine with `kv_transfer = "nixl"` (vLLM's NixlConnector, P2P) keeps its KV
+   for the decode engine to read from it directly, as vLLM's toy proxy assumes: nothing is
+   in the pool, so there is no wait and no pull; the decode leg goes at once, counted as
+   `handoff_direct` (engine to engine).
 3. The decode engine gets the client's request with the `kv_transfer_params` the
    prefill answered (and `do_remote_prefill: true`) and its answer streams back, the
    decision headers (`x-quillcache-prefill-engine`, `-decode-engine`,
@@ -170,7 +174,13 @@ class Disaggregation:
             if attempts >= gw.cfg.max_attempts:
                 break
             dst = engine.locality or control.node_id
-            if not attempts:
+            if prefill.kv_transfer == "nixl":  # engine to engine: the decode engine reads the prefill's KV itself
+                if not attempts:
+                    counts["handoff_direct"] += 1
+                    handoff = f"kv_transfer=nixl engine-to-engine blocks={len(blocks)} waited_ms=0 from={prefill.id}"
+                else:
+                    counts["decode_retries"] += 1
+            elif not attempts:
                 handoff = await self._handoff(req, prefill, src, dst, scope, blocks, pulled)
             else:
                 counts["decode_retries"] += 1

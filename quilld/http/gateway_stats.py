@@ -43,7 +43,9 @@ COUNTERS = ("requests", "completed", "bad_requests", "unauthorized", "unknown_mo
             # disaggregated requests (engine roles): prefills, the handoff, the prefetch, decodes
             "disaggregated", "prefills", "prefill_failures", "prefill_fallbacks", "decode_retries",
             "handoff_on_time", "handoff_late", "handoff_missing", "handoff_blocks", "handoff_blocks_late",
-            "handoff_blocks_missing", "prefetches", "prefetch_blocks")
+            "handoff_blocks_missing", "prefetches", "prefetch_blocks",
+            # handoffs engine to engine (a prefill engine with kv_transfer = "nixl"): no pool wait
+            "handoff_direct")
 # handoff waits (seconds): from the prefill's answer until its blocks are in the pool (or the wait ends)
 HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -152,6 +154,7 @@ class GatewayStats:
             ("gateway_handoff_on_time", c["handoff_on_time"]),  # every block in the pool when the prefill answered
             ("gateway_handoff_late", c["handoff_late"]),  # ... after a wait
             ("gateway_handoff_missing", c["handoff_missing"]),  # ... not all within gateway.handoff_wait_ms
+            ("gateway_handoff_direct", c["handoff_direct"]),  # engine to engine (kv_transfer = "nixl"): no wait
             ("gateway_handoff_blocks", c["handoff_blocks"]),  # blocks checked
             ("gateway_handoff_blocks_late", c["handoff_blocks_late"]),
             ("gateway_handoff_blocks_missing", c["handoff_blocks_missing"]),

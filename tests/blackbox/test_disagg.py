@@ -12,6 +12,7 @@ package, streaming and not, on /v1/chat/completions and /v1/completions.
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -82,7 +83,7 @@ class Setup:
         return q
 
     def engine(self, name: str, role: str, node: str = "a", *args: str, register: bool = True,
-               locality: str = "") -> Engine:
+               locality: str = "", keys: dict | None = None) -> Engine:
         port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / p) for p in ("", "wire", "clients/python")))
         with open(self.tmp_path / f"engine-{name}.log", "wb") as log:
@@ -99,7 +100,7 @@ class Setup:
         if register:
             status, body = self.admin("POST", "/v1/engines", {"id": name, "url": f"http://127.0.0.1:{port}",
                                                               "model": "m", "tokenizer": "t", "role": role,
-                                                              "locality": locality})
+                                                              "locality": locality} | (keys or {}))
             assert status == 201, body
         return self.engines[name]
 
@@ -276,6 +277,38 @@ def test_blocks_that_never_land_are_counted_missing_and_recomputed(setup):
     stats = setup.gw_stats()
     assert stats["gateway_handoff_missing"] == 1 and stats["gateway_handoff_blocks_missing"] == n
     assert stats["gateway_handoff_wait_p99_ms"] >= 100  # it waited (bucket bounds: 0.1 s to 0.25 s)
+
+
+def test_an_engine_to_engine_pair_relays_kv_transfer_params_and_sends_the_decode_at_once(setup):
+    """A prefill engine registered with kv_transfer = "nixl" (vLLM's NixlConnector, P2P) writes
+    nothing to the pool: the decode leg goes at once with the prefill's kv_transfer_params, as
+    vLLM's toy proxy sends it, with no handoff wait, counted engine to engine; the pool kinds not
+    supported yet are refused with their names."""
+    setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "2000"})
+    p = setup.engine("p1", "prefill", keys={"kv_transfer": "nixl"})
+    d = setup.engine("d1", "decode")
+    p.control(write_kv=0)  # KV stays on the prefill engine, as NIXL keeps it for the decode engine to read
+    msgs = messages("engine to engine")
+    n = prompt_blocks(msgs)
+    t0 = time.monotonic()
+    raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
+    took = time.monotonic() - t0
+    assert raw.headers["x-quillcache-disaggregated"] == "true", dict(raw.headers)
+    assert f"kv_transfer=nixl engine-to-engine blocks={n} waited_ms=0 from=p1" in raw.headers["x-quillcache-handoff"]
+    assert took < 1.5, took  # no 2 s handoff wait
+    got = d.stats()["last_kv_params"]
+    sent = p.stats()["last_kv_params"]
+    assert sent["do_remote_decode"] is True, sent
+    assert got["do_remote_prefill"] is True and got["remote_engine_id"] == "p1", got  # the prefill's own answer
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_direct"] == 1 and stats["gateway_disaggregated"] == 1, stats
+    assert stats["gateway_handoff_missing"] == 0 and stats["gateway_handoff_blocks"] == 0, stats
+    status, body = setup.admin("GET", "/v1/engines")
+    assert {e["id"]: e["kv_transfer"] for e in body["engines"]} == {"p1": "nixl", "d1": "pool"}, body
+    for kind, says in (("mooncake", "Mooncake"), ("lmcache", "LMCache"), ("carrier-pigeon", "pool, nixl")):
+        status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "m",
+                                                           "kv_transfer": kind})
+        assert status == 400 and says in body["error"], body
 
 
 def test_a_model_with_only_prefill_engines_is_a_clear_error_everywhere(setup):
