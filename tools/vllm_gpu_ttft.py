@@ -151,10 +151,11 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         if args.start_quilld:
-            q = subprocess.Popen([sys.executable, "-m", "quilld", "--dram", "16GiB"], cwd=ROOT, start_new_session=True,
-                                 stdout=open(work / "quilld.log", "wb"), stderr=subprocess.STDOUT)
+            with open(work / "quilld.log", "wb") as qlog:
+                q = subprocess.Popen([sys.executable, "-m", "quilld", "--dram", "16GiB"], cwd=ROOT,
+                                     start_new_session=True, stdout=qlog, stderr=subprocess.STDOUT)
             procs.append(q)
-            wait_http("http://127.0.0.1:7380/v1/health", q, 60, "quilld")
+            wait_http("http://127.0.0.1:7380/readyz", q, 60, "quilld")  # ready: recovered and serving
         pairs = prompts(args)
         port_a, port_b = args.port_base, args.port_base + 1
 

@@ -174,18 +174,16 @@ class Disaggregation:
             if attempts >= gw.cfg.max_attempts:
                 break
             dst = engine.locality or control.node_id
-            if prefill.kv_transfer == "nixl":  # engine to engine: the decode engine reads the prefill's KV itself
-                if not attempts:
-                    counts["handoff_direct"] += 1
-                    handoff = f"kv_transfer=nixl engine-to-engine blocks={len(blocks)} waited_ms=0 from={prefill.id}"
-                else:
-                    counts["decode_retries"] += 1
-            elif not attempts:
-                handoff = await self._handoff(req, prefill, src, dst, scope, blocks, pulled)
-            else:
+            direct = prefill.kv_transfer == "nixl"  # engine to engine: the decode engine reads the prefill's KV itself
+            if attempts:
                 counts["decode_retries"] += 1
-                if dst != src and dst not in pulled:
+                if not direct and dst != src and dst not in pulled:
                     pulled[dst] = await self._pull(dst, scope, blocks)
+            elif direct:
+                counts["handoff_direct"] += 1
+                handoff = f"kv_transfer=nixl engine-to-engine blocks={len(blocks)} waited_ms=0 from={prefill.id}"
+            else:
+                handoff = await self._handoff(req, prefill, src, dst, scope, blocks, pulled)
             attempts += 1
             fam = family(engine)
             engine_blocks = await gw.prompt_blocks(req, fam, hashes)

@@ -12,10 +12,10 @@ package, streaming and not, on /v1/chat/completions and /v1/completions.
 from __future__ import annotations
 
 import json
-import time
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import crc32c
