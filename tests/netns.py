@@ -21,17 +21,22 @@ deletes them by name. Processes are started with
 PR_SET_PDEATHSIG (SIGKILL), so they die with the thread that started them: start them from a
 thread that outlives them (the main thread), or pass die_with_parent=False.
 
+A process enters its namespace through util-linux's `nsenter` (and `setpriv --pdeathsig`), which
+exec the program in the same process, never through a `preexec_fn`: a preexec_fn makes Python
+fork() the caller instead of vfork()ing it, and forking a long-lived test worker took 18 s a
+process (every popen of a run, in a full suite run).
+
 The subnet is the first /24 of SUBNETS that overlaps no route or address of the caller's
 namespace (another run's included), chosen under a machine-wide lock.
 
-Needs root and iproute2's `ip`; otherwise `NetnsUnavailable` says so (a test should fail on it,
+Needs root, iproute2's `ip` and util-linux's `nsenter` and `setpriv`; otherwise `NetnsUnavailable` says so (a test should fail on it,
 not skip). No pytest here: a bench uses this module too.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
+import contextlib
 import fcntl
 import ipaddress
 import json
@@ -43,7 +48,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,9 +67,7 @@ STOP_TIMEOUT = 10.0  # SIGTERM to SIGKILL
 IP = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip") if os.access(p, os.X_OK)), "")
 _RUN_RE = re.compile(rf"^{re.escape(PREFIX)}([0-9a-f]{{8}})-")
 _LINK_RE = re.compile(rf"^{re.escape(LINK_PREFIX)}([0-9a-f]{{8}})$")
-_CLONE_NEWNET = 0x40000000
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
+NSENTER, SETPRIV = shutil.which("nsenter"), shutil.which("setpriv")  # util-linux: essential on Debian
 
 
 class NetnsUnavailable(RuntimeError):
@@ -94,6 +97,8 @@ def require_netns(probe: bool = True) -> None:
     `probe`, by making one: a first `ip netns add` on a machine also sets up /run/netns)."""
     if not IP:
         raise NetnsUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)")
+    if not (NSENTER and SETPRIV):
+        raise NetnsUnavailable("util-linux's nsenter and setpriv are not installed (Debian: apt-get install util-linux)")
     if os.geteuid() != 0:
         raise NetnsUnavailable(f"network namespaces need root; this process runs as uid {os.geteuid()}")
     if not probe:
@@ -114,21 +119,28 @@ class Host:
     addr: str
 
 
-def _netns_fd(name: str) -> int:
-    return os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+def _entered(netns: str, argv: Sequence[str], die_with_parent: bool) -> list[str]:
+    """`argv` run inside `netns` (and with PR_SET_PDEATHSIG = SIGKILL if asked): nsenter and setpriv
+    each exec the next, so the process's PID is the program's."""
+    if not os.path.exists(f"/run/netns/{netns}"):
+        raise NetnsError(f"no network namespace {netns}")
+    return [NSENTER, f"--net=/run/netns/{netns}", *([SETPRIV, "--pdeathsig", "KILL"] if die_with_parent else []),
+            *argv]
 
 
-def _enter(fd: int, die_with_parent: bool, parent: int):
-    """A preexec_fn: join the namespace behind `fd`, and die with the parent thread if asked."""
-    def preexec() -> None:
-        if _libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns: {os.strerror(err)}")
-        if die_with_parent:
-            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != parent:  # the parent died before the prctl: nobody would kill us
-                os._exit(1)
-    return preexec
+def _wait_exec(proc: subprocess.Popen, argv: Sequence[str], timeout: float = 10.0) -> None:
+    """Wait until `proc` runs `argv` itself, past nsenter and setpriv: from then on its death signal
+    is set (a parent killed before then would leave it running)."""
+    want = os.fsencode(argv[0])
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0", 1)[0] == want:
+                    return
+        except OSError:
+            return
+        time.sleep(0.001)
 
 
 def _pids_in(netns: str) -> list[int]:
@@ -211,6 +223,19 @@ def cleanup_stale() -> list[str]:
     return cleaned
 
 
+@contextlib.contextmanager
+def allocating() -> Iterator[None]:
+    """Hold the machine-wide lock under which a new run cleans up stale runs and picks its subnet
+    (so, while it is held, no other run's cleanup_stale() runs)."""
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(RUN_DIR / "alloc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _taken_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 route (all tables) and address of this namespace, but the default route."""
     out = []
@@ -254,15 +279,11 @@ class Topology:
         _live.append(self)
         _on_sigterm_destroy()
         try:
-            alloc = os.open(RUN_DIR / "alloc.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(alloc, fcntl.LOCK_EX)
+            with allocating():
                 require_netns()
                 cleanup_stale()
                 self.subnet = _free_subnet()
                 self._make_switch()  # its route claims the subnet before the lock is let go
-            finally:
-                os.close(alloc)
             self._add_hosts(self.n)
         except BaseException:
             self.destroy()
@@ -339,23 +360,17 @@ class Topology:
         """Start `argv` inside `host`'s namespace (subprocess.Popen's keywords pass through); it is
         stopped by destroy() unless stopped before. With die_with_parent, it gets SIGKILL when the
         thread that started it ends (PR_SET_PDEATHSIG)."""
-        fd = _netns_fd(host.netns)
-        try:
-            proc = subprocess.Popen(list(argv), preexec_fn=_enter(fd, die_with_parent, os.getpid()), **kw)
-        finally:
-            os.close(fd)
+        proc = subprocess.Popen(_entered(host.netns, argv, die_with_parent), **kw)
         self.procs.append(proc)
+        if die_with_parent:
+            _wait_exec(proc, argv)
         return proc
 
     def run(self, host: Host, argv: Sequence[str], timeout: float = 60.0, **kw) -> subprocess.CompletedProcess:
         """Run `argv` inside `host`'s namespace to its end (text output captured unless told)."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
-        fd = _netns_fd(host.netns)
-        try:
-            return subprocess.run(list(argv), preexec_fn=_enter(fd, False, os.getpid()), timeout=timeout, **kw)
-        finally:
-            os.close(fd)
+        return subprocess.run(_entered(host.netns, argv, False), timeout=timeout, **kw)
 
     def pids(self, host: Host) -> list[int]:
         """Every process inside `host`'s namespace, started here or not."""

@@ -186,7 +186,9 @@ class NetnsCluster:
     def converged(self) -> bool:
         """Every live node lists every live node alive, and each other node it lists dead or left
         (a suspect is neither: its residencies are still in the directory); and every node's
-        directory applies that membership, with nothing of a handoff still on its way."""
+        directory applies that membership, with nothing of a handoff still on its way: no bucket
+        filling and no holder's message queued or unanswered (a host plugged back in has sent its
+        entries to their owners, so its keys are found again)."""
         want = {n.node_id for n in self.live()}
         for view in self.views().values():
             if isinstance(view, str) or {i for i, s in view.items() if s == "alive"} != want:
@@ -199,7 +201,8 @@ class NetnsCluster:
             except redis.RedisError:
                 return False
             if (info.get("cluster_directory_view_members") != len(want) or info.get("cluster_directory_view_pending")
-                    or info.get("cluster_directory_buckets_filling")):
+                    or info.get("cluster_directory_buckets_filling")
+                    or info.get("cluster_directory_handoffs_in_flight")):
                 return False
         return True
 

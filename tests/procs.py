@@ -61,6 +61,20 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {first}-{first + span - 1}")
 
 
+# Limits and signal dispositions a process starts with are set by a small program that execs it
+# (same PID), never by a `preexec_fn`: a preexec_fn makes Python fork() the test worker instead of
+# vfork()ing it, and in a long-lived worker each such start took 18 s.
+
+def with_nofile(argv: list[str], soft: int, hard: int | None = None) -> list[str]:
+    """`argv` started with RLIMIT_NOFILE (soft, hard) (util-linux's prlimit)."""
+    return [shutil.which("prlimit") or "prlimit", f"--nofile={soft}:{soft if hard is None else hard}", "--", *argv]
+
+
+def ignoring_sigint(argv: list[str]) -> list[str]:
+    """`argv` started with SIGINT ignored, as a shell starts a background job (kept across exec)."""
+    return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
+
+
 def _listening_inodes(port: int, pid: int | str = "self") -> set[str]:
     """The socket inodes listening on TCP `port` (any address) in `pid`'s network namespace
     (this process's by default), from /proc/<pid>/net/tcp{,6}."""

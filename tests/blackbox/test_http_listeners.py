@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ADMIN_TOKEN, ROOT, Quilld, http, start_listening, stop_process, wait_until
+from conftest import ADMIN_TOKEN, ROOT, Quilld, http, start_listening, stop_process, wait_until, with_nofile
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,15 +40,12 @@ def start_limited(tmp_path: Path, *extra: str, nofile: int = NOFILE, env: dict |
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     full_env.update(PYTHONPATH=str(ROOT), QUILLD_ADMIN_TOKEN=ADMIN_TOKEN, **(env or {}))
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
     def spawn(ports: list[int], log: Path) -> subprocess.Popen:
         argv = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]), "--admin-port",
                 str(ports[1]), "--gateway-port", str(ports[2]), "--requirepass", "pw", "--dram", "64MiB", *extra]
         with open(log, "wb") as f:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
-                                    preexec_fn=limit)
+            return subprocess.Popen(with_nofile(argv, nofile), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=full_env)
 
     proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn, 3)
     return Quilld(ports[0], ports[1], proc, log, [], ADMIN_TOKEN), ports[2]

@@ -133,16 +133,19 @@ def test_a_killed_run_is_cleaned_up_by_the_next(topo):
               f"time.sleep(600)\n")
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        run_id, a, b = child.stdout.readline().split()
+        run_id, a, b = child.stdout.readline().split()  # its run is made: it needs the lock no more
         a, b = int(a), int(b)
-    finally:
+    except BaseException:
+        child.kill()
+        raise
+    with netns.allocating():  # no other run (the other xdist worker's) cleans the killed one up first
         child.kill()
         child.wait(10)
-    left = of_run(run_id)
-    assert len(left) == 3 and f"{netns.LINK_PREFIX}{run_id}" in links()
-    assert gone(a), "a process started with die_with_parent outlived its parent"
-    assert netns._alive(b)
-    assert run_id in netns.cleanup_stale()
+        left = of_run(run_id)
+        assert len(left) == 3 and f"{netns.LINK_PREFIX}{run_id}" in links()
+        assert gone(a), "a process started with die_with_parent outlived its parent"
+        assert netns._alive(b)
+        assert run_id in netns.cleanup_stale()
     assert gone(b, timeout=1) and not of_run(run_id) and f"{netns.LINK_PREFIX}{run_id}" not in links()
     assert not (netns.RUN_DIR / f"{run_id}.lock").exists()
     assert len(of_run(topo.run_id)) == 3  # the live run beside it is untouched

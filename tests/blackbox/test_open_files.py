@@ -11,7 +11,6 @@ redis-server 7, started under the same limits, is the reference.
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import sys
 import pytest
 import redis
 
-from conftest import ROOT, Quilld, read_lines, require_tool, start_listening, stop_process, wait_until
+from conftest import (ROOT, Quilld, read_lines, require_tool, start_listening, stop_process, wait_until,
+                      with_nofile)
 from quilld.config import RESERVED_FDS, Config, reserved_fds
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,14 +32,12 @@ def start_limited(tmp_path, soft: int, hard: int, *extra: str) -> Quilld:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env["PYTHONPATH"] = str(ROOT)
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
     def spawn(ports: list[int], log) -> subprocess.Popen:
         argv = [sys.executable, "-m", "quilld", "--bind", "127.0.0.1", "--port", str(ports[0]),
                 "--admin-port", "0", "--dram", "16MiB", *extra]
         with open(log, "wb") as f:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=limit)
+            return subprocess.Popen(with_nofile(argv, soft, hard), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env=env)
 
     proc, ports, log = start_listening("quilld", lambda port: tmp_path / f"quilld-{port}.log", spawn)
     return Quilld(ports[0], 0, proc, log)
@@ -121,10 +119,9 @@ def test_redis_does_the_same_under_the_same_limits(tmp_path):
 
     def spawn(ports: list[int], log) -> subprocess.Popen:
         with open(log, "wb") as f:
-            return subprocess.Popen([binary, "--port", str(ports[0]), "--bind", "127.0.0.1", "--save", "",
-                                     "--appendonly", "no", "--dir", str(tmp_path)], stdout=f,
-                                    stderr=subprocess.STDOUT,
-                                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+            return subprocess.Popen(with_nofile([binary, "--port", str(ports[0]), "--bind", "127.0.0.1", "--save", "",
+                                                 "--appendonly", "no", "--dir", str(tmp_path)], 256),
+                                    stdout=f, stderr=subprocess.STDOUT)
 
     proc, ports, log = start_listening("redis-server", lambda port: tmp_path / f"redis-{port}.log", spawn)
     socks = []
@@ -150,8 +147,8 @@ def test_redis_does_the_same_under_the_same_limits(tmp_path):
 def test_a_limit_too_low_for_anything_refuses_to_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0", "--dram", "16MiB"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (RESERVED_FDS, RESERVED_FDS)))
+    proc = subprocess.run(with_nofile([sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0", "--dram",
+                                       "16MiB"], RESERVED_FDS),
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert f"the open files limit ('ulimit -n') of {RESERVED_FDS} is not enough for quilld to start" in proc.stderr

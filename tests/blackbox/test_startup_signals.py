@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, start_quilld, stop_process, wait_until
+from conftest import ROOT, ignoring_sigint, start_quilld, stop_process, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -80,13 +80,12 @@ def pristine(tmp_path_factory) -> tuple[Path, int]:
 def spawn(ssd_dir: Path, log: Path, ignore_sigint: bool = False) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     env.update(SSD_ENV, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0", "--dram", "64MiB",
+            "--ssd-dir", str(ssd_dir), "--ssd-size", str(SSD_SIZE)]
+    # a shell's background job starts with SIGINT ignored: Ctrl-C must stop quilld all the same
     with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "quilld", "--port", "0", "--admin-port", "0", "--dram", "64MiB",
-             "--ssd-dir", str(ssd_dir), "--ssd-size", str(SSD_SIZE)], stdout=f, stderr=subprocess.STDOUT,
-            cwd=ROOT, env=env,
-            # a shell's background job starts with SIGINT ignored: Ctrl-C must stop quilld all the same
-            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+        return subprocess.Popen(ignoring_sigint(argv) if ignore_sigint else argv, stdout=f, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env=env)
 
 
 def wait_for_line(log: Path, text: str, proc: subprocess.Popen) -> None:
