@@ -222,11 +222,7 @@ class DirectoryLink:
         addr = self.addresses.get(dest)
         if addr is None:
             raise PeerError(f"no address for {dest}")
-        conn = await self.pool.acquire(*addr)
-        try:
-            reply = await conn.call("DIR", self.node_id, pack(msg), timeout=timeout)
-        finally:
-            self.pool.release(conn)
+        reply = await self.pool.call(*addr, "DIR", self.node_id, pack(msg), timeout=timeout)
         if not isinstance(reply, bytes):
             raise PeerError(f"{dest} refused DIR: {reply}")
         self.stats["requests"] += 1

@@ -244,11 +244,7 @@ class EngineSync:
         addr = self.addresses.get(peer)
         if addr is None:
             raise PeerError(f"no address for {peer}")
-        conn = await self.pool.acquire(*addr)
-        try:
-            reply = await conn.call(*args, timeout=CALL_TIMEOUT)
-        finally:
-            self.pool.release(conn)
+        reply = await self.pool.call(*addr, *args, timeout=CALL_TIMEOUT)
         if isinstance(reply, Exception):
             raise PeerError(f"{peer} refused {args[0]}: {reply}")
         if isinstance(reply, bytes) and args[0] == "PEERENGINES":

@@ -29,7 +29,7 @@ async def drive(run: LookupRun, call: Call, health: PeerHealth, timeout: float, 
                 stats: Counter, keep: set[asyncio.Task]) -> None:
     """Run `run` to its end: `call(owner, msg(items), timeout)` per owner per round. Calls still
     out when the lookup ends are kept in `keep` until they finish (their outcome still counts)."""
-    slow: list[tuple[asyncio.Task, list[tuple[int, int]]]] = []
+    slow: list[tuple[asyncio.Task, list[tuple[int, int]]]] = []  # (call given up on, its route)
     while asks := run.asks(time.monotonic(), health.avoid()):
         tasks = {owner: asyncio.ensure_future(_timed(call, owner, msg(items), timeout, health))
                  for owner, items in asks.items()}
@@ -45,17 +45,21 @@ async def drive(run: LookupRun, call: Call, health: PeerHealth, timeout: float, 
             stats["lookup_hedged"] += 1
             slow.append((task, run.route_of(owner)))
             run.took(owner, None)
-    for task, route in slow:  # owners given up on: wait for them only if the answer still needs them
-        if not task.done() and run.unresolved():
-            await asyncio.wait([task])
-        if task.done():
-            reply = task.result()
+    # owners given up on: merge what they answered, and wait for them (for whichever answers
+    # first, never one behind another) only while the answer still needs them
+    pending = dict(slow)
+    while pending:
+        for task in [t for t in pending if t.done()]:
+            route, reply = pending.pop(task), task.result()
             if reply is not FAILED:
                 run.late(route, reply)
-        else:
-            stats["lookup_hedges_won"] += 1
-            keep.add(task)
-            task.add_done_callback(keep.discard)
+        if not pending or not run.unresolved():
+            break
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        stats["lookup_hedges_won"] += 1
+        keep.add(task)
+        task.add_done_callback(keep.discard)
 
 
 async def _timed(call: Call, owner: str, message: tuple, timeout: float, health: PeerHealth) -> Any:

@@ -109,7 +109,7 @@ class PeerConnection:
             self._sock, self._lowat = self.transport.get_extra_info("socket"), 1
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
-            raise PeerError(f"cannot connect to peer {self.host}:{self.port}: {e or 'timeout'}") from None
+            raise PeerError(f"cannot connect to peer {self.host}:{self.port}: {str(e) or 'timeout'}") from None
         except BaseException:
             sock.close()
             raise
@@ -241,7 +241,7 @@ class PeerConnection:
             return await self._answer(self._ask(encode_command(*args)), timeout)
         except (OSError, asyncio.TimeoutError, PeerError) as e:
             self.close()
-            raise PeerError(f"peer {self.host}:{self.port}: {e or 'timeout'}") from None
+            raise PeerError(f"peer {self.host}:{self.port}: {str(e) or 'timeout'}") from None
         except asyncio.CancelledError:
             self.close()  # a half-read reply would poison the next call
             raise
@@ -262,7 +262,7 @@ class PeerConnection:
             event, view = await self._answer(self._ask(encode_command(*args)), timeout)
         except (OSError, asyncio.TimeoutError, ValueError, PeerError) as e:
             self.close()
-            raise PeerError(f"peer {self.host}:{self.port}: fetch failed: {e or 'timeout'}") from None
+            raise PeerError(f"peer {self.host}:{self.port}: fetch failed: {str(e) or 'timeout'}") from None
         except BaseException:
             self.close()
             raise
@@ -287,9 +287,11 @@ class PeerPool:
     """Connections per peer address, reused across calls, at most `per_peer` at once to each peer.
 
     A caller past the bound waits for a connection to be given back (`waits` counts it), so a
-    burst of requests (one MGET of thousands of keys) never opens a socket per request. Every
-    `acquire` must be paired with a `release`, also when the call failed (a closed connection
-    is dropped and its slot freed)."""
+    burst of requests (one MGET of thousands of keys) never opens a socket per request; it waits
+    at most its timeout (`busy_timeouts` counts those), so a peer that stopped answering, whose
+    connections are all held by calls running to their own timeouts, fails the next call within
+    its bound instead of queueing it behind them. Every `acquire` must be paired with a
+    `release`, also when the call failed (a closed connection is dropped and its slot freed)."""
 
     def __init__(self, hello: tuple[tuple, ...] = (), per_peer: int = 8) -> None:
         self.hello = hello
@@ -297,15 +299,25 @@ class PeerPool:
         self._idle: dict[tuple[str, int], list[PeerConnection]] = {}
         self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
         self.waits = 0
+        self.busy_timeouts = 0
         self.opened = 0
 
-    async def acquire(self, host: str, port: int) -> PeerConnection:
+    async def acquire(self, host: str, port: int, timeout: float = CALL_TIMEOUT) -> PeerConnection:
+        """A connection to host:port (opened if none is idle); PeerError when every one of its
+        `per_peer` stays busy for `timeout` seconds, or when it cannot be opened."""
         slots = self._slots.get((host, port))
         if slots is None:
             slots = self._slots[(host, port)] = asyncio.Semaphore(self.per_peer)
         if slots.locked():
             self.waits += 1
-        await slots.acquire()
+            try:
+                await asyncio.wait_for(slots.acquire(), timeout)
+            except asyncio.TimeoutError:
+                self.busy_timeouts += 1
+                raise PeerError(f"peer {host}:{port}: its {self.per_peer} connections stayed busy for "
+                                f"{timeout:g} s") from None
+        else:
+            await slots.acquire()
         try:
             idle = self._idle.get((host, port))
             while idle:
@@ -319,6 +331,17 @@ class PeerPool:
         except BaseException:
             slots.release()
             raise
+
+    async def call(self, host: str, port: int, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
+        """One command to host:port on a pooled connection, within `timeout` seconds in all
+        (waiting for a free connection included); its reply (a ReplyError is returned)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = await self.acquire(host, port, timeout)
+        try:
+            return await conn.call(*args, timeout=max(deadline - loop.time(), 0.001))
+        finally:
+            self.release(conn)
 
     def release(self, conn: PeerConnection) -> None:
         slots = self._slots.get((conn.host, conn.port))

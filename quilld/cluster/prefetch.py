@@ -54,17 +54,10 @@ async def prefetch(cluster: Any, node_id: str, scope: IdentityScope, keys: list[
         return 0
     cluster.stats["prefetch_asked"] += 1
     try:
-        conn = await asyncio.wait_for(cluster.pool.acquire(*addr), timeout)
-    except (OSError, asyncio.TimeoutError, QuillError):
+        reply = await cluster.pool.call(*addr, "PEERPULL", *scope, *keys, timeout=timeout)
+    except (OSError, QuillError):
         cluster.stats["prefetch_errors"] += 1
         return 0
-    try:
-        reply = await conn.call("PEERPULL", *scope, *keys, timeout=timeout)
-    except QuillError:
-        cluster.stats["prefetch_errors"] += 1
-        return 0
-    finally:  # every acquire is given back: the pool bounds connections per peer
-        cluster.pool.release(conn)
     if type(reply) is not int:
         cluster.stats["prefetch_errors"] += 1
         return 0

@@ -193,12 +193,8 @@ class TcpTransfer:
     async def fetch_many(self, peer: str, addr: tuple[str, int], scope: IdentityScope, keys: list[bytes],
                          timeout: float) -> list:
         """Small values of `keys` in one PEERMGET: per key `[crc32c, bytes, pxat]` or None."""
-        conn = await self.pool.acquire(*addr)
-        try:
-            reply = await conn.call("PEERMGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter, *keys,
-                                    timeout=timeout)
-        finally:
-            self.pool.release(conn)
+        reply = await self.pool.call(*addr, "PEERMGET", scope.tenant, scope.model, scope.tokenizer, scope.adapter,
+                                     *keys, timeout=timeout)
         if not isinstance(reply, list) or len(reply) != len(keys):
             raise PeerError(f"{peer}: unexpected PEERMGET reply {reply!r:.60}")
         return reply

@@ -22,6 +22,7 @@ class WiredLink(DirectoryLink):
     peers: dict[str, DirectoryLink]
     hung: set[str]
     down: set[str]
+    slow: dict[str, float]  # peer: seconds before it answers
 
     async def call(self, dest, msg, timeout=5.0):
         if dest in self.down:
@@ -29,6 +30,7 @@ class WiredLink(DirectoryLink):
         if dest in self.hung:
             await asyncio.sleep(timeout)
             raise PeerError(f"peer {dest}: timeout")
+        await asyncio.sleep(self.slow.get(dest, 0.0))
         return unpack(self.peers[dest].handle(self.node_id, pack(msg)))
 
 
@@ -37,7 +39,7 @@ def cluster() -> tuple[dict[str, WiredLink], list[bytes]]:
     for i, name in enumerate(NODES):
         link = WiredLink(Directory(name, DirectorySettings(replicas=3, buckets=256), random.Random(i)),
                          ScopeRegistry(), (), {})
-        link.peers, link.hung, link.down = peers, set(), set()
+        link.peers, link.hung, link.down, link.slow = peers, set(), set(), {}
         link.health = PeerHealth(time.monotonic, link.stats, hedge_floor_ms=20, hedge_max_ms=200, open_ms=300)
         link.lookup_timeout = 0.5
         peers[name] = link
@@ -95,3 +97,22 @@ def test_owners_whose_breakers_are_open_are_still_asked_when_none_is_left():
     a.down = set()  # back, breakers still open: asked anyway, as no other owner is left
     (holders,), _ = asyncio.run(a.lookup([Directory.key_item(eid)]))
     assert [h for h, _ in holders] == ["e"] and a.health.open_peers() == 2  # the one asked answered: closed
+
+
+def test_the_first_owner_to_answer_ends_a_lookup_every_owner_was_hedged_on():
+    """All three owners slower than their hedge delay: the lookup waits for whichever answers
+    first (the second, 0.1 s), not for the first one asked, which hangs to its timeout (0.5 s)."""
+    peers, keys = cluster()
+    a = peers["a"]
+    eid = next(e for e in keys if a.d.owners_to_ask(b"K" + e) == ["b", "c", "d"])
+    a.hung, a.slow = {"b", "d"}, {"c": 0.1}
+
+    async def read():
+        t0 = time.monotonic()
+        (holders,), _ = await a.lookup([Directory.key_item(eid)])
+        return holders, time.monotonic() - t0
+
+    holders, took = asyncio.run(read())
+    assert [h for h, _ in holders] == ["e"]
+    assert 0.1 <= took < 0.3, took
+    assert a.stats["lookup_hedged"] == 3 and a.stats["lookup_hedges_won"] == 2
