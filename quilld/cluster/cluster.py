@@ -409,7 +409,9 @@ class Cluster:
                 ("cluster_route_second_waves", link["route_second_waves"]),
                 ("cluster_directory_requests", link["requests"]),
                 ("cluster_directory_message_failures", link["message_failures"]),
-                ("cluster_peer_connection_waits", self.pool.waits + self.link.pool.waits)]
+                ("cluster_peer_connection_waits", self.pool.waits + self.link.pool.waits),
+                # calls that found every connection to their peer busy for their whole timeout
+                ("cluster_peer_connection_busy_timeouts", self.pool.busy_timeouts + self.link.pool.busy_timeouts)]
         out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
         out += self.engines.info()
         out += self.transfers.info()

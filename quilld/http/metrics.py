@@ -194,6 +194,7 @@ CLUSTER_COUNTERS = ("cluster_peer_fetches", "cluster_peer_fetch_bytes",
                     "cluster_route_lookups",
                     "cluster_route_owner_round_trips", "cluster_directory_requests",
                     "cluster_directory_message_failures", "cluster_peer_connection_waits",  # the link's
+                    "cluster_peer_connection_busy_timeouts",
                     *(f"cluster_directory_{k}" for k in (
                         "placements", "placement_items", "batches_sent", "batches_applied", "full_syncs",
                         "retries", "batch_failures", "resyncs_asked", "digests_sent", "ae_mismatches",
