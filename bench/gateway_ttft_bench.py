@@ -7,7 +7,7 @@ gateway's own time) and one quilld with its gateway in front of them, on free lo
   prefix-cache hashing (`tokenizer` = tests/fixtures/chat_render/llama31, a small BPE trained by
   tools/make_chat_render_fixtures.py with Llama 3.1's published chat template;
   `prefix_caching_hash_algo = "sha256"`, `block_size = 16`): the gateway renders each chat with
-  the template, tokenizes it and hashes its blocks as vLLM does (quilld/http/engine_prompts.py),
+  the template, tokenizes it and hashes its blocks as vLLM does (quilld/index/engine_prompts.py),
   off the event loop;
 - `chars`: an engine with no tokenizer: the gateway hashes 256-character chunks of the
   rendered prompt (quilld/http/prompt_blocks.py), today's default.
@@ -30,7 +30,7 @@ event loop (they run in a thread, which still takes the GIL in turns).
     python bench/gateway_ttft_bench.py --plot ttft.png     # also the figure (the `bench` extra)
 
 The prompts share their system prompt, so from the second request on the gateway finds its
-pieces' token ids kept (quilld/http/token_segments.py): the figure is that of a shared system
+pieces' token ids kept (quilld/index/token_segments.py): the figure is that of a shared system
 prompt or a conversation's earlier turns, not of a chat never seen.
 """
 
@@ -86,7 +86,7 @@ def messages(system: str, i: int) -> list[dict]:
 
 def system_prompt(tokens: int) -> tuple[str, int]:
     """A system prompt whose chat, as `tok` renders it, has about `tokens` token ids (and that count)."""
-    from quilld.http import chat_render
+    from quilld.index import chat_render
 
     tok = chat_render.load(str(FAMILY))
     words = tokens // 4

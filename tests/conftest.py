@@ -28,7 +28,7 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The process helpers live in procs.py (no pytest there: the benches use them too).
 from procs import (ADMIN_TOKEN, PORT_ATTEMPTS, PORT_RANGE, PURE_ENV, ROOT, START_TIMEOUT, STOP_TIMEOUT,  # noqa: E402,F401
-                   PortTaken, Quilld, free_port, ignoring_sigint, listens, start_listening, start_quilld, stop_process,
+                   PortTaken, Quilld, free_gossip_port, free_port, ignoring_sigint, listens, start_listening, start_quilld, stop_process,
                    wait_port, with_nofile)
 
 

@@ -75,6 +75,19 @@ def ignoring_sigint(argv: list[str]) -> list[str]:
     return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
 
 
+def free_gossip_port() -> int:
+    """A port free for TCP (`free_port`) and for UDP too: a gossip port (quilld listens on both)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            try:
+                u.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no port free for both TCP and UDP")
+
+
 def _listening_inodes(port: int, pid: int | str = "self") -> set[str]:
     """The socket inodes listening on TCP `port` (any address) in `pid`'s network namespace
     (this process's by default), from /proc/<pid>/net/tcp{,6}."""

@@ -1,4 +1,4 @@
-"""Golden token ids for quilld/http/chat_render.py, made by transformers and vLLM's own renderer.
+"""Golden token ids for quilld/index/chat_render.py, made by transformers and vLLM's own renderer.
 
     /work/vllm-venv/bin/python tools/make_chat_render_fixtures.py [--out tests/fixtures/chat_render]
 

@@ -9,14 +9,18 @@ A handler test builds a NodeContext from real parts, with no server.
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 from quilld.cluster.cluster import Cluster
+from quilld.cluster.local_secret import local_secret
 from quilld.config import Config
+from quilld.errors import ConfigError
 from quilld.context.auth_throttle import AuthThrottle
 from quilld.context.listeners import LISTENERS, ListenerFigures
 from quilld.index.control import ControlPlane
@@ -52,6 +56,9 @@ class Reporting(Protocol):
 
 async def _no_wait(timeout: float) -> None:
     return None
+
+
+log = logging.getLogger("quilld")
 
 
 @dataclass
@@ -117,11 +124,25 @@ class NodeContext:
     listeners: dict[str, ListenerFigures] = field(
         default_factory=lambda: {name: ListenerFigures() for name in LISTENERS})
 
+    _salt_key: bytes | None = field(default=None, repr=False)
+
     def __post_init__(self) -> None:
         self.runtime = Runtime.from_config(self.cfg)
         self.table.set_timing(slow_ns(self.runtime))
         if self.runtime.maxmemory:
             apply_maxmemory(self, self.runtime.maxmemory)
+
+    def salt_key(self) -> bytes:
+        """The key of every cache_salt (index/engine_prompts.py `salt_for`), for the gateway and ROUTE
+        alike: cluster.secret, else the host's peer secret (cluster/local_secret.py), the secret every
+        node of the cluster already shares and no client can read."""
+        if self._salt_key is None:
+            try:
+                self._salt_key = (self.cfg.cluster.secret or local_secret()).encode()
+            except ConfigError as e:
+                log.warning("no cluster secret for cache salts (%s): a random one, this process only", e.message)
+                self._salt_key = secrets.token_bytes(32)
+        return self._salt_key
 
 
 def apply_maxmemory(ctx: NodeContext, n: int) -> None:

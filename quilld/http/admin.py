@@ -38,7 +38,7 @@ from quilld.index.engines import OPERATOR
 from quilld.index.events import decode_json
 from quilld.index.pairing import NoDecodeEngine, Pair
 from quilld.index.residency import ResidencyIndex
-from quilld.index.route_request import RouteRequest
+from quilld.index.route_request import RouteRequest, engine_route, needs_engine_hashing
 from quilld.index.route_request import route as route_in_scope
 from quilld.index.router import Decision
 from quilld.model import CacheTier, IdentityScope
@@ -295,6 +295,10 @@ async def route(request: web.Request) -> web.Response:
     try:
         scope = _route_scope(body)
         req, tag = RouteRequest.parse(body), node.scopes.tag(scope)
+        salt = None
+        if needs_engine_hashing(req):  # the model's engines' own hashing, where their events record blocks
+            er = await engine_route(node.control, scope, tag, req, node.salt_key)
+            req, tag, salt = er.req, er.tag, er.salt
         if node.cluster is None:
             d = route_in_scope(node.control, scope, tag, req)
         else:  # the same decision on every node: the blocks' residencies from the directory's owners
@@ -305,7 +309,10 @@ async def route(request: web.Request) -> web.Response:
         return _json_error(400, e.message)
     if d.engine is None:
         return _json_error(503, f"no engine serves model {scope.model!r}")
-    return web.json_response(decision_json(d))
+    out = decision_json(d)
+    if salt is not None:
+        out["cache_salt"] = salt
+    return web.json_response(out)
 
 
 async def kv_events(request: web.Request) -> web.Response:

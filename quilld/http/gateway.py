@@ -73,9 +73,7 @@ from aiohttp import web
 from prometheus_client import Histogram
 from yarl import URL
 
-from quilld.cluster.local_secret import local_secret
 from quilld.config import EngineConfig
-from quilld.errors import ConfigError
 from quilld.http.gateway_disagg import Disaggregation
 from quilld.http.gateway_relay import Relay
 from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, drop_owned,
@@ -86,7 +84,7 @@ from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFai
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
-from quilld.http.engine_prompts import EngineBlocks, EnginePrompts, NotCovered, salt_for
+from quilld.index.engine_prompts import EngineBlocks, NotCovered, salt_for
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.pairing import NoDecodeEngine
@@ -112,8 +110,7 @@ class Gateway:
         self.cfg = node.cfg.gateway
         self.control = node.control
         self.hasher = PromptHasher(self.cfg.chunk_chars)
-        self.engine_prompts = EnginePrompts()  # engines' own block hashes (engine_prompts.py)
-        self._salt_key: bytes | None = None  # the cache_salt key: the cluster's secret (salt_key)
+        self.engine_prompts = node.control.engine_prompts  # engines' own block hashes (engine_prompts.py)
         self._fallback_said: set = set()  # engine families whose first fallback was logged
         self.stats = GatewayStats(ttft, handoff)
         self.disaggregation = Disaggregation(self)
@@ -258,7 +255,7 @@ class Gateway:
         """The prompt in the engines' own block hashes, computed off the loop; None when not covered."""
         salt = None
         if req.tenant != fam.tenant:  # another identity than the engine's: its own partition of the cache
-            salt = salt_for(self.salt_key(), IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter))
+            salt = salt_for(self.node.salt_key(), IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter))
         try:
             blocks = await asyncio.to_thread(self.engine_prompts.hashes, fam.hashing, req.path == CHAT,
                                              req.fields, salt)
@@ -271,18 +268,6 @@ class Gateway:
             return None
         self.stats.counts["engine_hashed"] += 1
         return blocks
-
-    def salt_key(self) -> bytes:
-        """The key of every cache_salt: cluster.secret, else the host's peer secret (local_secret.py),
-        the secret every node of the cluster already shares and no client can read."""
-        if self._salt_key is None:
-            try:
-                self._salt_key = (self.node.cfg.cluster.secret or local_secret()).encode()
-            except ConfigError as e:
-                log.warning("gateway: no cluster secret for cache salts (%s): a random one, this process only",
-                            e.message)
-                self._salt_key = secrets.token_bytes(32)
-        return self._salt_key
 
     def salted_body(self, req: Parsed, blocks: list[int]) -> bytes | None:
         """The body sent to an engine for `blocks`: the request's with their cache_salt; None: as it is."""

@@ -19,7 +19,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # `kv_transfer_params` tells a KV connector which host, port, engine and blocks to read KV from
 # (vLLM's NixlConnector would read from wherever a client pointed it); `cache_salt` partitions an
 # engine's prefix cache, and only the gateway knows whose request it is (it sets its own for
-# requests of another identity than the engine's, quilld/http/engine_prompts.py).
+# requests of another identity than the engine's, quilld/index/engine_prompts.py).
 OWNED_FIELDS = ("kv_transfer_params", "cache_salt")
 
 

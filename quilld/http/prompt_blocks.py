@@ -17,7 +17,7 @@ messages are rendered deterministically (`<|role|>` line, content, newline;
 non-text content parts as canonical JSON), so a shared system prompt is a
 shared leading run of blocks. These hashes are quilld's own, not the engine's
 internal ones (see quilld/index/control.py): for an engine that names its tokenizer directory
-and hash algo the gateway uses the engine's own (quilld/http/engine_prompts.py) and falls back
+and hash algo the gateway uses the engine's own (quilld/index/engine_prompts.py) and falls back
 to these only for what that does not cover.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from quilld.config import EngineConfig
-from quilld.http.engine_prompts import EngineFamily, engine_family
+from quilld.index.engine_prompts import EngineFamily, engine_family
 from quilld.index.control import chain_hashes
 
 INLINE_ENCODE_CHARS = 16_384  # longer prompts are tokenized off the event loop
@@ -42,7 +42,7 @@ class TokenizerUnavailable(Exception):
 
 class Family(NamedTuple):
     """Engines whose prompts hash alike: the same tokenizer and block size (and, for engines that
-    name their own hashing, the same hashing and tenant: quilld/http/engine_prompts.py)."""
+    name their own hashing, the same hashing and tenant: quilld/index/engine_prompts.py)."""
 
     tokenizer: str
     block_size: int

@@ -27,6 +27,7 @@ import xxhash
 from quilld.config import Config, EngineConfig
 from quilld.index.affinity import SessionAffinity, check_session_id
 from quilld.index.backend import open_index
+from quilld.index.engine_prompts import EnginePrompts
 from quilld.index.engines import EngineRegistry, FeedStats
 from quilld.index.events import Batch, Cleared, Event, Removed, Stored, medium_tier
 from quilld.index.hash_check import HashCheck
@@ -131,6 +132,7 @@ class ControlPlane:
         self._grouped: dict[str, GroupedHoldings] = {}  # engines whose events name more than one group
         self._hybrid: dict[str, HybridHoldings] = {}  # engines with declared KV-cache group kinds
         self._checks: dict[str, HashCheck] = {}  # engines with a prefix_caching_hash_algo: their hash check
+        self.engine_prompts = EnginePrompts()  # each engine family's hashing, for the gateway and ROUTE
         for e in cfg.engines:
             self._declare(e)
         self._whole: dict[str, set[CacheTier]] = {}  # engine id -> tiers its events stored with no group

@@ -29,7 +29,7 @@ stores otherwise (index/handoff.py), and the two do not mix.
 tests/unit/test_engine_hashes.py checks all of this against vectors made by vLLM's own code
 (tools/make_vllm_hash_fixtures.py). Not covered yet: multimodal and prompt-embeds keys,
 lookahead hashing (speculative decoding's `num_hash_lookahead_tokens`) and a hash block size
-other than the engine's block size. A chat request's token ids come from quilld/http/chat_render.py.
+other than the engine's block size. A chat request's token ids come from quilld/index/chat_render.py.
 """
 
 from __future__ import annotations

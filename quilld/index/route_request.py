@@ -6,8 +6,20 @@ to value and hand it to `RouteRequest.parse`; the caller's identity (scope and
 tag) is theirs to supply. Fields:
 
 - `blocks`: engine block hashes (ints, or decimal or hex strings), or
-- `tokens` (+ `block_size`, default 16): token ids, chained into block hashes
-  with `chain_hashes`, as quilld's clients and gateway hash them;
+- `tokens` (+ `block_size`, default 16): token ids, hashed into blocks as `hashing` says;
+- `hashing`: how `tokens` (or a `prompt` or chat `messages`) become block hashes:
+  - `quilld`: chained with `chain_hashes` in blocks of `block_size`, as quilld's
+    clients and gateway hash them;
+  - `engine`: as the model's engines hash them themselves (index/engine_prompts.py: a
+    tokenizer directory and `prefix_caching_hash_algo`, vLLM's prefix-cache hashes), and
+    looked up where their KV events record them, the engines' own scope; a caller of
+    another tenant than the engines' is given the `cache_salt` (`EngineRoute.salt`) it
+    must send the engine with the request, and its hashes include it, as the gateway's do;
+  - `auto` (the default): `engine` when the model's engines name their hashing, else
+    `quilld`;
+- `messages` (a chat, with `add_generation_prompt`, `continue_final_message`,
+  `chat_template_kwargs`) or `prompt` (text, with `add_special_tokens`): rendered and
+  tokenized as vLLM's OpenAI server does, for `engine` hashing only;
 - `decode_tokens`: the tokens the request may generate (counted in blocks);
 - `session`: requests of one session stay on one engine while it is eligible;
 - `acquire`: 1/true/yes takes an in-flight lease on the chosen engine (and, for a
@@ -27,14 +39,16 @@ other fields and builds the `RouteRequest` itself.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.control import ControlPlane, chain_hashes
+from quilld.index.engine_prompts import NotCovered, model_family, salt_for
 from quilld.index.residency import BlockHash
 from quilld.index.router import Decision
 from quilld.model import IdentityScope
@@ -51,7 +65,11 @@ MAX_REQUEST_BYTES = 2 * 1024 * 1024
 LARGE_REQUEST = 64 * 1024
 DEFAULT_BLOCK_SIZE = 16
 MAX_TOKEN = (1 << 32) - 1  # chain_hashes packs each token id in 4 bytes
-FIELDS = frozenset({"blocks", "tokens", "block_size", "decode_tokens", "session", "acquire"})
+PROMPT_FIELDS = ("messages", "prompt", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                 "add_special_tokens")  # what engine_prompts.token_ids reads of a request
+FIELDS = frozenset({"blocks", "tokens", "block_size", "decode_tokens", "session", "acquire", "hashing",
+                    *PROMPT_FIELDS})
+HASHINGS = ("auto", "quilld", "engine")
 _YES = ("1", "true", "yes")
 _NOT_INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
 
@@ -126,6 +144,11 @@ class RouteRequest:
     decode_tokens: int = 0
     session: str | None = None
     acquire: bool = False
+    # the prompt still to be hashed by the model's engines' own hashing (`engine_route`): the
+    # request's prompt fields, `tokens` as a `prompt` of ids; None when `blocks` are final
+    prompt: dict[str, Any] | None = None
+    block_size_given: bool = False  # `block_size` was in the request (it must then be the engines')
+    hashing: str = "quilld"  # with a prompt: "engine" or "auto" (quilld's chain when the engines name none)
 
     @property
     def decode_blocks(self) -> float:
@@ -138,6 +161,12 @@ class RouteRequest:
         unknown = set(req) - FIELDS
         if unknown:
             raise CommandError(f"ROUTE: unknown field(s) {', '.join(sorted(unknown))}")
+        hashing = str(req.get("hashing", "auto")).lower()
+        if hashing not in HASHINGS:
+            raise CommandError(f"ROUTE: hashing must be one of {', '.join(HASHINGS)}, got {req['hashing']!r:.40}")
+        texts = [k for k in ("messages", "prompt") if k in req]
+        if texts or hashing == "engine":
+            return cls._for_engines(req, hashing, texts)
         try:
             block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
             if "tokens" in req:
@@ -163,17 +192,106 @@ class RouteRequest:
         if tokens is not None:
             if not all(0 <= t <= MAX_TOKEN for t in tokens):
                 raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
+            if hashing == "auto":  # hashed once the model's engines are known (engine_route)
+                return cls([], block_size, decode, *_session_acquire(req), prompt={"prompt": tokens},
+                           block_size_given="block_size" in req, hashing="auto")
             blocks = chain_hashes(tokens, block_size)
         if len(blocks) > MAX_BLOCKS:
             raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
-        session = req.get("session") or None
-        return cls(blocks, block_size, decode, str(session) if session else None,
-                   str(req.get("acquire", "")).lower() in _YES)
+        return cls(blocks, block_size, decode, *_session_acquire(req))
+
+    @classmethod
+    def _for_engines(cls, req: Mapping[str, Any], hashing: str, texts: list[str]) -> RouteRequest:
+        """A request whose prompt the model's engines' own hashing turns into blocks (`engine_route`)."""
+        if hashing == "quilld":
+            raise CommandError("ROUTE: messages and prompt are hashed only as the engines hash them "
+                               "(hashing engine or auto); with hashing quilld, send tokens")
+        given = [k for k in ("blocks", "tokens", "messages", "prompt") if k in req]
+        if len(given) != 1:
+            raise CommandError(f"ROUTE: with hashing {hashing}, one of tokens, messages or prompt "
+                               f"({'none' if not given else ', '.join(given)} given)")
+        if given == ["blocks"]:
+            raise CommandError("ROUTE: blocks are hashes already: hashing applies to tokens, messages or prompt")
+        if "messages" in req and not (isinstance(req["messages"], list) and req["messages"]):
+            raise CommandError("ROUTE: messages must be a non-empty list of chat messages")
+        if "prompt" in req and not isinstance(req["prompt"], str):
+            raise CommandError("ROUTE: prompt must be a string (send token ids as tokens)")
+        prompt = {k: req[k] for k in PROMPT_FIELDS if k in req}
+        try:
+            block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
+            decode = int(req.get("decode_tokens", 0))
+            if "tokens" in req:
+                if _count(req["tokens"]) > MAX_BLOCKS * 64:
+                    raise CommandError(f"ROUTE: at most {MAX_BLOCKS * 64} tokens")
+                prompt["prompt"] = [int(t) for t in req["tokens"]]
+        except (TypeError, ValueError):
+            raise CommandError(_NOT_INTEGERS) from None
+        if "tokens" in req and not all(0 <= t <= MAX_TOKEN for t in prompt["prompt"]):
+            raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
+        return cls([], block_size, decode, *_session_acquire(req), prompt=prompt,
+                   block_size_given="block_size" in req, hashing=hashing)
+
+
+def _session_acquire(req: Mapping[str, Any]) -> tuple[str | None, bool]:
+    session = req.get("session") or None
+    return str(session) if session else None, str(req.get("acquire", "")).lower() in _YES
 
 
 def _count(items: Any) -> int:
     """How many items a request's list holds (0 for what is not a list: its walk refuses it)."""
     return len(items) if isinstance(items, (list, tuple)) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRoute:
+    """A request hashed by its engines' own hashing: the scope tag their KV events record blocks
+    under, the request with its blocks, and the cache_salt the caller must send the engine (None:
+    the caller is of the engines' tenant and sends the request as it is)."""
+
+    tag: bytes
+    req: RouteRequest
+    salt: str | None
+
+
+def needs_engine_hashing(req: RouteRequest) -> bool:
+    return req.prompt is not None
+
+
+INLINE_TOKENS = 4096  # a longer `tokens` list is chained off the event loop
+
+
+async def engine_route(control: ControlPlane, scope: IdentityScope, tag: bytes, req: RouteRequest,
+                       salt_key: Callable[[], bytes]) -> EngineRoute:
+    """`req`'s prompt hashed as the engines of `scope.model` hash it: their family and the scope
+    tag on the loop, the rendering, tokenizing and hashing in a worker thread. A `tokens` request
+    of `hashing auto` whose model's engines name no hashing of their own is chained with quilld's
+    `chain_hashes` instead, in the caller's scope (`tag`)."""
+    fam, tenant = model_family(control.engines.for_model(scope.model), scope.model)
+    prompt = req.prompt
+    if fam is None:
+        if req.hashing == "engine" or "messages" in prompt or isinstance(prompt.get("prompt"), str):
+            raise NotCovered(f"ROUTE: no engine of model {scope.model!r} names its own hashing (a tokenizer "
+                             f"directory and prefix_caching_hash_algo): send tokens, hashed with hashing quilld")
+        tokens = prompt["prompt"]
+        blocks = (chain_hashes(tokens, req.block_size) if len(tokens) <= INLINE_TOKENS
+                  else await asyncio.to_thread(chain_hashes, tokens, req.block_size))
+        if len(blocks) > MAX_BLOCKS:
+            raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+        return EngineRoute(tag, replace(req, blocks=blocks, prompt=None), None)
+    if req.block_size_given and req.block_size != fam.block_size:
+        raise CommandError(f"ROUTE: block_size {req.block_size}: the engines of model {scope.model!r} hash blocks "
+                           f"of {fam.block_size} tokens (leave block_size out)")
+    if scope.adapter:
+        raise NotCovered("ROUTE: an adapter's blocks are not hashed as the engine hashes them yet (vLLM's hash "
+                         "includes the LoRA's load path): send the engine's block hashes as blocks")
+    salt = None
+    if scope.tenant != tenant:  # another identity than the engines': its own partition of their cache
+        salt = salt_for(salt_key(), IdentityScope(scope.tenant, scope.model, fam.directory, scope.adapter))
+    blocks = await asyncio.to_thread(control.engine_prompts.hashes, fam, "messages" in prompt, prompt, salt)
+    if len(blocks) > MAX_BLOCKS:
+        raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
+    engines_tag = control.scopes.tag(IdentityScope(tenant, scope.model, fam.directory, scope.adapter))
+    return EngineRoute(engines_tag, replace(req, blocks=list(blocks), block_size=fam.block_size, prompt=None), salt)
 
 
 def route(control: ControlPlane, scope: IdentityScope, tag: bytes, req: RouteRequest) -> Decision:

@@ -12,26 +12,12 @@ import time
 import pytest
 import redis
 
-from conftest import free_port, start_quilld, stop_process, wait_until
+from conftest import free_gossip_port, free_port, start_quilld, stop_process, wait_until
 
 MiB = 1024 * 1024
 FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
                "QUILLD_CLUSTER_PUSH_PULL_INTERVAL_MS": "1000"}
 DEAD_BOUND = 8.0  # seconds: probe round (3 x 0.2 s) + suspicion (4 x 0.2 s x log10) + slack for a slow machine
-
-
-def free_udp_tcp_port() -> int:
-    for _ in range(50):
-        port = free_port()
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            u.close()
-    raise RuntimeError("no free port")
 
 
 class Cluster:
@@ -41,7 +27,7 @@ class Cluster:
         self.gossip: dict[str, int] = {}
 
     def start(self, name: str, seeds: list[str] = (), **env):
-        gport = self.gossip.get(name) or free_udp_tcp_port()
+        gport = self.gossip.get(name) or free_gossip_port()
         self.gossip[name] = gport
         extra = ["--node-id", name, "--gossip-port", str(gport), "--dram", "128MiB"]
         if seeds:
@@ -230,7 +216,7 @@ def test_rdma_is_used_only_when_available_and_rdma_mode_fails_loudly(cluster, tm
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "quilld", "--port", str(free_port()), "--admin-port", "0",
-                           "--gossip-port", str(free_udp_tcp_port()), "--dram", "16MiB"],
+                           "--gossip-port", str(free_gossip_port()), "--dram", "16MiB"],
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")},
                                "QUILLD_CLUSTER_TRANSFER": "rdma"},
                           capture_output=True, text=True, timeout=60)
@@ -249,7 +235,7 @@ def test_gossip_needs_a_secret_off_loopback_and_counts_replays_in_info(cluster):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUILLD_")}
     proc = subprocess.run([sys.executable, "-m", "quilld", "--bind", "0.0.0.0", "--port", str(free_port()),
-                           "--admin-port", "0", "--gossip-port", str(free_udp_tcp_port()), "--dram", "16MiB"],
+                           "--admin-port", "0", "--gossip-port", str(free_gossip_port()), "--dram", "16MiB"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cluster.secret" in proc.stderr and "QUILLD_CLUSTER_SECRET" in proc.stderr, \
         proc.stderr
@@ -342,7 +328,7 @@ def test_membership_changes_are_logged_one_line_each(cluster):
 
 
 def test_unanswered_seeds_are_warned_about_then_contact_is_said(cluster):
-    seed_port = free_udp_tcp_port()
+    seed_port = free_gossip_port()
     cluster.gossip["a"] = seed_port  # a is not started yet: b's seed answers nothing
     t0 = time.monotonic()
     b = cluster.start("b", ["a"], QUILLD_CLUSTER_SEED_WARNING_MS="2000")

@@ -22,7 +22,7 @@ import crc32c
 import openai
 import pytest
 import redis
-from conftest import ROOT, free_port, http, start_quilld, stop_process, wait_port, wait_until
+from conftest import ROOT, free_gossip_port, free_port, http, start_quilld, stop_process, wait_port, wait_until
 from quillclient import QuillClient
 
 from quilld.http.prompt_blocks import chunk_hashes, render_chat
@@ -405,9 +405,9 @@ FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_
 
 
 def test_a_decode_engine_on_another_node_reads_the_prefills_kv_locally_pulled_there_before_it_asks(setup):
-    from test_cluster import free_udp_tcp_port, members
+    from test_cluster import members
 
-    ga, gb = free_udp_tcp_port(), free_udp_tcp_port()
+    ga, gb = free_gossip_port(), free_gossip_port()
     setup.node("a", "--gossip-port", str(ga), gateway=True, env=ALWAYS | FAST_GOSSIP)
     setup.node("b", "--gossip-port", str(gb), "--seeds", f"127.0.0.1:{ga}", env=FAST_GOSSIP)
     for n in "ab":
@@ -434,9 +434,9 @@ def test_a_decode_engine_on_another_node_reads_the_prefills_kv_locally_pulled_th
 def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setup):
     """A connector that stores each block with HASH alone (index/handoff.py's scheme, no PARENT), on
     another node than the gateway's: the handoff check and ROUTE's pool credit count every block."""
-    from test_cluster import free_udp_tcp_port, members
+    from test_cluster import members
 
-    ga, gb = free_udp_tcp_port(), free_udp_tcp_port()
+    ga, gb = free_gossip_port(), free_gossip_port()
     setup.node("a", "--gossip-port", str(ga), gateway=True, env=ALWAYS | FAST_GOSSIP)
     setup.node("b", "--gossip-port", str(gb), "--seeds", f"127.0.0.1:{ga}", env=FAST_GOSSIP)
     for n in "ab":

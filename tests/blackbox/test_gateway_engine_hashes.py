@@ -10,16 +10,17 @@ chat_render gives (golden-tested against vLLM's renderer). Driven with the offic
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import redis
 import vllm_schema as vllm
 from conftest import ROOT
-from test_gateway import gateway  # noqa: F401 (a fixture: quilld's gateway before fake engines)
+from test_gateway import gateway, http_json  # noqa: F401 (a fixture: quilld's gateway before fake engines)
 from test_kv_events import Publisher
 
-from quilld.http import chat_render
+from quilld.index import chat_render
 from quilld.index.engine_hashes import EngineHashing
 
 pytestmark = pytest.mark.timeout(90)
@@ -166,3 +167,88 @@ def test_requests_not_covered_fall_back_to_the_gateways_own_hashes(gateway, tmp_
     assert s["gateway_engine_hash_fallbacks"] == 1 and s["gateway_engine_hashed"] == 0, s
     client.chat.completions.create(model="m", messages=chat("x"))
     assert gw.stats()["gateway_engine_hashed"] == 1
+
+
+def route_reply(r: redis.Redis, request: dict) -> dict:
+    """ROUTE {json}'s map (RESP3), with its keys and texts decoded."""
+    def text(v):
+        if isinstance(v, bytes):
+            return v.decode()
+        if isinstance(v, dict):
+            return {text(k): text(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [text(x) for x in v]
+        return v
+    return text(r.execute_command("ROUTE", json.dumps(request)))
+
+
+def overlap(reply: dict, engine: str) -> int:
+    return next(c["overlap_blocks"] for c in reply["candidates"] if c["engine"] == engine)
+
+
+def test_route_hashes_tokens_and_chats_as_the_models_engines_do(gateway, publishers, tmp_path):  # noqa: F811
+    """ROUTE and POST /v1/route over token ids, a chat or a prompt, for a model whose engines name
+    their hashing: credited for exactly the blocks the engine's events recorded; another tenant is
+    told the cache_salt the gateway would send for it, and credited for none of the engine's."""
+    users = tmp_path / "users"
+    users.write_text("alice alice-key\nbob bob-key\n")
+    keys = {name: {"tokenizer": str(TOKENIZER), "prefix_caching_hash_algo": "sha256", "block_size": BLOCK,
+                   "tenant": "alice", "kv_events": f"tcp://127.0.0.1:{pub.pub_port}",
+                   "replay": f"tcp://127.0.0.1:{pub.replay_port}"}
+            for name, pub in zip(("e1", "e2"), publishers)}
+    gw = gateway([("e1", "m", []), ("e2", "m", [])], "--users-file", str(users), engine_keys=keys)
+    alice, bob = (redis.Redis(port=gw.resp_port, username=u, password=f"{u}-key", protocol=3,
+                              single_connection_client=True) for u in ("alice", "bob"))
+    for r in (alice, bob):
+        assert r.execute_command("SCOPE", "m", "") in (b"OK", "OK")  # the model the connection speaks for
+    tok, hashing = chat_render.load(TOKENIZER), EngineHashing("sha256", None, BLOCK)
+    first = chat("Which tier holds a block that was just prefilled?")
+    ids = tok.chat_token_ids(first)
+    full = len(ids) // BLOCK
+    publish_until_applied(publishers[0], alice, "e1", stored(hashing, ids))
+
+    for request in ({"messages": first}, {"tokens": ids}, {"tokens": ids, "hashing": "engine"},
+                    {"messages": first, "hashing": "engine", "add_generation_prompt": True}):
+        d = route_reply(alice, request)
+        assert d["engine"] == "e1" and overlap(d, "e1") == full and overlap(d, "e2") == 0, (request, d)
+        assert len(d["plan"]) == full and "cache_salt" not in d
+    other = chat("What does ROUTE answer for a prompt nobody has sent?")
+    d = route_reply(alice, {"messages": other})
+    assert overlap(d, "e1") == shared_blocks(ids, tok.chat_token_ids(other)) > 0
+    prompt = SYSTEM + "Complete this: a block in the pool is"
+    d = route_reply(alice, {"prompt": prompt})
+    assert len(d["plan"]) == len(tok.prompt_token_ids(prompt)) // BLOCK
+    # quilld's own chain of the same ids names other blocks: nothing of the engine's
+    d = route_reply(alice, {"tokens": ids, "hashing": "quilld"})
+    assert overlap(d, "e1") == 0 and len(d["plan"]) == full
+
+    # another tenant: the gateway's salt for it, and none of alice's blocks
+    d = route_reply(bob, {"messages": first})
+    assert overlap(d, "e1") == 0 and len(d["cache_salt"]) == 64
+    raw = gw.client("bob-key").chat.completions.with_raw_response.create(model="m", messages=first)
+    served = gw.engines[raw.headers["x-quillcache-engine"]].stats()["last"]
+    assert served["cache_salt"] == d["cache_salt"]  # one salt for one scope, whoever computes it
+    where = raw.headers["x-quillcache-engine"]
+    publish_until_applied(publishers[int(where[1]) - 1], alice, where, stored(hashing, ids, d["cache_salt"]))
+    d = route_reply(bob, {"messages": first})
+    assert d["engine"] == where and overlap(d, where) == full
+
+    # POST /v1/route: the same, the identity in the body
+    status, body = http_json(gw.admin_port, "POST", "/v1/route", {"model": "m", "tenant": "alice", "tokens": ids},
+                             headers=gw.admin_headers)
+    assert status == 200 and body["engine"] == "e1" and "cache_salt" not in body, body
+    status, body = http_json(gw.admin_port, "POST", "/v1/route", {"model": "m", "tenant": "bob", "messages": first},
+                             headers=gw.admin_headers)
+    assert status == 200 and body["engine"] == where and body["cache_salt"] == d["cache_salt"], body
+
+    # what cannot be hashed as the engines do is refused, saying why
+    for request, error in (({"messages": first, "hashing": "quilld"}, "hashed only as the engines hash them"),
+                           ({"tokens": ids, "block_size": 32}, "hash blocks of 16 tokens"),
+                           ({"messages": first, "tokens": ids}, "one of tokens, messages or prompt"),
+                           ({"messages": "hi"}, "messages must be a non-empty list"),
+                           ({"tokens": ids, "hashing": "sha1"}, "hashing must be one of auto, quilld, engine")):
+        with pytest.raises(redis.ResponseError, match=error):
+            alice.execute_command("ROUTE", json.dumps(request))
+    status, body = http_json(gw.admin_port, "POST", "/v1/route", {"model": "none", "messages": first},
+                             headers=gw.admin_headers)
+    assert status == 400 and "no engine of model 'none' names its own hashing" in body["error"], body

@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from conftest import cmd, exchange, read_lines, start_quilld, stop_process, wait_until
+from conftest import cmd, free_gossip_port, exchange, read_lines, start_quilld, stop_process, wait_until
 from quilld.cluster.local_secret import FILE_NAME, local_secret, secret_dir
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,16 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 WRONG = b"-WRONGPASS invalid cluster secret\r\n"
 
 
-def free_udp_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_a_cluster_without_a_secret_refuses_the_empty_one_and_counts_and_slows_guesses(tmp_path):
-    q = start_quilld(tmp_path, "--dram", "16MiB", "--gossip-port", str(free_udp_port()),
+    q = start_quilld(tmp_path, "--dram", "16MiB", "--gossip-port", str(free_gossip_port()),
                      env={"QUILLD_SECURITY_AUTH_DELAY_MAX_MS": "400"})
     try:
         assert exchange(q.port, cmd("PEERAUTH", "") + cmd("DIR", "x", ""), lines=2)[0] == \
@@ -68,7 +60,7 @@ def test_a_cluster_without_a_secret_refuses_the_empty_one_and_counts_and_slows_g
 def test_a_peer_is_no_operator_and_no_tenant(tmp_path):
     users = tmp_path / "users"
     users.write_text("alice apw\n")
-    q = start_quilld(tmp_path, "--dram", "16MiB", "--gossip-port", str(free_udp_port()), "--requirepass", "opw",
+    q = start_quilld(tmp_path, "--dram", "16MiB", "--gossip-port", str(free_gossip_port()), "--requirepass", "opw",
                      "--users-file", str(users), env={"QUILLD_CLUSTER_SECRET": "peer-secret"})
     try:
         alice = q.client(username="alice", password="apw")
@@ -107,7 +99,7 @@ def test_a_peer_is_no_operator_and_no_tenant(tmp_path):
 
 
 def test_two_nodes_without_a_secret_still_fetch_from_each_other(tmp_path):
-    ga, gb = free_udp_port(), free_udp_port()
+    ga, gb = free_gossip_port(), free_gossip_port()
     fast = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80"}
     a = start_quilld(tmp_path, "--node-id", "a", "--gossip-port", str(ga), "--dram", "32MiB", env=fast)
     b = start_quilld(tmp_path, "--node-id", "b", "--gossip-port", str(gb), "--dram", "32MiB",

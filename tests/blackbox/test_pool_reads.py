@@ -21,10 +21,10 @@ import time
 import pytest
 import redis
 import redis.asyncio as aioredis
-from test_cluster import Cluster, free_udp_tcp_port, holders, members, three, until
+from test_cluster import Cluster, holders, members, three, until
 from test_lmcache_styles import assert_same, chunk_key, metadata, payload
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_gossip_port, free_port
 
 MiB = 1024 * 1024
 CHUNK = 4 * MiB  # an LMCache chunk here: big enough to be an arena block, small enough to be quick
@@ -218,7 +218,7 @@ WALK_TIMEOUT = 90.0
 def test_the_readme_walk_from_one_node_to_three_runs_as_written(tmp_path):
     m = WALKTHROUGH.search((ROOT / "README.md").read_text())
     assert m, "README.md lost its three-node walkthrough"
-    ports = {p: str(free_udp_tcp_port() if p.endswith("81") else free_port()) for p in WALK_PORTS}
+    ports = {p: str(free_gossip_port() if p.endswith("81") else free_port()) for p in WALK_PORTS}
     script = re.sub(r"\b(" + "|".join(WALK_PORTS) + r")\b", lambda x: ports[x[1]], m[1])
     assert script.count("quilld ") == 3 and "kill %1 %2 %3" in script
     shims = tmp_path / "bin"

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import ROOT, free_port, start_quilld, stop_process, wait_port, wait_until
+from conftest import ROOT, free_gossip_port, free_port, start_quilld, stop_process, wait_port, wait_until
 from conftest import http as conftest_http
 
 pytestmark = pytest.mark.timeout(180)
@@ -309,26 +308,13 @@ FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_
 FIRST_RENDER_MS = 1000  # less than the page's 2 s refresh: what its first render shows
 
 
-def free_udp_tcp_port() -> int:
-    """A port free for TCP (free_port) and for UDP too (gossip)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            try:
-                u.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
 def members(port: int, headers: dict) -> dict[str, str]:
     return {m["id"]: m["state"] for m in admin_json(port, "/v1/nodes", headers=headers)["nodes"]}
 
 
 def test_a_cluster_page_shows_every_node_marks_the_dead_one_and_draws_the_last_minutes(tmp_path, nodes):
     env = {**FAST_GOSSIP, "QUILLD_CLUSTER_SECRET": "page-secret", "QUILLD_SECURITY_REQUIREPASS": "pw"}
-    gossip = {name: free_udp_tcp_port() for name in "abc"}
+    gossip = {name: free_gossip_port() for name in "abc"}
     started = {}
     for name in "abc":
         extra = ["--node-id", name, "--gossip-port", str(gossip[name]), "--dram", "64MiB"]

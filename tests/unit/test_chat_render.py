@@ -1,4 +1,4 @@
-"""quilld/http/chat_render.py against the token ids vLLM 0.33's own renderer feeds its engine (issue 30).
+"""quilld/index/chat_render.py against the token ids vLLM 0.33's own renderer feeds its engine (issue 30).
 
 tests/fixtures/chat_render/ holds tokenizer directories built by tools/make_chat_render_fixtures.py
 (a small trained BPE with the Llama 3.1 and Qwen 2.5 instruct families' published chat templates)
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from quilld.http import chat_render
-from quilld.http.chat_render import NotCovered, TemplateRejected, TemplateUnavailable
+from quilld.index import chat_render
+from quilld.index.chat_render import NotCovered, TemplateRejected, TemplateUnavailable
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_render"
 CASES = json.loads((FIXTURES / "cases.json").read_text(encoding="utf-8"))

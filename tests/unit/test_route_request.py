@@ -4,6 +4,7 @@ and the three renderings of one routing decision: RESP reply, admin JSON, gatewa
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -16,13 +17,14 @@ from quilld.http.admin import decision_json
 from quilld.http.gateway_upstream import decision_headers
 from quilld.index.control import ControlPlane, chain_hashes
 from quilld.index.events import Batch, Stored
-from quilld.index.route_request import MAX_BLOCKS, RouteRequest, parse_block_hash, route
+from quilld.index.route_request import MAX_BLOCKS, RouteRequest, engine_route, parse_block_hash, route
 from quilld.index.router import Candidate, Decision, Step
 from quilld.model import CacheTier, IdentityScope
 from quilld.protocol.commands.route import decision_reply, route_fields
 from quilld.scopes import ScopeRegistry
 
 INTEGERS = "ROUTE: tokens, block_size and decode_tokens must be integers"
+SCOPE = IdentityScope("default", "m")
 
 
 def error_of(fields) -> str:
@@ -41,11 +43,30 @@ def test_defaults_and_block_hashes_in_every_accepted_form():
     assert RouteRequest.parse({"blocks": ""}).blocks == []  # `ROUTE blocks ""` on RESP
 
 
+def quilld_hashed(req: dict) -> RouteRequest:
+    return RouteRequest.parse({**req, "hashing": "quilld"})
+
+
 def test_tokens_are_chained_in_blocks_of_block_size():
-    req = RouteRequest.parse({"tokens": list(range(40)), "block_size": 8})
+    req = quilld_hashed({"tokens": list(range(40)), "block_size": 8})
     assert req.blocks == chain_hashes(list(range(40)), 8) and len(req.blocks) == 5
-    assert RouteRequest.parse({"tokens": ["1", "2"], "block_size": "1"}).blocks == chain_hashes([1, 2], 1)
-    assert RouteRequest.parse({"tokens": list(range(20))}).blocks == chain_hashes(list(range(20)), 16)
+    assert quilld_hashed({"tokens": ["1", "2"], "block_size": "1"}).blocks == chain_hashes([1, 2], 1)
+    assert quilld_hashed({"tokens": list(range(20))}).blocks == chain_hashes(list(range(20)), 16)
+
+
+def test_tokens_of_a_model_whose_engines_name_no_hashing_are_chained_as_quilld_does():
+    """hashing auto (the default) waits for the model's engines; none names its own: quilld's chain,
+    in the caller's scope."""
+    control = control_with_two_engines()
+    req = RouteRequest.parse({"tokens": list(range(40)), "block_size": 8})
+    assert req.blocks == [] and req.prompt == {"prompt": list(range(40))} and req.hashing == "auto"
+    er = asyncio.run(engine_route(control, SCOPE, b"tag", req, lambda: b"key"))
+    assert (er.tag, er.salt, er.req.prompt) == (b"tag", None, None)
+    assert er.req.blocks == chain_hashes(list(range(40)), 8)
+    for request in ({"tokens": [1] * 16, "hashing": "engine"}, {"messages": [{"role": "user", "content": "x"}]},
+                    {"prompt": "x"}):
+        with pytest.raises(CommandError, match="no engine of model 'm' names its own hashing"):
+            asyncio.run(engine_route(control, SCOPE, b"tag", RouteRequest.parse(request), lambda: b"key"))
 
 
 def test_decode_tokens_count_in_blocks():
@@ -104,7 +125,7 @@ def test_bad_block_hashes():
 def test_token_ids_outside_32_bits_are_refused():
     for bad in (-1, 1 << 32):
         assert error_of({"tokens": [0] * 15 + [bad]}) == "ROUTE: tokens must be integers from 0 to 4294967295"
-    assert RouteRequest.parse({"tokens": [(1 << 32) - 1] * 16}).blocks == chain_hashes([(1 << 32) - 1] * 16, 16)
+    assert quilld_hashed({"tokens": [(1 << 32) - 1] * 16}).blocks == chain_hashes([(1 << 32) - 1] * 16, 16)
 
 
 def test_at_most_max_blocks():
@@ -112,7 +133,7 @@ def test_at_most_max_blocks():
     assert error_of({"blocks": list(range(MAX_BLOCKS + 1))}) == f"ROUTE: at most {MAX_BLOCKS} blocks"
     assert error_of({"tokens": [0] * (MAX_BLOCKS + 1), "block_size": 1}) == f"ROUTE: at most {MAX_BLOCKS} blocks"
     # only full blocks count: one token short of an extra block is within the limit
-    assert len(RouteRequest.parse({"tokens": [0] * (2 * (MAX_BLOCKS + 1) - 1), "block_size": 2}).blocks) \
+    assert len(quilld_hashed({"tokens": [0] * (2 * (MAX_BLOCKS + 1) - 1), "block_size": 2}).blocks) \
         == MAX_BLOCKS
 
 
@@ -217,3 +238,14 @@ def test_header_rendering():
     assert headers["x-quillcache-cost"] == "1.23457e+06"
     assert headers["x-quillcache-plan"] == "hits=0 fetches=0 recomputes=10"
     assert headers["x-quillcache-overlap-blocks"] == "0"
+
+
+def test_engines_of_one_model_that_hash_differently_are_refused_by_name():
+    engines = (EngineConfig(id="e1", url="http://127.0.0.1:9001", model="m", tokenizer="/tok",
+                            prefix_caching_hash_algo="sha256"),
+               EngineConfig(id="e2", url="http://127.0.0.1:9002", model="m", tokenizer="/tok",
+                            prefix_caching_hash_algo="sha256_cbor"))
+    control = ControlPlane(Config(engines=engines), ScopeRegistry())
+    with pytest.raises(CommandError, match=r"hash their blocks in 2 ways \(e1: /tok sha256 block_size 16 tenant "
+                                           r"default; e2: /tok sha256_cbor .*register them alike"):
+        asyncio.run(engine_route(control, SCOPE, b"tag", RouteRequest.parse({"tokens": [1] * 16}), lambda: b"k"))

@@ -1,4 +1,4 @@
-"""quilld/http/token_segments.py: a long chat's token ids from its pieces, as `encode` gives them whole."""
+"""quilld/index/token_segments.py: a long chat's token ids from its pieces, as `encode` gives them whole."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from quilld.http import chat_render, token_segments
-from quilld.http.token_segments import SegmentCache
+from quilld.index import chat_render, token_segments
+from quilld.index.token_segments import SegmentCache
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_render"
 WORDS = ("block cache tier engine prefill décodé token route 東京 residency pool node émoji 🙂 e\u0301 "

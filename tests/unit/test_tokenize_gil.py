@@ -1,4 +1,4 @@
-"""A long prompt's tokenizing leaves the GIL to other threads (quilld/http/chat_render.encode).
+"""A long prompt's tokenizing leaves the GIL to other threads (quilld/index/chat_render.encode).
 
 The gateway tokenizes in a worker thread so that its event loop keeps serving; `tokenizers`'
 `Tokenizer.encode` holds the GIL for the whole call, which stopped the loop for as long (~30 ms
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from quilld.http import chat_render
+from quilld.index import chat_render
 
 FAMILY = Path(__file__).resolve().parent.parent / "fixtures" / "chat_render" / "llama31"
 WORDS = "block cache tier engine prefill decode token route residency pool node (1234).".split()

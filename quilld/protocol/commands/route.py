@@ -26,8 +26,8 @@ from typing import Any
 from quilld.errors import CommandError
 from quilld.index.events import decode_json
 from quilld.index.pairing import Pair
-from quilld.index.route_request import (LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest,
-                                        hashes_from_args, hashes_from_packed, route)
+from quilld.index.route_request import (LARGE_REQUEST, MAX_BLOCKS, MAX_REQUEST_BYTES, RouteRequest, engine_route,
+                                        hashes_from_args, hashes_from_packed, needs_engine_hashing, route)
 from quilld.index.router import Candidate, Decision, Step
 from quilld.model import Pending
 from quilld.protocol.commands.common import text
@@ -167,25 +167,38 @@ def parse_request(args: list) -> tuple[RouteRequest, bool]:
 def cmd_route(c, args):
     if sum(map(len, args)) > LARGE_REQUEST:  # decoded and walked off the event loop
         return Pending(_route_large(c, args))
-    return _answer(c, *parse_request(args))
+    req, compact = parse_request(args)
+    if needs_engine_hashing(req):
+        return Pending(_route_engine_hashed(c, req))
+    return _answer(c, req, compact, c.tag)
 
 
 async def _route_large(c, args: list):
     req, compact = await asyncio.to_thread(parse_request, args)
-    answer = _answer(c, req, compact)
+    if needs_engine_hashing(req):
+        return await _route_engine_hashed(c, req)
+    answer = _answer(c, req, compact, c.tag)
     return await answer.awaitable if answer.__class__ is Pending else answer
 
 
-def _answer(c, req: RouteRequest, compact: bool) -> Raw | Pending:
+async def _route_engine_hashed(c, req: RouteRequest):
+    """A prompt the model's engines' own hashing turns into blocks, looked up where their events
+    record them; the reply says the cache_salt to send the engine when there is one."""
+    er = await engine_route(c.control, c.scope, c.tag, req, c.ctx.salt_key)
+    answer = _answer(c, er.req, False, er.tag, er.salt)
+    return await answer.awaitable if answer.__class__ is Pending else answer
+
+
+def _answer(c, req: RouteRequest, compact: bool, tag: bytes, salt: str | None = None) -> Raw | Pending:
     cluster = c.ctx.cluster
     if cluster is None:
-        d = route(c.control, c.scope, c.tag, req)
-        return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3))
-    scope, tag, resp3 = c.scope, c.tag, c.resp3
+        d = route(c.control, c.scope, tag, req)
+        return Raw(encode_compact(d, c.resp3) if compact else encode_decision(d, c.resp3, salt))
+    scope, resp3 = c.scope, c.resp3
 
     async def from_directory():  # the blocks' residencies from their owners
         d = await cluster.route(scope, tag, req)
-        return Raw(encode_compact(d, resp3) if compact else encode_decision(d, resp3))
+        return Raw(encode_compact(d, resp3) if compact else encode_decision(d, resp3, salt))
 
     return Pending(from_directory())
 
@@ -193,7 +206,7 @@ def _answer(c, req: RouteRequest, compact: bool) -> Raw | Pending:
 # -- the reply, straight to RESP bytes, from the codec's pieces ---------------------------------
 
 _KEYS = {k: bulk(k) for k in (b"engine", b"url", b"cost", b"lease", b"plan", b"candidates", b"overlap_blocks",
-                              b"credit", b"in_flight", b"pair")}
+                              b"credit", b"in_flight", b"pair", b"cache_salt")}
 _DECISION_FIELDS, _CANDIDATE_FIELDS = 6, 5
 
 
@@ -224,10 +237,12 @@ def _head(d: Decision, resp3: bool) -> list[bytes]:
             bulk(d.lease.encode()) if d.lease is not None else nil]
 
 
-def encode_decision(d: Decision, resp3: bool) -> bytes:
-    """`decision_reply(d)` as resp.encode would write it, built from cached pieces."""
+def encode_decision(d: Decision, resp3: bool, salt: str | None = None) -> bytes:
+    """`decision_reply(d)` as resp.encode would write it, built from cached pieces (and
+    `cache_salt` last, when the request was hashed with one)."""
     engine, url, cost, lease = _head(d, resp3)
-    out = [map_header(_DECISION_FIELDS + (d.pair is not None), resp3), _KEYS[b"engine"], engine, _KEYS[b"url"], url,
+    fields = _DECISION_FIELDS + (d.pair is not None) + (salt is not None)
+    out = [map_header(fields, resp3), _KEYS[b"engine"], engine, _KEYS[b"url"], url,
            _KEYS[b"cost"], cost, _KEYS[b"lease"], lease, _KEYS[b"plan"], array_header(len(d.plan))]
     for step, count in _runs(d.plan):  # a step's bulk string is the same in both protocols
         out.append(_steps.one(step, False) * count)
@@ -236,6 +251,8 @@ def encode_decision(d: Decision, resp3: bool) -> bytes:
     if d.pair is not None:
         out.append(_KEYS[b"pair"])
         encode(pair_reply(d.pair), resp3, out)
+    if salt is not None:
+        out += (_KEYS[b"cache_salt"], bulk(salt.encode()))
     return b"".join(out)
 
 

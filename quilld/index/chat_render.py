@@ -57,7 +57,7 @@ import jinja2.utils
 from tokenizers import AddedToken, Tokenizer
 
 from quilld.errors import CommandError, ConfigError
-from quilld.http.token_segments import SegmentCache
+from quilld.index.token_segments import SegmentCache
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message

@@ -3,7 +3,7 @@
 An engine whose `tokenizer` names a Hugging Face tokenizer directory and whose
 `prefix_caching_hash_algo` is set belongs to an `EngineFamily` (directory, algo, seed,
 block size): for it the gateway turns the request into the token ids vLLM's OpenAI server
-feeds its engine (quilld/http/chat_render.py: a chat rendered with the model's template, a
+feeds its engine (quilld/index/chat_render.py: a chat rendered with the model's template, a
 completions prompt tokenized with its special tokens), hashes their full blocks as vLLM's
 prefix cache does (quilld/index/engine_hashes.py) and gives each hash in the form the engine's
 `BlockStored` events carry it by default: the digest's low 64 bits as an int
@@ -32,7 +32,7 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,21 @@ def engine_family(engine: EngineConfig) -> EngineFamily | None:
     return EngineFamily(tok, engine.prefix_caching_hash_algo, engine.hash_seed or None, engine.block_size)
 
 
+def model_family(engines: Sequence[EngineConfig], model: str) -> tuple[EngineFamily | None, str]:
+    """The one way the engines of `model` hash their blocks, and their tenant: (None, "") when none
+    names its own hashing; CommandError when they hash (or partition their cache) in more than one."""
+    found = {(fam, e.tenant): e.id for e in engines if (fam := engine_family(e)) is not None}
+    if not found:
+        return None, ""
+    if len(found) > 1:
+        ways = "; ".join(f"{eid}: {fam.directory} {fam.algo} block_size {fam.block_size} tenant {tenant}"
+                         for (fam, tenant), eid in sorted(found.items(), key=lambda kv: kv[1]))
+        raise CommandError(f"the engines of model {model!r} hash their blocks in {len(found)} ways ({ways}): "
+                           f"register them alike")
+    (fam, tenant), = found
+    return fam, tenant
+
+
 def salt_for(secret: bytes, scope: IdentityScope) -> str:
     """The `cache_salt` of requests of `scope`: keyed by the cluster's secret, stable across its nodes."""
     msg = SALT_CONTEXT + json.dumps(list(scope), ensure_ascii=False).encode("utf-8", "surrogatepass")
@@ -77,7 +92,7 @@ _CHAT_UNCOVERED = ("tools", "documents", "chat_template")
 
 def token_ids(directory: str, path_is_chat: bool, body: Mapping[str, Any]) -> list[int]:
     """The request's token ids as vLLM's OpenAI server computes them (sync: call it off the loop)."""
-    from quilld.http import chat_render  # the gateway extra (jinja2): only for engines that need it
+    from quilld.index import chat_render  # the gateway extra (jinja2): only for engines that need it
 
     try:
         tok = chat_render.load(directory)
