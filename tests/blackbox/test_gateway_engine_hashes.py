@@ -20,6 +20,7 @@ from conftest import ROOT
 from test_gateway import gateway, http_json  # noqa: F401 (a fixture: quilld's gateway before fake engines)
 from test_kv_events import Publisher
 
+from quillclient import QuillClient
 from quilld.index import chat_render
 from quilld.index.engine_hashes import EngineHashing
 
@@ -218,6 +219,9 @@ def test_route_hashes_tokens_and_chats_as_the_models_engines_do(gateway, publish
     prompt = SYSTEM + "Complete this: a block in the pool is"
     d = route_reply(alice, {"prompt": prompt})
     assert len(d["plan"]) == len(tok.prompt_token_ids(prompt)) // BLOCK
+    with QuillClient("127.0.0.1", gw.resp_port, username="alice", password="alice-key").scope("m", "") as client:
+        d = client.route(messages=first)  # the Python client: the same request, the same answer
+        assert d["engine"] == "e1" and overlap(d, "e1") == full
     # quilld's own chain of the same ids names other blocks: nothing of the engine's
     d = route_reply(alice, {"tokens": ids, "hashing": "quilld"})
     assert overlap(d, "e1") == 0 and len(d["plan"]) == full

@@ -365,19 +365,25 @@ class QuillClient:
 
     def route(self, *, blocks: Iterable[int | str] | None = None, tokens: Iterable[int] | None = None,
               block_size: int | None = None, decode_tokens: int | None = None, session: str | None = None,
-              acquire: bool = False, candidates: bool = True) -> dict[str, Any]:
-        """The engine that recomputes the least for these blocks (or tokens), as quilld's ROUTE map.
+              acquire: bool = False, candidates: bool = True, messages: list[dict] | None = None,
+              prompt: str | None = None, hashing: str | None = None) -> dict[str, Any]:
+        """The engine that recomputes the least for these blocks (or tokens, a chat's messages, a
+        prompt), as quilld's ROUTE map.
 
         Blocks go as ROUTE PACKED (64-bit ints, no JSON on either side) or ROUTE HASHES (hex
-        strings); tokens as JSON. With candidates=False (blocks only) quilld answers the COMPACT
+        strings); the rest as JSON, hashed as `hashing` says ("auto", quilld's default: as the
+        model's engines hash them when they name their hashing, else "quilld"'s own chain; or
+        "engine"); a caller of another tenant than the engines' finds the "cache_salt" to send
+        the engine in the map. With candidates=False (blocks only) quilld answers the COMPACT
         form and the map has no "candidates": engine, url, cost, lease and plan (one step per block)."""
-        if tokens is not None or blocks is None:
+        if blocks is None or tokens is not None or messages is not None or prompt is not None or hashing:
             req: dict[str, Any] = {}
             if blocks is not None:
                 req["blocks"] = [b if isinstance(b, (int, str)) else bytes(b).hex() for b in blocks]
             if tokens is not None:
                 req["tokens"] = list(tokens)
-            for name, value in (("block_size", block_size), ("decode_tokens", decode_tokens), ("session", session)):
+            for name, value in (("messages", messages), ("prompt", prompt), ("hashing", hashing),
+                                ("block_size", block_size), ("decode_tokens", decode_tokens), ("session", session)):
                 if value is not None:
                     req[name] = value
             if acquire:
