@@ -268,6 +268,10 @@ class EngineConfig:
     # writes the pool under the engine's block hashes and the gateway waits for what is missing;
     # "nixl", engine to engine (vLLM's NixlConnector, P2P): the decode leg goes at once, no pool wait
     kv_transfer: str = "pool"
+    # the LoRA adapters the engine loads, (name, path) as vLLM's --lora-modules name=path: vLLM's
+    # block hash of a LoRA request includes the adapter's path, so quilld hashes such a request the
+    # engine's way only for the adapters named here (a table `{name = "path"}` in the config file)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 # how a prefill engine hands its KV to the decode engine (EngineConfig.kv_transfer)
@@ -583,6 +587,34 @@ def _group_from(data: Any, where: str) -> GroupConfig:
     return GroupConfig(**{k: _coerce(where, k, types[k], v) for k, v in data.items()})
 
 
+def _lora_modules(data: Any, origin: str) -> tuple[tuple[str, str], ...]:
+    """An engine's LoRA adapters: a table {name = "path"}, or a list of "name=path" strings (vLLM's
+    --lora-modules) or of [name, path] pairs (how the engine table travels between nodes)."""
+    how = (f"{origin}: lora_modules is a table of adapter name to the path the engine loads it from, "
+           f"e.g. {{sql-lora = \"/models/sql-lora\"}}, or a list of \"name=path\"")
+    if isinstance(data, Mapping):
+        pairs = list(data.items())
+    elif isinstance(data, (list, tuple)):
+        pairs = []
+        for item in data:
+            if isinstance(item, str) and "=" in item:
+                pairs.append(tuple(item.split("=", 1)))
+            elif isinstance(item, (list, tuple)) and len(item) == 2:
+                pairs.append(tuple(item))
+            else:
+                raise ConfigError(f"{how}; got {item!r:.60}")
+    else:
+        raise ConfigError(f"{how}; got {data!r:.60}")
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if not (isinstance(name, str) and isinstance(path, str) and name.strip() and path.strip()):
+            raise ConfigError(f"{how}; got {name!r:.40} = {path!r:.60}")
+        if name in out and out[name] != path:
+            raise ConfigError(f"{origin}: lora_modules names adapter {name!r} twice, with two paths")
+        out[name] = path
+    return tuple(sorted(out.items()))
+
+
 SEED_ENV_PREFIX = "env:"  # hash_seed = "env:NAME": the seed is environment variable NAME's value
 
 
@@ -629,7 +661,9 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
     if unknown:
         raise ConfigError(f"{origin}: unknown engine key(s) {', '.join(sorted(unknown))}"
                           + "".join(_did_you_mean(k, types) for k in sorted(unknown)[:1]))
-    values = {k: _coerce("engines", k, types[k], v) for k, v in data.items() if k != "groups"}
+    values = {k: _coerce("engines", k, types[k], v) for k, v in data.items() if k not in ("groups", "lora_modules")}
+    if "lora_modules" in data:
+        values["lora_modules"] = _lora_modules(data["lora_modules"], origin)
     if "groups" in data:
         groups = data["groups"]
         if not isinstance(groups, (list, tuple)):

@@ -214,6 +214,7 @@ def engine_view(e: EngineConfig, node_id: str) -> dict:
     out = dataclasses.asdict(e)
     del out["api_key"], out["hash_seed"]
     out["kv_node"] = out.pop("locality") or node_id
+    out["lora_modules"] = dict(e.lora_modules)
     return out
 
 

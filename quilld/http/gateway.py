@@ -244,7 +244,7 @@ class Gateway:
     async def prompt_blocks(self, req: Parsed, fam: Family, hashes: dict[Family, list[int]]) -> list[int]:
         blocks = hashes.get(fam)
         if blocks is None:
-            if fam.hashing is not None and not req.adapter:  # a LoRA's hash needs its load path: not known
+            if fam.hashing is not None:
                 blocks = await self._engine_blocks(req, fam)
             if blocks is None:
                 blocks = await self.hasher.blocks(req.prompt, fam)
@@ -258,7 +258,7 @@ class Gateway:
             salt = salt_for(self.node.salt_key(), IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter))
         try:
             blocks = await asyncio.to_thread(self.engine_prompts.hashes, fam.hashing, req.path == CHAT,
-                                             req.fields, salt)
+                                             req.fields, salt, req.adapter)
         except NotCovered as e:
             self.stats.counts["engine_hash_fallbacks"] += 1
             if fam.hashing not in self._fallback_said:

@@ -20,8 +20,8 @@ goes as it came.
 
 Not covered (`NotCovered`: the caller falls back to its own hashing, quilld/http/prompt_blocks.py):
 requests with `tools`, `documents` or a request-level `chat_template`, multimodal content, a
-chat's `add_special_tokens=true`, LoRA requests (vLLM's hash includes the adapter's load path,
-which the gateway does not know), and engines publishing bytes hashes
+chat's `add_special_tokens=true`, requests for a LoRA adapter the engine's `lora_modules` does not
+name (vLLM's hash includes the path it loads the adapter from), and engines publishing bytes hashes
 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Rendering, tokenizing and hashing run off the event loop
 (`hashes` is sync: the gateway calls it in a thread); each directory is loaded once (chat_render.load).
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 from quilld.config import EngineConfig
 from quilld.errors import CommandError
-from quilld.index.engine_hashes import EngineHashing
+from quilld.index.engine_hashes import EngineHashing, Lora
 from quilld.model import IdentityScope
 
 SALT_CONTEXT = b"quilld cache_salt v1\0"  # domain separation: the cluster secret keys other MACs too
@@ -56,6 +56,7 @@ class EngineFamily:
     algo: str
     hash_seed: str | None = field(repr=False)  # a secret: never in a repr, a log or an answer
     block_size: int
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, its load path): part of a LoRA block's hash
 
 
 def engine_family(engine: EngineConfig) -> EngineFamily | None:
@@ -63,7 +64,8 @@ def engine_family(engine: EngineConfig) -> EngineFamily | None:
     tok = engine.tokenizer
     if not engine.prefix_caching_hash_algo or not tok or tok.endswith(".json"):
         return None
-    return EngineFamily(tok, engine.prefix_caching_hash_algo, engine.hash_seed or None, engine.block_size)
+    return EngineFamily(tok, engine.prefix_caching_hash_algo, engine.hash_seed or None, engine.block_size,
+                        engine.lora_modules)
 
 
 def model_family(engines: Sequence[EngineConfig], model: str) -> tuple[EngineFamily | None, str]:
@@ -74,6 +76,7 @@ def model_family(engines: Sequence[EngineConfig], model: str) -> tuple[EngineFam
         return None, ""
     if len(found) > 1:
         ways = "; ".join(f"{eid}: {fam.directory} {fam.algo} block_size {fam.block_size} tenant {tenant}"
+                         f" hash_seed {'set' if fam.hash_seed else 'unset'} lora_modules {len(fam.lora_modules)}"
                          for (fam, tenant), eid in sorted(found.items(), key=lambda kv: kv[1]))
         raise CommandError(f"the engines of model {model!r} hash their blocks in {len(found)} ways ({ways}): "
                            f"register them alike")
@@ -161,10 +164,18 @@ class EnginePrompts:
         return h
 
     def hashes(self, fam: EngineFamily, path_is_chat: bool, body: Mapping[str, Any],
-               cache_salt: str | None) -> EngineBlocks:
-        """The request's full blocks as the engine's events name them (sync: call it off the loop)."""
+               cache_salt: str | None, adapter: str = "") -> EngineBlocks:
+        """The request's full blocks as the engine's events name them, for LoRA `adapter` ("" for the
+        base model), sync: call it off the loop."""
         hashing = self.hashing(fam)
+        lora = None
+        if adapter:
+            path = dict(fam.lora_modules).get(adapter)
+            if path is None:
+                raise NotCovered(f"LoRA adapter {adapter!r}: vLLM's hash of its blocks includes the path the engine "
+                                 f"loads it from; name it in the engine's lora_modules")
+            lora = Lora(adapter, path)
         ids = token_ids(fam.directory, path_is_chat, body)
-        out = EngineBlocks(h.event_form() for h in hashing.block_hashes(ids, cache_salt=cache_salt))
+        out = EngineBlocks(h.event_form() for h in hashing.block_hashes(ids, lora=lora, cache_salt=cache_salt))
         out.salt = cache_salt
         return out

@@ -19,9 +19,10 @@ digest, so:
   full from that digest;
 - an event whose parent is an int is checked when that parent was a block that agreed here
   before (its full digest is kept, `KNOWN` of them per engine); otherwise it cannot be, and is
-  counted `unverifiable`, as are blocks of a LoRA request (the adapter's path is in the hash and
-  not in the event) and blocks with extra keys other than a cache salt (multimodal, prompt
-  embeds: not covered by engine_hashes.py).
+  counted `unverifiable`, as are blocks of a LoRA adapter the engine's `lora_modules` does not
+  name (the adapter's path is in the hash and not in the event; those it names are checked with
+  that path) and blocks with extra keys other than a LoRA name and a cache salt (multimodal,
+  prompt embeds: not covered by engine_hashes.py).
 
 The cost is one hash per block (a few µs, bench/events_bench.py --hash-check): the first
 `CHECK_FIRST` events of an engine are all checked, then one chain in `SAMPLE_EVERY`, i.e. a
@@ -43,7 +44,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from quilld.index.engine_hashes import ALGOS, RANDOM_SEED_ALGOS, EngineBlockHash, EngineHashing, SeedUnknown
+from quilld.index.engine_hashes import ALGOS, RANDOM_SEED_ALGOS, EngineBlockHash, EngineHashing, Lora, SeedUnknown
 from quilld.index.events import Event, Stored
 from quilld.errors import ConfigError
 
@@ -61,10 +62,12 @@ class HashCheck:
     """One engine's check: `events(evs)` on each run of its events, `view()` for the figures."""
 
     __slots__ = ("engine_id", "hashing", "block_size", "counts", "cause", "state", "_seen", "_roots", "_known",
-                 "_warned")
+                 "_warned", "_loras")
 
-    def __init__(self, engine_id: str, algo: str, hash_seed: str, block_size: int) -> None:
+    def __init__(self, engine_id: str, algo: str, hash_seed: str, block_size: int,
+                 lora_modules: Sequence[tuple[str, str]] = ()) -> None:
         self.engine_id, self.block_size = engine_id, block_size
+        self._loras = {name: Lora(name, path) for name, path in lora_modules}  # the engine's lora_modules
         self.counts = dict.fromkeys(RESULTS, 0)
         self.cause: str | None = None  # the likely cause of the first disagreement
         self.hashing: EngineHashing | None = None
@@ -116,12 +119,13 @@ class HashCheck:
         n = len(hashes)
         if ev.block_size != self.block_size:
             counts["disagreed"] += n
-            self._explain(ev, None)
+            self._explain(ev, None, None)
             return
-        salt = self._salt(ev)
-        if salt is False or len(ev.token_ids) != n * self.block_size:
+        keys = self._keys(ev)
+        if keys is None or len(ev.token_ids) != n * self.block_size:
             counts["unverifiable"] += n
             return
+        lora, salt = keys
         parent = ev.parent
         if parent is not None:
             if parent.__class__ is int:
@@ -133,7 +137,7 @@ class HashCheck:
             else:
                 parent = EngineBlockHash(parent)
         assert self.hashing is not None
-        ours = self.hashing.block_hashes(ev.token_ids, None, salt, parent)
+        ours = self.hashing.block_hashes(ev.token_ids, lora, salt, parent)
         agreed = 0
         known = self._known
         for theirs, mine in zip(hashes, ours):
@@ -146,61 +150,77 @@ class HashCheck:
         counts["agreed"] += agreed
         if agreed < n:  # a block that differs: every later one in its chain differs too
             counts["disagreed"] += n - agreed
-            self._explain(ev, salt)
+            self._explain(ev, salt, lora)
 
-    @staticmethod
-    def _salt(ev: Stored) -> str | None | bool:
-        """The event's cache salt (None: none), or False when its extra keys are not a salt alone (a
-        LoRA, multimodal or embeds keys: not checkable from the event)."""
+    def _keys(self, ev: Stored) -> tuple[Lora | None, str | None] | None:
+        """The event's LoRA adapter and cache salt (None for none), or None when its extra keys are
+        not checkable from the event: a LoRA adapter the engine's lora_modules does not name (its
+        path is in the hash, not in the event), multimodal or embeds keys."""
+        lora = None
         if ev.lora_name is not None or ev.lora_id is not None:
-            return False
+            lora = self._loras.get(ev.lora_name) if ev.lora_name is not None else None
+            if lora is None:
+                return None
         extra = ev.extra_keys
         if not extra:
-            return None
+            return (None, None) if lora is None else None  # a LoRA block's keys always name it
         salt = None
+        lead = () if lora is None else (lora.name,)  # each block's untagged keys: [lora name] (+ salt)
         for i, keys in enumerate(extra):
             if keys is None:
+                if lora is not None:
+                    return None
                 continue
-            if i or ev.parent is not None or len(keys) != 1 or keys[0].__class__ is not str:
-                return False  # only a prompt's block 0 carries a salt, alone when there is no LoRA
-            salt = keys[0]
-        return salt
+            keys = tuple(keys)
+            if keys[:len(lead)] != lead or any(k.__class__ is not str for k in keys):
+                return None
+            rest = keys[len(lead):]
+            if not rest:
+                continue
+            if i or ev.parent is not None or len(rest) != 1:
+                return None  # only a prompt's block 0 carries a salt, after the LoRA name
+            salt = rest[0]
+        return lora, salt
 
     # -- the likely cause -----------------------------------------------------
-    def _explain(self, ev: Stored, salt: str | None) -> None:
+    def _explain(self, ev: Stored, salt: str | None, lora: Lora | None) -> None:
         """Log, once per engine, why its hashes are not ours, from the first event that disagrees."""
         if self._warned:
             return
         self._warned = True
-        self.cause = cause = self._diagnose(ev, salt)
+        self.cause = cause = self._diagnose(ev, salt, lora)
         log.warning("engine %s: its KV events' block hashes are not the ones quilld computes for it (%s): "
                     "its blocks are not credited to requests until its config matches the engine", self.engine_id,
                     cause)
 
-    def _diagnose(self, ev: Stored, salt: str | None) -> str:
+    def _diagnose(self, ev: Stored, salt: str | None, lora: Lora | None) -> str:
         assert self.hashing is not None
         mine, seed = self.hashing, self.hashing.hash_seed
         if ev.block_size != mine.block_size:
             why = f"the events' block_size is {ev.block_size}, the config's {mine.block_size}"
-            fits = self._fits(ev, salt, mine.algo, seed, ev.block_size) if ev.block_size > 0 else []
+            fits = self._fits(ev, salt, lora, mine.algo, seed, ev.block_size) if ev.block_size > 0 else []
             return why + ("; with block_size " + str(ev.block_size) + " they agree" if fits else "")
         if ev.parent is not None:  # a continued chain whose parent agreed: not the algo nor the seed
             return ("a block continuing a chain that agreed differs: the extra keys (LoRA, cache salt, multimodal) "
                     "or the token ids as the engine hashed them")
         for algo in ALGOS:  # the seed as configured, another algo
-            if algo != mine.algo and self._fits(ev, salt, algo, seed, mine.block_size):
+            if algo != mine.algo and self._fits(ev, salt, lora, algo, seed, mine.block_size):
                 return f"the engine hashes with {algo}, the config says prefix_caching_hash_algo = {mine.algo}"
         for algo in ALGOS:  # no seed on the engine (PYTHONHASHSEED unset), any algo it can be reproduced for
-            if seed is not None and algo not in RANDOM_SEED_ALGOS and self._fits(ev, salt, algo, None, mine.block_size):
+            if seed is not None and algo not in RANDOM_SEED_ALGOS and self._fits(ev, salt, lora, algo, None,
+                                                                                 mine.block_size):
                 return (f"the engine runs {algo} with PYTHONHASHSEED unset, the config gives a hash_seed"
                         + ("" if algo == mine.algo else f" and prefix_caching_hash_algo = {mine.algo}"))
+        if lora is not None:
+            return (f"no algo agrees for LoRA adapter {lora.name!r}: the path the engine loaded it from (part of "
+                    f"every block's hash) likely differs from its lora_modules entry, or so do the seed and algo")
         if seed is None:
             return ("no algo agrees with PYTHONHASHSEED unset: the engine likely has a PYTHONHASHSEED (set hash_seed "
                     "to it) or runs xxhash with a random seed")
         return ("no algo agrees with the configured hash_seed nor with none: the engine's PYTHONHASHSEED likely "
                 "differs from hash_seed")
 
-    def _fits(self, ev: Stored, salt: str | None, algo: str, seed: str | None, size: int) -> bool:
+    def _fits(self, ev: Stored, salt: str | None, lora: Lora | None, algo: str, seed: str | None, size: int) -> bool:
         """Whether the event's hashes agree with hashing done as given (the first block is enough)."""
         if ev.parent is not None or len(ev.token_ids) < size:
             return False
@@ -208,7 +228,7 @@ class HashCheck:
             other = EngineHashing(algo, seed, size)  # type: ignore[arg-type]
         except ConfigError:
             return False
-        first = other.block_hashes(ev.token_ids[:size], None, salt)
+        first = other.block_hashes(ev.token_ids[:size], lora, salt)
         return bool(first) and _agrees(ev.block_hashes[0], first[0])
 
     def view(self) -> dict:

@@ -281,13 +281,11 @@ async def engine_route(control: ControlPlane, scope: IdentityScope, tag: bytes, 
     if req.block_size_given and req.block_size != fam.block_size:
         raise CommandError(f"ROUTE: block_size {req.block_size}: the engines of model {scope.model!r} hash blocks "
                            f"of {fam.block_size} tokens (leave block_size out)")
-    if scope.adapter:
-        raise NotCovered("ROUTE: an adapter's blocks are not hashed as the engine hashes them yet (vLLM's hash "
-                         "includes the LoRA's load path): send the engine's block hashes as blocks")
     salt = None
     if scope.tenant != tenant:  # another identity than the engines': its own partition of their cache
         salt = salt_for(salt_key(), IdentityScope(scope.tenant, scope.model, fam.directory, scope.adapter))
-    blocks = await asyncio.to_thread(control.engine_prompts.hashes, fam, "messages" in prompt, prompt, salt)
+    blocks = await asyncio.to_thread(control.engine_prompts.hashes, fam, "messages" in prompt, prompt, salt,
+                                     scope.adapter)
     if len(blocks) > MAX_BLOCKS:
         raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
     engines_tag = control.scopes.tag(IdentityScope(tenant, scope.model, fam.directory, scope.adapter))

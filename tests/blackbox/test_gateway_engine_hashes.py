@@ -22,7 +22,7 @@ from test_kv_events import Publisher
 
 from quillclient import QuillClient
 from quilld.index import chat_render
-from quilld.index.engine_hashes import EngineHashing
+from quilld.index.engine_hashes import EngineHashing, Lora
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -256,3 +256,46 @@ def test_route_hashes_tokens_and_chats_as_the_models_engines_do(gateway, publish
     status, body = http_json(gw.admin_port, "POST", "/v1/route", {"model": "none", "messages": first},
                              headers=gw.admin_headers)
     assert status == 400 and "no engine of model 'none' names its own hashing" in body["error"], body
+
+
+def test_a_lora_request_is_hashed_with_the_adapters_path_the_engine_names(gateway, publishers, tmp_path):  # noqa: F811
+    """vLLM's hash of a LoRA block includes the path the adapter was loaded from: with the engine's
+    lora_modules, `m:sql` at the gateway and ROUTE in the adapter's scope are credited for exactly the
+    blocks the engine's events recorded for it; an adapter it does not name falls back, said once."""
+    keys = {"e1": {"tokenizer": str(TOKENIZER), "prefix_caching_hash_algo": "sha256", "block_size": BLOCK,
+                   "kv_events": f"tcp://127.0.0.1:{publishers[0].pub_port}",
+                   "replay": f"tcp://127.0.0.1:{publishers[0].replay_port}",
+                   "lora_modules": ["sql=/models/sql-lora"]}}  # vLLM's --lora-modules form
+    gw = gateway([("e1", "m", ["--lora", "sql", "--lora", "other"])], engine_keys=keys)
+    r = redis.Redis(port=gw.resp_port, protocol=3, single_connection_client=True)
+    tok, hashing = chat_render.load(TOKENIZER), EngineHashing("sha256", None, BLOCK)
+    lora = Lora("sql", "/models/sql-lora")
+    first = chat("Write the SQL that lists every block in the pool.")
+    ids = tok.chat_token_ids(first)
+    full = len(ids) // BLOCK
+    hashes = hashing.block_hashes(ids, lora=lora)
+    assert hashes != hashing.block_hashes(ids)  # the adapter's blocks are its own
+    event = vllm.BlockStored(block_hashes=[h.event_form() for h in hashes], parent_block_hash=None,
+                             token_ids=ids[:full * BLOCK], block_size=BLOCK, lora_id=1, medium=vllm.MEDIUM_GPU,
+                             lora_name="sql", extra_keys=hashing.event_extra_keys(full, lora=lora), group_idx=0,
+                             kv_cache_spec_kind="full_attention")
+    publish_until_applied(publishers[0], r, "e1", event)
+
+    client = gw.client()
+    raw = client.chat.completions.with_raw_response.create(model="m:sql", messages=first)
+    assert int(raw.headers["x-quillcache-overlap-blocks"]) == full
+    assert gw.engines["e1"].stats()["last"]["model"] == "sql"  # sent to the engine as vLLM names the adapter
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=first)
+    assert raw.headers["x-quillcache-overlap-blocks"] == "0"  # the base model's blocks are others
+    assert r.execute_command("SCOPE", "m", "", "sql") in (b"OK", "OK")
+    d = route_reply(r, {"messages": first})
+    assert overlap(d, "e1") == full
+    s = gw.stats()
+    assert s["gateway_engine_hashed"] == 2 and s["gateway_engine_hash_fallbacks"] == 0, s
+    client.chat.completions.create(model="m:other", messages=first)  # no path for it: quilld's own hashes
+    assert gw.stats()["gateway_engine_hash_fallbacks"] == 1
+    assert r.execute_command("SCOPE", "m", "", "other") in (b"OK", "OK")
+    with pytest.raises(redis.ResponseError, match="LoRA adapter 'other': .*name it in the engine's lora_modules"):
+        r.execute_command("ROUTE", json.dumps({"messages": first}))
+    status, body = http_json(gw.admin_port, "GET", "/v1/engines", headers=gw.admin_headers)
+    assert body["engines"][0]["lora_modules"] == {"sql": "/models/sql-lora"}

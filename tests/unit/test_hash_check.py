@@ -43,8 +43,9 @@ def decoded(case: dict, int_hashes: bool = True) -> list:
 
 
 def check_of(case: dict, **over) -> HashCheck:
-    cfg = {"algo": case["algo"], "hash_seed": case["hash_seed"] or "", "block_size": case["block_size"]} | over
-    return HashCheck("e1", cfg["algo"], cfg["hash_seed"], cfg["block_size"])
+    cfg = {"algo": case["algo"], "hash_seed": case["hash_seed"] or "", "block_size": case["block_size"],
+           "lora_modules": ()} | over
+    return HashCheck("e1", cfg["algo"], cfg["hash_seed"], cfg["block_size"], cfg["lora_modules"])
 
 
 def ids(case: dict) -> str:
@@ -61,10 +62,23 @@ def test_vllms_events_agree_block_for_block(case, int_hashes, caplog):
     if case["lora"]:  # the adapter's path is in the hash, not in the event
         assert check.view() == {"agreed": 0, "disagreed": 0, "unverifiable": blocks, "state": "checking",
                                 "cause": None}
+        # ... but in the engine's lora_modules: checked with it, every block
+        named = check_of(case, lora_modules=((case["lora"]["name"], case["lora"]["path"]),))
+        named.events(decoded(case, int_hashes))
+        assert named.view() == {"agreed": blocks, "disagreed": 0, "unverifiable": 0, "state": "checking",
+                                "cause": None}
     else:  # every block, the child events' too (their parent agreed just before)
         assert check.view() == {"agreed": blocks, "disagreed": 0, "unverifiable": 0, "state": "checking",
                                 "cause": None}
     assert not caplog.records
+
+
+def test_a_lora_path_other_than_the_engines_is_counted_and_named(caplog):
+    case = next(c for c in CASES if c["lora"] and c["algo"] == "sha256" and c["hash_seed"] is None)
+    check = check_of(case, lora_modules=((case["lora"]["name"], "/somewhere/else"),))
+    assert len(set(run_twice(check, decoded(case), caplog))) == 1
+    assert check.view()["agreed"] == 0 and check.view()["disagreed"] > 0
+    assert f"LoRA adapter {case['lora']['name']!r}: the path the engine loaded it from" in check.view()["cause"]
 
 
 def warnings(caplog) -> list[str]:

@@ -247,5 +247,6 @@ def test_engines_of_one_model_that_hash_differently_are_refused_by_name():
                             prefix_caching_hash_algo="sha256_cbor"))
     control = ControlPlane(Config(engines=engines), ScopeRegistry())
     with pytest.raises(CommandError, match=r"hash their blocks in 2 ways \(e1: /tok sha256 block_size 16 tenant "
-                                           r"default; e2: /tok sha256_cbor .*register them alike"):
+                                           r"default hash_seed unset lora_modules 0; e2: /tok sha256_cbor "
+                                           r".*register them alike"):
         asyncio.run(engine_route(control, SCOPE, b"tag", RouteRequest.parse({"tokens": [1] * 16}), lambda: b"k"))
