@@ -272,12 +272,17 @@ class EngineConfig:
     # block hash of a LoRA request includes the adapter's path, so quilld hashes such a request the
     # engine's way only for the adapters named here (a table `{name = "path"}` in the config file)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # how its KV events carry block hashes: "int" (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1:
+    # a digest's low 64 bits) or "bytes" (=0: the whole digest); quilld's engine hashes take the same form
+    kv_event_hashes: str = "int"
 
 
 # how a prefill engine hands its KV to the decode engine (EngineConfig.kv_transfer)
 KV_TRANSFERS = ("pool", "nixl")
 KV_TRANSFERS_NOT_YET = {"mooncake": "Mooncake's connector (both legs at once, a bootstrap address)",
                         "lmcache": "LMCache's PD mode (disagg_spec, the prefill pushing to the decode engine)"}
+
+KV_EVENT_HASHES = ("int", "bytes")  # EngineConfig.kv_event_hashes
 
 # vLLM 0.33's --prefix-caching-hash-algo values (index/engine_hashes.py computes each)
 PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -551,6 +556,9 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
         raise ConfigError(f"engine {e.id}: role must be one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
     if e.kv_bytes_per_token <= 0:
         raise ConfigError(f"engine {e.id}: kv_bytes_per_token must be positive")
+    if e.kv_event_hashes not in KV_EVENT_HASHES:
+        raise ConfigError(f"engine {e.id}: kv_event_hashes must be int (vLLM's default) or bytes "
+                          f"(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), got {e.kv_event_hashes!r}")
     if e.prefix_caching_hash_algo and e.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
         raise ConfigError(f"engine {e.id}: prefix_caching_hash_algo must be one of {', '.join(PREFIX_HASH_ALGOS)} "
                           f"(vLLM's --prefix-caching-hash-algo), got {e.prefix_caching_hash_algo!r}")

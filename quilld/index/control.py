@@ -330,7 +330,8 @@ class ControlPlane:
         its events' block hashes when it names its prefix-cache hashing (index/hash_check.py)."""
         if engine.prefix_caching_hash_algo:
             self._checks[engine.id] = HashCheck(engine.id, engine.prefix_caching_hash_algo, engine.hash_seed,
-                                                engine.block_size, engine.lora_modules)
+                                                engine.block_size, engine.lora_modules,
+                                                engine.kv_event_hashes == "int")
         else:
             self._checks.pop(engine.id, None)
         if engine.groups:

@@ -21,8 +21,9 @@ goes as it came.
 Not covered (`NotCovered`: the caller falls back to its own hashing, quilld/http/prompt_blocks.py):
 requests with `tools`, `documents` or a request-level `chat_template`, multimodal content, a
 chat's `add_special_tokens=true`, requests for a LoRA adapter the engine's `lora_modules` does not
-name (vLLM's hash includes the path it loads the adapter from), and engines publishing bytes hashes
-(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Rendering, tokenizing and hashing run off the event loop
+name (vLLM's hash includes the path it loads the adapter from). An engine whose events carry whole
+digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) says so with `kv_event_hashes = "bytes"`, and its
+hashes are given as digest bytes, as the residency index keys them. Rendering, tokenizing and hashing run off the event loop
 (`hashes` is sync: the gateway calls it in a thread); each directory is loaded once (chat_render.load).
 """
 
@@ -57,6 +58,7 @@ class EngineFamily:
     hash_seed: str | None = field(repr=False)  # a secret: never in a repr, a log or an answer
     block_size: int
     lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, its load path): part of a LoRA block's hash
+    int_hashes: bool = True  # the form the engines' events give hashes in: ints (the default) or digest bytes
 
 
 def engine_family(engine: EngineConfig) -> EngineFamily | None:
@@ -65,7 +67,7 @@ def engine_family(engine: EngineConfig) -> EngineFamily | None:
     if not engine.prefix_caching_hash_algo or not tok or tok.endswith(".json"):
         return None
     return EngineFamily(tok, engine.prefix_caching_hash_algo, engine.hash_seed or None, engine.block_size,
-                        engine.lora_modules)
+                        engine.lora_modules, engine.kv_event_hashes == "int")
 
 
 def model_family(engines: Sequence[EngineConfig], model: str) -> tuple[EngineFamily | None, str]:
@@ -176,6 +178,7 @@ class EnginePrompts:
                                  f"loads it from; name it in the engine's lora_modules")
             lora = Lora(adapter, path)
         ids = token_ids(fam.directory, path_is_chat, body)
-        out = EngineBlocks(h.event_form() for h in hashing.block_hashes(ids, lora=lora, cache_salt=cache_salt))
+        form = fam.int_hashes
+        out = EngineBlocks(h.event_form(form) for h in hashing.block_hashes(ids, lora=lora, cache_salt=cache_salt))
         out.salt = cache_salt
         return out

@@ -62,11 +62,12 @@ class HashCheck:
     """One engine's check: `events(evs)` on each run of its events, `view()` for the figures."""
 
     __slots__ = ("engine_id", "hashing", "block_size", "counts", "cause", "state", "_seen", "_roots", "_known",
-                 "_warned", "_loras")
+                 "_warned", "_loras", "_int_hashes", "_form_said")
 
     def __init__(self, engine_id: str, algo: str, hash_seed: str, block_size: int,
-                 lora_modules: Sequence[tuple[str, str]] = ()) -> None:
+                 lora_modules: Sequence[tuple[str, str]] = (), int_hashes: bool = True) -> None:
         self.engine_id, self.block_size = engine_id, block_size
+        self._int_hashes, self._form_said = int_hashes, False  # the form its config says (kv_event_hashes)
         self._loras = {name: Lora(name, path) for name, path in lora_modules}  # the engine's lora_modules
         self.counts = dict.fromkeys(RESULTS, 0)
         self.cause: str | None = None  # the likely cause of the first disagreement
@@ -98,6 +99,8 @@ class HashCheck:
             if type(ev) is not Stored or not ev.token_ids or ev.medium not in (None, "GPU"):
                 continue
             self._seen += 1
+            if not self._form_said and ev.block_hashes and (ev.block_hashes[0].__class__ is int) != self._int_hashes:
+                self._wrong_form(ev.block_hashes[0].__class__ is int)
             sampling = self._seen > CHECK_FIRST
             parent = ev.parent
             depth = 0
@@ -181,6 +184,16 @@ class HashCheck:
                 return None  # only a prompt's block 0 carries a salt, after the LoRA name
             salt = rest[0]
         return lora, salt
+
+    def _wrong_form(self, ints: bool) -> None:
+        """The events carry hashes in the other form than kv_event_hashes says: said once (the
+        gateway's and ROUTE's engine hashes would never meet the events' in the index)."""
+        self._form_said = True
+        have, say = ("int", "bytes") if ints else ("bytes", "int")
+        self.cause = (f"its KV events carry {have} block hashes, its config says kv_event_hashes = {say!r}"
+                      f" (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={int(ints)} on the engine): set kv_event_hashes = {have!r}")
+        log.warning("engine %s: %s; until then requests hashed the engine's way are not credited for its blocks",
+                    self.engine_id, self.cause)
 
     # -- the likely cause -----------------------------------------------------
     def _explain(self, ev: Stored, salt: str | None, lora: Lora | None) -> None:

@@ -299,3 +299,30 @@ def test_a_lora_request_is_hashed_with_the_adapters_path_the_engine_names(gatewa
         r.execute_command("ROUTE", json.dumps({"messages": first}))
     status, body = http_json(gw.admin_port, "GET", "/v1/engines", headers=gw.admin_headers)
     assert body["engines"][0]["lora_modules"] == {"sql": "/models/sql-lora"}
+
+
+def test_an_engine_whose_events_carry_digest_bytes_is_credited_the_same(gateway, publishers, tmp_path):  # noqa: F811
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 on the engine, kv_event_hashes = "bytes" in its table: the
+    gateway's and ROUTE's hashes are the digests the events carry."""
+    keys = {"e1": {"tokenizer": str(TOKENIZER), "prefix_caching_hash_algo": "sha256_cbor", "hash_seed": "7",
+                   "block_size": BLOCK, "kv_event_hashes": "bytes",
+                   "kv_events": f"tcp://127.0.0.1:{publishers[0].pub_port}",
+                   "replay": f"tcp://127.0.0.1:{publishers[0].replay_port}"}}
+    gw = gateway([("e1", "m", [])], engine_keys=keys)
+    r = redis.Redis(port=gw.resp_port, protocol=3, single_connection_client=True)
+    tok, hashing = chat_render.load(TOKENIZER), EngineHashing("sha256_cbor", "7", BLOCK)
+    first = chat("Which tier holds a block that was just prefilled?")
+    ids = tok.chat_token_ids(first)
+    full = len(ids) // BLOCK
+    hashes = hashing.block_hashes(ids)
+    event = vllm.BlockStored(block_hashes=[bytes(h) for h in hashes], parent_block_hash=None,
+                             token_ids=ids[:full * BLOCK], block_size=BLOCK, lora_id=None, medium=vllm.MEDIUM_GPU,
+                             lora_name=None, extra_keys=None, group_idx=0, kv_cache_spec_kind="full_attention")
+    publish_until_applied(publishers[0], r, "e1", event)
+    raw = gw.client().chat.completions.with_raw_response.create(model="m", messages=first)
+    assert int(raw.headers["x-quillcache-overlap-blocks"]) == full
+    assert r.execute_command("SCOPE", "m", "") in (b"OK", "OK")
+    assert overlap(route_reply(r, {"messages": first}), "e1") == full
+    status, body = http_json(gw.admin_port, "GET", "/v1/engines", headers=gw.admin_headers)
+    check = body["engines"][0]["feed"]["hash_check"]
+    assert check["agreed"] == full and check["cause"] is None, check

@@ -577,3 +577,20 @@ def test_pool_reads_and_require_scope_defaults_and_switches():
     assert cfg.cluster.pool_reads is True and cfg.security.require_scope is False
     cfg = load(environ={"QUILLD_CLUSTER_POOL_READS": "false", "QUILLD_SECURITY_REQUIRE_SCOPE": "true"})
     assert cfg.cluster.pool_reads is False and cfg.security.require_scope is True
+
+
+def test_an_engines_lora_modules_and_hash_form_are_read_in_every_form_and_checked():
+    from quilld.config import engine_from
+
+    base = {"id": "e", "url": "http://127.0.0.1:8000", "model": "m"}
+    want = (("a", "/p/a"), ("b", "/p/b=1"))
+    for given in ({"b": "/p/b=1", "a": "/p/a"}, ["a=/p/a", "b=/p/b=1"], [["b", "/p/b=1"], ["a", "/p/a"]]):
+        assert engine_from(base | {"lora_modules": given}, "t").lora_modules == want
+    e = engine_from(base | {"lora_modules": ["a=/p/a"], "kv_event_hashes": "bytes"}, "t")
+    assert engine_from(dataclasses.asdict(e), "t") == e  # as the engine table travels between nodes
+    for bad, why in (("a=/p", "lora_modules is a table"), (["a"], "lora_modules is a table"),
+                     ({"a": ""}, "lora_modules is a table"), (["a=/x", "a=/y"], "names adapter 'a' twice")):
+        with pytest.raises(ConfigError, match=why):
+            engine_from(base | {"lora_modules": bad}, "t")
+    with pytest.raises(ConfigError, match="kv_event_hashes must be int .* or bytes"):
+        engine_from(base | {"kv_event_hashes": "hex"}, "t")

@@ -44,8 +44,8 @@ def decoded(case: dict, int_hashes: bool = True) -> list:
 
 def check_of(case: dict, **over) -> HashCheck:
     cfg = {"algo": case["algo"], "hash_seed": case["hash_seed"] or "", "block_size": case["block_size"],
-           "lora_modules": ()} | over
-    return HashCheck("e1", cfg["algo"], cfg["hash_seed"], cfg["block_size"], cfg["lora_modules"])
+           "lora_modules": (), "int_hashes": True} | over
+    return HashCheck("e1", cfg["algo"], cfg["hash_seed"], cfg["block_size"], cfg["lora_modules"], cfg["int_hashes"])
 
 
 def ids(case: dict) -> str:
@@ -55,7 +55,7 @@ def ids(case: dict) -> str:
 @pytest.mark.parametrize("int_hashes", [True, False], ids=["int", "bytes"])
 @pytest.mark.parametrize("case", CASES, ids=ids)
 def test_vllms_events_agree_block_for_block(case, int_hashes, caplog):
-    check = check_of(case)
+    check = check_of(case, int_hashes=int_hashes)  # the engine's kv_event_hashes
     with caplog.at_level(logging.WARNING, "quilld.index.hash_check"):
         check.events(decoded(case, int_hashes))
     blocks = len(case["block_hashes"])
@@ -63,7 +63,7 @@ def test_vllms_events_agree_block_for_block(case, int_hashes, caplog):
         assert check.view() == {"agreed": 0, "disagreed": 0, "unverifiable": blocks, "state": "checking",
                                 "cause": None}
         # ... but in the engine's lora_modules: checked with it, every block
-        named = check_of(case, lora_modules=((case["lora"]["name"], case["lora"]["path"]),))
+        named = check_of(case, lora_modules=((case["lora"]["name"], case["lora"]["path"]),), int_hashes=int_hashes)
         named.events(decoded(case, int_hashes))
         assert named.view() == {"agreed": blocks, "disagreed": 0, "unverifiable": 0, "state": "checking",
                                 "cause": None}
@@ -204,3 +204,14 @@ def test_a_chain_is_followed_follow_events_past_the_first_events_and_past_a_samp
     check.events(decode_chain(hashing, 10**9, hash_check.FOLLOW + 10))  # the root in SAMPLE_EVERY
     assert check.view()["agreed"] == 2 + hash_check.FOLLOW + 1 + hash_check.FOLLOW
     assert check.view()["disagreed"] == check.view()["unverifiable"] == 0
+
+
+def test_events_in_the_other_hash_form_than_the_config_says_are_named_once(caplog):
+    case = next(c for c in CASES if not c["lora"] and c["algo"] == "sha256" and c["hash_seed"] is None)
+    check = check_of(case)  # kv_event_hashes = "int", the default
+    said = run_twice(check, decoded(case, int_hashes=False), caplog)
+    assert len(said) == 1 and "carry bytes block hashes, its config says kv_event_hashes = 'int'" in said[0]
+    assert "set kv_event_hashes = 'bytes'" in check.view()["cause"]
+    caplog.clear()
+    right = HashCheck("e1", case["algo"], "", case["block_size"], (), int_hashes=False)
+    assert run_twice(right, decoded(case, int_hashes=False), caplog) == [] and right.view()["cause"] is None
