@@ -266,8 +266,15 @@ class EngineConfig:
     hash_seed: str = field(default="", repr=False)
     # how KV moves when it prefills for another engine (gateway_disagg.py): "pool", its connector
     # writes the pool under the engine's block hashes and the gateway waits for what is missing;
-    # "nixl", engine to engine (vLLM's NixlConnector, P2P): the decode leg goes at once, no pool wait
+    # "nixl", engine to engine (vLLM's NixlConnector, P2P): the decode leg goes at once, no pool wait;
+    # "mooncake", engine to engine (vLLM's MooncakeConnector): both legs at once, the decode engine
+    # pulling the prefill's KV through its bootstrap server
     kv_transfer: str = "pool"
+    # with kv_transfer = "mooncake": the engine_id of the prefill engine's --kv-transfer-config (the
+    # decode engine finds its KV by it: give vLLM a fixed one) and its Mooncake bootstrap server,
+    # host:port (empty: the url's host, port 8998, VLLM_MOONCAKE_BOOTSTRAP_PORT's default)
+    kv_engine_id: str = ""
+    kv_bootstrap: str = ""
     # the LoRA adapters the engine loads, (name, path) as vLLM's --lora-modules name=path: vLLM's
     # block hash of a LoRA request includes the adapter's path, so quilld hashes such a request the
     # engine's way only for the adapters named here (a table `{name = "path"}` in the config file)
@@ -278,9 +285,9 @@ class EngineConfig:
 
 
 # how a prefill engine hands its KV to the decode engine (EngineConfig.kv_transfer)
-KV_TRANSFERS = ("pool", "nixl")
-KV_TRANSFERS_NOT_YET = {"mooncake": "Mooncake's connector (both legs at once, a bootstrap address)",
-                        "lmcache": "LMCache's PD mode (disagg_spec, the prefill pushing to the decode engine)"}
+KV_TRANSFERS = ("pool", "nixl", "mooncake")
+KV_TRANSFERS_NOT_YET = {"lmcache": "LMCache's PD mode (disagg_spec, the prefill pushing to the decode engine)"}
+MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 
 KV_EVENT_HASHES = ("int", "bytes")  # EngineConfig.kv_event_hashes
 
@@ -567,7 +574,16 @@ def validate_engine(e: EngineConfig) -> EngineConfig:
                           f"({KV_TRANSFERS_NOT_YET[e.kv_transfer]}); use one of {', '.join(KV_TRANSFERS)}")
     if e.kv_transfer not in KV_TRANSFERS:
         raise ConfigError(f"engine {e.id}: kv_transfer must be one of {', '.join(KV_TRANSFERS)} "
-                          f"(pool: through quilld; nixl: engine to engine), got {e.kv_transfer!r}")
+                          f"(pool: through quilld; nixl, mooncake: engine to engine), got {e.kv_transfer!r}")
+    if e.kv_transfer == "mooncake" and not e.kv_engine_id:
+        raise ConfigError(f"engine {e.id}: kv_transfer = \"mooncake\" needs kv_engine_id: the decode engine finds "
+                          f"the prefill's KV by the engine_id of its --kv-transfer-config (give vLLM a fixed one, "
+                          f"e.g. \"engine_id\": \"{e.id}\", and the same here)")
+    if e.kv_bootstrap:
+        host, sep, port = e.kv_bootstrap.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"engine {e.id}: kv_bootstrap must be host:port (its Mooncake bootstrap server), "
+                              f"got {e.kv_bootstrap!r}")
     if len(e.groups) > MAX_KV_GROUPS:
         raise ConfigError(f"engine {e.id}: at most {MAX_KV_GROUPS} groups, got {len(e.groups)}")
     for i, g in enumerate(e.groups):

@@ -26,7 +26,9 @@ When ROUTE's decision pairs a prefill engine with another engine that decodes
    A prefill engine with `kv_transfer = "nixl"` (vLLM's NixlConnector, P2P) keeps its KV
    for the decode engine to read from it directly, as vLLM's toy proxy assumes: nothing is
    in the pool, so there is no wait and no pull; the decode leg goes at once, counted as
-   `handoff_direct` (engine to engine).
+   `handoff_direct` (engine to engine). With `kv_transfer = "mooncake"` (vLLM's
+   MooncakeConnector) the two legs go at once, tied by a transfer_id, the decode engine
+   pulling the KV through the prefill's bootstrap server (`_both_legs`).
 3. The decode engine gets the client's request with the `kv_transfer_params` the
    prefill answered (and `do_remote_prefill: true`) and its answer streams back, the
    decision headers (`x-quillcache-prefill-engine`, `-decode-engine`,
@@ -41,14 +43,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import aiohttp
+from yarl import URL
 
 from quilld.cluster.prefetch import prefetch
-from quilld.config import EngineConfig
+from quilld.config import MOONCAKE_BOOTSTRAP_PORT, EngineConfig
 from quilld.http.gateway_relay import Relay
 from quilld.http.gateway_request import Parsed
 from quilld.http.gateway_upstream import (HANDOFF_HEADER, Choice, UpstreamFailed, decode_body, describe,
@@ -72,6 +76,7 @@ class Disaggregation:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self._legs: set[asyncio.Task] = set()  # Mooncake prefill legs still running beside their decode
 
     async def serve(self, req: Parsed, choice: Choice, relay: Relay, hashes: dict[Family, list[int]],
                     tried: set[str]) -> Choice | None:
@@ -80,6 +85,11 @@ class Disaggregation:
         gw, pair = self.gw, choice.decision.pair
         body = json.loads(req.body if choice.body is None else choice.body)  # with its cache_salt, if any
         headers = upstream_headers(relay.request.headers, req.request_id) | {"Accept-Encoding": "identity"}
+        order = self._prefill_order(choice.decision)
+        first = gw.control.engines.engines.get(order[0]) if order else None
+        if first is not None and first.kv_transfer == "mooncake":
+            await self._both_legs(req, choice, first, body, headers, relay, hashes, tried)
+            return None
         kv, prefill, failures = await self._prefill(req, choice.decision, body, headers, hashes)
         if prefill is None:
             gw.stats.counts["prefill_fallbacks"] += 1
@@ -99,13 +109,11 @@ class Disaggregation:
                        hashes: dict[Family, list[int]]) -> tuple[dict | None, EngineConfig | None, list[str]]:
         """Ask prefill engines in the pair's order (healthy ones first) until one answers:
         (its kv_transfer_params, the engine, the failures before it); (None, None, failures) when none did."""
-        gw, pair = self.gw, d.pair
+        gw = self.gw
         engines, counts = gw.control.engines, gw.stats.counts
-        now = time.monotonic()
-        order = sorted((e for e in pair.prefill_order if e != pair.decode), key=lambda e: gw.cooling.get(e, 0.0) > now)
         data = prefill_body(body)
         failures: list[str] = []
-        for engine_id in order[:gw.cfg.max_attempts]:
+        for engine_id in self._prefill_order(d)[:gw.cfg.max_attempts]:
             engine = engines.engines.get(engine_id)
             if engine is None:  # removed meanwhile
                 continue
@@ -129,6 +137,52 @@ class Disaggregation:
             gw.cooling.pop(engine_id, None)
             return kv, engine, failures
         return None, None, failures
+
+    def _prefill_order(self, d: Decision) -> list[str]:
+        """The pair's prefill candidates but its decode engine, healthy ones first."""
+        pair, now = d.pair, time.monotonic()
+        return sorted((e for e in pair.prefill_order if e != pair.decode),
+                      key=lambda e: self.gw.cooling.get(e, 0.0) > now)
+
+    async def _both_legs(self, req: Parsed, choice: Choice, prefill: EngineConfig, body: dict,
+                         headers: dict[str, str], relay: Relay, hashes: dict[Family, list[int]],
+                         tried: set[str]) -> None:
+        """vLLM's MooncakeConnector: the prefill and the decode legs at once, tied by one transfer_id;
+        the decode engine pulls the prefill's KV through the prefill's bootstrap server while it
+        computes it. The prefill leg runs on in the background (its lease held until it answers);
+        a prefill that fails is counted and cools down, the decode engine recomputes what it lacks."""
+        gw, d = self.gw, choice.decision
+        engines, counts = gw.control.engines, gw.stats.counts
+        transfer_id = f"{req.request_id}-{secrets.token_hex(8)}"
+        counts["prefills"] += 1
+        fam = family(prefill)
+        blocks = await gw.prompt_blocks(req, fam, hashes)
+        lease = engines.acquire(prefill.id, "prefill", _uncached(d, prefill.id, len(blocks),
+                                                                 gw.hasher.tokens_per_block(fam)))
+        gw._leases.add(lease)
+        leg = asyncio.ensure_future(self._ask(req, prefill, prefill_body(body, {"transfer_id": transfer_id}), headers))
+        self._legs.add(leg)
+
+        def prefilled(task: asyncio.Task) -> None:
+            self._legs.discard(task)
+            gw._leases.discard(lease)
+            engines.release(lease)
+            e = None if task.cancelled() else task.exception()
+            if task.cancelled() or e is not None:
+                counts["prefill_failures"] += 1
+                why = "cancelled" if task.cancelled() else getattr(e, "reason", repr(e))
+                if isinstance(e, UpstreamFailed) and e.cool:
+                    gw._cool(prefill.id)
+                log.warning("request %s: prefill engine %s failed (%s) while its decode ran (mooncake)",
+                            req.request_id, prefill.id, why)
+            else:
+                gw.cooling.pop(prefill.id, None)
+
+        leg.add_done_callback(prefilled)
+        gw.record(prefill, gw.scope_tag(req, fam, blocks)[1], blocks)  # it prefills the prompt
+        kv = {"remote_engine_id": prefill.kv_engine_id, "remote_bootstrap_addr": bootstrap_addr(prefill),
+              "transfer_id": transfer_id}
+        await self._decode(req, choice, prefill, blocks, decode_body(body, kv), relay, hashes, tried)
 
     async def _ask(self, req: Parsed, engine: EngineConfig, data: bytes, headers: dict[str, str]) -> dict:
         """One prefill request: its answer's kv_transfer_params ({} when it names none)."""
@@ -174,14 +228,17 @@ class Disaggregation:
             if attempts >= gw.cfg.max_attempts:
                 break
             dst = engine.locality or control.node_id
-            direct = prefill.kv_transfer == "nixl"  # engine to engine: the decode engine reads the prefill's KV itself
+            # engine to engine: the decode engine reads the prefill's KV itself
+            direct = prefill.kv_transfer in ("nixl", "mooncake")
             if attempts:
                 counts["decode_retries"] += 1
                 if not direct and dst != src and dst not in pulled:
                     pulled[dst] = await self._pull(dst, scope, blocks)
             elif direct:
                 counts["handoff_direct"] += 1
-                handoff = f"kv_transfer=nixl engine-to-engine blocks={len(blocks)} waited_ms=0 from={prefill.id}"
+                handoff = (f"kv_transfer={prefill.kv_transfer} engine-to-engine"
+                           f"{' both-legs-at-once' if prefill.kv_transfer == 'mooncake' else ''} "
+                           f"blocks={len(blocks)} waited_ms=0 from={prefill.id}")
             else:
                 handoff = await self._handoff(req, prefill, src, dst, scope, blocks, pulled)
             attempts += 1
@@ -270,6 +327,14 @@ class Disaggregation:
         got = await prefetch(gw.node.cluster, dst, scope, [kv_key(h) for h in blocks], gw.cfg.handoff_wait_ms / 1000)
         counts["prefetch_blocks"] += got
         return got
+
+
+def bootstrap_addr(engine: EngineConfig) -> str:
+    """The engine's Mooncake bootstrap server: kv_bootstrap, else its url's host on vLLM's default port."""
+    if engine.kv_bootstrap:
+        return engine.kv_bootstrap
+    host = URL(engine.url).host or "127.0.0.1"
+    return f"[{host}]:{MOONCAKE_BOOTSTRAP_PORT}" if ":" in host else f"{host}:{MOONCAKE_BOOTSTRAP_PORT}"
 
 
 def _uncached(d: Decision, engine_id: str, blocks: int, block_tokens: float) -> int:

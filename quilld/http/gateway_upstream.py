@@ -106,9 +106,10 @@ PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remo
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def prefill_body(body: dict) -> bytes:
-    """The prefill engine's request, from the client's (as vLLM's proxy builds it)."""
-    out = dict(body, kv_transfer_params=dict(PREFILL_KV_PARAMS), stream=False, max_tokens=1)
+def prefill_body(body: dict, kv_params: dict | None = None) -> bytes:
+    """The prefill engine's request, from the client's (as vLLM's proxy builds it), its
+    kv_transfer_params with `kv_params` added (Mooncake's transfer_id)."""
+    out = dict(body, kv_transfer_params=dict(PREFILL_KV_PARAMS, **(kv_params or {})), stream=False, max_tokens=1)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     for name in ("stream_options", "min_tokens", "min_completion_tokens"):  # not for the prefill (vLLM's proxy)

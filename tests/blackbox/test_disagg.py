@@ -305,10 +305,46 @@ def test_an_engine_to_engine_pair_relays_kv_transfer_params_and_sends_the_decode
     assert stats["gateway_handoff_missing"] == 0 and stats["gateway_handoff_blocks"] == 0, stats
     status, body = setup.admin("GET", "/v1/engines")
     assert {e["id"]: e["kv_transfer"] for e in body["engines"]} == {"p1": "nixl", "d1": "pool"}, body
-    for kind, says in (("mooncake", "Mooncake"), ("lmcache", "LMCache"), ("carrier-pigeon", "pool, nixl")):
+    for kind, says in (("mooncake", "needs kv_engine_id"), ("lmcache", "LMCache"), ("carrier-pigeon", "pool, nixl")):
         status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "m",
                                                            "kv_transfer": kind})
         assert status == 400 and says in body["error"], body
+
+
+def test_a_mooncake_pair_gets_both_legs_at_once_tied_by_one_transfer_id(setup):
+    """kv_transfer = "mooncake" (vLLM's MooncakeConnector): the decode leg does not wait for the prefill
+    (slow here: 1.5 s); it carries the prefill engine's engine id, bootstrap address and the transfer_id
+    the prefill leg got, as that connector reads them."""
+    setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "2000"})
+    p = setup.engine("p1", "prefill", "a", "--delay-ms", "1500",
+                     keys={"kv_transfer": "mooncake", "kv_engine_id": "p1-vllm"})
+    d = setup.engine("d1", "decode")
+    p.control(write_kv=0)
+    msgs = messages("both legs at once")
+    n = prompt_blocks(msgs)
+    t0 = time.monotonic()
+    raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
+    took = time.monotonic() - t0
+    assert raw.headers["x-quillcache-disaggregated"] == "true", dict(raw.headers)
+    assert (f"kv_transfer=mooncake engine-to-engine both-legs-at-once blocks={n} waited_ms=0 from=p1"
+            in raw.headers["x-quillcache-handoff"])
+    assert took < 1.2, took  # the decode leg did not wait for the 1.5 s prefill
+    got = d.stats()["last_kv_params"]
+    assert got["do_remote_prefill"] is True and got["remote_engine_id"] == "p1-vllm", got
+    assert got["remote_bootstrap_addr"] == "127.0.0.1:8998" and got["transfer_id"], got  # the url's host, vLLM's port
+    deadline = time.monotonic() + 10
+    while setup.gw_stats()["gateway_prefills"] != 1 or any(e["load"]["prefills"] for e in
+                                                           setup.admin("GET", "/v1/engines")[1]["engines"]):
+        assert time.monotonic() < deadline, "the prefill leg's lease was not given back"
+        time.sleep(0.05)
+    sent = p.stats()["last_kv_params"]
+    assert sent["do_remote_decode"] is True and sent["transfer_id"] == got["transfer_id"], sent
+    stats = setup.gw_stats()
+    assert stats["gateway_handoff_direct"] == 1 and stats["gateway_prefill_failures"] == 0, stats
+    status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "m",
+                                                       "kv_transfer": "mooncake", "kv_engine_id": "x",
+                                                       "kv_bootstrap": "nohost"})
+    assert status == 400 and "kv_bootstrap must be host:port" in body["error"], body
 
 
 def test_a_model_with_only_prefill_engines_is_a_clear_error_everywhere(setup):
