@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from plot import Panel, add_flag, save  # noqa: E402
 from procs import start_quilld, stop_process  # noqa: E402
 
 FAMILY = ROOT / "tests" / "fixtures" / "chat_render" / "llama31"
@@ -56,6 +59,7 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,32768", help="chat sizes in tokens, comma-separated")
     p.add_argument("--rounds", type=int, default=40, help="ROUTEs of each kind and size")
     p.add_argument("--algo", default="sha256", choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
+    add_flag(p)
     args = p.parse_args()
     from quilld.index import chat_render  # the gateway extra (jinja2, tokenizers)
 
@@ -70,6 +74,7 @@ def main() -> None:
             r = redis.Redis(port=q.port, single_connection_client=True)
             r.execute_command("SCOPE", "m", "")
             print(f"{'tokens':>7} {'request':<28} {'p50 ms':>8} {'p99 ms':>8} {'p50 vs quilld chain':>20}")
+            rows: dict[int, dict[str, float]] = {}
             for size in (int(s) for s in args.sizes.split(",")):
                 msgs = chat(size)
                 ids = tok.chat_token_ids(msgs)
@@ -78,12 +83,25 @@ def main() -> None:
                 got = {k: timed(r, json.dumps(v), args.rounds) for k, v in kinds.items()}
                 chain = got["tokens, quilld chain"]
                 peer = chain[len(chain) // 2]
+                rows[len(ids)] = {kind: ts[len(ts) // 2] * 1e3 for kind, ts in got.items()}
                 for kind, ts in got.items():
                     p50, p99 = ts[len(ts) // 2], ts[min(len(ts) - 1, int(len(ts) * 0.99))]
                     print(f"{len(ids):7d} {kind:<28} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / peer:19.2f}x")
             r.close()
         finally:
             stop_process(q.proc)
+    if args.plot:
+        plot(args.plot, rows, args.algo)
+
+
+def plot(path: str, rows: dict[int, dict[str, float]], algo: str) -> None:
+    """One panel: each request kind's p50 per chat size, labelled with its ratio to quilld's chain."""
+    kinds = list(next(iter(rows.values())))
+    cats = [f"{n} tokens, {k}" for n in rows for k in kinds]
+    values = [rows[n][k] for n in rows for k in kinds]
+    labels = [f"{rows[n][k] / rows[n]['tokens, quilld chain']:.2f}x" for n in rows for k in kinds]
+    save(path, [Panel("ROUTE round trip, p50", cats, {"ms": values}, "ms", labels)],
+         f"ROUTE hashing a prompt as the engines do ({algo}) against quilld's chain")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ with high probability, everyone has it and push/pull mops up the rest).
 At most one update per member is queued: a newer update about the same
 member replaces the older one and starts again at zero transmissions (the
 caller only queues updates that won by SWIM's precedence rules, so the
-newest is always the one worth sending). Selection takes the least-sent
-updates first, newest first among equals, so fresh news is never starved by
-old news, and fills a packet greedily up to a byte budget.
+newest is always the one worth sending). Selection takes membership news
+(joins, suspicions, deaths, leaves, refutations: `urgent`) before meta-only
+refreshes, then the least-sent updates first, newest first among equals, so
+fresh news is never starved by old news and a busy cluster's meta, changing
+every probe interval on every node, never crowds failure news out of the
+packets; it fills a packet greedily up to a byte budget.
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ from typing import Any
 
 
 class _Item:
-    __slots__ = ("update", "size", "sent", "order")
+    __slots__ = ("update", "size", "sent", "order", "rank")
 
-    def __init__(self, update: Any, size: int, order: int) -> None:
+    def __init__(self, update: Any, size: int, order: int, urgent: bool) -> None:
         self.update, self.size, self.sent, self.order = update, size, 0, order
+        self.rank = 0 if urgent else 1
 
 
 class BroadcastQueue:
+    prioritize = True  # membership news before meta refreshes (bench/gossip_news_sim.py compares without)
+
     def __init__(self) -> None:
         self._items: dict[str, _Item] = {}
         self._order = 0
@@ -33,10 +39,11 @@ class BroadcastQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, key: str, update: Any, size: int) -> None:
-        """Queue `update` (encoded `size` bytes) as the news about member `key`."""
+    def push(self, key: str, update: Any, size: int, urgent: bool = True) -> None:
+        """Queue `update` (encoded `size` bytes) as the news about member `key`; `urgent` unless it
+        only refreshes an alive member's meta or address."""
         self._order += 1
-        self._items[key] = _Item(update, size, self._order)
+        self._items[key] = _Item(update, size, self._order, urgent or not self.prioritize)
 
     def select(self, room: int, limit: int, max_count: int) -> list[Any]:
         """Up to `max_count` updates totalling at most `room` bytes, counted as sent once.
@@ -45,7 +52,7 @@ class BroadcastQueue:
         """
         if not self._items or room <= 0:
             return []
-        ranked = sorted(self._items.items(), key=lambda kv: (kv[1].sent, -kv[1].order))
+        ranked = sorted(self._items.items(), key=lambda kv: (kv[1].rank, kv[1].sent, -kv[1].order))
         out = []
         for key, item in ranked:
             if item.size > room:

@@ -122,6 +122,12 @@ class Simulation:
                 self._pump(node.node_id)
         return out
 
+    def set_meta(self, node: SimNode, meta: dict) -> None:
+        """`node` publishes new meta, as a busy node's changes every probe interval (its SWIM's
+        update_meta: rate-limited there, spread like any ALIVE update)."""
+        node.swim.update_meta({**meta, "epoch": node.directory.epoch})
+        self._pump(node.node_id)
+
     def live(self) -> list[SimNode]:
         return [n for nid, n in self.nodes.items() if nid not in self.down]
 

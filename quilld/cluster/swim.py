@@ -490,8 +490,10 @@ class Swim:
     def _alive_update(self, m: Member) -> Update:
         return Update(State.ALIVE, m.node_id, m.incarnation, m.addr, m.meta)
 
-    def _queue_update(self, u: Update) -> None:
-        self._queue.push(u.node_id, u, wire.update_size(u))
+    def _queue_update(self, u: Update, urgent: bool = True) -> None:
+        """Queue `u` for piggy-backing; not `urgent` when it only refreshes an alive member's meta or
+        address (broadcast.py sends membership news first)."""
+        self._queue.push(u.node_id, u, wire.update_size(u), urgent)
 
     def _emit(self, kind: EventKind, m: Member, previous: State | None) -> None:
         self._events.append(Event(kind, replace(m), previous))
@@ -507,9 +509,9 @@ class Swim:
             else:
                 self._on_dead(u, now)
 
-    def _refute(self, incarnation: int, now: float, health: bool) -> None:
+    def _refute(self, incarnation: int, now: float, health: bool, urgent: bool = True) -> None:
         self._me.incarnation = max(self._me.incarnation, incarnation) + 1
-        self._queue_update(self._alive_update(self._me))
+        self._queue_update(self._alive_update(self._me), urgent)
         self.counters["refutations"] += 1
         if health:  # being suspected hints that our own acks are late or lost
             self._awareness.apply(1)
@@ -518,7 +520,7 @@ class Swim:
         if self._pending_meta is None or now < self._meta_at + self.probe_interval:
             return
         self._me.meta, self._pending_meta, self._meta_at = self._pending_meta, None, now
-        self._refute(self._me.incarnation, now, health=False)
+        self._refute(self._me.incarnation, now, health=False, urgent=False)  # new meta, nothing else
 
     def _on_alive(self, u: Update, now: float) -> None:
         if u.node_id == self.node_id:
@@ -541,7 +543,9 @@ class Swim:
             return
         previous, changed = m.state, (m.addr != u.addr or m.meta != u.meta)
         m.incarnation, m.addr, m.meta = u.incarnation, u.addr, u.meta
-        self._queue_update(u)
+        # a refreshed meta of a member alive all along waits behind membership news; a refutation
+        # (alive again, or a new incarnation with nothing else new) does not
+        self._queue_update(u, urgent=previous is not State.ALIVE or not changed)
         if previous is State.ALIVE:
             if changed:
                 self._emit(EventKind.UPDATED, m, previous)

@@ -245,3 +245,15 @@ def test_gateway_ttft_bench_draws_each_size_with_what_the_gateway_adds(saved):
     assert large.series["p50"] == [2.0, 3.5, 11.6]
     assert small.labels == ["", "+0.9 ms", "+4.8 ms"] and large.labels[2] == "+9.6 ms"
     assert "100 sequential" in saved[-1]["note"]
+
+
+def test_route_hash_and_gossip_news_draw_what_they_print(saved):
+    rows = {4099: {"messages, engine hashing": 1.5, "tokens, engine hashing": 3.0, "tokens, quilld chain": 2.0}}
+    bench("route_hash_bench").plot("x.png", rows, "sha256")
+    (panel,) = saved[-1]["panels"]
+    assert panel.series == {"ms": [1.5, 3.0, 2.0]} and panel.labels == ["0.75x", "1.50x", "1.00x"]
+    m = bench("gossip_news_sim")
+    m.plot("x.png", {100: {"idle meta": (7.0, 3.0), "before": (26.5, None), "news first": (10.0, 3.0)}})
+    crash, join = saved[-1]["panels"]
+    assert crash.series == {"idle meta": [7.0], "before": [26.5], "news first": [10.0]}
+    assert join.series["before"] == [m.LIMIT] and join.categories == ["100 nodes"]
