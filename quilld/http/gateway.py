@@ -84,7 +84,7 @@ from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFai
 from quilld.context.listeners import http_budget, soft_nofile
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
-from quilld.index.engine_prompts import EngineBlocks, NotCovered, salt_for
+from quilld.index.engine_prompts import EngineBlocks, NotCovered, caller_salt
 from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
 from quilld.index.affinity import SessionIdTooLong, check_session_id
 from quilld.index.pairing import NoDecodeEngine
@@ -253,9 +253,8 @@ class Gateway:
 
     async def _engine_blocks(self, req: Parsed, fam: Family) -> EngineBlocks | None:
         """The prompt in the engines' own block hashes, computed off the loop; None when not covered."""
-        salt = None
-        if req.tenant != fam.tenant:  # another identity than the engine's: its own partition of the cache
-            salt = salt_for(self.node.salt_key(), IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter))
+        salt = caller_salt(self.node.salt_key, fam.tenant, IdentityScope(req.tenant, req.model, "", req.adapter),
+                           fam.tokenizer)
         try:
             blocks = await asyncio.to_thread(self.engine_prompts.hashes, fam.hashing, req.path == CHAT,
                                              req.fields, salt, req.adapter)

@@ -110,33 +110,50 @@ class Disaggregation:
         """Ask prefill engines in the pair's order (healthy ones first) until one answers:
         (its kv_transfer_params, the engine, the failures before it); (None, None, failures) when none did."""
         gw = self.gw
-        engines, counts = gw.control.engines, gw.stats.counts
+        engines = gw.control.engines
         data = prefill_body(body)
         failures: list[str] = []
         for engine_id in self._prefill_order(d)[:gw.cfg.max_attempts]:
             engine = engines.engines.get(engine_id)
             if engine is None:  # removed meanwhile
                 continue
-            counts["prefills"] += 1
-            blocks = await gw.prompt_blocks(req, family(engine), hashes)
-            lease = engines.acquire(engine_id, "prefill", _uncached(d, engine_id, len(blocks),
-                                                                    gw.hasher.tokens_per_block(family(engine))))
-            gw._leases.add(lease)
+            lease, _ = await self._lease_prefill(req, d, engine, hashes)
             try:
                 kv = await self._ask(req, engine, data, headers)
             except UpstreamFailed as e:
-                counts["prefill_failures"] += 1
                 failures.append(f"{engine_id}: {e.reason}")
-                if e.cool:
-                    gw._cool(engine_id)
-                log.warning("request %s: prefill engine %s failed (%s)", req.request_id, engine_id, e.reason)
+                self._prefill_failed(req, engine, e)
                 continue
             finally:
-                gw._leases.discard(lease)
-                engines.release(lease)
+                self._end_prefill(lease)
             gw.cooling.pop(engine_id, None)
             return kv, engine, failures
         return None, None, failures
+
+    async def _lease_prefill(self, req: Parsed, d: Decision, engine: EngineConfig,
+                             hashes: dict[Family, list[int]]) -> tuple[str, list[int]]:
+        """A prefill by `engine` begins: counted, and leased for the prompt's tokens it cannot reuse;
+        (the lease, the prompt's blocks in its family's hashes)."""
+        gw = self.gw
+        gw.stats.counts["prefills"] += 1
+        fam = family(engine)
+        blocks = await gw.prompt_blocks(req, fam, hashes)
+        lease = gw.control.engines.acquire(engine.id, "prefill", _uncached(d, engine.id, len(blocks),
+                                                                           gw.hasher.tokens_per_block(fam)))
+        gw._leases.add(lease)
+        return lease, blocks
+
+    def _end_prefill(self, lease: str) -> None:
+        self.gw._leases.discard(lease)
+        self.gw.control.engines.release(lease)
+
+    def _prefill_failed(self, req: Parsed, engine: EngineConfig, e: BaseException, how: str = "") -> None:
+        """A prefill engine failed: counted, cooled down when the failure says so, logged."""
+        self.gw.stats.counts["prefill_failures"] += 1
+        if isinstance(e, UpstreamFailed) and e.cool:
+            self.gw._cool(engine.id)
+        log.warning("request %s: prefill engine %s failed (%s)%s", req.request_id, engine.id,
+                    getattr(e, "reason", None) or repr(e), how)
 
     def _prefill_order(self, d: Decision) -> list[str]:
         """The pair's prefill candidates but its decode engine, healthy ones first."""
@@ -151,35 +168,23 @@ class Disaggregation:
         the decode engine pulls the prefill's KV through the prefill's bootstrap server while it
         computes it. The prefill leg runs on in the background (its lease held until it answers);
         a prefill that fails is counted and cools down, the decode engine recomputes what it lacks."""
-        gw, d = self.gw, choice.decision
-        engines, counts = gw.control.engines, gw.stats.counts
+        gw = self.gw
         transfer_id = f"{req.request_id}-{secrets.token_hex(8)}"
-        counts["prefills"] += 1
-        fam = family(prefill)
-        blocks = await gw.prompt_blocks(req, fam, hashes)
-        lease = engines.acquire(prefill.id, "prefill", _uncached(d, prefill.id, len(blocks),
-                                                                 gw.hasher.tokens_per_block(fam)))
-        gw._leases.add(lease)
+        lease, blocks = await self._lease_prefill(req, choice.decision, prefill, hashes)
         leg = asyncio.ensure_future(self._ask(req, prefill, prefill_body(body, {"transfer_id": transfer_id}), headers))
         self._legs.add(leg)
 
         def prefilled(task: asyncio.Task) -> None:
             self._legs.discard(task)
-            gw._leases.discard(lease)
-            engines.release(lease)
-            e = None if task.cancelled() else task.exception()
-            if task.cancelled() or e is not None:
-                counts["prefill_failures"] += 1
-                why = "cancelled" if task.cancelled() else getattr(e, "reason", repr(e))
-                if isinstance(e, UpstreamFailed) and e.cool:
-                    gw._cool(prefill.id)
-                log.warning("request %s: prefill engine %s failed (%s) while its decode ran (mooncake)",
-                            req.request_id, prefill.id, why)
+            self._end_prefill(lease)
+            e = asyncio.CancelledError("cancelled") if task.cancelled() else task.exception()
+            if e is not None:
+                self._prefill_failed(req, prefill, e, " while its decode ran (mooncake)")
             else:
                 gw.cooling.pop(prefill.id, None)
 
         leg.add_done_callback(prefilled)
-        gw.record(prefill, gw.scope_tag(req, fam, blocks)[1], blocks)  # it prefills the prompt
+        gw.record(prefill, gw.scope_tag(req, family(prefill), blocks)[1], blocks)  # it prefills the prompt
         kv = {"remote_engine_id": prefill.kv_engine_id, "remote_bootstrap_addr": bootstrap_addr(prefill),
               "transfer_id": transfer_id}
         await self._decode(req, choice, prefill, blocks, decode_body(body, kv), relay, hashes, tried)

@@ -33,7 +33,7 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,16 @@ def salt_for(secret: bytes, scope: IdentityScope) -> str:
     """The `cache_salt` of requests of `scope`: keyed by the cluster's secret, stable across its nodes."""
     msg = SALT_CONTEXT + json.dumps(list(scope), ensure_ascii=False).encode("utf-8", "surrogatepass")
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def caller_salt(salt_key: Callable[[], bytes], engines_tenant: str, scope: IdentityScope,
+                directory: str) -> str | None:
+    """The cache_salt a request of `scope` carries to engines of `engines_tenant` whose tokenizer
+    is `directory` (the gateway's and ROUTE's alike): None for the engines' own tenant (it goes as
+    it came), else its scope's own partition of their prefix cache."""
+    if scope.tenant == engines_tenant:
+        return None
+    return salt_for(salt_key(), IdentityScope(scope.tenant, scope.model, directory, scope.adapter))
 
 
 _CHAT_UNCOVERED = ("tools", "documents", "chat_template")

@@ -48,7 +48,7 @@ from typing import Any
 
 from quilld.errors import CommandError
 from quilld.index.control import ControlPlane, chain_hashes
-from quilld.index.engine_prompts import NotCovered, model_family, salt_for
+from quilld.index.engine_prompts import NotCovered, caller_salt, model_family
 from quilld.index.residency import BlockHash
 from quilld.index.router import Decision
 from quilld.model import IdentityScope
@@ -164,9 +164,11 @@ class RouteRequest:
         hashing = str(req.get("hashing", "auto")).lower()
         if hashing not in HASHINGS:
             raise CommandError(f"ROUTE: hashing must be one of {', '.join(HASHINGS)}, got {req['hashing']!r:.40}")
-        texts = [k for k in ("messages", "prompt") if k in req]
-        if texts or hashing == "engine":
-            return cls._for_engines(req, hashing, texts)
+        if "messages" in req or "prompt" in req:
+            return cls._text(req, hashing)
+        if hashing == "engine" and "tokens" not in req:
+            raise CommandError("ROUTE: with hashing engine, one of tokens, messages or prompt"
+                               + (" (blocks are hashes already)" if "blocks" in req else ""))
         try:
             block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
             if "tokens" in req:
@@ -192,44 +194,36 @@ class RouteRequest:
         if tokens is not None:
             if not all(0 <= t <= MAX_TOKEN for t in tokens):
                 raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
-            if hashing == "auto":  # hashed once the model's engines are known (engine_route)
+            if hashing != "quilld":  # hashed once the model's engines are known (engine_route)
                 return cls([], block_size, decode, *_session_acquire(req), prompt={"prompt": tokens},
-                           block_size_given="block_size" in req, hashing="auto")
+                           block_size_given="block_size" in req, hashing=hashing)
             blocks = chain_hashes(tokens, block_size)
         if len(blocks) > MAX_BLOCKS:
             raise CommandError(f"ROUTE: at most {MAX_BLOCKS} blocks")
         return cls(blocks, block_size, decode, *_session_acquire(req))
 
     @classmethod
-    def _for_engines(cls, req: Mapping[str, Any], hashing: str, texts: list[str]) -> RouteRequest:
-        """A request whose prompt the model's engines' own hashing turns into blocks (`engine_route`)."""
+    def _text(cls, req: Mapping[str, Any], hashing: str) -> RouteRequest:
+        """A chat's `messages` or a `prompt`: rendered and tokenized as the model's engines do, then
+        hashed their way (`engine_route`)."""
         if hashing == "quilld":
             raise CommandError("ROUTE: messages and prompt are hashed only as the engines hash them "
                                "(hashing engine or auto); with hashing quilld, send tokens")
         given = [k for k in ("blocks", "tokens", "messages", "prompt") if k in req]
         if len(given) != 1:
-            raise CommandError(f"ROUTE: with hashing {hashing}, one of tokens, messages or prompt "
-                               f"({'none' if not given else ', '.join(given)} given)")
-        if given == ["blocks"]:
-            raise CommandError("ROUTE: blocks are hashes already: hashing applies to tokens, messages or prompt")
+            raise CommandError(f"ROUTE: one of tokens, messages or prompt ({', '.join(given)} given)")
         if "messages" in req and not (isinstance(req["messages"], list) and req["messages"]):
             raise CommandError("ROUTE: messages must be a non-empty list of chat messages")
         if "prompt" in req and not isinstance(req["prompt"], str):
             raise CommandError("ROUTE: prompt must be a string (send token ids as tokens)")
-        prompt = {k: req[k] for k in PROMPT_FIELDS if k in req}
         try:
             block_size = int(req.get("block_size", DEFAULT_BLOCK_SIZE))
             decode = int(req.get("decode_tokens", 0))
-            if "tokens" in req:
-                if _count(req["tokens"]) > MAX_BLOCKS * 64:
-                    raise CommandError(f"ROUTE: at most {MAX_BLOCKS * 64} tokens")
-                prompt["prompt"] = [int(t) for t in req["tokens"]]
         except (TypeError, ValueError):
             raise CommandError(_NOT_INTEGERS) from None
-        if "tokens" in req and not all(0 <= t <= MAX_TOKEN for t in prompt["prompt"]):
-            raise CommandError(f"ROUTE: tokens must be integers from 0 to {MAX_TOKEN}")
-        return cls([], block_size, decode, *_session_acquire(req), prompt=prompt,
-                   block_size_given="block_size" in req, hashing=hashing)
+        prompt = {k: req[k] for k in PROMPT_FIELDS if k in req}
+        return cls([], block_size, decode, *_session_acquire(req), prompt=prompt, block_size_given="block_size" in req,
+                   hashing=hashing)
 
 
 def _session_acquire(req: Mapping[str, Any]) -> tuple[str | None, bool]:
@@ -281,9 +275,7 @@ async def engine_route(control: ControlPlane, scope: IdentityScope, tag: bytes, 
     if req.block_size_given and req.block_size != fam.block_size:
         raise CommandError(f"ROUTE: block_size {req.block_size}: the engines of model {scope.model!r} hash blocks "
                            f"of {fam.block_size} tokens (leave block_size out)")
-    salt = None
-    if scope.tenant != tenant:  # another identity than the engines': its own partition of their cache
-        salt = salt_for(salt_key(), IdentityScope(scope.tenant, scope.model, fam.directory, scope.adapter))
+    salt = caller_salt(salt_key, tenant, scope, fam.directory)
     blocks = await asyncio.to_thread(control.engine_prompts.hashes, fam, "messages" in prompt, prompt, salt,
                                      scope.adapter)
     if len(blocks) > MAX_BLOCKS:

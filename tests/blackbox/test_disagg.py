@@ -279,21 +279,40 @@ def test_blocks_that_never_land_are_counted_missing_and_recomputed(setup):
     assert stats["gateway_handoff_wait_p99_ms"] >= 100  # it waited (bucket bounds: 0.1 s to 0.25 s)
 
 
-def test_an_engine_to_engine_pair_relays_kv_transfer_params_and_sends_the_decode_at_once(setup):
-    """A prefill engine registered with kv_transfer = "nixl" (vLLM's NixlConnector, P2P) writes
-    nothing to the pool: the decode leg goes at once with the prefill's kv_transfer_params, as
-    vLLM's toy proxy sends it, with no handoff wait, counted engine to engine; the pool kinds not
-    supported yet are refused with their names."""
+def engine_to_engine_pair(setup, keys: dict, *prefill_args: str) -> tuple[Engine, Engine]:
+    """A gateway whose pool handoff would wait 2 s, a prefill engine that writes nothing to the pool
+    (its KV stays with it, for the decode engine to read) registered with `keys`, a decode engine."""
     setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "2000"})
-    p = setup.engine("p1", "prefill", keys={"kv_transfer": "nixl"})
+    p = setup.engine("p1", "prefill", "a", *prefill_args, keys=keys)
     d = setup.engine("d1", "decode")
-    p.control(write_kv=0)  # KV stays on the prefill engine, as NIXL keeps it for the decode engine to read
-    msgs = messages("engine to engine")
-    n = prompt_blocks(msgs)
+    p.control(write_kv=0)
+    return p, d
+
+
+def timed_chat(setup, words: str):
+    """One disaggregated chat through the gateway: (its raw answer, the prompt's blocks, seconds)."""
+    msgs = messages(words)
     t0 = time.monotonic()
     raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
     took = time.monotonic() - t0
     assert raw.headers["x-quillcache-disaggregated"] == "true", dict(raw.headers)
+    return raw, prompt_blocks(msgs), took
+
+
+def prefill_leases_back(setup, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(e["load"]["prefills"] for e in setup.admin("GET", "/v1/engines")[1]["engines"]):
+        assert time.monotonic() < deadline, "a prefill leg's lease was not given back"
+        time.sleep(0.05)
+
+
+def test_an_engine_to_engine_pair_relays_kv_transfer_params_and_sends_the_decode_at_once(setup):
+    """A prefill engine registered with kv_transfer = "nixl" (vLLM's NixlConnector, P2P) writes
+    nothing to the pool: the decode leg goes at once with the prefill's kv_transfer_params, as
+    vLLM's toy proxy sends it, with no handoff wait, counted engine to engine; a kind not supported
+    (yet) or a mooncake engine with no kv_engine_id is refused, saying why."""
+    p, d = engine_to_engine_pair(setup, {"kv_transfer": "nixl"})
+    raw, n, took = timed_chat(setup, "engine to engine")
     assert f"kv_transfer=nixl engine-to-engine blocks={n} waited_ms=0 from=p1" in raw.headers["x-quillcache-handoff"]
     assert took < 1.5, took  # no 2 s handoff wait
     got = d.stats()["last_kv_params"]
@@ -315,32 +334,25 @@ def test_a_mooncake_pair_gets_both_legs_at_once_tied_by_one_transfer_id(setup):
     """kv_transfer = "mooncake" (vLLM's MooncakeConnector): the decode leg does not wait for the prefill
     (slow here: 1.5 s); it carries the prefill engine's engine id, bootstrap address and the transfer_id
     the prefill leg got, as that connector reads them."""
-    setup.node("a", gateway=True, env=ALWAYS | {"QUILLD_GATEWAY_HANDOFF_WAIT_MS": "2000"})
-    p = setup.engine("p1", "prefill", "a", "--delay-ms", "1500",
-                     keys={"kv_transfer": "mooncake", "kv_engine_id": "p1-vllm"})
-    d = setup.engine("d1", "decode")
-    p.control(write_kv=0)
-    msgs = messages("both legs at once")
-    n = prompt_blocks(msgs)
-    t0 = time.monotonic()
-    raw = setup.client().chat.completions.with_raw_response.create(model="m", messages=msgs)
-    took = time.monotonic() - t0
-    assert raw.headers["x-quillcache-disaggregated"] == "true", dict(raw.headers)
+    p, d = engine_to_engine_pair(setup, {"kv_transfer": "mooncake", "kv_engine_id": "p1-vllm"}, "--delay-ms", "1500")
+    raw, n, took = timed_chat(setup, "both legs at once")
     assert (f"kv_transfer=mooncake engine-to-engine both-legs-at-once blocks={n} waited_ms=0 from=p1"
             in raw.headers["x-quillcache-handoff"])
     assert took < 1.2, took  # the decode leg did not wait for the 1.5 s prefill
     got = d.stats()["last_kv_params"]
     assert got["do_remote_prefill"] is True and got["remote_engine_id"] == "p1-vllm", got
     assert got["remote_bootstrap_addr"] == "127.0.0.1:8998" and got["transfer_id"], got  # the url's host, vLLM's port
-    deadline = time.monotonic() + 10
-    while setup.gw_stats()["gateway_prefills"] != 1 or any(e["load"]["prefills"] for e in
-                                                           setup.admin("GET", "/v1/engines")[1]["engines"]):
-        assert time.monotonic() < deadline, "the prefill leg's lease was not given back"
-        time.sleep(0.05)
+    prefill_leases_back(setup)
     sent = p.stats()["last_kv_params"]
     assert sent["do_remote_decode"] is True and sent["transfer_id"] == got["transfer_id"], sent
     stats = setup.gw_stats()
     assert stats["gateway_handoff_direct"] == 1 and stats["gateway_prefill_failures"] == 0, stats
+    # a prefill leg that fails while its decode runs: the decode still answers; counted, its lease given back
+    p.control(status=503, delay_ms=0)
+    raw, _, _ = timed_chat(setup, "a prefill that fails")
+    prefill_leases_back(setup)
+    stats = setup.gw_stats()
+    assert stats["gateway_prefill_failures"] == 1 and stats["gateway_disaggregated"] == 2, stats
     status, body = setup.admin("POST", "/v1/engines", {"id": "x", "url": "http://127.0.0.1:9", "model": "m",
                                                        "kv_transfer": "mooncake", "kv_engine_id": "x",
                                                        "kv_bootstrap": "nohost"})
