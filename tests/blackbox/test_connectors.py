@@ -666,9 +666,10 @@ def test_vllm_hybrid_recipe(vllm_hybrid_engine):
     join(publisher, q, group_stored(prompt, 0), group_stored(prompt, 1))
     # the window group evicts blocks that left its window: 0..15 are not read for a hit at 80
     publisher.publish(BlockRemoved(block_hashes=prompt[:16], medium="GPU", group_idx=1))
-    assert wait_until(lambda: client.route(blocks=prompt)["plan"] == [hit] * 80, timeout=5)
-    # a prompt of 70 blocks needs the window 6..69: blocks 6..15 are gone, and so is every shorter window
-    assert client.route(blocks=prompt[:70])["plan"] == ["recompute"] * 70
+    # a prompt of 70 blocks needs the window 6..69: blocks 6..15 are gone, and so is every shorter window.
+    # Wait on this, not on the 80-block plan: that one is all hits before the removal lands too.
+    assert wait_until(lambda: client.route(blocks=prompt[:70])["plan"] == ["recompute"] * 70, timeout=5)
+    assert client.route(blocks=prompt)["plan"] == [hit] * 80
     admin = q.admin_headers() | {"Content-Type": "application/json"}
     for blocks in (prompt, prompt[:70], prompt + [7, 8]):
         resp = client.route(blocks=blocks)
