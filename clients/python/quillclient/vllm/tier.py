@@ -36,7 +36,6 @@ of the wrong length, or unreadable fails its load and is marked a miss, so vLLM 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Collection, Iterable
@@ -44,7 +43,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -62,16 +60,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from quillclient.client import QuillClient
 from quillclient.config import ClientConfig, _safe
 from quillclient.errors import BufferTooSmall, QuillError
-from quillclient.vllm.keys import index_hash, split_offload_key, block_key
+from quillclient.vllm.keys import block_key, index_hash, split_offload_key
+from quillclient.vllm.seed import check_seed_at_start, random_seed_now
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger(__name__)
-
-_RANDOM_SEED_ALGOS = ("xxhash", "xxhash_cbor")  # vLLM seeds NONE_HASH randomly for these without PYTHONHASHSEED
-
 
 class _PoolLookup(AsyncLookupManager):
     """vLLM's async lookup bookkeeping, with one existence query per step for all its keys.
@@ -138,7 +134,7 @@ class QuillTier(SecondaryTierManager):
             raise ValueError(f"QuillTier: store_batch must be at least 1, not {store_batch!r}")
         self.locality = Locality(locality) if locality is not None else None
         self._allow_private_seed = bool(allow_private_seed)
-        _check_seed_at_start(self._allow_private_seed)
+        check_seed_at_start("QuillTier", self._allow_private_seed)
         cfg = ClientConfig.from_url(url, shared_memory=shared_memory, **client_options)
         self._where = _safe(url)
         self._client = QuillClient(config=cfg)
@@ -349,7 +345,7 @@ class QuillTier(SecondaryTierManager):
         """True once the engine's hash seed turned out random (known only after vLLM seeded it)."""
         if self._disabled:
             return True
-        why = _random_seed_now()
+        why = random_seed_now()
         if why and not self._allow_private_seed:
             self._disabled = why
             log.error("QuillTier: %s; the tier stores and finds nothing (set PYTHONHASHSEED, the same on "
@@ -361,32 +357,3 @@ class QuillTier(SecondaryTierManager):
 def _pool_key(key: OffloadKey) -> str:
     block_hash, group = split_offload_key(key)
     return block_key(block_hash, group)
-
-
-def _check_seed_at_start(allow: bool) -> None:
-    """Refuse at start when vLLM's config says its NONE_HASH seed will be random."""
-    if os.environ.get("PYTHONHASHSEED") is not None:
-        return
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-        config = get_current_vllm_config_or_none()
-    except ImportError:
-        config = None
-    algo = getattr(getattr(config, "cache_config", None), "prefix_caching_hash_algo", None)
-    if algo in _RANDOM_SEED_ALGOS:
-        why = (f"prefix_caching_hash_algo {algo} without PYTHONHASHSEED seeds block hashes randomly per "
-               "process: no other engine could find what this one stores")
-        if not allow:
-            raise ValueError(f"QuillTier: {why}. Set PYTHONHASHSEED (the same on every engine), or "
-                             "allow_private_seed: true")
-        log.warning("QuillTier: %s (allow_private_seed)", why)
-
-
-def _random_seed_now() -> str:
-    """Why the seed vLLM derived NONE_HASH from is private to this process ('' when it is not)."""
-    if os.environ.get("PYTHONHASHSEED") is not None:
-        return ""
-    seed = getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
-    if seed is None or seed == kv_cache_utils.DEFAULT_NONE_HASH_SEED:
-        return ""
-    return "vLLM seeded its block hashes randomly (an xxhash algo without PYTHONHASHSEED)"
