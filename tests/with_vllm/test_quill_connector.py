@@ -7,7 +7,6 @@ pair hands its blocks over through the pool."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -24,19 +23,21 @@ except ImportError as e:  # pragma: no cover - depends on the machine
     pytest.skip(f"vLLM is not installed here ({e}); .ci/run installs it", allow_module_level=True)
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+import vllm_configs
+from vllm_configs import vllm_config, write_model
 
 from quillclient.vllm import QuillConnector
 from quillclient.vllm.connector import HEADER_BYTES, block_object_key
@@ -46,18 +47,12 @@ BS, LAYERS, KV_HEADS, HEAD = 16, 2, 2, 64
 NUM_BLOCKS = 64
 PAGE = 2 * BS * KV_HEADS * HEAD * 2  # K and V of one layer's block, float16
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-          "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-          "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 4096,
-          "torch_dtype": "float16", "rms_norm_eps": 1e-5}
 ENGINES = '[[engines]]\nid = "e1"\nurl = "http://127.0.0.1:9001"\nmodel = "m"\n'
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
+    return write_model(tmp_path_factory.mktemp("model"), LAYERS, KV_HEADS, HEAD)
 
 
 @pytest.fixture
@@ -67,29 +62,8 @@ def pool(quilld_factory, tmp_path):
     return quilld_factory("--config", str(conf))
 
 
-def vllm_config(model_dir: str, url: str, role: str = "kv_both", **extra) -> VllmConfig:
-    return VllmConfig(
-        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096,
-                                 served_model_name="m", seed=0),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
-                                         is_encoder_decoder=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="QuillConnector", kv_connector_module_path="quillclient.vllm",
-                                            kv_role=role, kv_connector_extra_config={"url": url, **extra}),
-        device_config=DeviceConfig("cpu"))
-
-
 def kv_cache_config(layout: KVCacheLayout) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16)
-    page = spec.page_size_bytes
-    if layout.is_layer_compact:
-        tensor = KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=LAYER_NAMES, layer_stride=page * NUM_BLOCKS,
-                               block_stride=page)
-    else:
-        tensor = KVCacheTensor(size=page * NUM_BLOCKS * LAYERS, layers=LAYER_NAMES, layer_stride=page,
-                               block_stride=page * LAYERS)
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor],
-                         kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)], kv_cache_layout=layout.name)
+    return vllm_configs.kv_cache_config(layout, LAYER_NAMES, NUM_BLOCKS, BS, KV_HEADS, HEAD)
 
 
 def kv_value(layer: int, pos: int, token: int) -> float:

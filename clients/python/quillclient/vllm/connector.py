@@ -471,6 +471,23 @@ class _Worker:
         self._done_loads: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._saves: list[Future] = []
         self._stats = QuillConnectorStats()
+        self._free: list[torch.Tensor] = []  # staging areas to reuse: a fresh one costs its page faults
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """(n, object bytes) of host memory, reused across transfers."""
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.shape[0] >= n:
+                    return self._free.pop(i)[:n]
+        rows = max(n, self._opts.batch_blocks)
+        return torch.empty((rows, self._obj.nbytes), dtype=torch.uint8,
+                           pin_memory=self._device.type == "cuda")[:n]
+
+    def _release(self, staged: torch.Tensor) -> None:
+        base = staged._base if staged._base is not None else staged
+        with self._lock:
+            if len(self._free) < 2 * self._opts.io_threads:
+                self._free.append(base)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self._conn._layer_names if n not in kv_caches]
@@ -510,8 +527,8 @@ class _Worker:
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """(n, object bytes) on the host: each row a header's room, then the block's pages in the
         model's layer order (the header is written on the I/O thread, with the payload's CRC)."""
-        n, page, obj = len(block_ids), self._obj.page_bytes, self._obj
-        out = torch.empty((n, obj.nbytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
+        n, page = len(block_ids), self._obj.page_bytes
+        out = self._staging(n)
         pages = out[:, HEADER_BYTES:].view(n, len(self._layers), page)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         for i, layer in enumerate(self._layers):
@@ -537,9 +554,13 @@ class _Worker:
             with self._lock:
                 self._stats.data["save_errors"] += len(items)
             return
+        finally:
+            count = len(items)
+            del items, rows
+            self._release(staged)
         with self._lock:
-            self._stats.data["blocks_saved"] += len(items)
-            self._stats.data["bytes_saved"] += len(items) * self._obj.nbytes
+            self._stats.data["blocks_saved"] += count
+            self._stats.data["bytes_saved"] += count * self._obj.nbytes
             self._stats.data["save_seconds"] += time.perf_counter() - t0
 
     # -- loads -----------------------------------------------------------------------------------------
@@ -567,7 +588,7 @@ class _Worker:
         the others' block ids are load errors (vLLM recomputes them)."""
         t0 = time.perf_counter()
         n, obj, batch = len(t.hashes), self._obj, self._opts.batch_blocks
-        staged = torch.empty((n, obj.nbytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
+        staged = self._staging(n)
         rows = [memoryview(r) for r in staged.numpy()]
         keys = [block_object_key(h, obj) for h in t.hashes]
         got: list[int | None] = []
@@ -596,6 +617,8 @@ class _Worker:
                 good.append(i)
         if good:
             self._scatter(staged, good, [t.block_ids[i] for i in good])
+        del rows
+        self._release(staged)
         with self._lock:
             self._errors.update(t.block_ids[i] for i in bad)
             self._stats.data["blocks_loaded"] += len(good)
