@@ -9,14 +9,16 @@ engine B, each on its own GPU (`--gpus 0,1`; one GPU holds both with `--gpus 0,0
 1. without the pool: B answers `--requests` prompts that share one long prefix (`--prefix-tokens`)
    but never saw it; each first request of a new prefix pays its whole prefill;
 2. with the pool: A and B both run `OffloadingConnector` with `QuillTier` (docs/connectors.md,
-   section 4). A answers each prompt first (its chunks go to the pool), then B answers the same
-   prompt with a new suffix: B loads the prefix from the pool instead of computing it.
+   section 4), or with `--via connector` the `QuillConnector` (section 5). A answers each prompt
+   first (its blocks go to the pool), then B answers the same prompt with a new suffix: B loads
+   the prefix from the pool instead of computing it.
 
 It prints B's TTFT p50/p99 in both runs and their ratio, and how many of B's prompt tokens vLLM
 reported as cached. Every process it starts is stopped (by PID) when it ends or fails.
 
     python tools/vllm_gpu_ttft.py --model Qwen/Qwen2.5-0.5B-Instruct --gpus 0,1 --start-quilld
     python tools/vllm_gpu_ttft.py --quilld quill://:secret@10.0.0.5:7379 --prefix-tokens 8000
+    python tools/vllm_gpu_ttft.py --via connector --start-quilld
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ def stop(proc: subprocess.Popen) -> None:
 def serve(args, gpu: str, port: int, tier_url: str | None, log: Path) -> subprocess.Popen:
     cmd = ["vllm", "serve", args.model, "--port", str(port), "--enable-prefix-caching",
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len)]
-    if tier_url is not None:
+    if tier_url is not None and args.via == "connector":
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "QuillConnector", "kv_connector_module_path": "quillclient.vllm", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"url": tier_url}})]
+    elif tier_url is not None:
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": args.cpu_bytes,
@@ -130,6 +136,8 @@ def main() -> None:
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
     p.add_argument("--gpus", default="0,1", help="CUDA devices of engine A and engine B (default 0,1)")
     p.add_argument("--quilld", default="quill://127.0.0.1:7379", help="the pool's URL (QuillTier's url option)")
+    p.add_argument("--via", choices=("tier", "connector"), default="tier",
+                   help="QuillTier behind OffloadingConnector (default) or QuillConnector")
     p.add_argument("--start-quilld", action="store_true", help="start a quilld of this tree on 127.0.0.1:7379")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--prefix-tokens", type=int, default=4000)
@@ -167,7 +175,8 @@ def main() -> None:
         alone = [ttft(port_b, args.model, pre + suf) for pre, suf in pairs]
         stop(b)
 
-        print(f"2/2: engines A (GPU {gpu_a}) and B with QuillTier at {args.quilld}", flush=True)
+        via = "QuillTier" if args.via == "tier" else "QuillConnector"
+        print(f"2/2: engines A (GPU {gpu_a}) and B with {via} at {args.quilld}", flush=True)
         a = serve(args, gpu_a, port_a, args.quilld, work / "a.log")
         b = serve(args, gpu_b, port_b, args.quilld, work / "b-pool.log")
         procs += [a, b]

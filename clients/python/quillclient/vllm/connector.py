@@ -229,7 +229,6 @@ class _ReqState:
     present: list[bool] = field(default_factory=list)  # prompt blocks the pool held at lookup
     computed_at_lookup: int = 0
     handled: int = 0  # blocks [0, handled) are saved, loaded or known in the pool
-    saved: int = 0  # leading blocks known to be in the pool (for the P/D params)
     waiting_since: float | None = None
 
 
@@ -310,7 +309,6 @@ class QuillConnector(KVConnectorBase_V1):
         lead = 0
         while lead < n and present[lead]:
             lead += 1
-        state.saved = lead
         wanted = _handoff_blocks(request)
         if wanted and lead < min(wanted, n):  # the prefill leg's blocks are on their way
             now = time.monotonic()
@@ -364,8 +362,6 @@ class QuillConnector(KVConnectorBase_V1):
                 meta.saves.append(Transfer(req_id, [hashes[i] for i in todo], [ids[i] for i in todo],
                                            parents=[hashes[i - 1] if i else None for i in todo]))
             state.handled = full
-            if state.saved >= len(state.present) or not state.present:
-                state.saved = max(state.saved, full)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
