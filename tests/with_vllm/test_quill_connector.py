@@ -330,3 +330,21 @@ def test_bad_options_fail_at_engine_start(model_dir, pool):
             QuillConnector(vllm_config(model_dir, url, **extra), KVConnectorRole.SCHEDULER, kvc)
     with pytest.raises(ValueError, match="does not answer"):
         QuillConnector(vllm_config(model_dir, "quill://127.0.0.1:1"), KVConnectorRole.SCHEDULER, kvc)
+
+
+def test_stats_reach_vllms_prometheus_metrics(engines, pool, model_dir):
+    """The worker's stats, aggregated as vLLM aggregates them, become counters on vLLM's /metrics."""
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    a = engines(load="sync")
+    a.add("a1", list(range(500, 500 + 2 * BS + 1)))
+    a.run(finished(a, "a1"))
+    a.worker._worker.drain()
+    stats = a.worker.get_kv_connector_stats()
+    assert stats is not None and stats.data["blocks_saved"] == 2
+    merged = QuillConnector.build_kv_connector_stats(dict(stats.data)).aggregate(stats)
+    prom = KVConnectorProm(a.config, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(merged.reduce(), 0)
+    value = prometheus_client.REGISTRY.get_sample_value("vllm:quill_connector_blocks_saved_total",
+                                                       {"model_name": "m", "engine": "0"})
+    assert value == 4  # two blocks, counted twice by the aggregate of two workers' stats

@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -218,6 +218,28 @@ class QuillConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class QuillPromMetrics(KVConnectorPromMetrics):
+    """The stats as Prometheus counters on vLLM's /metrics: `vllm:quill_connector_<stat>_total`,
+    labelled as vLLM labels its own (model name, engine)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for key in QuillConnectorStats.KEYS:
+            counter = self._counter_cls(name=f"vllm:quill_connector_{key}",
+                                        documentation=f"QuillConnector: {key.replace('_', ' ')}",
+                                        labelnames=labelnames)
+            for engine, values in per_engine_labelvalues.items():
+                self._counters[(engine, key)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            counter = self._counters.get((engine_idx, key))
+            if counter is not None and value:
+                counter.inc(value)
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -408,6 +430,11 @@ class QuillConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return QuillConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
+        return QuillPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
