@@ -112,10 +112,7 @@ class Engine:
         results = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         self.invalid |= invalid
-        stats = w.get_kv_connector_stats()
-        if stats is not None:
-            for k, v in stats.data.items():
-                self.stats[k] = self.stats.get(k, 0) + v
+        self.collect()
         w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -128,6 +125,14 @@ class Engine:
             for o in outs.outputs:
                 if o.kv_transfer_params:
                     self.params[o.request_id] = o.kv_transfer_params
+
+    def collect(self) -> dict:
+        """Add the worker's stats since the last call (vLLM reads them once a step) to self.stats."""
+        stats = self.worker.get_kv_connector_stats()
+        if stats is not None:
+            for k, v in stats.data.items():
+                self.stats[k] = self.stats.get(k, 0) + v
+        return self.stats
 
     def _forward(self, so) -> None:
         """Write each scheduled token's K and V into its slot, as attention would."""
@@ -214,7 +219,7 @@ def test_a_second_engine_loads_exactly_the_blocks_the_first_saved(engines, pool,
     keys = [block_object_key(h, obj) for h in req.block_hashes[:5]]
     assert keys[0] == f"{req.block_hashes[0].hex()}.{obj.layout:016x}.r0"
     a.worker._worker.drain()
-    assert a.worker.get_kv_connector_stats().data["blocks_saved"] == 5
+    assert a.collect()["blocks_saved"] == 5
     wait_saved(pool, keys)
     r = scoped(pool)
     # each block's object: the header, then the model's bytes, layer by layer; found by vLLM's own hash
@@ -340,9 +345,9 @@ def test_stats_reach_vllms_prometheus_metrics(engines, pool, model_dir):
     a.add("a1", list(range(500, 500 + 2 * BS + 1)))
     a.run(finished(a, "a1"))
     a.worker._worker.drain()
-    stats = a.worker.get_kv_connector_stats()
-    assert stats is not None and stats.data["blocks_saved"] == 2
-    merged = QuillConnector.build_kv_connector_stats(dict(stats.data)).aggregate(stats)
+    assert a.collect()["blocks_saved"] == 2
+    stats = QuillConnector.build_kv_connector_stats(dict(a.stats))
+    merged = QuillConnector.build_kv_connector_stats(dict(a.stats)).aggregate(stats)
     prom = KVConnectorProm(a.config, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe(merged.reduce(), 0)
     value = prometheus_client.REGISTRY.get_sample_value("vllm:quill_connector_blocks_saved_total",
