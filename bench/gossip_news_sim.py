@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plot import Panel, add_flag, save  # noqa: E402
@@ -31,7 +30,7 @@ from quilld.cluster.wire import State  # noqa: E402
 LIMIT = 300.0  # simulated seconds a phase may take
 
 
-def busy_meta(node_id: str, tick: int, size: int) -> dict:
+def busy_meta(tick: int, size: int) -> dict:
     """Meta of about `size` encoded bytes whose figures change every tick."""
     return {"rdma": None, "load": tick % 97, "dram_free": 1_000_000 + tick * 7 % 10_007, "ssd_free": tick * 13,
             "pad": ("x" * max(0, size - 90)), "v": tick}
@@ -48,7 +47,7 @@ def phase(sim: Simulation, done, meta_bytes: int, tick: list[int]) -> float | No
         tick[0] += 1
         if meta_bytes and tick[0] % 4 == 0:
             for node in sim.live():
-                sim.set_meta(node, busy_meta(node.node_id, tick[0], meta_bytes))
+                sim.set_meta(node, busy_meta(tick[0], meta_bytes))
         sim.run(STEP)
     return sim.now - start
 
@@ -86,21 +85,21 @@ def main() -> None:
     args = ap.parse_args()
     table: dict[int, dict[str, tuple[float | None, float | None]]] = {}
     print(f"{'nodes':>6} {'ranking':<28} {'5% crash in every view':>24} {'10% join in every view':>24}")
-    for n in args.nodes:
-        rows = {}
-        crash_s, join_s = run(n, args.seed, 0, True)
-        table[n] = {"idle meta": (crash_s, join_s)}
-        print(f"{n:6d} {'idle meta (the floor)':<28} {_s(crash_s):>24} {_s(join_s):>24}", flush=True)
-        for prioritize in (False, True):
-            rows[prioritize] = run(n, args.seed, args.meta_bytes, prioritize)
-            label = "membership news first" if prioritize else "least sent first (before)"
-            crash_s, join_s = rows[prioritize]
-            table[n]["news first" if prioritize else "before"] = rows[prioritize]
-            print(f"{n:6d} {label:<28} {_s(crash_s):>24} {_s(join_s):>24}", flush=True)
-        (c0, j0), (c1, j1) = rows[False], rows[True]
-        if c0 and c1 and j0 and j1:
-            print(f"{'':6} {'ratio (before / after)':<28} {c0 / c1:23.2f}x {j0 / j1:23.2f}x")
-    broadcast.BroadcastQueue.prioritize = True
+    try:
+        for n in args.nodes:
+            table[n] = {"idle meta": run(n, args.seed, 0, True)}
+            print(f"{n:6d} {'idle meta (the floor)':<28} {_s(table[n]['idle meta'][0]):>24} "
+                  f"{_s(table[n]['idle meta'][1]):>24}", flush=True)
+            for name, label, prioritize in (("before", "least sent first (before)", False),
+                                            ("news first", "membership news first", True)):
+                table[n][name] = run(n, args.seed, args.meta_bytes, prioritize)
+                crash_s, join_s = table[n][name]
+                print(f"{n:6d} {label:<28} {_s(crash_s):>24} {_s(join_s):>24}", flush=True)
+            (c0, j0), (c1, j1) = table[n]["before"], table[n]["news first"]
+            if c0 and c1 and j0 and j1:
+                print(f"{'':6} {'ratio (before / after)':<28} {c0 / c1:23.2f}x {j0 / j1:23.2f}x")
+    finally:
+        broadcast.BroadcastQueue.prioritize = True
     if args.plot:
         plot(args.plot, table)
 

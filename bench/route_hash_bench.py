@@ -29,7 +29,6 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plot import Panel, add_flag, save  # noqa: E402

@@ -7,20 +7,15 @@ pair hands its blocks over through the pool."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
 import pytest
 import redis
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-try:
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI needs vLLM 0.33 for tests/with_vllm ({e}); .ci/run installs it") from None
-    pytest.skip(f"vLLM is not installed here ({e}); .ci/run installs it", allow_module_level=True)
+from needs_vllm import require_vllm
+
+require_vllm()
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -330,7 +325,8 @@ def test_bad_options_fail_at_engine_start(model_dir, pool):
     kvc = kv_cache_config(KVCacheLayout.LBHNC)
     for extra, said in (({"lod": "sync"}, "unknown kv_connector_extra_config key(s) lod"),
                         ({"load": "later"}, "load must be one of async, sync"),
-                        ({"batch_blocks": 0}, "batch_blocks must be a positive integer")):
+                        ({"batch_blocks": 0}, "batch_blocks must be a positive integer"),
+                        ({"verify_crc": "no"}, "verify_crc must be true or false, not 'no'")):
         with pytest.raises(ValueError, match=re.escape(said)):
             QuillConnector(vllm_config(model_dir, url, **extra), KVConnectorRole.SCHEDULER, kvc)
     with pytest.raises(ValueError, match="does not answer"):

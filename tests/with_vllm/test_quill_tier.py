@@ -15,19 +15,10 @@ import uuid
 
 import numpy as np
 import pytest
-import redis
 
-# Here, not in a conftest.py of this folder: a second module named `conftest` would take the place
-# of tests/conftest.py in sys.modules for the rest of an xdist worker, and break every
-# `from conftest import ...` after it. Outside CI a machine without vLLM skips these tests, saying
-# so; in CI (CI=true) a missing vLLM fails the run, since a skipped test is a test that did not run.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-try:
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI needs vLLM 0.33 for tests/with_vllm ({e}); .ci/run installs it") from None
-    pytest.skip(f"vLLM is not installed here ({e}); .ci/run installs it", allow_module_level=True)
+from needs_vllm import require_vllm
+
+require_vllm()
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
@@ -224,13 +215,13 @@ def test_a_random_hash_seed_is_refused(pool, monkeypatch):
         monkeypatch.setattr(kv_cache_utils, "_NONE_HASH_SEED", os.urandom(32).hex())  # what init_none_hash does
         ctx, keys = e.request("r", _hashes(2, b"seed"))
         assert e.tier.lookup(keys[0], ctx) is LookupResult.MISS
-        assert "seeded its block hashes randomly" in e.tier._disabled
+        assert "seeded its block hashes randomly" in e.tier._seed.why
     finally:
         e.close()
     kept = Engine(f"quill://127.0.0.1:{pool.port}", allow_private_seed=True)
     try:
         monkeypatch.setattr(kv_cache_utils, "_NONE_HASH_SEED", os.urandom(32).hex())
         ctx, keys = kept.request("r", _hashes(2, b"seed"))
-        assert kept.tier.lookup(keys[0], ctx) is LookupResult.RETRY and not kept.tier._disabled
+        assert kept.tier.lookup(keys[0], ctx) is LookupResult.RETRY and not kept.tier._seed.why
     finally:
         kept.close()

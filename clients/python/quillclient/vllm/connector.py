@@ -67,7 +67,7 @@ from quillclient.client import QuillClient
 from quillclient.config import ClientConfig, _safe
 from quillclient.errors import BufferTooSmall, QuillError
 from quillclient.vllm.keys import block_key, index_hash
-from quillclient.vllm.seed import check_seed_at_start, random_seed_now
+from quillclient.vllm.seed import SeedGuard, check_seed_at_start
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,18 +153,21 @@ class Options:
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Options:
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"QuillConnector: unknown kv_connector_extra_config key(s) {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
-        opts = cls(**{k: v for k, v in extra.items()})
+        opts = cls(**extra)
         choices = {"shared_memory": ("auto", "require", "off"), "load": ("async", "sync"), "save": ("all", "prompt"),
                    "load_errors": ("recompute", "fail")}
         for name, allowed in choices.items():
             if getattr(opts, name) not in allowed:
                 raise ValueError(f"QuillConnector: {name} must be one of {', '.join(allowed)}, "
                                  f"not {getattr(opts, name)!r}")
+        for name in ("verify_crc", "allow_private_seed"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ValueError(f"QuillConnector: {name} must be true or false, not {getattr(opts, name)!r}")
         for name in ("io_threads", "batch_blocks"):
             if not isinstance(getattr(opts, name), int) or getattr(opts, name) < 1:
                 raise ValueError(f"QuillConnector: {name} must be a positive integer, not {getattr(opts, name)!r}")
@@ -291,6 +294,8 @@ class QuillConnector(KVConnectorBase_V1):
             model = model[0]
         self._layout = layout_id(str(model), spec, len(self._layer_names), self._tp_size)
         self._page_bytes = spec.page_size_bytes
+        self._objects = [BlockObject(self._layout, len(self._layer_names), self._page_bytes, r)
+                         for r in range(self._tp_size)]  # one per tensor-parallel rank
         self._where = _safe(self.opts.url)
         cfg = ClientConfig.from_url(self.opts.url, shared_memory=self.opts.shared_memory)
         self._client = QuillClient(config=cfg)
@@ -299,7 +304,7 @@ class QuillConnector(KVConnectorBase_V1):
         except QuillError as e:
             self._client.close()
             raise ValueError(f"QuillConnector: quilld at {self._where} does not answer: {e}") from None
-        self._disabled = ""
+        self._seed = SeedGuard("QuillConnector", self.opts.allow_private_seed)
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _ReqState] = {}
             self._loads: list[Transfer] = []
@@ -318,7 +323,7 @@ class QuillConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._reqs.setdefault(request.request_id, _ReqState(request))
-        if not self._consumer or self._refused():
+        if not self._consumer or self._seed.refused():
             return 0, False
         bs = self._block_size
         n = min(len(request.block_hashes), request.num_prompt_tokens // bs)
@@ -360,7 +365,7 @@ class QuillConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = QuillConnectorMetadata(loads=self._loads)
         self._loads = []
-        if not self._producer or self._disabled:
+        if not self._producer or self._seed.why:
             return meta
         bs = self._block_size
         cached = scheduler_output.scheduled_cached_reqs
@@ -445,8 +450,7 @@ class QuillConnector(KVConnectorBase_V1):
 
     def _keys(self, block_hash: bytes) -> list[str]:
         """The block's object keys, one per tensor-parallel rank."""
-        return [block_object_key(block_hash, BlockObject(self._layout, len(self._layer_names), self._page_bytes, r))
-                for r in range(self._tp_size)]
+        return [block_object_key(block_hash, obj) for obj in self._objects]
 
     def _exists(self, hashes: list[bytes]) -> list[bool]:
         """Whether every rank's object of each block is in the pool: one pipelined round trip."""
@@ -456,16 +460,6 @@ class QuillConnector(KVConnectorBase_V1):
         found = self._client.exists_many([k for h in hashes for k in self._keys(h)])
         return [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(hashes))]
 
-    def _refused(self) -> bool:
-        if self._disabled:
-            return True
-        why = random_seed_now()
-        if why and not self.opts.allow_private_seed:
-            self._disabled = why
-            log.error("QuillConnector: %s; it stores and finds nothing (set PYTHONHASHSEED, the same on every "
-                      "engine, or allow_private_seed: true)", why)
-            return True
-        return False
 
 
 def _handoff_blocks(request: Request) -> int:
@@ -486,7 +480,7 @@ class _Worker:
         self._opts = conn.opts
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
         self._rank = get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
-        self._obj = BlockObject(conn._layout, len(conn._layer_names), conn._page_bytes, self._rank)
+        self._obj = conn._objects[self._rank]
         self._layers: list[torch.Tensor] = []
         self._pool = ThreadPoolExecutor(max_workers=self._opts.io_threads, thread_name_prefix="quillconn")
         self._lock = threading.Lock()
@@ -497,20 +491,18 @@ class _Worker:
         self._free: list[torch.Tensor] = []  # staging areas to reuse: a fresh one costs its page faults
 
     def _staging(self, n: int) -> torch.Tensor:
-        """(n, object bytes) of host memory, reused across transfers."""
+        """At least n rows of object bytes in host memory, reused across transfers (`_release`)."""
         with self._lock:
             for i, t in enumerate(self._free):
                 if t.shape[0] >= n:
-                    return self._free.pop(i)[:n]
-        rows = max(n, self._opts.batch_blocks)
-        return torch.empty((rows, self._obj.nbytes), dtype=torch.uint8,
-                           pin_memory=self._device.type == "cuda")[:n]
+                    return self._free.pop(i)
+        return torch.empty((max(n, self._opts.batch_blocks), self._obj.nbytes), dtype=torch.uint8,
+                           pin_memory=self._device.type == "cuda")
 
     def _release(self, staged: torch.Tensor) -> None:
-        base = staged._base if staged._base is not None else staged
         with self._lock:
             if len(self._free) < 2 * self._opts.io_threads:
-                self._free.append(base)
+                self._free.append(staged)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self._conn._layer_names if n not in kv_caches]
@@ -548,11 +540,11 @@ class _Worker:
                 self._saves.append(self._pool.submit(self._put, t.hashes[part], t.parents[part], staged))
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """(n, object bytes) on the host: each row a header's room, then the block's pages in the
+        """A staging area whose first n rows are each a header's room, then the block's pages in the
         model's layer order (the header is written on the I/O thread, with the payload's CRC)."""
         n, page = len(block_ids), self._obj.page_bytes
         out = self._staging(n)
-        pages = out[:, HEADER_BYTES:].view(n, len(self._layers), page)
+        pages = out[:n, HEADER_BYTES:].view(n, len(self._layers), page)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         for i, layer in enumerate(self._layers):
             src = layer.index_select(0, idx).reshape(n, -1).view(torch.uint8)
@@ -565,7 +557,7 @@ class _Worker:
         t0 = time.perf_counter()
         rows = staged.numpy()
         items, chain = [], []
-        for h, p, row in zip(hashes, parents, rows):
+        for h, p, row in zip(hashes, parents, rows):  # the first len(hashes) rows
             view = memoryview(row)
             view[:HEADER_BYTES] = self._obj.header(view[HEADER_BYTES:])
             items.append((block_object_key(h, self._obj), view))
@@ -612,7 +604,7 @@ class _Worker:
         t0 = time.perf_counter()
         n, obj, batch = len(t.hashes), self._obj, self._opts.batch_blocks
         staged = self._staging(n)
-        rows = [memoryview(r) for r in staged.numpy()]
+        rows = [memoryview(r) for r in staged.numpy()[:n]]
         keys = [block_object_key(h, obj) for h in t.hashes]
         got: list[int | None] = []
         try:
@@ -651,7 +643,7 @@ class _Worker:
 
     def _scatter(self, staged: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
         page, n = self._obj.page_bytes, len(rows)
-        src = staged if n == staged.shape[0] else staged[torch.tensor(rows, dtype=torch.long)]
+        src = staged[:n] if rows == list(range(n)) else staged[torch.tensor(rows, dtype=torch.long)]
         src = src.to(self._device, non_blocking=True)[:, HEADER_BYTES:].reshape(n, len(self._layers), page)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         for i, layer in enumerate(self._layers):

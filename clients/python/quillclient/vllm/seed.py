@@ -16,6 +16,26 @@ log = logging.getLogger(__name__)
 RANDOM_SEED_ALGOS = ("xxhash", "xxhash_cbor")  # vLLM seeds NONE_HASH randomly for these without PYTHONHASHSEED
 
 
+class SeedGuard:
+    """Stops a tier or connector for good once vLLM's hash seed turns out random (known only after
+    vLLM seeded its hashes, so checked at every lookup, not once at start)."""
+
+    def __init__(self, who: str, allow: bool) -> None:
+        self.who, self.allow = who, allow
+        self.why = ""  # why it stopped ('' while it serves)
+
+    def refused(self) -> bool:
+        if self.why:
+            return True
+        why = random_seed_now()
+        if why and not self.allow:
+            self.why = why
+            log.error("%s: %s; it stores and finds nothing (set PYTHONHASHSEED, the same on every engine, or "
+                      "allow_private_seed: true)", self.who, why)
+            return True
+        return False
+
+
 def check_seed_at_start(who: str, allow: bool, config=None) -> None:
     """Refuse at start when vLLM's config (given, or the current one) says the seed will be random."""
     if os.environ.get("PYTHONHASHSEED") is not None:

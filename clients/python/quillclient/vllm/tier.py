@@ -61,7 +61,7 @@ from quillclient.client import QuillClient
 from quillclient.config import ClientConfig, _safe
 from quillclient.errors import BufferTooSmall, QuillError
 from quillclient.vllm.keys import block_key, index_hash, split_offload_key
-from quillclient.vllm.seed import check_seed_at_start, random_seed_now
+from quillclient.vllm.seed import SeedGuard, check_seed_at_start
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -133,8 +133,7 @@ class QuillTier(SecondaryTierManager):
         if int(store_batch) < 1:
             raise ValueError(f"QuillTier: store_batch must be at least 1, not {store_batch!r}")
         self.locality = Locality(locality) if locality is not None else None
-        self._allow_private_seed = bool(allow_private_seed)
-        check_seed_at_start("QuillTier", self._allow_private_seed)
+        check_seed_at_start("QuillTier", bool(allow_private_seed))
         cfg = ClientConfig.from_url(url, shared_memory=shared_memory, **client_options)
         self._where = _safe(url)
         self._client = QuillClient(config=cfg)
@@ -160,7 +159,7 @@ class QuillTier(SecondaryTierManager):
             else:
                 log.warning("QuillTier: enable_kv_events is set but vLLM's KV cache events are off; no events")
         self._store_keys: dict[JobId, list[OffloadKey]] = {}
-        self._disabled = ""  # why the tier stopped serving (a random seed seen after start)
+        self._seed = SeedGuard("QuillTier", bool(allow_private_seed))
         self._lookup = _PoolLookup(self)
         log.info("QuillTier: quilld at %s over %s, %d-byte chunks, scope %s", self._where,
                  "shared memory" if self._client.transport == "shm" else "TCP", self._chunk_bytes,
@@ -172,7 +171,7 @@ class QuillTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self._refused():
+        if self._seed.refused():
             return LookupResult.MISS
         self._note(key, req_context)
         found = self._lookup.lookup(key, req_context)
@@ -285,7 +284,7 @@ class QuillTier(SecondaryTierManager):
     # -- helpers -----------------------------------------------------------------------------------
 
     def _start(self, job: TransferJob, keys: list[OffloadKey], work) -> None:
-        if self._refused():
+        if self._seed.refused():
             self._done.put((JobResult(job_id=job.job_id, success=False),
                             [] if not job.is_promotion else keys))
             return
@@ -340,18 +339,6 @@ class QuillTier(SecondaryTierManager):
         if pos is not None and chain is not None:
             parent = chain.hashes.get((0, pos - self._tokens_per_chunk))
         return index_hash(block_hash), None if parent is None else index_hash(parent)
-
-    def _refused(self) -> bool:
-        """True once the engine's hash seed turned out random (known only after vLLM seeded it)."""
-        if self._disabled:
-            return True
-        why = random_seed_now()
-        if why and not self._allow_private_seed:
-            self._disabled = why
-            log.error("QuillTier: %s; the tier stores and finds nothing (set PYTHONHASHSEED, the same on "
-                      "every engine, or allow_private_seed: true)", why)
-            return True
-        return False
 
 
 def _pool_key(key: OffloadKey) -> str:
