@@ -195,6 +195,9 @@ class ClusterConfig:
     directory_group_blocks: int = 32  # blocks of a prompt whose entries share owners (one lookup)
     directory_weighted: bool = False  # members own buckets in proportion to their DRAM capacity
     directory_anti_entropy_ms: int = 30_000  # how often a holder compares digests with each owner
+    # how long a deleted key's tombstone is kept: a node away longer than this that comes back with
+    # an older copy of the key (its SSD tier) brings it back
+    tombstone_s: int = 86_400
     lookup_timeout_ms: int = 1000  # a directory lookup's call to one owner fails after this (its breaker opens)
     hedge_floor_ms: int = 30  # a lookup asks the next owner too after at least this (else the owner's p99 estimate)
     hedge_max_ms: int = 1000  # ... and at most this
@@ -417,6 +420,8 @@ class Config:
             raise ConfigError(f"cluster.directory_buckets must be a power of two from 256 to 1048576, got {b}")
         if not 1 <= c.directory_group_blocks <= 255:
             raise ConfigError(f"cluster.directory_group_blocks must be 1..255, got {c.directory_group_blocks}")
+        if c.tombstone_s < 1:
+            raise ConfigError(f"cluster.tombstone_s must be at least 1, got {c.tombstone_s}")
         if c.directory_anti_entropy_ms < 100:
             raise ConfigError(f"cluster.directory_anti_entropy_ms must be at least 100, got "
                               f"{c.directory_anti_entropy_ms}")

@@ -359,3 +359,15 @@ def http(port: int, method: str, path: str, body: bytes | None = None, headers: 
     except urllib.error.HTTPError as e:
         with e:
             return e.code, dict(e.headers), e.read()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Real quilld nodes on 127.0.0.1 (blackbox/test_cluster.py's Cluster), every one stopped at the end."""
+    from test_cluster import Cluster
+
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()

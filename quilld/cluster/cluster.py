@@ -105,6 +105,7 @@ class Cluster:
         self.link.health = PeerHealth(time.monotonic, self.link.stats, self.cfg.hedge_floor_ms,
                                       self.cfg.hedge_max_ms, self.cfg.breaker_open_ms)
         self.link.lookup_timeout = self.cfg.lookup_timeout_ms / 1000
+        self.link.tombstone_s = float(self.cfg.tombstone_s)
         self.peer_meta: dict[str, dict] = {}  # peer -> the meta it gossips (its RDMA port, if any)
         self.members: dict[str, float] = {node_id: 1.0}  # live (alive or suspect) members -> weight
         self.suspects: set[str] = set()  # peers gossip suspects now
@@ -126,10 +127,14 @@ class Cluster:
         ks = self.keyspace
         # ConfigError here (cluster.transfer = "rdma" without RDMA) stops the start
         self.transfers.open(ks.arena.region, self.node_id, ks.inline_max)
-        self.keyspace.track_all = True  # every value, small ones too: a pool read never broadcasts
-        for fk, tier, nbytes, bhash in list(self.keyspace.tracked_values()):  # recovered, or written already
-            self.link.placed(fk, tier, nbytes, bhash)
+        self.keyspace.track_everything()  # every value, small ones too: a pool read never broadcasts
+        # recovered (or written before the cluster started): version 0, older than any versioned
+        # write or delete of the key elsewhere (hlc.py)
+        for fk, tier, nbytes, bhash in list(self.keyspace.tracked_values()):
+            self.link.moved(fk, tier, nbytes, bhash)
         self.feed.log = self.link  # this node's values become directory entries ...
+        ks.deleted = self.link.deleted  # ... and what clients delete here, tombstones
+        self.link.drop_copy = ks.delete  # a copy an owner found older than its key's newest goes
         # ... and so do the blocks of the engines it is home to (handed to their home otherwise)
         self.control.placements = self.engines.placements
         self.directory.note_members(self.members, time.monotonic())
@@ -327,6 +332,18 @@ class Cluster:
 
     async def pool_has_many(self, tag: bytes, keys: list[bytes]) -> list[bool]:
         return await self.reads.pool_has_many(tag, keys)
+
+    async def pool_delete(self, tag: bytes, keys: list[bytes]) -> int:
+        """DEL of keys this node lacks: a tombstone for each one a peer holds (its copies then go,
+        and stay gone), once the owners have it; how many there were."""
+        held = await self.reads.pool_has_many(tag, keys)
+        for key, there in zip(keys, held):
+            if there:
+                self.link.bury(tag, key)
+        acked = self.link.acknowledged()
+        if acked is not None:
+            await acked
+        return sum(held)
 
     async def locate(self, tag: bytes, keys: list[bytes]) -> list:
         return await self.reads.locate(tag, keys)

@@ -46,6 +46,7 @@ _ONE = 1 << 64  # a digest is one int: the count above the XOR of entry hashes
 _XOR = _ONE - 1
 _U64 = (1 << 64) - 1  # an int block hash as 8 bytes, as `hash_key` makes it (inline: once per block)
 DROP = False  # a `HeldEntries.change_blocks` op's parent when it removes blocks (a parent is None, int or bytes)
+TOMBSTONE = 0  # a key's code when its holder deleted it: in no tier (a value is always in one)
 
 
 def scope_digest(tenant: str, model: str, tokenizer: str, adapter: str) -> bytes:
@@ -78,11 +79,11 @@ def block_shard(ctag: bytes, group: bytes) -> bytes:
     return b"B" + ctag + group
 
 
-def entry_hash(kind: int, eid: bytes, code: int) -> int:
+def entry_hash(kind: int, eid: bytes, code: int, version: int = 0) -> int:
     """What one entry adds to its bucket's digest (XOR): the same on its holder and its owners.
-    The kind and code are the hash's seed, so nothing is concatenated (the placement loops below
-    compute it inline, the same way)."""
-    return _h3(eid, code << 1 | kind)
+    The kind, code and (a key's) version are the hash's seed, so nothing is concatenated (the
+    placement loops below compute a block's inline, the same way: blocks have no version)."""
+    return _h3(eid, (code << 1 | kind) ^ version)
 
 
 class Digest(NamedTuple):
@@ -91,12 +92,15 @@ class Digest(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One entry as it travels: kind, eid, shard, code (tiers and bytes)."""
+    """One entry as it travels: kind, eid, shard, code (tiers and bytes), and a key's version
+    (hlc.py; blocks, immutable by their hash, have none). A key's entry with code TOMBSTONE says
+    its holder deleted it at that version."""
 
     kind: int
     eid: bytes
     shard: bytes
     code: int
+    version: int = 0
 
 
 class Changes(NamedTuple):
@@ -117,27 +121,28 @@ class HeldEntries:
 
     def __init__(self, holder: str) -> None:
         self.holder = holder
-        self.buckets: dict[int, dict[bytes, tuple[int, bytes, int]]] = {}  # bucket -> eid -> (kind, shard, code)
+        # bucket -> eid -> (kind, shard, code), and a key's version after them
+        self.buckets: dict[int, dict[bytes, tuple]] = {}
         self.where: dict[bytes, int] = {}  # eid -> its bucket
         self.digests: dict[int, int] = {}  # bucket -> count << 64 | xor
 
     def __len__(self) -> int:
         return len(self.where)
 
-    def put(self, kind: int, eid: bytes, shard: bytes, bucket: int, code: int) -> bool:
+    def put(self, kind: int, eid: bytes, shard: bytes, bucket: int, code: int, version: int = 0) -> bool:
         """Record (or change) an entry; False when it is already exactly so."""
         old_bucket = self.where.get(eid)
         if old_bucket is not None:
             old = self.buckets[old_bucket][eid]
-            if old[2] == code and old_bucket == bucket:
+            if old[2] == code and old_bucket == bucket and (old[3] if len(old) > 3 else 0) == version:
                 return False
             self._drop(old_bucket, eid, old)
         entries = self.buckets.get(bucket)
         if entries is None:
             entries = self.buckets[bucket] = {}
-        entries[eid] = (kind, shard, code)
+        entries[eid] = (kind, shard, code, version) if kind == KEY else (kind, shard, code)
         self.where[eid] = bucket
-        self.digests[bucket] = self.digests.get(bucket, 0) + _ONE ^ entry_hash(kind, eid, code)
+        self.digests[bucket] = self.digests.get(bucket, 0) + _ONE ^ entry_hash(kind, eid, code, version)
         return True
 
     def remove(self, eid: bytes) -> tuple[int, bytes, int, int] | None:
@@ -149,17 +154,24 @@ class HeldEntries:
         self._drop(bucket, eid, old, forget=False)
         return old[0], old[1], old[2], bucket
 
-    def get(self, eid: bytes) -> tuple[int, bytes, int] | None:
+    def get(self, eid: bytes) -> tuple | None:
+        """(kind, shard, code), a key's version after them; None when not held."""
         bucket = self.where.get(eid)
         return None if bucket is None else self.buckets[bucket][eid]
 
-    def _drop(self, bucket: int, eid: bytes, old: tuple[int, bytes, int], forget: bool = True) -> None:
+    def version_of(self, eid: bytes) -> int | None:
+        """A key's version here (0: unknown, recovered), or None when not held."""
+        got = self.get(eid)
+        return None if got is None else (got[3] if len(got) > 3 else 0)
+
+    def _drop(self, bucket: int, eid: bytes, old: tuple, forget: bool = True) -> None:
         entries = self.buckets[bucket]
         del entries[eid]
         if forget:
             del self.where[eid]
         if entries:
-            self.digests[bucket] = self.digests[bucket] - _ONE ^ entry_hash(old[0], eid, old[2])
+            self.digests[bucket] = self.digests[bucket] - _ONE ^ entry_hash(
+                old[0], eid, old[2], old[3] if len(old) > 3 else 0)
         else:
             del self.buckets[bucket]
             del self.digests[bucket]
@@ -262,7 +274,7 @@ class HeldEntries:
         return Changes(BLOCK, eids, shards, buckets, codes), unanchored
 
     def in_bucket(self, bucket: int) -> list[Entry]:
-        return [Entry(k, eid, shard, code) for eid, (k, shard, code) in self.buckets.get(bucket, {}).items()]
+        return [Entry(e[0], eid, e[1], e[2], *e[3:]) for eid, e in self.buckets.get(bucket, {}).items()]
 
     def digest(self, bucket: int) -> Digest:
         v = self.digests.get(bucket)

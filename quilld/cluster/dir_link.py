@@ -34,11 +34,11 @@ from typing import Any, Callable
 
 import msgpack
 
-from quilld.cluster.dir_entries import BLOCK, DROP, KEY, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
+from quilld.cluster.dir_entries import BLOCK, DROP, TIERS, block_shard, nbytes_of, scope_digest, tiers_of
 from quilld.cluster.breaker import PeerHealth
 from quilld.cluster.dir_lookup import LookupRun, union
 from quilld.cluster.hedged_lookup import drive
-from quilld.cluster.directory import BATCH, LOOKUP, Directory
+from quilld.cluster.directory import LOOKUP, Directory
 from quilld.cluster.peer_client import PeerError, PeerPool
 from quilld.errors import QuillError
 from quilld.index.residency import hash_key
@@ -115,6 +115,11 @@ class DirectoryLink:
         self.lookup_timeout = CALL_TIMEOUT  # seconds a lookup's call to one owner may take
         self.placements = 0  # changes placed so far (the server shell compares it around a batch)
         directory.key_changed = self._key_changed
+        directory.key_stale = self._key_stale
+        self.drop_copy: Callable[[bytes, bytes], Any] | None = None  # (tag, key): delete this node's copy
+        self.tombstone_s = 86_400.0  # cluster.tombstone_s
+        self._keeping: dict[bytes, int] = {}  # full key -> the version of the peer's copy about to be kept
+        self._dropping = False  # a stale copy is being deleted: no tombstone for it
         scopes.on_release.append(self._released)
 
     # -- scopes ------------------------------------------------------------------------
@@ -241,9 +246,28 @@ class DirectoryLink:
 
     # -- this node's own values and engines ------------------------------------------------
     def placed(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
+        """The value of `fk` was just written here: a new version, unless it is a peer's copy this
+        node keeps (`keep_as`), which keeps the version it was read at."""
+        version = self._keeping.pop(fk, None)
+        self._place(fk, tier, nbytes, bhash, self.d.hlc.now() if version is None else version)
+
+    def moved(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
+        """The same value of `fk` is now in `tier` (or was recovered at start: version 0, unknown)."""
+        self._place(fk, tier, nbytes, bhash, self.d.version_of(self.node_id, self.ctag(fk[:TAG_LEN]) + fk[TAG_LEN:])
+                    or 0)
+
+    def keep_as(self, fk: bytes, version: int | None) -> None:
+        """The next write of `fk` here is a copy of a peer's value at `version` (a pool read kept);
+        None: it was not written after all."""
+        if version is None:
+            self._keeping.pop(fk, None)
+        else:
+            self._keeping[fk] = version
+
+    def _place(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None, version: int) -> None:
         self.placements += 1
         ctag = self.ctag(fk[:TAG_LEN])
-        self.d.place_key(self.node_id, ctag + fk[TAG_LEN:], tier.value, nbytes)
+        self.d.place_key(self.node_id, ctag + fk[TAG_LEN:], tier.value, nbytes, version)
         if bhash is not None:
             h = hash_key(bhash)
             self.d.place_block(self.node_id, ctag, h, self.parents.pop(ctag + h, None), tier.value, exact=True)
@@ -256,6 +280,31 @@ class DirectoryLink:
         if bhash is not None:
             self.d.unplace_block(self.node_id, ctag, hash_key(bhash), None)
         self.kick()
+
+    def deleted(self, fk: bytes) -> None:
+        """A client deleted `fk` here (the keyspace's `deleted` hook): a tombstone, so that every
+        older copy anywhere goes too, and no node brings one back (`cluster.tombstone_s`)."""
+        if not self._dropping:
+            self.bury(fk[:TAG_LEN], fk[TAG_LEN:])
+
+    def bury(self, tag: bytes, key: bytes) -> None:
+        """A tombstone for `key` of scope `tag`, at a new version (DEL of a key only peers hold)."""
+        self.placements += 1
+        self.d.bury_key(self.node_id, self.ctag(tag) + key, self.d.hlc.now(), time.monotonic() + self.tombstone_s)
+        self.kick()
+
+    def _key_stale(self, eid: bytes) -> None:
+        """An owner found this node's copy of a key older than the key's newest version: dropped
+        (no tombstone: the newer version is someone else's write or delete)."""
+        tag = self._tags.get(eid[:8])
+        if tag is None or self.drop_copy is None:
+            return
+        self._dropping = True
+        try:
+            self.drop_copy(tag, eid[8:])
+        finally:
+            self._dropping = False
+        self.stats["stale_copies_dropped"] += 1
 
     def note_parent(self, tag: bytes, bhash: int | bytes, parent: int | bytes) -> None:
         """The block `bhash` about to be stored here follows `parent` in its chain."""
@@ -321,11 +370,18 @@ class DirectoryLink:
         answers, _trips = await self.lookup(items, counted=False)
         return [[(h, tiers(code)) for h, code in a[0]] for a in answers]
 
-    async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int]]]:
-        """For each key of scope `tag`: (holder, tiers, bytes) of every node the directory names."""
+    async def key_holders(self, tag: bytes, keys: list[bytes]) -> list[list[tuple[str, list[CacheTier], int, int]]]:
+        """For each key of scope `tag`: (holder, tiers, bytes, version) of every node the directory
+        names with the key's newest version (none when that is a delete)."""
         ctag = self.ctag(tag)
         answers, _ = await self.lookup([Directory.key_item(ctag + k) for k in keys])
-        return [[(h, tiers(code), nbytes_of(code)) for h, code in a] for a in answers]
+        observe = self.d.hlc.observe
+        out = []
+        for a in answers:
+            if a:
+                observe(a[0][2])  # a write after this read gets a later version
+            out.append([(h, tiers(code), nbytes_of(code), version) for h, code, version in a])
+        return out
 
     async def block_holders(self, tag: bytes, hashes: list) -> tuple[list[list[tuple[str, list[CacheTier]]]], int]:
         """For each block of a prompt (from its first): (holder, tiers) of every engine and node

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quilld.cluster.dir_entries import BLOCK, KEY, key_shard
+from quilld.cluster.dir_entries import BLOCK, KEY, TOMBSTONE, key_shard
 
 if TYPE_CHECKING:
     from quilld.cluster.directory import Directory
@@ -20,8 +20,8 @@ class LookupRun:
     an owner could not answer fully (it failed, or its bucket is filling) stays pending for the
     next, until one has or every owner in the view, and during a handoff every old owner still
     a member, has been asked: only then is an item absent. Each round asks owners not asked
-    before, so it ends. `answers()`: for a key [(holder, code)], for a segment
-    [[(holder, code)] per block]; `misses` counts the items left with no holder that an owner
+    before, so it ends. `answers()`: for a key [(holder, code, version)] of its newest
+    version (`newest`), for a segment [[(holder, code)] per block]; `misses` counts the items left with no holder that an owner
     answered fully, `unreachable` those no owner could answer (one at least failed)."""
 
     def __init__(self, d: Directory, items: list[tuple]) -> None:
@@ -112,6 +112,8 @@ class LookupRun:
         items, out = self.items, []
         for i, item in enumerate(items):
             answer = self._answers.get(i, [] if item[0] == KEY else [[] for _ in item[2]])
+            if item[0] == KEY and answer:
+                answer = newest(answer)
             out.append(answer)
             if not (any(answer) if item[0] == BLOCK else answer):
                 if i in self._full or i not in self._failed:
@@ -131,5 +133,17 @@ def merge(kind: int, a: Any, b: Any) -> Any:
 
 
 def union(a: list, b: list) -> list:
-    seen = {(h, c) for h, c in a}
-    return list(a) + [(h, c) for h, c in b if (h, c) not in seen]
+    """Two lists of holders (tuples, or lists off the wire), each holder once."""
+    seen = {tuple(x) for x in a}
+    return [tuple(x) for x in a] + [t for t in map(tuple, b) if t not in seen]
+
+
+def newest(holders: list) -> list:
+    """A key's holders as its owners answered, (holder, code, version) each: those of its newest
+    version, none when that is a delete (a tombstone wins a tie, and every owner and asker
+    decides the same)."""
+    top = max(h[2] for h in holders)
+    best = [tuple(h) for h in holders if h[2] == top]
+    if any(h[1] == TOMBSTONE for h in best):
+        return []
+    return best

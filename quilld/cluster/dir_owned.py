@@ -27,15 +27,23 @@ from collections.abc import Iterable, Iterator
 
 import xxhash
 
-from quilld.cluster.dir_entries import BLOCK, CTAG_LEN, KEY, NBYTES_BITS, Digest, Entry, entry_hash, key_shard
+from quilld.cluster.dir_entries import (BLOCK, CTAG_LEN, KEY, NBYTES_BITS, TOMBSTONE, Digest, Entry, entry_hash,
+                                        key_shard)
 
 _REC = 10  # a run's record: an 8-byte hash, its 16-bit short code (little-endian)
 _ONE = 1 << 64  # a digest: the count above the XOR of entry hashes
 _XOR = _ONE - 1
-_HOLDER_SHIFT = 48  # a key's stored value: holder number above the code
+_HOLDER_SHIFT = 48  # a key's stored value: its version above the holder number above the code
+_VERSION_SHIFT = 72
+_NO_MASK = (1 << (_VERSION_SHIFT - _HOLDER_SHIFT)) - 1
 _CODE_MASK = (1 << _HOLDER_SHIFT) - 1
 _record = struct.Struct("<8sH").pack
 _h3 = xxhash.xxh3_64_intdigest  # entry_hash, inline
+
+
+def _code_version(value: int) -> int:
+    """A stored key value's version and code, as one int (version << 48 | code)."""
+    return value >> _VERSION_SHIFT << _HOLDER_SHIFT | value & _CODE_MASK
 
 
 def _short(code: int) -> int:
@@ -76,6 +84,9 @@ class OwnedEntries:
         self.holders: list[str] = []
         self.holder_no: dict[str, int] = {}
         self.entries = 0  # (entry, holder) pairs held
+        # (holder, eid, newest version) of each key entry found older than its key's newest
+        # version (another holder wrote or deleted it since): the directory tells the holder
+        self.stale: list[tuple[str, bytes, int]] = []
 
     def _no(self, holder: str) -> int:
         no = self.holder_no.get(holder)
@@ -85,37 +96,57 @@ class OwnedEntries:
         return no
 
     # -- updates ---------------------------------------------------------------------
-    def put(self, holder: str, kind: int, eid: bytes, shard: bytes, bucket: int, code: int) -> None:
+    def put(self, holder: str, kind: int, eid: bytes, shard: bytes, bucket: int, code: int,
+            version: int = 0) -> None:
         no = self._no(holder)
-        old = self._put_key(no, bucket, eid, code) if kind == KEY else self._put_block(no, bucket, eid, shard, code)
-        if old == code:
+        if kind == KEY:
+            new = version << _HOLDER_SHIFT | code  # a key's code and version, as _put_key compares them
+            old = self._put_key(no, bucket, eid, code, version)
+            if old != new:
+                self._rehash(bucket, no, None if old is None else
+                             entry_hash(KEY, eid, old & _CODE_MASK, old >> _HOLDER_SHIFT),
+                             entry_hash(KEY, eid, code, version))
             return
+        old = self._put_block(no, bucket, eid, shard, code)
+        if old != code:
+            self._rehash(bucket, no, None if old is None else entry_hash(kind, eid, old), entry_hash(kind, eid, code))
+
+    def _rehash(self, bucket: int, no: int, old: int | None, new: int) -> None:
+        """One holder's bucket summary after an entry's hash went from `old` (None: a new entry) to `new`."""
         per = self._per(bucket, no)
         v = per[no]
         if old is not None:
-            v = v - _ONE ^ entry_hash(kind, eid, old)
+            v = v - _ONE ^ old
         else:
             self.entries += 1
-        per[no] = v + _ONE ^ entry_hash(kind, eid, code)
+        per[no] = v + _ONE ^ new
 
-    def _put_key(self, no: int, bucket: int, eid: bytes, code: int) -> int | None:
+    def _put_key(self, no: int, bucket: int, eid: bytes, code: int, version: int) -> int | None:
+        """Store holder `no`'s entry of a key; its old (version << 48 | code), or None. Holders of
+        an older version than the key's newest (not deletes) are listed in `stale`."""
         d = self.keys.get(bucket)
         if d is None:
             d = self.keys[bucket] = {}
-        new = no << _HOLDER_SHIFT | code
+        new = version << _VERSION_SHIFT | no << _HOLDER_SHIFT | code
         value = d.get(eid)
         if value is None:
             d[eid] = new
             return None
         if value.__class__ is int:
-            if value >> _HOLDER_SHIFT == no:  # type: ignore[operator]
+            if value >> _HOLDER_SHIFT & _NO_MASK == no:  # type: ignore[operator]
                 d[eid] = new
-                return value & _CODE_MASK  # type: ignore[operator]
-            d[eid] = (value, new)
-            return None
-        mine = [v for v in value if v >> _HOLDER_SHIFT == no]  # type: ignore[union-attr]
-        d[eid] = (*(v for v in value if v >> _HOLDER_SHIFT != no), new)  # type: ignore[union-attr]
-        return mine[0] & _CODE_MASK if mine else None
+                return _code_version(value)  # type: ignore[arg-type]
+            rest: tuple = (value,)
+            mine = None
+        else:
+            rest = tuple(v for v in value if v >> _HOLDER_SHIFT & _NO_MASK != no)  # type: ignore[union-attr]
+            mine = next((v for v in value if v >> _HOLDER_SHIFT & _NO_MASK == no), None)  # type: ignore[union-attr]
+        d[eid] = all_of = (*rest, new)
+        top = max(v >> _VERSION_SHIFT for v in all_of)
+        for v in all_of:
+            if v >> _VERSION_SHIFT < top and v & _CODE_MASK != TOMBSTONE:
+                self.stale.append((self.holders[v >> _HOLDER_SHIFT & _NO_MASK], eid, top))
+        return None if mine is None else _code_version(mine)
 
     def _put_block(self, no: int, bucket: int, eid: bytes, shard: bytes, code: int) -> int | None:
         segs = self.segs.get(bucket)
@@ -145,7 +176,8 @@ class OwnedEntries:
         return _long(old)
 
     def _change(self, holder: str, kind: int, eid: bytes, shard: bytes, b: int, code: int | None) -> None:
-        """One change entry by entry: put with its code, or removed when the code is None."""
+        """One change entry by entry: put with its code, or removed when the code is None (blocks:
+        keys, which have versions, travel as PUT items)."""
         if code is None:
             self.remove(holder, kind, eid, shard, b)
         else:
@@ -227,7 +259,8 @@ class OwnedEntries:
         if old is None:
             return False
         per = self.digests[bucket]
-        v = per[no] - _ONE ^ entry_hash(kind, eid, old)
+        v = per[no] - _ONE ^ (entry_hash(KEY, eid, old & _CODE_MASK, old >> _HOLDER_SHIFT) if kind == KEY else
+                              entry_hash(kind, eid, old))
         self.entries -= 1
         if v >> 64:
             per[no] = v
@@ -236,23 +269,24 @@ class OwnedEntries:
         return True
 
     def _remove_key(self, no: int, bucket: int, eid: bytes) -> int | None:
+        """Forget holder `no`'s entry of a key; its (version << 48 | code), or None."""
         d = self.keys.get(bucket)
         value = d.get(eid) if d is not None else None
         if value is None:
             return None
         if value.__class__ is int:
-            if value >> _HOLDER_SHIFT != no:  # type: ignore[operator]
+            if value >> _HOLDER_SHIFT & _NO_MASK != no:  # type: ignore[operator]
                 return None
             del d[eid]  # type: ignore[union-attr]
             if not d:
                 del self.keys[bucket]
-            return value & _CODE_MASK  # type: ignore[operator]
-        mine = [v for v in value if v >> _HOLDER_SHIFT == no]  # type: ignore[union-attr]
+            return _code_version(value)  # type: ignore[arg-type]
+        mine = [v for v in value if v >> _HOLDER_SHIFT & _NO_MASK == no]  # type: ignore[union-attr]
         if not mine:
             return None
-        rest = tuple(v for v in value if v >> _HOLDER_SHIFT != no)  # type: ignore[union-attr]
+        rest = tuple(v for v in value if v >> _HOLDER_SHIFT & _NO_MASK != no)  # type: ignore[union-attr]
         d[eid] = rest[0] if len(rest) == 1 else rest  # type: ignore[index]
-        return mine[0] & _CODE_MASK
+        return _code_version(mine[0])
 
     def _remove_block(self, no: int, bucket: int, eid: bytes, shard: bytes) -> int | None:
         segs = self.segs.get(bucket)
@@ -315,7 +349,7 @@ class OwnedEntries:
         """`holder`'s entries in `bucket` are exactly `entries` from now on."""
         self.drop_holder_in(holder, bucket)
         for e in entries:
-            self.put(holder, e.kind, e.eid, e.shard, bucket, e.code)
+            self.put(holder, e.kind, e.eid, e.shard, bucket, e.code, e.version)
 
     def drop_holder_in(self, holder: str, bucket: int) -> int:
         no = self.holder_no.get(holder)
@@ -326,10 +360,10 @@ class OwnedEntries:
         if d is not None:
             for eid, value in list(d.items()):
                 if value.__class__ is int:
-                    if value >> _HOLDER_SHIFT == no:  # type: ignore[operator]
+                    if value >> _HOLDER_SHIFT & _NO_MASK == no:  # type: ignore[operator]
                         del d[eid]
-                elif any(v >> _HOLDER_SHIFT == no for v in value):  # type: ignore[union-attr]
-                    rest = tuple(v for v in value if v >> _HOLDER_SHIFT != no)  # type: ignore[union-attr]
+                elif any(v >> _HOLDER_SHIFT & _NO_MASK == no for v in value):  # type: ignore[union-attr]
+                    rest = tuple(v for v in value if v >> _HOLDER_SHIFT & _NO_MASK != no)  # type: ignore[union-attr]
                     d[eid] = rest[0] if len(rest) == 1 else rest
             if not d:
                 del self.keys[bucket]
@@ -366,14 +400,17 @@ class OwnedEntries:
         return n
 
     # -- reads ---------------------------------------------------------------------
-    def _decode(self, value: int | tuple) -> list[tuple[str, int]]:
+    def _decode(self, value: int | tuple) -> list[tuple[str, int, int]]:
         holders = self.holders
         if value.__class__ is int:
-            return [(holders[value >> _HOLDER_SHIFT], value & _CODE_MASK)]  # type: ignore[operator]
-        return [(holders[v >> _HOLDER_SHIFT], v & _CODE_MASK) for v in value]  # type: ignore[union-attr]
+            return [(holders[value >> _HOLDER_SHIFT & _NO_MASK], value & _CODE_MASK,  # type: ignore[operator]
+                     value >> _VERSION_SHIFT)]  # type: ignore[operator]
+        return [(holders[v >> _HOLDER_SHIFT & _NO_MASK], v & _CODE_MASK, v >> _VERSION_SHIFT)
+                for v in value]  # type: ignore[union-attr]
 
-    def key_holders(self, bucket: int, eid: bytes) -> list[tuple[str, int]]:
-        """(holder, code) of each holder of a key."""
+    def key_holders(self, bucket: int, eid: bytes) -> list[tuple[str, int, int]]:
+        """(holder, code, version) of each holder of a key, deletes (code TOMBSTONE) among them:
+        the asker keeps the newest (`dir_lookup.newest`)."""
         d = self.keys.get(bucket)
         value = d.get(eid) if d is not None else None
         return [] if value is None else self._decode(value)
@@ -410,12 +447,13 @@ class OwnedEntries:
     def holders_in(self, bucket: int) -> list[str]:
         return [self.holders[no] for no in self.digests.get(bucket, {})]
 
-    def _bucket_entries(self, bucket: int, only: int | None = None) -> Iterator[tuple[str, int, bytes, bytes, int]]:
-        """(holder, kind, eid, shard, code) of every entry in `bucket` (of holder number `only`)."""
+    def _bucket_entries(self, bucket: int, only: int | None = None) -> Iterator[tuple]:
+        """(holder, kind, eid, shard, code), a key's version after them, of every entry in
+        `bucket` (of holder number `only`)."""
         for eid, value in list(self.keys.get(bucket, {}).items()):
-            for holder, code in self._decode(value):
+            for holder, code, version in self._decode(value):
                 if only is None or self.holder_no[holder] == only:
-                    yield holder, KEY, eid, key_shard(eid), code
+                    yield holder, KEY, eid, key_shard(eid), code, version
         for shard, runs in list(self.segs.get(bucket, {}).items()):
             ctag = shard[1:1 + CTAG_LEN]
             for key, run in list(runs.items()):
@@ -427,15 +465,15 @@ class OwnedEntries:
                     yield holder, BLOCK, ctag + part, shard, _long(c)
 
     def bucket_entries(self, bucket: int) -> list[tuple[str, Entry]]:
-        return [(h, Entry(k, eid, shard, code)) for h, k, eid, shard, code in self._bucket_entries(bucket)]
+        return [(e[0], Entry(*e[1:])) for e in self._bucket_entries(bucket)]
 
     def entries_of(self, holder: str) -> list[tuple[int, Entry]]:
         """Every (bucket, entry) of `holder` (an engine moving home): a scan of its buckets."""
         no = self.holder_no.get(holder)
         if no is None:
             return []
-        return [(bucket, Entry(k, eid, shard, code)) for bucket in self.holder_buckets(holder)
-                for h, k, eid, shard, code in self._bucket_entries(bucket, no)]
+        return [(bucket, Entry(*e[1:])) for bucket in self.holder_buckets(holder)
+                for e in self._bucket_entries(bucket, no)]
 
     def buckets(self) -> set[int]:
         return set(self.digests)

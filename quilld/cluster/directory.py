@@ -52,6 +52,7 @@ from __future__ import annotations
 import heapq
 import os
 import random
+import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,18 +61,20 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from quilld.cluster.dir_entries import (BLOCK, DROP, KEY, TIER_BIT, Changes, Entry, HeldEntries, block_shard,
-                                        code_of, key_shard)
+from quilld.cluster.dir_entries import (BLOCK, DROP, KEY, TIER_BIT, TOMBSTONE, Changes, Entry, HeldEntries,
+                                        block_shard, code_of, key_shard)
 from quilld.cluster.dir_owned import OwnedEntries
+from quilld.cluster.hlc import Hlc
 from quilld.cluster.ownership import Ownership
 
 # message kinds (first element of a request tuple)
-BATCH, LOOKUP, COPY, DUMP = "b", "l", "c", "h"
+BATCH, LOOKUP, COPY, DUMP, STALE = "b", "l", "c", "h", "x"
 # items of a batch (ITEMS: a run of one holder's changes as columns, `dir_entries.Changes`)
 PUT, DEL, CLEAR, SYNCED, DIGEST, BEGIN, ITEMS = "P", "R", "C", "E", "D", "S", "M"
 COPY_BUCKETS = 256  # buckets per COPY request
 SETTLE_FROM = 32  # views of more members than this wait `membership_settle_s` (bursts of joins at scale)
 SWEEP_ROUNDS = 8  # every this many anti-entropy rounds, a digest goes to every owner
+STALE_TRIES = 10  # times a stale-copy notice is sent to a holder that does not answer
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,9 @@ class LookupPlan:
 
 class Directory:
     def __init__(self, node_id: str, settings: DirectorySettings = DirectorySettings(),
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, wall: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
+        self.hlc = Hlc(node_id, wall)  # versions of this node's writes and deletes of keys
         self.s = settings
         self.rng = rng or random.Random()
         self.epoch = os.urandom(8).hex()
@@ -133,6 +137,10 @@ class Directory:
         self.departed: dict[str, float] = {}  # members that died or left -> when (their entries are dropped)
         self.stats: Counter[str] = Counter()
         self.key_changed: Callable[[bytes], None] | None = None  # told of each key an owner hears changed
+        # told of each key this node holds an older version of than the key's newest (an owner
+        # said so): the caller drops its copy, and its removal comes back as `remove_key`
+        self.key_stale: Callable[[bytes], None] | None = None
+        self._stale_out: dict[str, list[tuple[bytes, int]]] = {}  # holder-node -> notices to send
         self._pending: dict[str, float] | None = None  # a view waiting for the membership to settle
         self._pending_at = 0.0
         self._pending_since = 0.0
@@ -270,9 +278,22 @@ class Directory:
             held = self.authorities[holder] = HeldEntries(holder)
         return held
 
-    def place_key(self, holder: str, eid: bytes, tier: str, nbytes: int) -> None:
-        """`holder` has the key `eid` (ctag + key), now only in `tier`."""
-        self._put(holder, KEY, eid, key_shard(eid), code_of(TIER_BIT[tier], nbytes))
+    def place_key(self, holder: str, eid: bytes, tier: str, nbytes: int, version: int = 0) -> None:
+        """`holder` has the key `eid` (ctag + key) at `version`, now only in `tier`."""
+        self._put(holder, KEY, eid, key_shard(eid), code_of(TIER_BIT[tier], nbytes), version)
+
+    def bury_key(self, holder: str, eid: bytes, version: int, until: float) -> None:
+        """`holder` deleted the key `eid` at `version`: a tombstone, kept until `until` (this
+        directory's clock) so that an older copy anywhere, even on a node away meanwhile that
+        comes back with it, is dropped rather than found."""
+        self._put(holder, KEY, eid, key_shard(eid), TOMBSTONE, version)
+        self._timer(until, "tomb", (holder, eid, version))
+        self.stats["tombstones_placed"] += 1
+
+    def version_of(self, holder: str, eid: bytes) -> int | None:
+        """`holder`'s version of the key `eid` (0: recovered, unknown), None when it has none."""
+        held = self.authorities.get(holder)
+        return None if held is None else held.version_of(eid)
 
     def remove_key(self, holder: str, eid: bytes) -> None:
         self._remove(holder, eid)
@@ -331,17 +352,17 @@ class Directory:
                 taken += held.put(e.kind, e.eid, e.shard, bucket, e.code)
         return taken
 
-    def _put(self, holder: str, kind: int, eid: bytes, shard: bytes, code: int) -> None:
+    def _put(self, holder: str, kind: int, eid: bytes, shard: bytes, code: int, version: int = 0) -> None:
         held = self.add_authority(holder)
         bucket = self.bucket_of(shard)
-        if not held.put(kind, eid, shard, bucket, code):
+        if not held.put(kind, eid, shard, bucket, code, version):
             return
         self.stats["placements"] += 1
         for o in self.ownership.owners(bucket):
             if o == self.node_id:
-                self.owned.put(holder, kind, eid, shard, bucket, code)
+                self.owned.put(holder, kind, eid, shard, bucket, code, version)
             else:
-                self._enqueue(o, (PUT, holder, kind, eid, shard, code), bucket)
+                self._enqueue(o, (PUT, holder, kind, eid, shard, code, version), bucket)
 
     def _distribute(self, holder: str, changes: Changes) -> None:
         """Hand a run of `holder`'s changes (applied to its list already) to the owners of their
@@ -459,7 +480,7 @@ class Directory:
         ch.queue.append((CLEAR, holder, bucket))
         entries = held.in_bucket(bucket)
         for e in entries:
-            ch.queue.append((PUT, holder, e.kind, e.eid, e.shard, e.code))
+            ch.queue.append((PUT, holder, e.kind, e.eid, e.shard, e.code, e.version))
         if entries:
             ch.touched.setdefault(holder, set()).add(bucket)
         if ch.inflight is None:
@@ -490,11 +511,19 @@ class Directory:
         return t
 
     def poll(self, now: float) -> list[tuple[str, tuple]]:
-        """The requests to send now: batches on idle channels, copies, retries and digests due."""
+        """The requests to send now: batches on idle channels, copies, retries and digests due,
+        and notices of stale copies."""
         self._now = now
         if self._pending is not None and now >= self._pending_at:
             self.set_members(self._pending, now)
         out: list[tuple[str, tuple]] = []
+        if self.owned.stale:
+            self._note_stale()
+        for dest, notices in self._stale_out.items():
+            if dest in self.members:
+                out.append((dest, (STALE, notices, 1)))
+                self.stats["stale_notices_sent"] += len(notices)
+        self._stale_out = {}
         for source, buckets in self._copy_asks.items():
             for i in range(0, len(buckets), COPY_BUCKETS):
                 out.append((source, (COPY, buckets[i:i + COPY_BUCKETS])))
@@ -524,6 +553,17 @@ class Directory:
                         ch.sweep_at = now + SWEEP_ROUNDS * self.s.anti_entropy_s * (0.5 + self.rng.random())
                         self._ready.add(arg)  # never synced: a full sync tells it we hold nothing there
                     self._timer(now + self.s.anti_entropy_s * (0.5 + self.rng.random()), "digest", arg)
+            elif what == "tomb":
+                holder, eid, version = arg
+                held = self.authorities.get(holder)
+                got = held.get(eid) if held is not None else None
+                if got is not None and got[2] == TOMBSTONE and got[3] == version:  # not written since
+                    self._remove(holder, eid)
+                    self.stats["tombstones_expired"] += 1
+            elif what == "stale":
+                dest, notices, tries = arg
+                if dest in self.members:
+                    out.append((dest, (STALE, notices, tries)))
             elif what == "release":
                 self._strays.discard(arg)
                 if not self.ownership.is_owner(self.node_id, arg):
@@ -546,6 +586,26 @@ class Directory:
                 out.append((dest, ch.inflight))
                 self.stats["batches_sent"] += 1
         return out
+
+    def _note_stale(self) -> None:
+        """Owners' findings of older copies (`OwnedEntries.stale`): this node's own are dropped now,
+        other holder-nodes' are sent them (engines hold blocks, never keys)."""
+        found, self.owned.stale = self.owned.stale, []
+        for holder, eid, version in found:
+            if holder == self.node_id:
+                self._stale_here(eid, version)
+            elif holder in self.members:
+                self._stale_out.setdefault(holder, []).append((eid, version))
+
+    def _stale_here(self, eid: bytes, version: int) -> None:
+        """An owner says `eid`'s newest version is `version`: an older copy here is dropped."""
+        self.hlc.observe(version)
+        mine = self.authorities[self.node_id].get(eid)
+        if mine is None or mine[2] == TOMBSTONE or mine[3] >= version:
+            return
+        self.stats["stale_copies_dropped"] += 1
+        if self.key_stale is not None:
+            self.key_stale(eid)
 
     def _queue_digest(self, dest: str, ch: _Channel) -> None:
         theirs = self.owned_buckets(dest)
@@ -597,6 +657,8 @@ class Directory:
             for bucket, entries in reply[1]:
                 if bucket in self.filling:
                     self._fill(bucket, entries)
+        elif kind == STALE:
+            self.stats["stale_notices_answered"] += len(request[1])
 
     def on_failure(self, dest: str, request: tuple, now: float) -> None:
         if request[0] == BATCH:
@@ -617,15 +679,20 @@ class Directory:
                 else:
                     self._copy_asks.setdefault(source, []).append(b)
             self.stats["copy_failures"] += 1
+        elif request[0] == STALE:
+            _, notices, tries = request
+            if tries < STALE_TRIES and dest in self.members:
+                self._timer(now + self.s.retry_s, "stale", (dest, notices, tries + 1))
+            self.stats["stale_notice_failures"] += 1
 
     def _fill(self, bucket: int, entries: list) -> None:
         """An old owner's copy of a bucket we gained, taken for the holders not heard from since."""
         heard = self.filling.pop(bucket)
-        for holder, kind, eid, shard, code in entries:
+        for holder, kind, eid, shard, code, *version in entries:
             # not from holders that have spoken since, nor ourselves, nor nodes gone (the old owner
             # may not have applied their departure yet)
             if holder not in heard and holder != self.node_id and holder not in self.departed:
-                self.owned.put(holder, kind, eid, shard, bucket, code)
+                self.owned.put(holder, kind, eid, shard, bucket, code, *version)
         self.stats["buckets_copied"] += 1
 
     # -- requests from peers ------------------------------------------------------------
@@ -640,6 +707,10 @@ class Directory:
             return ("r", [(b, [(h, *e) for h, e in self.owned.bucket_entries(b)]) for b in msg[1]])
         if kind == DUMP:
             return ("r", [(b, tuple(e)) for b, e in self.owned.entries_of(msg[1])])
+        if kind == STALE:
+            for eid, version in msg[1]:
+                self._stale_here(eid, version)
+            return ("ok", [])
         raise ValueError(f"unknown directory message {kind!r}")
 
     def _apply_batch(self, src: str, msg: tuple, now: float) -> tuple:
@@ -661,9 +732,11 @@ class Directory:
         for item in items:
             op = item[0]
             if op == PUT:
-                _, holder, k, eid, shard, code = item
+                _, holder, k, eid, shard, code, *version = item  # a key's version last
                 b = bucket_of(shard)
-                owned.put(holder, k, eid, shard, b, code)
+                owned.put(holder, k, eid, shard, b, code, *version)
+                if version:
+                    self.hlc.observe(version[0])
                 if k == KEY and self.key_changed is not None:
                     self.key_changed(eid)
                 if b in filling:

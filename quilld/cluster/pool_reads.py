@@ -58,12 +58,12 @@ class PoolReads:
         self.observe_fetch: Callable[[float], None] = lambda seconds: None
 
     # -- whom to ask --------------------------------------------------------------------
-    def _holders(self, places: list[tuple[str, list[CacheTier], int]]) -> list[tuple[str, int]]:
-        """Peers to read from, DRAM copies first: (peer, bytes)."""
-        out = [(h, nbytes, CacheTier.DRAM in tiers) for h, tiers, nbytes in places
+    def _holders(self, places: list[tuple[str, list[CacheTier], int, int]]) -> list[tuple[str, int, int]]:
+        """Peers to read from, DRAM copies first: (peer, bytes, version)."""
+        out = [(h, nbytes, version, CacheTier.DRAM in tiers) for h, tiers, nbytes, version in places
                if h != self.node_id and h in self.addresses]
-        out.sort(key=lambda p: not p[2])
-        return [(h, n) for h, n, _ in out]
+        out.sort(key=lambda p: not p[3])
+        return [(h, n, v) for h, n, v, _ in out]
 
     # -- one key ------------------------------------------------------------------------
     async def fetch(self, scope: IdentityScope, tag: bytes, key: bytes) -> Any:
@@ -72,10 +72,10 @@ class PoolReads:
         (places,) = await self.link.key_holders(tag, [key])
         return await self._from_holders(scope, tag, key, self._holders(places), strict=True)
 
-    async def _from_holders(self, scope: IdentityScope, tag: bytes, key: bytes, holders: list[tuple[str, int]],
+    async def _from_holders(self, scope: IdentityScope, tag: bytes, key: bytes, holders: list[tuple[str, int, int]],
                             strict: bool) -> Any:
         last: QuillError | None = None
-        for peer, _nbytes in holders:
+        for peer, _nbytes, version in holders:
             try:
                 got = await self._fetch_from(peer, scope, key)
             except QuillError as e:
@@ -83,7 +83,7 @@ class PoolReads:
                 self.stats["pool_read_ask_failures"] += 1
                 continue
             if got is not None:
-                return self._deliver(tag, key, *got)
+                return self._deliver(tag, key, *got, version)
         if last is not None and strict:
             raise PeerError(f"no peer could serve the block: {last.message}")
         if last is not None:
@@ -157,9 +157,12 @@ class PoolReads:
                 self.stats["pool_keep_skipped"] += 1
             return None
 
-    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | bytes | None, expires: int) -> bytes | Pinned:
+    def _deliver(self, tag: bytes, key: bytes, block: Any, buf: bytearray | bytes | None, expires: int,
+                 version: int) -> bytes | Pinned:
         """Answer with what was fetched; with keep_fetched, keep it too, expiring when the holder's does
-        (a peer's expiry is range-checked here, the one way it enters this node's keyspace)."""
+        (a peer's expiry is range-checked here, the one way it enters this node's keyspace), at the
+        version the directory named it with (the holder's value may be newer by now: then an owner
+        finds the kept copy older than the newest and it is dropped, never the reverse)."""
         store = self.keyspace
         value = bytes(buf or b"") if block is None else block
         if expires > MAX_DEADLINE_MS or expires < -1:  # not a 64-bit unix time: answered, never kept
@@ -169,9 +172,11 @@ class PoolReads:
             return value if block is None else Pinned(store.view(block), lambda: store.discard(block))
         if block is None and len(value) > store.inline_max:  # no room was free for it: answered only
             return value
+        self.link.keep_as(tag + key, version)
         try:
             store.publish(tag, key, value)
         except OutOfMemory:  # an inline value DRAM has no room for now: answered, not kept
+            self.link.keep_as(tag + key, None)  # nothing was placed
             self.stats["pool_keep_skipped"] += 1
             return value
         self.stats["pool_kept"] += 1
@@ -201,7 +206,7 @@ class PoolReads:
         for i, hs in enumerate(holders):
             if not hs:
                 continue
-            peer, nbytes = hs[0]
+            peer, nbytes, _version = hs[0]
             if nbytes <= BATCH_VALUE_BYTES:
                 small.setdefault(peer, []).append(i)
             else:
@@ -215,7 +220,8 @@ class PoolReads:
             return out
         retry: list[int] = []
         batches = [(peer, idx[j:j + BATCH_KEYS]) for peer, idx in small.items() for j in range(0, len(idx), BATCH_KEYS)]
-        results = await asyncio.gather(*(self._batch(scope, tag, peer, [keys[i] for i in idx]) for peer, idx in batches),
+        results = await asyncio.gather(*(self._batch(scope, tag, peer, [keys[i] for i in idx],
+                                                     [holders[i][0][2] for i in idx]) for peer, idx in batches),
                                        return_exceptions=True)
         for (peer, idx), got in zip(batches, results):
             if isinstance(got, BaseException):
@@ -240,15 +246,16 @@ class PoolReads:
         self.stats["pool_read_hits"] += hits
         return out
 
-    async def _batch(self, scope: IdentityScope, tag: bytes, peer: str, keys: list[bytes]) -> list:
-        """Small values of `keys` from `peer` in one PEERMGET, verified; a key it lacks is None."""
+    async def _batch(self, scope: IdentityScope, tag: bytes, peer: str, keys: list[bytes], versions: list[int]) -> list:
+        """Small values of `keys` (named by the directory at `versions`) from `peer` in one PEERMGET,
+        verified; a key it lacks is None."""
         addr = self.addresses.get(peer)
         if addr is None:
             raise PeerError(f"{peer} has no address")
         reply = await self.transfers.fetch_many(peer, addr, scope, keys, ASK_TIMEOUT)
         self.stats["pool_read_batches"] += 1
         out = []
-        for key, item in zip(keys, reply):
+        for key, version, item in zip(keys, versions, reply):
             if item is None:
                 self.stats["peer_fetch_stale"] += 1
                 out.append(None)
@@ -264,9 +271,9 @@ class PoolReads:
             if block is not None:  # larger than the directory said: into the arena, if there is room
                 self.keyspace.write_view(block)[:] = value
                 block.crc = crc
-                out.append(self._deliver(tag, key, block, None, expires))
+                out.append(self._deliver(tag, key, block, None, expires, version))
             else:
-                out.append(self._deliver(tag, key, None, value, expires))
+                out.append(self._deliver(tag, key, None, value, expires, version))
         return out
 
     async def pool_has_many(self, tag: bytes, keys: list[bytes]) -> list[bool]:
@@ -282,4 +289,4 @@ class PoolReads:
         """LOCATE: every other node holding each key, with its tier and bytes."""
         places = await self.link.key_holders(tag, keys)
         live = self.addresses  # peers alive now (a dead one's entries may still be on their way out)
-        return [[(h, t, n) for h, tiers, n in p if h in live for t in tiers] for p in places]
+        return [[(h, t, n) for h, tiers, n, _v in p if h in live for t in tiers] for p in places]

@@ -27,12 +27,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from quilld.cluster.dir_entries import BLOCK, KEY, key_shard, scope_digest
+from quilld.cluster.dir_entries import KEY, scope_digest
 from quilld.cluster.dir_owned import OwnedEntries, run_items
 from quilld.cluster.dir_lookup import LookupRun
-from quilld.cluster.directory import BATCH, COPY, LOOKUP, Directory, DirectorySettings
+from quilld.cluster.directory import BATCH, LOOKUP, Directory, DirectorySettings
 from quilld.cluster.swim import EventKind, Swim
-from quilld.cluster.wire import State
 
 SWIM_DEFAULTS = dict(probe_interval=0.5, probe_timeout=0.2, indirect_probes=3, suspicion_mult=4,
                      push_pull_interval=10.0)
@@ -322,7 +321,7 @@ class Simulation:
         for n in self.live():
             for holder, held in n.directory.authorities.items():
                 for bucket, entries in held.buckets.items():
-                    for eid, (kind, shard, _code) in entries.items():
+                    for eid, (kind, shard, *_code) in entries.items():
                         out.append((holder, kind, eid, shard))
         return out
 
@@ -341,7 +340,7 @@ class Simulation:
                     got = owned.key_holders(b, eid)
                 else:
                     got = owned.segment(b, shard, [eid[8:]])[0]
-                found += any(h == holder for h, _ in got)
+                found += any(h[0] == holder for h in got)
             if not found:
                 none += 1
             elif found < len(owners):
@@ -352,19 +351,19 @@ class Simulation:
         """Entries an owner keeps, in a bucket it owns, that their holder does not have (or has
         otherwise): what a lost removal would leave behind. A holder that is not live (an engine
         whose home died and was not re-homed) is left out."""
-        truth: dict[tuple[str, bytes], int] = {}
+        truth: dict[tuple[str, bytes], tuple[int, int]] = {}
         for n in self.live():
             for holder, held in n.directory.authorities.items():
                 for entries in held.buckets.values():
-                    for eid, (_kind, _shard, code) in entries.items():
-                        truth[(holder, eid)] = code
+                    for eid, (_kind, _shard, code, *version) in entries.items():
+                        truth[(holder, eid)] = (code, *version) if version else (code, 0)
         holders = {h for h, _ in truth} | {n.node_id for n in self.live()}
         bad = 0
         for n in self.live():
             d = n.directory
             for b in d.owned_buckets(n.node_id):
                 for holder, e in d.owned.bucket_entries(b):
-                    if holder in holders and truth.get((holder, e.eid)) != e.code:
+                    if holder in holders and truth.get((holder, e.eid)) != (e.code, e.version):
                         bad += 1
         return bad
 

@@ -26,16 +26,24 @@ class ResidencyFeed:
         self.log: Any = None  # the cluster's directory (cluster/dir_link.py) once the node is in a cluster
 
     def placed(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
-        """The value of `fk` is now (only) in `tier` of this node."""
-        tag = fk[:TAG_LEN]
+        """The value of `fk` is now (only) in `tier` of this node: just written."""
+        self._credit(fk, tier, bhash)
+        if self.log is not None:
+            self.log.placed(fk, tier, nbytes, bhash)
+
+    def moved(self, fk: bytes, tier: CacheTier, nbytes: int, bhash: int | bytes | None) -> None:
+        """The same value of `fk` is now (only) in `tier` (a demotion, a promotion, a recovery)."""
+        self._credit(fk, tier, bhash)
+        if self.log is not None:
+            self.log.moved(fk, tier, nbytes, bhash)
+
+    def _credit(self, fk: bytes, tier: CacheTier, bhash: int | bytes | None) -> None:
         if bhash is not None:
-            index, holder = self.index, self.holder
+            tag, index, holder = fk[:TAG_LEN], self.index, self.holder
             for other in _LOCAL:
                 if other is not tier:
                     index.remove(tag, bhash, holder, other)
             index.put(tag, bhash, holder, tier)
-        if self.log is not None:
-            self.log.placed(fk, tier, nbytes, bhash)
 
     def removed(self, fk: bytes, bhash: int | bytes | None) -> None:
         """The value of `fk` is gone from this node."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import crc32c
 
@@ -126,7 +126,12 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # are "tracked": the listener hears where each one is placed and when it goes, so the
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
-        self.listener: Any = None  # placed(fk, tier, nbytes, bhash) / removed(fk, bhash)
+        # placed(fk, tier, nbytes, bhash): written; moved(...): the same value now in another tier
+        # (or recovered at start); removed(fk, bhash): gone from this node, for whatever reason
+        self.listener: Any = None
+        # called with a key's full name once a client deleted it (DEL, UNLINK, GETDEL, a flush,
+        # renamed away): not for an expiry or an eviction. The cluster records the delete
+        self.deleted: Callable[[bytes], None] | None = None
         self.track_all = False  # in a cluster every value is tracked: the directory places them all
         # called with a key's full name once it has changed: written, deleted, expired, evicted, its
         # TTL set or removed (never for a move between tiers); WATCH and CLIENT TRACKING set it while in use
@@ -511,11 +516,15 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             if fk in self.lower:
                 self._unlink(fk)
                 self.unsynced = True
+                if self.deleted is not None:
+                    self.deleted(fk)
                 return True
             return False
         expired = self.expires and fk in self.expires and self.expires[fk] <= now_ms()
         if self._unlink(fk):
             self.unsynced = True
+        if self.deleted is not None and not expired:
+            self.deleted(fk)
         return not expired
 
     def flush_scope(self, tag: bytes) -> int:
@@ -524,6 +533,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         for fk in doomed:
             if self._unlink(fk):
                 self.unsynced = True
+            if self.deleted is not None:
+                self.deleted(fk)
         return len(doomed)
 
     def take_unsynced(self):
@@ -535,6 +546,15 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             return None
         self.unsynced = False
         return self.lower_tier.synced()
+
+    def track_everything(self) -> None:
+        """Track every value from now on, and every value already here (small ones recovered from
+        the lower tier at start among them): a node joining a cluster places them all."""
+        self.track_all = True
+        tracked = self.tracked
+        for fk in (*self.data, *self.lower):
+            if fk not in tracked:
+                tracked[fk] = None
 
     def tracked_values(self):
         """(full key, tier, bytes, block hash) of every tracked value, for replication snapshots."""

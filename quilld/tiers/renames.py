@@ -55,6 +55,8 @@ class Renames:
         if fk in self.labels:  # and its label
             self.labels[nk] = self.labels[fk]
         self._removed(fk)
+        if self.deleted is not None:  # the old name is gone as by a DEL
+            self.deleted(fk)
         if self.touched is not None:
             self.touched(nk)
         if at is not None:

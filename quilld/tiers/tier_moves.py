@@ -42,7 +42,7 @@ class TierMoves:
             if self.on_free is not None:
                 self.on_free()
             if self.listener is not None and fk in self.tracked:
-                self.listener.placed(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
+                self.listener.moved(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
             return
         value.lower = None
         self.block_count -= 1
@@ -50,7 +50,7 @@ class TierMoves:
         if self.listener is not None:
             if fk not in self.tracked:
                 self.tracked[fk] = None
-            self.listener.placed(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
+            self.listener.moved(fk, self.lower_tier.tier, entry.length, self.tracked[fk])
 
     def promoted(self, fk: bytes, value: bytes | Block, entry: Any) -> None:
         """A read brought `entry` back into DRAM as `value` (a reserved block holding its bytes,
@@ -74,7 +74,7 @@ class TierMoves:
             if self.lookup_table is not None:
                 self.lookup_table.add(fk, value)
         if self.listener is not None and fk in self.tracked:
-            self.listener.placed(fk, CacheTier.DRAM, len(value), self.tracked[fk])
+            self.listener.moved(fk, CacheTier.DRAM, len(value), self.tracked[fk])
 
     def adopt(self, fk: bytes, entry: Any) -> None:
         """A value found in the lower tier at start (recovery) joins the keyspace, with its TTL.
@@ -85,7 +85,7 @@ class TierMoves:
             self.ttls.set(fk, entry.expire)
         if self.listener is not None and entry.length > self.inline_max:
             self.tracked[fk] = None
-            self.listener.placed(fk, self.lower_tier.tier, entry.length, None)
+            self.listener.moved(fk, self.lower_tier.tier, entry.length, None)
 
     def below_only(self, tag: bytes, key: bytes) -> bool:
         """Whether `key`'s only copy is in the tier below DRAM (see `bring_back`)."""

@@ -44,15 +44,6 @@ class Cluster:
             stop_process(q.proc)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
 def until(predicate, timeout: float, what: str):
     """Poll until `predicate` holds; fail naming `what` when `timeout` passes first."""
     value = wait_until(predicate, timeout=timeout, interval=0.05)

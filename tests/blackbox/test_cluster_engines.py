@@ -14,21 +14,12 @@ import time
 import pytest
 
 from conftest import http, wait_until
-from test_cluster import DEAD_BOUND, Cluster, members, three, until
+from test_cluster import DEAD_BOUND, members, three, until
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL, TOKENIZER = "meta-llama/Llama-3.1-8B", "llama3"
 SETTLE = 15.0  # gossip, a table pull, the directory's owners: a bound on a loaded machine
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 def admin(cluster, node: str, method: str, path: str, body=None) -> tuple[int, object]:

@@ -507,7 +507,10 @@ def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setu
     stats = setup.gw_stats()
     assert stats["gateway_handoff_on_time"] == 3 and stats["gateway_handoff_missing"] == 0, stats
 
-    # ROUTE's pool credit, for blocks only the pool holds (no engine's record of them): stored on b alone
+    # ROUTE's pool credit, for blocks only the pool holds (no engine's record of them): stored on b alone;
+    # b learns of d1 (registered on a) through the engine table's gossip
+    assert wait_until(lambda: len(json.loads(http(setup.nodes["b"].admin_port, "GET", "/v1/engines", None, {})[2])
+                                  ["engines"]) == 2, timeout=10), "b did not learn of both engines"
     pool = QuillClient("127.0.0.1", setup.nodes["b"].port).scope(model="m", tokenizer="t")
     for n in (10, 33, 70):
         hashes = chunk_hashes(prompt(n, "route"), 256)
@@ -518,7 +521,7 @@ def test_blocks_stored_with_hash_and_no_parent_are_all_counted_in_a_cluster(setu
             status, _, body = http(setup.nodes[node].admin_port, "POST", "/v1/route",
                                    json.dumps({"model": "m", "tokenizer": "t", "blocks": hashes,
                                                "decode_tokens": 4}).encode(), {"Content-Type": "application/json"})
-            assert status == 200, body
+            assert status == 200, (node, body)
             plan = [s["action"] for s in json.loads(body)["plan"]]
             assert plan == ["fetch"] * n, (n, node, plan)
 

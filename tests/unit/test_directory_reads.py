@@ -68,7 +68,7 @@ def test_two_of_three_owners_down_the_third_answers_and_no_key_reads_absent():
     assert len(asked) >= 20 and first_two_down, (len(asked), len(first_two_down))
     a.down = {"b", "c"}
     answers, _ = asyncio.run(a.lookup([Directory.key_item(eid) for eid in asked]))
-    absent = [eid for eid, holders in zip(asked, answers) if [h for h, _ in holders] != ["e"]]
+    absent = [eid for eid, holders in zip(asked, answers) if [h[0] for h in holders] != ["e"]]
     assert absent == [], f"{len(absent)} of {len(asked)} keys read absent while d, their third owner, had them"
     assert a.stats["lookup_misses"] == 0 and a.stats["lookup_misses_unreachable"] == 0
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
 from quilld.protocol.resp import _parse_len as _strict_int
@@ -80,6 +78,19 @@ def pool_exists(c, found: int, missing: list):
     async def count():
         held = await cluster.pool_has_many(c.tag, [bytes(k) for k in missing])
         return found + sum(held)
+
+    return Pending(count())
+
+
+def pool_delete(c, found: int, missing: list):
+    """DEL's count when some keys missed locally on a node in a cluster: those a peer holds are
+    deleted there too (a tombstone each) and counted, unless cluster.pool_reads is off."""
+    cluster = c.ctx.cluster
+    if not (cluster.pool_reads and cluster.addresses):
+        return found
+
+    async def count():
+        return found + await cluster.pool_delete(c.tag, [bytes(k) for k in missing])
 
     return Pending(count())
 

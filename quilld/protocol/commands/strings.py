@@ -7,7 +7,7 @@ from __future__ import annotations
 from quilld.errors import CommandError
 from quilld.model import Pending, Pinned
 from quilld.protocol.commands.common import (
-    RAW, acked, float_encoding, parse_int, pool_exists, pool_get, pool_mget, settle,
+    RAW, acked, float_encoding, parse_int, pool_delete, pool_exists, pool_get, pool_mget, settle,
 )
 from quilld.protocol.commands.lcs import LcsTable
 from quilld.protocol.commands.longdouble import (
@@ -129,8 +129,12 @@ def cmd_exists(c, args):
 
 def cmd_del(c, args):
     store, tag = c.keyspace, c.tag
-    n = sum(1 for k in args[1:] if store.delete(tag, k))
-    return acked(store, n) if store.unsynced else n
+    if c.ctx.cluster is None:
+        n = sum(1 for k in args[1:] if store.delete(tag, k))
+        return acked(store, n) if store.unsynced else n
+    missing = [k for k in args[1:] if not store.delete(tag, k)]  # a cluster: peers may hold the rest
+    reply = pool_delete(c, len(args) - 1 - len(missing), missing) if missing else len(args) - 1
+    return acked(store, reply) if store.unsynced else reply
 
 
 def cmd_strlen(c, args):
