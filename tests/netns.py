@@ -59,6 +59,7 @@ LINK_PREFIX = "qt"  # the caller's end of the veth into the bridge: qt<run> (int
 RUN_DIR = Path("/run/quilltest-netns")  # <run>.lock held by each live run; alloc.lock: choosing a subnet
 # 10.77.0.0/16 first, then the benchmarking range (RFC 2544): private, and never routed to the internet
 SUBNETS = [f"10.77.{i}.0/24" for i in range(256)] + [f"198.18.{i}.0/24" for i in range(256)]
+NOBODY_MAC = "02:00:00:00:00:00"  # locally administered, on no interface: partition() sends frames to it
 CALLER_HOST = 254  # the caller's address in the subnet: .254; hosts get .1, .2, ...
 IP_TIMEOUT = 30.0  # one `ip` invocation
 STOP_TIMEOUT = 10.0  # SIGTERM to SIGKILL
@@ -270,6 +271,7 @@ class Topology:
     subnet: ipaddress.IPv4Network | None = None
     _lock_fd: int = -1
     _spaces: list[str] = field(default_factory=list)  # every namespace made, the switch first
+    _pinned: dict[str, set[str]] = field(default_factory=dict)  # partition(): netns -> addresses pinned
 
     def __post_init__(self) -> None:
         require_netns(probe=False)  # root and `ip`: said before anything is touched
@@ -353,6 +355,25 @@ class Topology:
     def mend(self, host: Host) -> None:
         """Plug `host` back in."""
         ip("-n", self.switch, "link", "set", f"p{host.index}", "up")
+
+    def partition(self, *sides: Sequence[Host]) -> None:
+        """Split the hosts into `sides` that cannot reach one another (each still reaches its own
+        side, and this process reaches every host): silently, as a switch failure does, with no
+        reset and no "unreachable". Each host's neighbour entry for every host of another side is
+        pinned to a MAC nobody has, so its frames are flooded and dropped by every receiver.
+        Undone by `heal`."""
+        for side in sides:
+            others = [h for other in sides if other is not side for h in other]
+            for host in side:
+                ip("-n", host.netns, "-batch", "-", stdin="".join(
+                    f"neigh replace {h.addr} lladdr {NOBODY_MAC} dev eth0 nud permanent\n" for h in others))
+                self._pinned.setdefault(host.netns, set()).update(h.addr for h in others)
+
+    def heal(self) -> None:
+        """Undo every `partition`: the pinned neighbour entries go, and ARP finds the hosts again."""
+        for netns, addrs in self._pinned.items():
+            ip("-n", netns, "-batch", "-", stdin="".join(f"neigh del {a} dev eth0\n" for a in sorted(addrs)))
+        self._pinned.clear()
 
     # -- running ----------------------------------------------------------------------------------
 

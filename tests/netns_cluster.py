@@ -151,7 +151,7 @@ class NetnsCluster:
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
         log_path = self.workdir / f"{node_id}.log"
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab") as log:
             proc = self.topo.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         return Node(node_id, host, proc, log_path)
 
@@ -172,6 +172,23 @@ class NetnsCluster:
                 raise RuntimeError(f"quilld {node.node_id} on {node.addr} did not start ({e}):\n"
                                    f"{node.log()[-3000:]}") from None
         return new
+
+    def restart(self, node_id: str, timeout: float = START_TIMEOUT) -> Node:
+        """Start a node that was killed again, on its own host with its own name and the same
+        seed (from this thread: see netns.popen); returns once it serves."""
+        old = self.nodes[node_id]
+        if old.alive:
+            raise RuntimeError(f"{node_id} is still running")
+        seed = next((n for n in self.nodes.values() if n.alive), None)
+        node = self._spawn(old.host, seed)
+        self.nodes[node_id] = node
+        deadline = time.monotonic() + timeout
+        try:
+            wait_listening(node.proc, (RESP_PORT, ADMIN_PORT), timeout)
+            wait_serving(node.proc, node.log_path, max(0.0, deadline - time.monotonic()))
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"quilld {node_id} did not start again ({e}):\n{node.log()[-3000:]}") from None
+        return node
 
     def views(self) -> dict[str, dict[str, str] | str]:
         """Every live node's NODES ({id: state}), or the error asking it gave."""
