@@ -15,7 +15,8 @@ every entry of every live holder is checked at every one of its owners.
 Directory bytes: the simulated nodes hold a few hundred entries each, so their
 buckets are nearly empty and per-bucket overhead dominates the measured bytes
 per node. The projection to 1M blocks per node uses the bytes per entry of an
-owner's store filled as on a large pool (`dense_entry_bytes`), beside today's
+owner's store filled as on a large pool (`dense_entry_bytes`), plus the holder side (the node's
+own list of its 1M entries, `HeldEntries`, which it resends to new owners), beside today's
 design (every node follows every node's log) measured the same way: one node
 holding every entry in the `ResidencyIndex` it used.
 """
@@ -59,12 +60,14 @@ def main() -> None:
         summary.append((n, by, dense, time.time() - t0))
 
     print("\n== summary ==")
-    print("nodes | owned B/entry (dense) | today B/entry | per node at 1M blocks/node: sharded | today | ratio")
+    print("nodes | owned B/entry (dense) | held B/entry | today B/entry | per node at 1M blocks/node: "
+          "sharded (owned + held) | today | ratio")
     for n, by, dense, _ in summary:
-        mine = min(r, n) * BLOCKS_PER_NODE * dense["bytes_per_entry"]
+        mine = sharded_bytes(n, r, dense)
         today = n * BLOCKS_PER_NODE * dense["today_bytes_per_entry"]
-        print(f"{n:5d} | {dense['bytes_per_entry']:8.1f} | {dense['today_bytes_per_entry']:8.1f} | "
-              f"{mine / 2**20:10.0f} MiB | {today / 2**30:8.1f} GiB | {today / mine:7.1f}x")
+        print(f"{n:5d} | {dense['bytes_per_entry']:8.1f} | {dense['held_bytes_per_entry']:8.1f} | "
+              f"{dense['today_bytes_per_entry']:8.1f} | {mine / 2**20:10.0f} MiB | {today / 2**30:8.1f} GiB | "
+              f"{today / mine:7.1f}x")
     print("\nnodes | entry msgs/placement (today N-1) | ROUTE32 owner RTs p50/p99 | key RTs p99 | "
           "crash 5%: views / dir after views / lost | join 10%: views / dir / lost | rolling restart max wave | 1% loss")
     for n, by, dense, secs in summary:
@@ -83,11 +86,17 @@ def main() -> None:
         plot(args.plot, [(n, dense, by) for n, by, dense, _ in summary], r)
 
 
+def sharded_bytes(n: int, replicas: int, dense: dict) -> float:
+    """A node's directory bytes at BLOCKS_PER_NODE blocks per node: the owner side (its share of
+    every node's entries, `replicas` copies in all) and the holder side (its own entries' list)."""
+    return BLOCKS_PER_NODE * (min(replicas, n) * dense["bytes_per_entry"] + dense["held_bytes_per_entry"])
+
+
 def plot(path: str, rows: list[tuple[int, dict, dict]], replicas: int) -> None:
     """Per simulated size: directory bytes per node at 1M blocks per node (sharded against full
     replication), messages per placement (against N - 1), and the convergence times."""
     sizes = [f"{n} nodes" for n, _, _ in rows]
-    mine = [min(replicas, n) * BLOCKS_PER_NODE * d["bytes_per_entry"] / 2**30 for n, d, _ in rows]
+    mine = [sharded_bytes(n, replicas, d) / 2**30 for n, d, _ in rows]
     today = [n * BLOCKS_PER_NODE * d["today_bytes_per_entry"] / 2**30 for n, d, _ in rows]
     msgs = [by["placement"]["entry_messages_per_placement"] for _, _, by in rows]
     crash = [by["crash 5%"]["all_views_without_them_s"] for _, _, by in rows]

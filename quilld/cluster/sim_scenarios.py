@@ -23,7 +23,7 @@ from typing import Any
 
 from quilld.cluster import ownership
 from quilld.cluster.directory import Directory, DirectorySettings
-from quilld.cluster.simulation import CTAG, Simulation, chain, owned_bytes
+from quilld.cluster.simulation import CTAG, Simulation, chain, held_bytes, owned_bytes
 from quilld.index.residency import ResidencyIndex
 from quilld.scopes import ScopeRegistry
 
@@ -267,4 +267,27 @@ def dense_entry_bytes(nodes: int, entries: int = 200_000, replicas: int = 3, buc
             today.put(tag, eid[8:], holder, "dram")
             n += 1
     return {"entries": n, "buckets_owned": len(mine), "bytes_per_entry": owned_bytes(store) / n,
-            "today_bytes_per_entry": _index_bytes(today) / n}
+            "today_bytes_per_entry": _index_bytes(today) / n,
+            "held_bytes_per_entry": _held_entry_bytes(own, entries, block_share, rng)}
+
+
+def _held_entry_bytes(own: ownership.Ownership, entries: int, block_share: float, rng: random.Random) -> float:
+    """Bytes per entry of a holder's own list (HeldEntries), filled as the directory fills it:
+    `entries` of one node's blocks in chains of 1 to 32 (one batch of stores per chain, each
+    block's parent the one before) and keys, every bucket of the cluster."""
+    from quilld.cluster.dir_entries import KEY, HeldEntries, code_of, key_shard
+
+    held = HeldEntries("n0000")
+    n = 0
+    while n < entries:
+        if rng.random() < block_share:
+            length = rng.randint(1, 32)
+            hashes = tuple(rng.getrandbits(64).to_bytes(8, "big") for _ in range(length))
+            held.change_blocks([(CTAG, "dram", hashes, None)], {CTAG: CTAG}, True, 32, own.bucket_of)
+            n += length
+        else:
+            eid = CTAG + b"model@1@0@%016x" % rng.getrandbits(64)
+            held.put(KEY, eid, key_shard(eid), own.bucket_of(key_shard(eid)), code_of(4, 1 << 20),
+                     rng.getrandbits(63))
+            n += 1
+    return held_bytes(held) / len(held)

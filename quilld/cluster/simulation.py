@@ -26,8 +26,9 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from quilld.cluster.dir_entries import KEY, scope_digest
+from quilld.cluster.dir_entries import KEY, HeldEntries, scope_digest
 from quilld.cluster.dir_owned import OwnedEntries, run_items
 from quilld.cluster.dir_lookup import LookupRun
 from quilld.cluster.directory import BATCH, LOOKUP, Directory, DirectorySettings
@@ -390,6 +391,26 @@ class Simulation:
     def directory_bytes(self, node: SimNode) -> int:
         """Bytes of the entries this node keeps as an owner (the structures, their keys and values)."""
         return owned_bytes(node.directory.owned)
+
+
+def held_bytes(held: HeldEntries) -> int:
+    """The bytes of a holder's own list of its entries (what it resends to new owners): every
+    object under it once, however many entries share it (a segment's shard, cached small ints)."""
+    seen: set[int] = set()
+    total = 0
+    stack: list[Any] = [held.buckets, held.where, held.digests]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if obj.__class__ is dict:
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif obj.__class__ is tuple:
+            stack.extend(obj)
+    return total
 
 
 def owned_bytes(owned: OwnedEntries) -> int:

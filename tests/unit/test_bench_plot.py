@@ -179,17 +179,28 @@ def test_directory_sim_draws_bytes_messages_and_convergence_per_size(saved):
         return {"placement": {"entry_messages_per_placement": 2.9},
                 "crash 5%": {"all_views_without_them_s": views, "directory_converged_after_views_s": after},
                 "join 10%": {"all_views_with_them_s": views / 2, "directory_converged_after_views_s": None}}
-    rows = [(10, {"bytes_per_entry": 70.0, "today_bytes_per_entry": 118.0}, by(10, 3.0, 0.25)),
-            (1000, {"bytes_per_entry": 55.0, "today_bytes_per_entry": 420.0}, by(1000, 14.0, 0.5))]
+    held = {"held_bytes_per_entry": 250.0}
+    rows = [(10, {"bytes_per_entry": 70.0, "today_bytes_per_entry": 118.0} | held, by(10, 3.0, 0.25)),
+            (1000, {"bytes_per_entry": 55.0, "today_bytes_per_entry": 420.0} | held, by(1000, 14.0, 0.5))]
     bench("directory_sim").plot("x.png", rows, 3)
     size, msgs, crash, join = saved[-1]["panels"]
     assert size.categories == ["10 nodes", "1000 nodes"]
-    assert size.series["sharded"] == pytest.approx([3 * 1e6 * 70 / 2**30, 3 * 1e6 * 55 / 2**30])
+    assert size.series["sharded"] == pytest.approx([1e6 * (3 * 70 + 250) / 2**30, 1e6 * (3 * 55 + 250) / 2**30])
     assert size.series["full replication"] == pytest.approx([10 * 1e6 * 118 / 2**30, 1000 * 1e6 * 420 / 2**30])
-    assert size.labels[1] == "2545.45x"
+    assert size.labels[1] == "1012.05x"  # owned and held: 3 x 55 + 250 bytes per entry
     assert msgs.series == {"full replication (N-1)": [9, 999], "sharded": [2.9, 2.9]}
     assert crash.series == {"views agree": [3.0, 14.0], "directory after": [0.25, 0.5]}
     assert join.series["directory after"] == [0.0, 0.0]
+
+
+def test_consistency_cost_bench_draws_each_operation_for_both_trees(saved):
+    rows = {"GET on the holder": [(0.14, 0.42), (0.141, 0.535)], "SET on another node": [(0.97, 2.0), (0.76, 1.64)]}
+    bench("consistency_cost_bench").plot("x.png", rows, "45ad464", 3)
+    p50, p99 = saved[-1]["panels"]
+    assert p50.categories == ["GET on the holder", "SET on another node"]
+    assert p50.series == {"this tree": [0.14, 0.97], "45ad464": [0.141, 0.76]}
+    assert p99.series == {"this tree": [0.42, 2.0], "45ad464": [0.535, 1.64]}
+    assert p50.labels == ["0.99x", "1.28x"]
 
 
 def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):

@@ -249,3 +249,4 @@ def test_an_owned_entry_costs_far_less_than_a_fully_replicated_one_at_a_thousand
     got = dense_entry_bytes(1000, entries=30_000)
     assert got["bytes_per_entry"] < 100  # the budget per entry and owner
     assert got["today_bytes_per_entry"] > 3 * got["bytes_per_entry"]
+    assert 0 < got["held_bytes_per_entry"] < 300  # the holder side's own list, counted in the figure too
