@@ -203,3 +203,45 @@ def test_a_randomized_history_under_kill_and_partition_is_one_the_model_allows(c
     assert len(ops) >= 300, f"only {len(ops)} operations ran"
     findings = check(ops, faults, final)
     assert not findings, f"{len(findings)} finding(s) against the model:\n" + "\n".join(findings[:30])
+
+
+def homes(nodes) -> dict[str, int]:
+    """Each node's count of engines it is home to (INFO cluster_engines_homed)."""
+    return {n.node_id: n.r.info("cluster")["cluster_engines_homed"] for n in nodes}
+
+
+def test_an_engine_has_one_home_again_once_a_partition_heals(cluster, topo):
+    """During a partition each side homes the engine (the side without its node elects one by
+    rendezvous); once healed, exactly one node is its home again, and every node names it."""
+    cluster.start(5)
+    cluster.wait_converged()
+    nodes = list(cluster.nodes.values())
+    status, body = nodes[0].admin("POST", "/v1/engines", {"id": "e1", "url": "http://127.0.0.1:9", "model": "m",
+                                                          "tokenizer": "t"})
+    assert status == 201, body
+    deadline = time.monotonic() + 20
+    while any(n.admin("GET", "/v1/engines")[1]["engines"] == [] for n in nodes):
+        assert time.monotonic() < deadline, "not every node learned of e1"
+        time.sleep(0.1)
+    assert sum(homes(nodes).values()) == 1
+    left, right = nodes[:2], nodes[2:]
+    topo.partition([n.host for n in left], [n.host for n in right])
+    wait_split(left, right)
+    wait_split(right, left)
+    deadline = time.monotonic() + 20
+    while sum(homes(right).values()) != 1:  # the side without e1's node homes it too
+        assert time.monotonic() < deadline, f"the other side elected no home: {homes(nodes)}"
+        time.sleep(0.1)
+    assert sum(homes(left).values()) == 1, homes(nodes)
+    topo.heal()
+    healed = time.monotonic()
+    cluster.wait_converged()
+    deadline = healed + CONVERGE_S
+    while True:
+        named = {n.node_id: {e["id"]: e["home"] for e in n.admin("GET", "/v1/engines")[1]["engines"]} for n in nodes}
+        if homes(nodes) == {n.node_id: int(n is nodes[0]) for n in nodes} and \
+                all(v == {"e1": nodes[0].node_id} for v in named.values()):
+            break
+        assert time.monotonic() < deadline, f"after the heal: homes {homes(nodes)}, named {named}"
+        time.sleep(0.1)
+    print(f"\none home again {time.monotonic() - healed:.2f} s after the heal")
