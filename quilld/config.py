@@ -151,13 +151,13 @@ class SsdConfig:
     group_commit_bytes: int = 64 * MiB
     checkpoint_wal_bytes: int = 64 * MiB
     flush_progress_s: float = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
-    direct_io: bool = False  # block writes with O_DIRECT where the file system allows it (README "SSD tier")
+    direct_io: bool = False  # block writes with O_DIRECT where the file system allows it (docs/tiers/ssd.md)
     io_threads: int = 4  # threads writing a demotion batch's blocks in parallel
 
 
 @dataclass(frozen=True)
 class IndexConfig:
-    backend: str = "memory"  # memory, lmdb or rocksdb (README "Residency index backends")
+    backend: str = "memory"  # memory, lmdb or rocksdb (docs/residency-index.md)
     path: str = ""  # a persistent backend's directory (required for lmdb and rocksdb)
     commit_ms: int = 100  # a persistent backend commits what changed this often (a kill -9 loses at most this)
     fsync: bool = True  # each commit is synced to disk (off: a kill -9 still loses nothing committed)
