@@ -105,7 +105,22 @@ def configuration_page() -> str:
         "Outside the tree: `QUILLD_CONFIG` (the file), `QUILLD_LOG_LEVEL` (`--log-level`: debug, info,",
         "warning, error) and `QUILLD_PURE_PYTHON=1` (the plain-Python build).",
         "",
+        "## Flags",
+        "",
+        "`quilld --help` says the same. The admin token and the cluster secret have no flag (a flag shows",
+        "in `ps`): their environment variables or the file.",
+        "",
+        "| flag | key | environment | default |",
+        "|---|---|---|---|",
+        "| `--config FILE` | the TOML file | `QUILLD_CONFIG` | none: built-in defaults |",
     ]
+    for f in FLAGS:
+        value = f" {f.name.removeprefix('--').replace('-', '_').upper()}" if not f.choices else f" {{{','.join(f.choices)}}}"
+        note = f" ({f.default_note})" if f.default_note else ""
+        out.append(f"| `{f.name}{value}` | [`{f.section}.{f.key}`](#{f.section}{f.key}) | `{f.env}` | "
+                   f"`{shown_default(f.section, f.key)}`{note} |")
+    out += ["| `--log-level LEVEL` | the log level | `QUILLD_LOG_LEVEL` | `info` |",
+            "| `--version` | prints the version | | |", ""]
     for section_field in dataclasses.fields(config.Config):
         name = section_field.name
         if name == "engines":
