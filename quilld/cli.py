@@ -18,10 +18,11 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from quilld import __version__
-from quilld.config import load
+from quilld.config import OCTAL_KEYS, SIZE_KEYS, Config, load
 from quilld.errors import ConfigError, StopFailed
 
 if TYPE_CHECKING:  # imported in main(), once the stop signals are handled: the import takes about a second
@@ -43,55 +44,117 @@ def install_loop() -> str:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A flag that sets one config key. The one table of them (FLAGS) makes the parser, the
+    overrides it hands config.load, and the flag column of docs/reference/configuration.md."""
+
+    name: str  # --bind
+    section: str
+    key: str
+    help: str  # what it sets; the key, its environment variable and its default are added
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] = ()
+    default_note: str = ""  # said after the default ("single node" for gossip_port's 0)
+
+    @property
+    def env(self) -> str:
+        return env_name(self.section, self.key)
+
+
+def env_name(section: str, key: str) -> str:
+    """The environment variable of a config key (config._from_env reads QUILLD_<SECTION>_<KEY>)."""
+    return f"QUILLD_{section}_{key}".upper()
+
+
+FLAGS = (
+    Flag("--bind", "server", "bind", "address every listener binds (RESP, admin API, gateway, gossip)"),
+    Flag("--port", "server", "port", "RESP port", int),
+    Flag("--admin-port", "admin", "port", "admin HTTP port", int, default_note="0 disables it"),
+    Flag("--dram", "dram", "size", "DRAM arena size, e.g. 512MiB or 4GiB"),
+    Flag("--requirepass", "security", "requirepass", "password of user `default`; AUTH required when set"),
+    Flag("--users-file", "security", "users_file", "file of `user password [model=M] [tokenizer=T] [adapter=A]` "
+         "lines (tenants)"),
+    Flag("--node-id", "server", "node_id", "this node's id", default_note="host:port"),
+    Flag("--ssd-dir", "ssd", "dir", "directory of the SSD tier's segments and WAL", default_note="no SSD tier"),
+    Flag("--ssd-size", "ssd", "size", "SSD tier capacity, e.g. 64GiB (preallocated at the first start)"),
+    Flag("--gossip-port", "cluster", "gossip_port", "cluster gossip port, UDP and TCP", int,
+         default_note="single node"),
+    Flag("--seeds", "cluster", "seeds", "comma-separated host:port gossip addresses of nodes to join"),
+    Flag("--gateway-port", "gateway", "port", "OpenAI-compatible gateway port", int, default_note="off"),
+    Flag("--unixsocket", "server", "unixsocket", "unix socket path to listen on beside TCP (its directory must "
+         "exist)", default_note="none"),
+    Flag("--unixsocketperm", "server", "unixsocketperm", "the unix socket's mode, octal"),
+    Flag("--map-users", "security", "map_users", "comma-separated users who may map the DRAM arena (SHM ATTACH)",
+         default_note="nobody"),
+    Flag("--protected-mode", "server", "protected_mode", "with no password set, accept only loopback clients "
+         "on every listener", choices=("yes", "no")),
+)
+
+EPILOG = """\
+Every config key, not only those with a flag, is set in the TOML file (--config, or
+$QUILLD_CONFIG; conf/quilld.toml shows every key with its default) or by an environment
+variable QUILLD_<SECTION>_<KEY> (QUILLD_DRAM_SIZE=4GiB). Precedence, lowest first: built-in
+defaults < the file < the environment < flags. QUILLD_LOG_LEVEL sets --log-level, and
+QUILLD_PURE_PYTHON=1 runs the plain-Python build.
+
+The admin API's token has no flag (a flag shows in `ps`): set QUILLD_ADMIN_TOKEN, or
+admin.token in the file. quilld refuses to start with passwords set (--requirepass,
+--users-file) and the admin port open but no token; requests then need
+`Authorization: Bearer <token>`. Likewise cluster.secret (QUILLD_CLUSTER_SECRET).
+
+Every key, its type, default, flag and variable: docs/reference/configuration.md."""
+
+
+def shown_default(section: str, key: str) -> str:
+    """A key's built-in default as the config file would spell it: sizes with binary units
+    (1GiB), modes in octal, booleans as true/false, strings quoted."""
+    value = getattr(getattr(Config(), section), key)
+    if (section, key) in SIZE_KEYS:
+        for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value and value % size == 0:
+                return f"{value // size}{unit}"
+        return str(value)
+    if (section, key) in OCTAL_KEYS:
+        return f"{value:o}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def _flag_help(flag: Flag) -> str:
+    default = shown_default(flag.section, flag.key)
+    if flag.choices and default in ("true", "false"):
+        default = "yes" if default == "true" else "no"
+    note = f": {flag.default_note}" if flag.default_note else ""
+    return f"{flag.help} ({flag.section}.{flag.key}, ${flag.env}; default {default}{note})"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quilld", description="QuillCache node: a Redis-protocol KV-block cache.")
+    p = argparse.ArgumentParser(prog="quilld", description="QuillCache node: a Redis-protocol KV-block cache.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config file (default: $QUILLD_CONFIG, else built-in defaults)")
-    p.add_argument("--bind", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="RESP port (default 7379)")
-    p.add_argument("--admin-port", type=int, help="admin HTTP port (default 7380; 0 disables it)")
-    p.add_argument("--dram", help="DRAM arena size, e.g. 512MiB or 4GiB (default 1GiB)")
-    p.add_argument("--requirepass", help="password of user `default`; AUTH required when set")
-    p.add_argument("--users-file", help="file of `user password` lines (tenants)")
-    p.add_argument("--node-id", help="this node's id (default host:port)")
-    p.add_argument("--ssd-dir", help="directory of the SSD tier's segments and WAL (default: no SSD tier)")
-    p.add_argument("--ssd-size", help="SSD tier capacity, e.g. 64GiB (default 16GiB)")
-    p.add_argument("--gossip-port", type=int, help="cluster gossip port, UDP and TCP (default 0: single node)")
-    p.add_argument("--seeds", help="comma-separated host:port gossip addresses of nodes to join")
-    p.add_argument("--gateway-port", type=int, help="OpenAI-compatible gateway port (default 0: off)")
-    p.add_argument("--unixsocket", help="unix socket path to listen on beside TCP (default: none)")
-    p.add_argument("--unixsocketperm", help="the unix socket's mode, octal (default 700)")
-    p.add_argument("--map-users", help="comma-separated users who may map the DRAM arena (SHM ATTACH; default none)")
-    p.add_argument("--protected-mode", choices=["yes", "no"],
-                   help="with no password set, accept only loopback clients on every listener (default yes)")
+    for flag in FLAGS:
+        p.add_argument(flag.name, type=flag.type, choices=list(flag.choices) or None, help=_flag_help(flag),
+                       dest=_dest(flag))
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
                    help="log level (default: $QUILLD_LOG_LEVEL, else info)")
     p.add_argument("--version", action="version", version=f"quilld {__version__}")
     return p
 
 
+def _dest(flag: Flag) -> str:
+    return flag.name.removeprefix("--").replace("-", "_")
+
+
 def _overrides(a: argparse.Namespace) -> dict[str, dict]:
     out: dict[str, dict] = {}
-
-    def put(section: str, key: str, value) -> None:
+    for flag in FLAGS:
+        value = getattr(a, _dest(flag))
         if value is not None:
-            out.setdefault(section, {})[key] = value
-
-    put("server", "bind", a.bind)
-    put("server", "port", a.port)
-    put("server", "node_id", a.node_id)
-    put("server", "protected_mode", a.protected_mode)
-    put("server", "unixsocket", a.unixsocket)
-    put("server", "unixsocketperm", a.unixsocketperm)
-    put("security", "map_users", a.map_users)
-    put("admin", "port", a.admin_port)
-    put("dram", "size", a.dram)
-    put("security", "requirepass", a.requirepass)
-    put("security", "users_file", a.users_file)
-    put("ssd", "dir", a.ssd_dir)
-    put("ssd", "size", a.ssd_size)
-    put("cluster", "gossip_port", a.gossip_port)
-    put("cluster", "seeds", a.seeds)
-    put("gateway", "port", a.gateway_port)
+            out.setdefault(flag.section, {})[flag.key] = value
     return out
 
 

@@ -151,13 +151,13 @@ class SsdConfig:
     group_commit_bytes: int = 64 * MiB
     checkpoint_wal_bytes: int = 64 * MiB
     flush_progress_s: float = 1.0  # seconds between progress lines while a clean stop flushes DRAM to SSD
-    direct_io: bool = False  # block writes with O_DIRECT where the file system allows it (README "SSD tier")
+    direct_io: bool = False  # block writes with O_DIRECT where the file system allows it (docs/tiers/ssd.md)
     io_threads: int = 4  # threads writing a demotion batch's blocks in parallel
 
 
 @dataclass(frozen=True)
 class IndexConfig:
-    backend: str = "memory"  # memory, lmdb or rocksdb (README "Residency index backends")
+    backend: str = "memory"  # memory, lmdb or rocksdb (docs/residency-index.md)
     path: str = ""  # a persistent backend's directory (required for lmdb and rocksdb)
     commit_ms: int = 100  # a persistent backend commits what changed this often (a kill -9 loses at most this)
     fsync: bool = True  # each commit is synced to disk (off: a kill -9 still loses nothing committed)
@@ -705,8 +705,8 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI, QUILLD_PURE_PYTHON by quilld/native.py
 _CLI_ONLY = {"config", "log_level", "pure_python"}
 _SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
-_OCTAL_KEYS = {("server", "unixsocketperm")}
-_SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
+OCTAL_KEYS = {("server", "unixsocketperm")}
+SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
               ("server", "proto_max_bulk_len"), ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),
               ("ssd", "size"), ("ssd", "segment_size"),
               ("ssd", "group_commit_bytes"), ("ssd", "checkpoint_wal_bytes")}
@@ -715,13 +715,13 @@ _SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
 def _coerce(section: str, key: str, kind: type, value: Any) -> Any:
     where = f"{section}.{key}"
     try:
-        if (section, key) in _OCTAL_KEYS:
+        if (section, key) in OCTAL_KEYS:
             try:
                 return parse_mode(value)
             except ValueError:
                 raise ConfigError(f"{where}: invalid mode {value!r} (octal digits as a string, e.g. \"700\", "
                                   "or a TOML 0o700)") from None
-        if (section, key) in _SIZE_KEYS:
+        if (section, key) in SIZE_KEYS:
             try:
                 return parse_size(value)
             except ConfigError as e:

@@ -25,7 +25,7 @@ keeps it so): base units (seconds, bytes), the unit last, `_total` once, at the
 end of a counter. INFO keeps redis-style names (`ssd_fsync_total_ms`); a figure
 kept in other units is renamed and scaled on its way out (`metric_name`): `_ms`
 and `_usec` become `_seconds`, sizes get `_bytes`, a Unix time
-`_timestamp_seconds` (README "Metrics and the status page" lists the renames).
+`_timestamp_seconds` (docs/operations/metrics.md lists the renames).
 
 One registry per node, never prometheus-client's global one: tests run
 several nodes in one process.

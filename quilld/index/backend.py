@@ -10,7 +10,7 @@ cluster's directory) calls the operations below and nothing else, whatever the b
 - `rocksdb`: the same over RocksDB, an LSM tree.
 
 A persistent backend keeps the in-memory index as its mirror for reads and writes its durable
-holders' changes through to the storage engine (persistent.py); the README's storage study
+holders' changes through to the storage engine (persistent.py); the storage study (docs/benchmarks/index-study.md)
 measured reading through the engine instead, and an in-memory adaptive radix tree, and says why
 neither is a backend here. The default stays `memory`: see the study for what the others cost.
 """

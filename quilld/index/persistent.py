@@ -39,7 +39,7 @@ An entry key is the int hash as 8 big-endian bytes, or raw hash bytes of any oth
 Scope tags are per process (scopes.py), so the scope itself is persisted, under a scope id of its
 own; holder numbers are persisted with their names, so a mask's bits mean the same holders after
 a restart. Loading a million entries is C loops over the store's cursor (stores.py) and dict
-construction: see the README's study for the figures.
+construction: see docs/benchmarks/index-study.md for the figures.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ read); `backend.open_index` then sets it aside and starts an empty one.
 Each store takes a lock file in its directory (`flock`), so two quilld processes never write one
 index (RocksDB has its own lock as well; LMDB allows many processes by design).
 
-The engines' packages are optional (`pip install 'quilld[index]'`): each is imported where its
+The engines' packages are optional (`pip install -e '.[index]'`): each is imported where its
 store is opened, and a missing one is a configuration error that names the package.
 """
 
@@ -138,7 +138,7 @@ class LmdbStore:
         try:
             import lmdb  # optional: only a node whose index.backend is "lmdb" needs it
         except ImportError:
-            raise ConfigError("index.backend = \"lmdb\" needs the lmdb package: pip install 'quilld[index]'") from None
+            raise ConfigError("index.backend = \"lmdb\" needs the lmdb package: pip install -e '.[index]'") from None
         self._lmdb = lmdb
         self.path = Path(path)
         self._lockf = _lock(self.path)
@@ -248,7 +248,7 @@ class RocksStore:
             import rocksdict  # optional: only a node whose index.backend is "rocksdb" needs it
         except ImportError:
             raise ConfigError("index.backend = \"rocksdb\" needs the rocksdict package: "
-                              "pip install 'quilld[index]'") from None
+                              "pip install -e '.[index]'") from None
         self._r = rocksdict
         self.path = Path(path)
         self._lockf = _lock(self.path)
@@ -291,7 +291,7 @@ class RocksStore:
             if not i % YIELD_ROWS:
                 time.sleep(0)
         # one batch, so one commit stays atomic; rocksdict holds the GIL while RocksDB writes it (about
-        # 0.1 us a row here: the README's study)
+        # 0.1 us a row here: docs/benchmarks/index-study.md)
         self.db.write(wb, self._wo)
 
     def disk_bytes(self) -> int:

@@ -37,7 +37,7 @@ replication log (a block that peer placed, moved between its tiers or removed) c
 change of that key here, as soon as this node applies it. So a change on another node is
 seen where this node can know of it, conservatively (a demotion there counts too), and only
 once its log has arrived; values of at most `dram.inline_max` bytes are not logged, and a
-change to one on another node is never seen (README, "Transactions").
+change to one on another node is never seen (docs/commands.md, "Transactions").
 """
 
 from __future__ import annotations

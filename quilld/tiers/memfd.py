@@ -12,7 +12,7 @@ memfds created with MFD_ALLOW_SEALING and sealed once sized:
 - F_SEAL_SEAL: nobody adds a seal after (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE on the arena
   would stop other clients' in-place puts).
 
-What a mapping client can still do to the arena is write its bytes (README: map users are
+What a mapping client can still do to the arena is write its bytes (docs/tiers/shared-memory.md: map users are
 trusted with every tenant's blocks) or punch holes in it (the pages read back as zeros):
 neither stops quilld; a block's CRC32C says when its bytes changed.
 """

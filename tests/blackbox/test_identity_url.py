@@ -21,9 +21,9 @@ from collections import Counter
 import pytest
 import redis
 
-from conftest import ROOT, raw_exchange, require_tool
+from conftest import raw_exchange, require_tool
+from doc_blocks import doc_block
 
-README = ROOT / "README.md"
 IO_TIMEOUT = 10.0
 LOAD_DEADLINE = 120.0  # seconds a loaded machine may take to reach MIN_READS and MIN_CUTS (a bound, not a duration)
 MIN_READS = 8  # reads each pool makes while connections are cut
@@ -118,9 +118,8 @@ def relay_to():
 
 
 def readme_block(marker: str) -> str:
-    m = re.search(rf"<!-- {re.escape(marker)} -->\n```\w*\n(.*?)```", README.read_text(), re.DOTALL)
-    assert m, f"README.md lost its block {marker!r}"
-    return m[1]
+    """The block marked `<!-- marker -->`: the README's tour, or the docs page it moved to."""
+    return doc_block(marker)[1]
 
 
 def node_with_users(quilld_factory, tmp_path, users: str, *flags: str, env: dict | None = None):
@@ -216,7 +215,7 @@ def test_the_readme_redis_py_example_keeps_its_scope_after_reconnects(quilld_fac
     relay = relay_to(q.port)
     code = readme_block("example: redis-py").replace("7379", str(relay.port))
     ns: dict = {}
-    exec(compile(code, "README.md (redis-py example)", "exec"), ns)
+    exec(compile(code, "README.md (the tour's redis-py example)", "exec"), ns)
     llama, r = ns["llama"], ns["r"]
     own = llama.get("prefix:0")
     assert own is not None and own != ns["block"]

@@ -3,7 +3,8 @@
 LMCache's `redis://` connector (replayed as tests/blackbox/test_lmcache_styles.py does:
 a pool from the URL, `K + "kv_bytes"` written before `K + "metadata"`, `EXISTS K +
 "metadata"` as the lookup, metadata then kv_bytes as the read) writes on node a and reads
-on nodes b and c, unchanged. The README's walk from one node to three runs as written.
+on nodes b and c, unchanged. The docs' walk from one node to three (docs/cluster.md) runs as
+written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from test_cluster import holders, members, three, until
 from test_lmcache_styles import assert_same, chunk_key, metadata, payload
 
 from conftest import ROOT, free_gossip_port, free_port
+from doc_blocks import doc_block
 
 MiB = 1024 * 1024
 CHUNK = 4 * MiB  # an LMCache chunk here: big enough to be an arena block, small enough to be quick
@@ -200,16 +202,14 @@ def test_a_holder_killed_is_a_miss_on_get_never_an_error(cluster):
     assert cluster_info(b)["cluster_pool_read_errors"] >= 1
 
 
-# -- the README's walk from one node to three ----------------------------------------------
+# -- the docs' walk from one node to three (docs/cluster.md) ----------------------------------------------
 
-WALKTHROUGH = re.compile(r"<!-- walkthrough: three-nodes -->\n```sh\n(.*?)```", re.DOTALL)
 WALK_PORTS = ("7379", "7380", "7381", "7479", "7480", "7481", "7579", "7580", "7581")
 WALK_TIMEOUT = 90.0
 
 
-def test_the_readme_walk_from_one_node_to_three_runs_as_written(tmp_path):
-    m = WALKTHROUGH.search((ROOT / "README.md").read_text())
-    assert m, "README.md lost its three-node walkthrough"
+def test_the_docs_walk_from_one_node_to_three_runs_as_written(tmp_path):
+    m = doc_block("walkthrough: three-nodes")  # docs/cluster.md
     ports = {p: str(free_gossip_port() if p.endswith("81") else free_port()) for p in WALK_PORTS}
     script = re.sub(r"\b(" + "|".join(WALK_PORTS) + r")\b", lambda x: ports[x[1]], m[1])
     assert script.count("quilld ") == 3 and "kill %1 %2 %3" in script

@@ -1,12 +1,14 @@
-"""Issue 14, item 7: every example in README.md runs as written.
+"""Issue 14, item 7 (and 35): every example in README.md and in the docs pages runs as written.
 
 An example is the fenced block right after `<!-- example: NAME -->`; the block after
-`<!-- output: NAME -->` is what example NAME prints. They run in README order, in one
-temporary directory, against real processes on free ports: the README's 7379 (RESP), 7380
-(admin API), 8000 (gateway), 8001 and 8002 (engines: tests/fake_engine.py) are swapped
+`<!-- output: NAME -->` is what example NAME prints. Each page's examples run in its order,
+in one temporary directory of that page's own, against real processes on free ports: the
+docs' 7379 (RESP), 7380 (admin API), 8000 (gateway), 8001 and 8002 (engines) are swapped
 for free ones in examples and outputs alike, and `myhost` for this machine's name.
 
-- a `quilld` node on the quick start's built-in defaults is up before the first example;
+- the two fake engines (tests/fake_engine.py) are started from the README tour's command lines
+  (the block after `<!-- engines: fake -->`), and a `quilld` node on the quick start's built-in
+  defaults is up, before a page's first example;
 - ```toml: written to a file named NAME (a later example names it);
 - ```sh: run by bash; one whose only command is `quilld ...` replaces the running node by
   one started with those flags (plus `--port`/`--admin-port` when it names none);
@@ -33,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, free_port, stop_process, wait_port
+from doc_blocks import doc_block, doc_pages
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,27 +55,49 @@ class Block:
     body: str
 
 
-def marked_blocks() -> list[Block]:
-    text = README.read_text()
+def marked_blocks(page: Path) -> list[Block]:
+    text = page.read_text()
     blocks = [Block(*m.groups()) for m in MARKED.finditer(text)]
     # a marker that is not followed by a fenced block would silently drop its example
-    assert len(blocks) == len(re.findall(r"<!-- (?:example|output): ", text)), "a marker without its block"
+    assert len(blocks) == len(re.findall(r"<!-- (?:example|output): ", text)), f"{page}: a marker without its block"
     return blocks
 
 
-def test_the_readme_marks_its_examples_and_each_output_follows_its_example():
-    blocks = marked_blocks()
-    names = [b.name for b in blocks if b.kind == "example"]
+def pages_with_examples() -> list[Path]:
+    return [p for p in doc_pages() if marked_blocks(p)]
+
+
+def test_the_docs_mark_their_examples_and_each_output_follows_its_example():
+    names = []
+    for page in pages_with_examples():
+        blocks = marked_blocks(page)
+        names += [b.name for b in blocks if b.kind == "example"]
+        for i, b in enumerate(blocks):
+            assert b.lang in {"sh", "python", "console", "toml", "json", "text"}, (page, b.name, b.lang)
+            if b.kind == "output":
+                before = blocks[i - 1] if i else None
+                assert before and (before.kind, before.name) == ("example", b.name), \
+                    f"{page}: output {b.name} does not follow its example"
     assert len(names) == len(set(names)), names
-    # the examples this README is known to carry: losing a marker must not lose a test
+    # the examples the docs are known to carry: losing a marker must not lose a test
     assert {"redis-cli", "redis-py", "engines.toml", "start", "register-engine", "kv-events", "route",
             "gateway", "python-client"} <= set(names), names
-    for i, b in enumerate(blocks):
-        assert b.lang in {"sh", "python", "console", "toml", "json", "text"}, (b.name, b.lang)
-        if b.kind == "output":
-            before = blocks[i - 1] if i else None
-            assert before and (before.kind, before.name) == ("example", b.name), \
-                f"output {b.name} does not follow its example"
+    # the README's tour carries the quick look: redis-cli, redis-py, engines, ROUTE, the gateway
+    assert {"redis-cli", "redis-py", "engines.toml", "start", "kv-events", "route", "gateway"} <= \
+        {b.name for b in marked_blocks(README) if b.kind == "example"}
+
+
+def fake_engine_commands() -> list[list[str]]:
+    """The README tour's command lines for the fake engines, as argv (`&` dropped)."""
+    page, body = doc_block("engines: fake")
+    assert page == README
+    lines = [shlex.split(ln.rstrip().removesuffix("&")) for ln in body.splitlines() if ln.strip()]
+    ports = sorted(ln[ln.index("--port") + 1] for ln in lines)
+    assert ports == sorted(ENGINES) and all(ln[:2] == ["python", "tests/fake_engine.py"] for ln in lines), lines
+    for ln in lines:
+        assert ENGINES[ln[ln.index("--port") + 1]] == ln[ln.index("--name") + 1]
+        assert ln[ln.index("--model") + 1] == ENGINE_MODEL
+    return lines
 
 
 class Runner:
@@ -98,13 +123,11 @@ class Runner:
 
     # -- processes
     def start_engines(self) -> None:
-        for port, name in ENGINES.items():
-            proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", self.ports[port],
-                 "--model", ENGINE_MODEL, "--name", name],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=self.env)
+        for argv in fake_engine_commands():
+            argv = [sys.executable, *(self.sub(a) for a in argv[1:])]
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=self.env)
             self.procs.append(proc)
-            wait_port(int(self.ports[port]), proc)
+            wait_port(int(argv[argv.index("--port") + 1]), proc)
 
     def start_node(self, argv: list[str]) -> None:
         if self.node is not None:
@@ -185,8 +208,9 @@ class Runner:
             assert got.strip() == want.strip(), f"output of {b.name}:\n{got}"
 
 
-def test_every_readme_example_runs_as_written(tmp_path):
-    blocks = marked_blocks()
+@pytest.mark.parametrize("page", pages_with_examples(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_runs_as_written(page, tmp_path):
+    blocks = marked_blocks(page)
     runner = Runner(tmp_path)
     try:
         runner.start_engines()

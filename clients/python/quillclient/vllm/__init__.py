@@ -10,7 +10,7 @@ Both are named by a user's vLLM config, so this package exports them by those na
 
 Importing `quillclient` or this package imports nothing of vLLM (or torch): each class is
 loaded on first use, so the client library works where vLLM is not installed
-(`pip install 'quillcache-client[vllm]'` adds what the classes need).
+(`pip install -e 'clients/python[vllm]'` from a checkout adds what the classes need).
 """
 
 from __future__ import annotations
