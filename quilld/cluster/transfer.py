@@ -74,7 +74,7 @@ def probe_rdma() -> RdmaProbe:
         importlib.import_module("pyverbs")
     except ModuleNotFoundError as e:
         if e.name == "pyverbs":
-            return RdmaProbe(None, "pyverbs not installed (pip install 'quillcache[rdma]')")
+            return RdmaProbe(None, "pyverbs not installed (pip install -e '.[rdma]')")
         return RdmaProbe(None, f"pyverbs cannot be loaded: {e}")
     except ImportError as e:
         return RdmaProbe(None, f"pyverbs cannot be loaded: {e}")

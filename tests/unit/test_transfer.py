@@ -185,9 +185,9 @@ def test_choose_auto_follows_the_device():
 
 def test_choose_rdma_without_a_device_fails_loudly():
     with pytest.raises(ConfigError) as e:
-        choose_transfer("rdma", RdmaProbe(None, "pyverbs not installed (pip install 'quillcache[rdma]')"))
+        choose_transfer("rdma", RdmaProbe(None, "pyverbs not installed (pip install -e '.[rdma]')"))
     assert e.value.message == ('cluster.transfer = "rdma" but RDMA is unavailable: pyverbs not installed '
-                               '(pip install \'quillcache[rdma]\'); use "auto" or "tcp"')
+                               '(pip install -e \'.[rdma]\'); use "auto" or "tcp"')
 
 
 def test_choose_rdma_with_a_device():
