@@ -81,6 +81,10 @@ FLAGS = (
     Flag("--gossip-port", "cluster", "gossip_port", "cluster gossip port, UDP and TCP", int,
          default_note="single node"),
     Flag("--seeds", "cluster", "seeds", "comma-separated host:port gossip addresses of nodes to join"),
+    Flag("--registry", "cluster", "registry", "how members find each other: gossip or etcd"),
+    Flag("--etcd-endpoints", "cluster", "etcd_endpoints", "comma-separated etcd client URLs (--registry etcd)",
+         default_note="none"),
+    Flag("--etcd-prefix", "cluster", "etcd_prefix", "the prefix of every key quilld keeps in etcd"),
     Flag("--gateway-port", "gateway", "port", "OpenAI-compatible gateway port", int, default_note="off"),
     Flag("--unixsocket", "server", "unixsocket", "unix socket path to listen on beside TCP (its directory must "
          "exist)", default_note="none"),

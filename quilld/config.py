@@ -170,6 +170,7 @@ SHM_SLOTS = 65536  # lease slots of the shared-memory lease table, for all conne
 
 
 TRANSFERS = ("auto", "tcp", "rdma")
+REGISTRIES = ("gossip", "etcd")  # ClusterConfig.registry
 DEBUG_COMMAND_MODES = ("no", "yes", "local")  # redis 7's enable-debug-command
 # redis's maxmemory-policy names quilld implements (tiers/eviction.py); the first is the default
 MAXMEMORY_POLICIES = ("allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-lfu", "volatile-ttl", "noeviction")
@@ -177,6 +178,7 @@ MAXMEMORY_POLICIES = ("allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-lf
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    registry: str = "gossip"  # how members find each other: gossip (SWIM, no dependency) or etcd
     gossip_port: int = 0  # 0: single node, no gossip
     seeds: str = ""  # comma-separated host:port gossip addresses
     secret: str = ""  # gossip packets carry an HMAC-SHA256 under it; peers PEERAUTH with it (else the host's)
@@ -202,6 +204,16 @@ class ClusterConfig:
     hedge_floor_ms: int = 30  # a lookup asks the next owner too after at least this (else the owner's p99 estimate)
     hedge_max_ms: int = 1000  # ... and at most this
     breaker_open_ms: int = 1000  # an owner that failed is skipped this long, then one probe call
+    etcd_endpoints: str = ""  # registry = "etcd": comma-separated URLs of the etcd members (http://host:port)
+    etcd_prefix: str = "/quilld"  # every key quilld writes in etcd is under it: two prefixes, two clusters
+    etcd_lease_ttl_s: int = 5  # a node whose lease is not renewed this long is dead in every view
+    etcd_user: str = ""  # etcd's user name, when its authentication is on
+    etcd_password: str = ""  # that user's password (a secret: QUILLD_CLUSTER_ETCD_PASSWORD, shown ***)
+
+    @property
+    def enabled(self) -> bool:
+        """In a cluster: a gossip port, or membership from etcd."""
+        return bool(self.gossip_port) or self.registry == "etcd"
 
 
 @dataclass(frozen=True)
@@ -430,14 +442,29 @@ class Config:
                 or c.suspicion_mult < 1 or c.probe_timeout_ms >= c.probe_interval_ms:
             raise ConfigError("cluster: intervals must be positive, probe_timeout_ms < probe_interval_ms, "
                               "indirect_probes >= 0, suspicion_mult >= 1")
-        if c.gossip_port and not c.secret and (self.security.requirepass or self.security.users_file):
+        if c.registry not in REGISTRIES:
+            raise ConfigError(f"cluster.registry must be one of {', '.join(REGISTRIES)}, got {c.registry!r}")
+        if c.registry == "etcd":
+            if not [u for u in c.etcd_endpoints.split(",") if u.strip()]:
+                raise ConfigError("cluster.registry = \"etcd\" needs cluster.etcd_endpoints, e.g. "
+                                  "\"http://10.0.0.5:2379,http://10.0.0.6:2379,http://10.0.0.7:2379\"")
+            if c.gossip_port or c.seeds.strip():
+                raise ConfigError("cluster.registry = \"etcd\" does not gossip: leave cluster.gossip_port and "
+                                  "cluster.seeds unset (members find each other through etcd)")
+            if not c.etcd_prefix.startswith("/") or c.etcd_prefix.rstrip("/") == "":
+                raise ConfigError(f"cluster.etcd_prefix must start with / and name something, got {c.etcd_prefix!r}")
+            if not 2 <= c.etcd_lease_ttl_s <= 3600:
+                raise ConfigError(f"cluster.etcd_lease_ttl_s must be 2 to 3600 seconds, got {c.etcd_lease_ttl_s}")
+            if c.etcd_password and not c.etcd_user:
+                raise ConfigError("cluster.etcd_password needs cluster.etcd_user")
+        if c.enabled and not c.secret and (self.security.requirepass or self.security.users_file):
             raise ConfigError("cluster.secret is required when clients need passwords: peers "
                               "authenticate to each other with it")
         if c.gossip_port and not c.secret and not is_loopback(s.bind):
             raise ConfigError(f"cluster.secret (QUILLD_CLUSTER_SECRET) is required to gossip on {s.bind!r}, "
                               "a non-loopback address: without it one forged UDP packet can mark a node dead. "
                               "Set the same secret on every node, or bind to 127.0.0.1")
-        if c.gossip_port and s.protected_mode and not passwords and not is_loopback(s.bind):
+        if c.enabled and s.protected_mode and not passwords and not is_loopback(s.bind):
             raise ConfigError(f"a cluster on {s.bind!r} needs client passwords (security.requirepass or "
                               "security.users_file) or server.protected_mode = false: in protected mode "
                               "peers' RESP connections from other hosts would be refused")
@@ -508,7 +535,7 @@ def reserved_fds(cfg: Config) -> int:
     n = RESERVED_FDS
     if cfg.ssd.dir:
         n += -(-cfg.ssd.size // cfg.ssd.segment_size) + SSD_FDS
-    if cfg.cluster.gossip_port:
+    if cfg.cluster.enabled:
         n += 2 + CLUSTER_PEERS_RESERVED * PEER_FDS
     n += ENGINE_FDS * len(cfg.engines)
     return n
@@ -704,7 +731,7 @@ def engine_from(data: Mapping[str, Any], origin: str) -> EngineConfig:
 
 # QUILLD_CONFIG and QUILLD_LOG_LEVEL are read by the CLI, QUILLD_PURE_PYTHON by quilld/native.py
 _CLI_ONLY = {"config", "log_level", "pure_python"}
-_SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"))
+_SECRETS = (("security", "requirepass"), ("admin", "token"), ("cluster", "secret"), ("cluster", "etcd_password"))
 OCTAL_KEYS = {("server", "unixsocketperm")}
 SIZE_KEYS = {("dram", "size"), ("dram", "inline_max"), ("dram", "maxmemory"),
               ("server", "proto_max_bulk_len"), ("server", "client_output_high_water"), ("server", "client_query_buffer_limit"),

@@ -198,7 +198,7 @@ class Node:
         self.feed = ResidencyFeed(control.index, node_id, scopes)
         keyspace.listener = self.feed
         # in a cluster every value is placed in the directory, small ones too (from the first write)
-        keyspace.track_all = bool(cfg.cluster.gossip_port)
+        keyspace.track_all = cfg.cluster.enabled
         control.pool = [node_id]  # pool nodes whose copies ROUTE can fetch from
         control.node_id = node_id  # where an engine with no locality stores its KV
         self.ctx = NodeContext(
@@ -280,13 +280,16 @@ class Node:
                 s.unixsocket, s.unixsocketperm, lambda: RespConnection(ctx, large_target, release_args))
         self.phase = "subscribing to engines"
         self._control_started = True
-        await ctx.control.start(follow=not self.cfg.cluster.gossip_port)  # in a cluster, each engine's home
-        if self.cfg.cluster.gossip_port:
+        await ctx.control.start(follow=not self.cfg.cluster.enabled)  # in a cluster, each engine's home
+        if self.cfg.cluster.enabled:
             self.phase = "joining the cluster"
             cluster = Cluster(self.cfg, ctx.node_id, ctx.keyspace, ctx.scopes, ctx.control, self.feed, self._usage)
             cluster.observe_fetch = self.metrics.peer_fetch.observe
             ctx.cluster = cluster
-            async with _listening(GOSSIP, s.bind, self.cfg.cluster.gossip_port):
+            if self.cfg.cluster.gossip_port:
+                async with _listening(GOSSIP, s.bind, self.cfg.cluster.gossip_port):
+                    await cluster.start()
+            else:
                 await cluster.start()
         if self.cfg.gateway.port:
             self.phase = "opening the gateway"

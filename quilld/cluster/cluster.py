@@ -32,6 +32,7 @@ from quilld.cluster.breaker import PeerHealth
 from quilld.cluster.dir_link import DirectoryLink
 from quilld.cluster.directory import Directory, DirectorySettings
 from quilld.cluster.engines_sync import EngineSync
+from quilld.cluster.etcd_registry import EtcdRegistry
 from quilld.cluster.gossip import Gossip
 from quilld.cluster.local_secret import local_secret
 from quilld.cluster.peer_client import PeerPool
@@ -118,7 +119,7 @@ class Cluster:
         # the cluster's engine table, each engine's home, the engines' load summed (engines_sync.py)
         self.engines = EngineSync(node_id, control, self.directory, self.link, self.pool, self.addresses,
                                   self.members, self._announce)
-        self.gossip: Any = None
+        self.membership: Any = None  # gossip.Gossip, or etcd_registry.EtcdRegistry (cluster.registry)
         self.started = time.time()
         self._meta_task: asyncio.Task | None = None
 
@@ -139,9 +140,12 @@ class Cluster:
         self.control.placements = self.engines.placements
         self.directory.note_members(self.members, time.monotonic())
         self.link.start()
-        self.gossip = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
-                             self.cfg, self._on_event)
-        await self.gossip.start()
+        if self.cfg.registry == "etcd":
+            self.membership = EtcdRegistry(self.node_id, self.meta(), self.cfg, self._on_event)
+        else:
+            self.membership = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
+                                     self.cfg, self._on_event)
+        await self.membership.start()
         self.engines.start()
         self._meta_task = asyncio.create_task(self._refresh_meta(), name="cluster-meta")
 
@@ -151,15 +155,15 @@ class Cluster:
             self._meta_task.cancel()
             await asyncio.gather(self._meta_task, return_exceptions=True)
         await self.engines.stop()
-        if self.gossip is not None:
-            await self.gossip.stop(leave=True)
+        if self.membership is not None:
+            await self.membership.stop(leave=True)
         await self.link.stop()
         self.transfers.close()
         self.pool.close()
 
     @property
     def gossip_port(self) -> int:
-        return self.gossip.port if self.gossip is not None else self.cfg.gossip_port
+        return self.membership.port if self.membership is not None else self.cfg.gossip_port
 
     @property
     def observe_fetch(self) -> Callable[[float], None]:
@@ -207,9 +211,9 @@ class Cluster:
 
     def _announce(self) -> None:
         """Gossip this node's meta now (its engine table changed), not at the next refresh."""
-        if self.gossip is not None:
+        if self.membership is not None:
             try:
-                self.gossip.update_meta(self.meta())
+                self.membership.update_meta(self.meta())
             except ValueError:
                 log.exception("cluster meta update failed")
 
@@ -220,7 +224,7 @@ class Cluster:
         while True:
             await asyncio.sleep(META_INTERVAL)
             try:
-                self.gossip.update_meta(self.meta())
+                self.membership.update_meta(self.meta())
                 self.engines.tick(self.peer_meta)
             except Exception:
                 log.exception("cluster meta refresh failed")
@@ -309,7 +313,7 @@ class Cluster:
             log.warning("cluster: %s is dead; dropped the %d directory entries of its values kept here", peer, dropped)
 
     def members_list(self) -> list:
-        return self.gossip.members() if self.gossip is not None else []
+        return self.membership.members() if self.membership is not None else []
 
     def state_age(self, member: Any) -> float:
         """Seconds since `member` (one of `members_list()`) last changed state, on gossip's clock."""
@@ -432,6 +436,9 @@ class Cluster:
         out += [(f"cluster_{k}", v) for k, v in sorted(self.stats.items())]
         out += self.engines.info()
         out += self.transfers.info()
-        if self.gossip is not None:
-            out += [(f"cluster_{k}", v) for k, v in sorted(self.gossip.stats.items())]
+        out.append(("cluster_registry", self.cfg.registry))
+        if isinstance(self.membership, EtcdRegistry):
+            out += self.membership.info()
+        elif self.membership is not None:
+            out += [(f"cluster_{k}", v) for k, v in sorted(self.membership.stats.items())]
         return out

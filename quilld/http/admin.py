@@ -69,6 +69,17 @@ def not_ready(node: NodeContext) -> list[str]:
     return reasons
 
 
+def registry_notes(node: NodeContext) -> list[str]:
+    """What a serving node says of its membership registry when it cannot reach it (etcd): it
+    serves on with the last view it had."""
+    membership = getattr(node.cluster, "membership", None)
+    if getattr(membership, "state", "") != "unreachable":
+        return []
+    since = membership.unreachable_since
+    age = f" for {time.monotonic() - since:.0f} s" if since is not None else ""
+    return [f"etcd unreachable{age}: serving with the last view of the members"]
+
+
 def keeps_less(node: NodeContext) -> list[str]:
     """What a serving node cannot keep as it should (the operator's /healthz, not /readyz: it
     still serves everything): a persistent residency index that cannot write (a commit failed:
@@ -94,8 +105,12 @@ async def livez(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """GET /readyz: 200 when the node serves and nothing is degraded, 503 with the reasons otherwise
     (an orchestrator's readiness probe). No token: the reasons name states, never a node's data."""
-    reasons = not_ready(request.app[NODE])
-    body = {"status": "not ready", "reasons": reasons} if reasons else {"status": "ready"}
+    node = request.app[NODE]
+    reasons = not_ready(node)
+    body: dict[str, Any] = {"status": "not ready", "reasons": reasons} if reasons else {"status": "ready"}
+    notes = registry_notes(node)
+    if notes:
+        body["notes"] = notes  # still ready: the data path never waits on the registry
     return web.json_response(body, status=503 if reasons else 200, headers={"Cache-Control": "no-store"})
 
 
@@ -103,7 +118,7 @@ async def healthz(request: web.Request) -> web.Response:
     """GET /healthz: the operator's view (token): ok, starting, stopping or degraded with the error (the SSD
     tier failed, or it keeps less than it should: `keeps_less`); 503 unless ok."""
     node = request.app[NODE]
-    less = keeps_less(node)
+    less = keeps_less(node) + registry_notes(node)
     body: dict[str, Any] = {"status": "ok", "node_id": node.node_id, "version": __version__, "phase": node.phase,
                             "reasons": not_ready(node) + less}
     tiering = node.tiering

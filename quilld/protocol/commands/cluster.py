@@ -39,7 +39,7 @@ MAX_WAIT_MS = 30_000
 def _cluster(c):
     cluster = c.ctx.cluster
     if cluster is None:
-        raise CommandError("this node is not in a cluster (cluster.gossip_port is 0)")
+        raise CommandError("this node is not in a cluster (no cluster.gossip_port, and cluster.registry is not etcd)")
     return cluster
 
 
