@@ -21,17 +21,27 @@ DEAD_BOUND = 8.0  # seconds: probe round (3 x 0.2 s) + suspicion (4 x 0.2 s x lo
 
 
 class Cluster:
-    def __init__(self, tmp_path):
+    """Nodes on 127.0.0.1 that find each other by gossip, or through etcd when given its client
+    URLs (`etcd`: every node under one prefix of its own; `seeds` are then ignored)."""
+
+    def __init__(self, tmp_path, etcd: str = ""):
         self.tmp_path = tmp_path
         self.nodes: dict[str, object] = {}
         self.gossip: dict[str, int] = {}
+        self.etcd = etcd
+        self.prefix = f"/quilltest-{os.urandom(4).hex()}"
 
     def start(self, name: str, seeds: list[str] = (), **env):
-        gport = self.gossip.get(name) or free_gossip_port()
-        self.gossip[name] = gport
-        extra = ["--node-id", name, "--gossip-port", str(gport), "--dram", "128MiB"]
-        if seeds:
-            extra += ["--seeds", ",".join(f"127.0.0.1:{self.gossip[s]}" for s in seeds)]
+        extra = ["--node-id", name, "--dram", "128MiB"]
+        if self.etcd:
+            extra += ["--registry", "etcd", "--etcd-endpoints", self.etcd, "--etcd-prefix", self.prefix]
+            env = {"QUILLD_CLUSTER_ETCD_LEASE_TTL_S": "3", **env}
+        else:
+            gport = self.gossip.get(name) or free_gossip_port()
+            self.gossip[name] = gport
+            extra += ["--gossip-port", str(gport)]
+            if seeds:
+                extra += ["--seeds", ",".join(f"127.0.0.1:{self.gossip[s]}" for s in seeds)]
         q = start_quilld(self.tmp_path, *extra, env={**FAST_GOSSIP, **env})
         self.nodes[name] = q
         return q

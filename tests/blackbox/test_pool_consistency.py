@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -17,6 +18,20 @@ import redis
 from test_cluster import members, until
 
 pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(params=["gossip", "etcd"])
+def cluster(request, tmp_path):
+    """Each test twice: members by gossip, and members through a real etcd (one member here;
+    test_etcd_registry.py runs three)."""
+    from etcd_cluster import EtcdCluster
+    from test_cluster import Cluster
+
+    with contextlib.ExitStack() as stack:
+        etcd = stack.enter_context(EtcdCluster(tmp_path, members=1)) if request.param == "etcd" else None
+        c = Cluster(tmp_path, etcd=etcd.endpoints if etcd else "")
+        stack.callback(c.stop_all)
+        yield c
 
 CONVERGE_S = 2.0
 
