@@ -1,0 +1,193 @@
+"""The etcd registry at scale: N members (the real `EtcdRegistry`, many to this process) on one
+real etcd (Debian's etcd-server, started here on 127.0.0.1).
+
+Each member keeps its own lease and key and watches the others, as a quilld node does; members
+share a few gRPC clients (one per CLIENT_SHARE members) so that a thousand fit in one process.
+Measured from the fault to each live member's view:
+
+- start: N members registered and every one's view listing all N (the start-up of a cluster);
+- a 5 % crash: that many members stop renewing their leases at once (as kill -9 leaves them);
+  from then until every live member lists every one of them dead;
+- a 10 % join: that many new members start at once; until every member lists them alive;
+
+with p50 and max over the members, and etcd's CPU (utime + stime from /proc) and resident memory
+while the N leases are kept for HOLD_S. The lease TTL is the registry's default (5 s) unless
+--ttl says otherwise: a crash cannot reach a view sooner than the TTL.
+
+    python bench/etcd_registry_bench.py [--members 100 1000] [--ttl 5] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from etcd_cluster import EtcdCluster  # noqa: E402
+from plot import Panel, add_flag, save  # noqa: E402
+
+from quilld.cluster.etcd_registry import EtcdRegistry  # noqa: E402
+from quilld.cluster.wire import State  # noqa: E402
+
+CLIENT_SHARE = 25  # members per gRPC client
+HOLD_S = 10.0  # etcd's CPU and memory are read over this long with every lease kept
+LIMIT_S = 120.0
+
+
+@dataclass
+class Cfg:
+    etcd_endpoints: str
+    etcd_prefix: str
+    etcd_lease_ttl_s: int
+    etcd_user: str = ""
+    etcd_password: str = ""
+
+
+class Shared:
+    """An aetcd client several members use; closing is the bench's, not a member's."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def connect(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def run(n: int, etcd: EtcdCluster, ttl: int, rng: random.Random) -> dict:
+    import aetcd
+
+    host, port = "127.0.0.1", etcd.client_ports[etcd.names[0]]
+    clients = []
+    prefix = f"/bench-{os.urandom(3).hex()}"
+    members: dict[str, EtcdRegistry] = {}
+
+    async def make(names: list[str]) -> None:
+        for i in range(0, len(names), CLIENT_SHARE):
+            client = aetcd.Client(host=host, port=port, timeout=10)
+            await client.connect()
+            clients.append(client)
+            shared = Shared(client)
+            for name in names[i:i + CLIENT_SHARE]:
+                members[name] = EtcdRegistry(name, {"resp": ["127.0.0.1", 1], "dram_capacity": 1 << 30},
+                                             Cfg(f"http://{host}:{port}", prefix, ttl), lambda e: None,
+                                             client_factory=lambda shared=shared, **kw: shared)
+        await asyncio.gather(*(members[m].start() for m in names))
+
+    def views(want: dict[str, State], among: list[str]) -> list[str]:
+        """The members of `among` whose view has every member of `want` in its state."""
+        ok = []
+        for name in among:
+            seen = {m.node_id: m.state for m in members[name].members()}
+            if all(seen.get(k) == s for k, s in want.items()):
+                ok.append(name)
+        return ok
+
+    async def until(want: dict[str, State], among: list[str], t0: float) -> list[float]:
+        done: dict[str, float] = {}
+        while len(done) < len(among):
+            if time.monotonic() - t0 > LIMIT_S:
+                raise TimeoutError(f"{len(among) - len(done)} of {len(among)} members never converged")
+            now = time.monotonic() - t0
+            for name in views(want, [m for m in among if m not in done]):
+                done[name] = now
+            await asyncio.sleep(0.02)
+        return sorted(done.values())
+
+    first = [f"m{i:05d}" for i in range(n)]
+    t0 = time.monotonic()
+    await make(first)
+    start = await until({m: State.ALIVE for m in first}, first, t0)
+    pid = etcd.procs[etcd.names[0]].pid
+    cpu0, w0 = proc_cpu_s(pid), time.monotonic()
+    await asyncio.sleep(HOLD_S)
+    etcd_cpu = (proc_cpu_s(pid) - cpu0) / (time.monotonic() - w0)
+    rss = proc_rss_mib(pid)
+
+    victims = rng.sample(first, max(1, n // 20))
+    t0 = time.monotonic()
+    for v in victims:
+        await members[v].stop(leave=False)  # no renewals from now: its lease runs out
+    live = [m for m in first if m not in victims]
+    crash = await until({v: State.DEAD for v in victims}, live, t0)
+
+    new = [f"j{i:05d}" for i in range(max(1, n // 10))]
+    t0 = time.monotonic()
+    await make(new)
+    join = await until({m: State.ALIVE for m in new}, live + new, t0)
+
+    await asyncio.gather(*(members[m].stop(leave=True) for m in live + new))
+    for c in clients:
+        await c.close()
+    return {"start": start, "crash": crash, "join": join, "etcd_cpu": etcd_cpu, "etcd_rss_mib": rss,
+            "writes": sum(m.stats["registry_meta_writes"] for m in members.values())}
+
+
+def p50_max(xs: list[float]) -> str:
+    return f"{statistics.median(xs):6.2f} / {max(xs):6.2f} s"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--members", type=int, nargs="*", default=[100, 1000])
+    ap.add_argument("--ttl", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    add_flag(ap)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="quill-etcd-") as tmp, EtcdCluster(Path(tmp), members=1) as etcd:
+        for n in args.members:
+            print(f"{n} members ...", file=sys.stderr, flush=True)
+            rows.append((n, asyncio.run(run(n, etcd, args.ttl, rng))))
+    print(f"members | start: all in every view p50/max | 5% crash (TTL {args.ttl} s) p50/max | "
+          f"10% join p50/max | etcd CPU (cores) | etcd RSS")
+    for n, r in rows:
+        print(f"{n:7d} | {p50_max(r['start'])} | {p50_max(r['crash'])} | {p50_max(r['join'])} | "
+              f"{r['etcd_cpu']:6.3f} | {r['etcd_rss_mib']:6.0f} MiB")
+    if args.plot:
+        plot(args.plot, rows, args.ttl)
+
+
+def plot(path: str, rows: list[tuple[int, dict]], ttl: int) -> None:
+    """Per size: p50 and max of each phase, and etcd's CPU and memory."""
+    sizes = [f"{n} members" for n, _ in rows]
+    panels = [Panel(f"{phase} in every view", sizes,
+                    {"p50": [statistics.median(r[phase]) for _, r in rows], "max": [max(r[phase]) for _, r in rows]},
+                    "s") for phase in ("start", "crash", "join")]
+    panels.append(Panel("etcd while every lease is kept", sizes,
+                        {"CPU (cores x 100)": [r["etcd_cpu"] * 100 for _, r in rows],
+                         "RSS (MiB)": [r["etcd_rss_mib"] for _, r in rows]}, ""))
+    save(path, panels, "the etcd registry on one real etcd", f"lease TTL {ttl} s; a crash waits out the TTL")
+
+
+if __name__ == "__main__":
+    main()
