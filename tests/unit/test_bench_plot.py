@@ -203,6 +203,15 @@ def test_consistency_cost_bench_draws_each_operation_for_both_trees(saved):
     assert p50.labels == ["0.99x", "1.28x"]
 
 
+def test_etcd_registry_bench_draws_each_phase_and_etcd_s_cost(saved):
+    rows = [(100, {"start": [0.1, 0.2, 0.3], "crash": [4.0, 4.2], "join": [0.1, 0.5], "etcd_cpu": 0.03,
+                   "etcd_rss_mib": 31.0})]
+    bench("etcd_registry_bench").plot("x.png", rows, 5)
+    start, crash, join, cost = saved[-1]["panels"]
+    assert start.series == {"p50": [0.2], "max": [0.3]} and crash.series == {"p50": [4.1], "max": [4.2]}
+    assert join.series["max"] == [0.5] and cost.series == {"CPU (cores x 100)": [3.0], "RSS (MiB)": [31.0]}
+
+
 def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):
     bench("cluster_route_bench").plot("x.png", [("single node", 0.2, 3.6), ("12 hosts", 1.0, 4.8)], 12, 0.74)
     (panel,) = saved[-1]["panels"]
