@@ -50,6 +50,14 @@ RETRY_S = (0.2, 0.5, 1.0, 2.0)  # between attempts while etcd does not answer (t
 FIRST_SYNC_WAIT_S = 5.0  # start() waits this long for the first view, then goes on in the background
 
 
+def describe(error: BaseException | None) -> str:
+    """An error as a log line says it (a timeout's str() is empty)."""
+    if error is None:
+        return "no answer"
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def node_key(prefix: str, node_id: str) -> bytes:
     return f"{prefix}/nodes/{node_id}".encode()
 
@@ -87,6 +95,7 @@ class EtcdRegistry:
         self._written_at = 0.0
         self._members: dict[str, Member] = {node_id: Member(node_id, ("", 0), 0, State.ALIVE, self._meta,
                                                             time.monotonic())}
+        self._raw: dict[str, tuple[int, bytes]] = {}  # node -> (create revision, value) last applied
         self._client: Any = None
         self._endpoint = 0
         self._lease: Any = None
@@ -280,6 +289,10 @@ class EtcdRegistry:
         node_id = self._node_of(kv.key)
         if node_id is None:
             return None
+        raw = (kv.create_revision, kv.value)
+        if self._raw.get(node_id) == raw:
+            return node_id  # what this node last read of it (a resync): nothing to decode
+        self._raw[node_id] = raw
         try:
             value = json.loads(kv.value)
             state = State.LEFT if value["state"] == "left" else State.ALIVE
@@ -320,7 +333,7 @@ class EtcdRegistry:
         if state == "unreachable":
             self.unreachable_since = time.monotonic()
             log.warning("cluster: etcd unreachable (%s: %s); serving with the last view of %d member(s)",
-                        self._endpoints_text(), error or "no answer", len(self._members))
+                        self._endpoints_text(), describe(error), len(self._members))
         elif self.state == "unreachable":
             log.info("cluster: etcd answers again after %.1f s; the members read afresh (revision %d)",
                      time.monotonic() - (self.unreachable_since or time.monotonic()), self.revision)
