@@ -2,13 +2,15 @@
 real etcd (Debian's etcd-server, started here on 127.0.0.1).
 
 Each member keeps its own lease and key and watches the others, as a quilld node does; members
-share a few gRPC clients (one per CLIENT_SHARE members) so that a thousand fit in one process.
+are spread over --workers processes (each an event loop, as each node has its own) and share a
+gRPC client per CLIENT_SHARE members, so that a thousand fit on this machine.
 Measured from the fault to each live member's view:
 
-- start: N members registered and every one's view listing all N (the start-up of a cluster);
+- start: N members registered, in waves of START_WAVE, until every one's view lists all N (the
+  start-up of a whole cluster, wall clock);
 - a 5 % crash: that many members stop renewing their leases at once (as kill -9 leaves them);
   from then until every live member lists every one of them dead;
-- a 10 % join: that many new members start at once; until every member lists them alive;
+- a 10 % join: that many new members start at once; until every earlier member lists them alive;
 
 with p50 and max over the members, and etcd's CPU (utime + stime from /proc) and resident memory
 while the N leases are kept for HOLD_S. The lease TTL is the registry's default (5 s) unless
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,60 +131,121 @@ class Views:
         return sorted(self.done.values())
 
 
-async def run(n: int, etcd: EtcdCluster, ttl: int, rng: random.Random) -> dict:
-    import aetcd
+class Worker:
+    """One process's share of the members (`--worker`): commands on stdin, one JSON line each,
+    answers on stdout. A member's meta is static here (only its registration writes)."""
 
-    host, port = "127.0.0.1", etcd.client_ports[etcd.names[0]]
-    clients = []
-    prefix = f"/bench-{os.urandom(3).hex()}"
-    members: dict[str, EtcdRegistry] = {}
-    views = Views()
+    def __init__(self, endpoint: str, prefix: str, ttl: int) -> None:
+        self.host, port = endpoint.rsplit(":", 1)
+        self.port, self.prefix, self.ttl = int(port), prefix, ttl
+        self.members: dict[str, EtcdRegistry] = {}
+        self.clients: list = []
+        self.views = Views()
 
-    async def make(names: list[str]) -> None:
-        for i in range(0, len(names), START_WAVE):  # waves, as a real cluster's nodes come up
-            await make_wave(names[i:i + START_WAVE])
-
-    async def make_wave(names: list[str]) -> None:
+    async def make(self, names: list[str]) -> None:
+        import aetcd
         for i in range(0, len(names), CLIENT_SHARE):
-            client = aetcd.Client(host=host, port=port, timeout=10)
+            client = aetcd.Client(host=self.host, port=self.port, timeout=10)
             await client.connect()
-            clients.append(client)
+            self.clients.append(client)
             shared = Shared(client)
             for name in names[i:i + CLIENT_SHARE]:
-                members[name] = EtcdRegistry(name, {"resp": ["127.0.0.1", 1], "dram_capacity": 1 << 30},
-                                             Cfg(f"http://{host}:{port}", prefix, ttl), views.on_event(name),
-                                             client_factory=lambda shared=shared, **kw: shared)
-        await asyncio.gather(*(members[m].start() for m in names))
+                self.members[name] = EtcdRegistry(
+                    name, {"resp": ["127.0.0.1", 1], "dram_capacity": 1 << 30},
+                    Cfg(f"http://{self.host}:{self.port}", self.prefix, self.ttl), self.views.on_event(name),
+                    client_factory=lambda shared=shared, **kw: shared)
+        await asyncio.gather(*(self.members[m].start() for m in names))
 
-    first = [f"m{i:05d}" for i in range(n)]
-    views.phase({m: State.ALIVE for m in first}, first)
-    await make(first)
-    start = await views.wait()
-    pid = etcd.procs[etcd.names[0]].pid
-    cpu0, w0 = proc_cpu_s(pid), time.monotonic()
-    await asyncio.sleep(HOLD_S)
-    etcd_cpu = (proc_cpu_s(pid) - cpu0) / (time.monotonic() - w0)
-    rss = proc_rss_mib(pid)
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            reply: dict = {"ok": True}
+            if cmd["cmd"] == "phase":
+                among = [m for m in cmd["among"] if m in self.members]
+                self.views.phase({k: State(v) for k, v in cmd["want"].items()}, among)
+            elif cmd["cmd"] == "make":
+                await self.make([m for m in cmd["names"] if hash_share(m, cmd["workers"]) == cmd["me"]])
+            elif cmd["cmd"] == "crash":
+                for m in cmd["names"]:
+                    if m in self.members:
+                        await self.members[m].stop(leave=False)  # no renewals from now: its lease runs out
+            elif cmd["cmd"] == "wait":
+                reply["done"] = await self.views.wait()
+            elif cmd["cmd"] == "stop":
+                await asyncio.gather(*(m.stop(leave=True) for m in self.members.values()))
+                for c in self.clients:
+                    await c.close()
+                reply["errors"] = sum(m.stats["registry_errors"] for m in self.members.values())
+                reply["reregistered"] = sum(max(0, m.stats["registry_registrations"] - 1)
+                                            for m in self.members.values())
+            print(json.dumps(reply), flush=True)
+            if cmd["cmd"] == "stop":
+                return
 
-    victims = rng.sample(first, max(1, n // 20))
-    live = [m for m in first if m not in victims]
-    views.phase({v: State.DEAD for v in victims}, live)
-    for v in victims:
-        await members[v].stop(leave=False)  # no renewals from now: its lease runs out
-    crash = await views.wait()
 
-    new = [f"j{i:05d}" for i in range(max(1, n // 10))]
-    views.phase({m: State.ALIVE for m in new}, live + new)
-    await make(new)
-    join = await views.wait()
+def hash_share(name: str, workers: int) -> int:
+    return int(name[1:]) % workers
 
-    await asyncio.gather(*(members[m].stop(leave=True) for m in live + new))
-    for c in clients:
-        await c.close()
-    return {"start": start, "crash": crash, "join": join, "etcd_cpu": etcd_cpu, "etcd_rss_mib": rss,
-            "writes": sum(m.stats["registry_meta_writes"] for m in members.values()),
-            "errors": sum(m.stats["registry_errors"] for m in members.values()),
-            "reregistered": sum(max(0, m.stats["registry_registrations"] - 1) for m in members.values())}
+
+class Coordinator:
+    """Starts the workers and runs each phase across all of them."""
+
+    def __init__(self, endpoint: str, prefix: str, ttl: int, workers: int) -> None:
+        self.workers = workers
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", endpoint, prefix, str(ttl)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for _ in range(workers)]
+
+    def all(self, cmd: dict, **per) -> list[dict]:
+        for i, p in enumerate(self.procs):
+            p.stdin.write(json.dumps(cmd | {"me": i, "workers": self.workers}) + "\n")
+            p.stdin.flush()
+        out = []
+        for p in self.procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("a worker died (its error is above)")
+            out.append(json.loads(line))
+        return out
+
+    def phase(self, want: dict[str, str], among: list[str], then: dict) -> list[float]:
+        self.all({"cmd": "phase", "want": want, "among": among})
+        self.all(then)
+        return sorted(t for r in self.all({"cmd": "wait"}) for t in r["done"])
+
+
+def run(n: int, etcd: EtcdCluster, ttl: int, workers: int, rng: random.Random) -> dict:
+    endpoint = f"127.0.0.1:{etcd.client_ports[etcd.names[0]]}"
+    co = Coordinator(endpoint, f"/bench-{os.urandom(3).hex()}", ttl, workers)
+    try:
+        first = [f"m{i:05d}" for i in range(n)]
+        t0 = time.monotonic()
+        for i in range(0, n, START_WAVE):  # waves, as a real cluster's nodes come up
+            co.all({"cmd": "make", "names": first[i:i + START_WAVE]})
+        co.phase({m: "alive" for m in first}, first, {"cmd": "noop"})
+        started_all = time.monotonic() - t0
+        pid = etcd.procs[etcd.names[0]].pid
+        cpu0, w0 = proc_cpu_s(pid), time.monotonic()
+        time.sleep(HOLD_S)
+        etcd_cpu = (proc_cpu_s(pid) - cpu0) / (time.monotonic() - w0)
+        rss = proc_rss_mib(pid)
+        victims = rng.sample(first, max(1, n // 20))
+        live = [m for m in first if m not in victims]
+        crash = co.phase({v: "dead" for v in victims}, live, {"cmd": "crash", "names": victims})
+        new = [f"j{i:05d}" for i in range(max(1, n // 10))]
+        join = co.phase({m: "alive" for m in new}, live, {"cmd": "make", "names": new})  # in the earlier members' views
+        stops = co.all({"cmd": "stop"})
+    finally:
+        for p in co.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return {"start": [started_all], "crash": crash, "join": join, "etcd_cpu": etcd_cpu, "etcd_rss_mib": rss,
+            "errors": sum(r["errors"] for r in stops), "reregistered": sum(r["reregistered"] for r in stops)}
 
 
 def p50_max(xs: list[float]) -> str:
@@ -188,25 +253,28 @@ def p50_max(xs: list[float]) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        etcd_registry.CALL_TIMEOUT_S = 15.0  # see below
+        endpoint, prefix, ttl = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        asyncio.run(Worker(endpoint, prefix, ttl).serve())
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--members", type=int, nargs="*", default=[100, 1000])
     ap.add_argument("--ttl", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=4, help="processes the members are spread over")
     ap.add_argument("--seed", type=int, default=1)
     add_flag(ap)
     args = ap.parse_args()
-    # many members share this process's one event loop (a node has its own): a call may wait its
-    # turn behind thousands of watch events, so the bench gives each call longer than a node does
-    etcd_registry.CALL_TIMEOUT_S = 15.0
     rng = random.Random(args.seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="quill-etcd-") as tmp, EtcdCluster(Path(tmp), members=1) as etcd:
         for n in args.members:
             print(f"{n} members ...", file=sys.stderr, flush=True)
-            rows.append((n, asyncio.run(run(n, etcd, args.ttl, rng))))
-    print(f"members | start: all in every view p50/max | 5% crash (TTL {args.ttl} s) p50/max | "
+            rows.append((n, run(n, etcd, args.ttl, args.workers, rng)))
+    print(f"members | start: all registered and in every view | 5% crash (TTL {args.ttl} s) p50/max | "
           f"10% join p50/max | etcd CPU (cores) | etcd RSS | registry errors, leases lapsed")
     for n, r in rows:
-        print(f"{n:7d} | {p50_max(r['start'])} | {p50_max(r['crash'])} | {p50_max(r['join'])} | "
+        print(f"{n:7d} | {r['start'][0]:6.2f} s | {p50_max(r['crash'])} | {p50_max(r['join'])} | "
               f"{r['etcd_cpu']:6.3f} | {r['etcd_rss_mib']:6.0f} MiB | {r['errors']}, {r['reregistered']}")
     if args.plot:
         plot(args.plot, rows, args.ttl)
