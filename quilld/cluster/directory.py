@@ -71,6 +71,7 @@ from quilld.cluster.ownership import Ownership
 BATCH, LOOKUP, COPY, DUMP, STALE = "b", "l", "c", "h", "x"
 # items of a batch (ITEMS: a run of one holder's changes as columns, `dir_entries.Changes`)
 PUT, DEL, CLEAR, SYNCED, DIGEST, BEGIN, ITEMS = "P", "R", "C", "E", "D", "S", "M"
+_HELD_OPS = frozenset((PUT, DEL, CLEAR, SYNCED, DIGEST, ITEMS))  # batch items that name their holder second
 COPY_BUCKETS = 256  # buckets per COPY request
 SETTLE_FROM = 32  # views of more members than this wait `membership_settle_s` (bursts of joins at scale)
 SWEEP_ROUNDS = 8  # every this many anti-entropy rounds, a digest goes to every owner
@@ -729,8 +730,14 @@ class Directory:
         self.inbound[src] = (epoch, seq)
         owned, bucket_of, filling, needs = self.owned, self.bucket_of, self.filling, []
         mine = self.owned_buckets(self.node_id)
+        members = self.members
         for item in items:
             op = item[0]
+            if op in _HELD_OPS and item[1] != src and item[1] in members:
+                # a node places its own values (and its engines'), never another node's: a peer
+                # holding the secret cannot make a node appear to hold, or lose, anything
+                self.stats["placements_refused"] += 1
+                continue
             if op == PUT:
                 _, holder, k, eid, shard, code, *version = item  # a key's version last
                 b = bucket_of(shard)

@@ -142,3 +142,20 @@ def test_a_node_away_during_a_delete_drops_its_copy_when_it_comes_back():
     assert dropped["e"] == [KEY]
     for asker in NODES:
         assert holders_seen(peers, asker) == [], asker
+
+
+def test_a_node_cannot_place_or_remove_entries_for_another_node():
+    """A peer that holds the secret places what it holds and what its engines hold, never another
+    node's entries: the owners refuse them (counted), so no node can be made to seem to hold a key."""
+    peers, _ = cluster()
+    a, b = peers["a"].d, peers["b"].d
+    a.place_key("a", KEY, "dram", 10, a.hlc.now())
+    b.place_key("c", CTAG + b"forged", "dram", 10, b.hlc.now())  # b says c holds a key
+    b.remove_key("a", KEY)  # and that a no longer holds its own
+    b.place_key("engine-1", CTAG + b"engine-held", "hbm", 10)  # an engine homed on b: accepted
+    pump(peers, 100.0)
+    asker = "d"
+    assert holders_seen(peers, asker) == [("a", holders_seen(peers, asker)[0][1])]
+    assert holders_seen(peers, asker, CTAG + b"forged") == []
+    assert [h for h, _ in holders_seen(peers, asker, CTAG + b"engine-held")] == ["engine-1"]
+    assert sum(p.d.stats["placements_refused"] for p in peers.values()) >= 2
