@@ -180,7 +180,7 @@ class Gateway:
         counts = self.stats.counts
         counts["requests"] += 1
         try:
-            req = await self.reader.parse(request, path, t0)  # 1. parse
+            req = await self.reader.read_request(request, path, t0)  # 1. parse
         except ApiError as e:
             counts[e.counter] += 1
             return e.response()
@@ -191,7 +191,7 @@ class Gateway:
         try:
             prompt = self.hashing.prompt(req)  # 2. the engine family's tokens and hashes, as stages ask
             choice = await self.decider.choose(req, prompt, set())  # 3. the decision
-            await self.strategies.serve(req, prompt, choice, relay)  # 4. its way of moving KV, 5. the answer
+            await self.strategies.carry_out(req, prompt, choice, relay)  # 4. its way of moving KV, 5. the answer
         except ApiError as e:  # nothing was sent: no engine can answer this request
             counts[e.counter] += 1
             self._settle_missed(relay)

@@ -49,7 +49,7 @@ class PromptHashing:
     def tokens_per_block(self, fam: Family) -> float:
         return self.hasher.tokens_per_block(fam)
 
-    async def blocks(self, req: Parsed, fam: Family) -> list[int]:
+    async def family_blocks(self, req: Parsed, fam: Family) -> list[int]:
         """`req`'s prompt as block hashes for engines of `fam`: theirs where covered, else quilld's own."""
         blocks = None
         if fam.hashing is not None:
@@ -75,18 +75,6 @@ class PromptHashing:
         self.counts["engine_hashed"] += 1
         return blocks
 
-    def scope_tag(self, req: Parsed, fam: Family, blocks: list[int]) -> tuple[IdentityScope, bytes]:
-        """The request's identity for engines of family `fam`, and the scope tag its `blocks` are
-        looked up and recorded under: the engines' own scope for their own hashes (a request of
-        another identity is salted, engine_prompts.py), else the request's."""
-        scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
-        if isinstance(blocks, EngineBlocks):  # where the engines' KV events record them
-            return scope, self.scopes.tag(IdentityScope(fam.tenant, req.model, fam.tokenizer, req.adapter))
-        try:
-            return scope, self.scopes.tag(scope, capped=True)
-        except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
-            return scope, self.scopes.find(scope)
-
 
 class Prompt:
     """One request's prompt, hashed per engine family when a stage first asks (PromptHashing)."""
@@ -101,14 +89,24 @@ class Prompt:
     async def blocks(self, fam: Family) -> list[int]:
         blocks = self._blocks.get(fam)
         if blocks is None:
-            blocks = self._blocks[fam] = await self._hashing.blocks(self.req, fam)
+            blocks = self._blocks[fam] = await self._hashing.family_blocks(self.req, fam)
         return blocks
 
     def scope_tag(self, fam: Family, blocks: list[int]) -> tuple[IdentityScope, bytes]:
-        return self._hashing.scope_tag(self.req, fam, blocks)
+        """The request's identity for engines of family `fam`, and the scope tag its `blocks` are
+        looked up and recorded under: the engines' own scope for their own hashes (a request of
+        another identity is salted, engine_prompts.py), else the request's."""
+        req, scopes = self.req, self._hashing.scopes
+        scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
+        if isinstance(blocks, EngineBlocks):  # where the engines' KV events record them
+            return scope, scopes.tag(IdentityScope(fam.tenant, req.model, fam.tokenizer, req.adapter))
+        try:
+            return scope, scopes.tag(scope, capped=True)
+        except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
+            return scope, scopes.find(scope)
 
     def tag(self, fam: Family, blocks: list[int]) -> bytes:
-        return self._hashing.scope_tag(self.req, fam, blocks)[1]
+        return self.scope_tag(fam, blocks)[1]
 
     def tokens_per_block(self, fam: Family) -> float:
         return self._hashing.tokens_per_block(fam)

@@ -84,8 +84,8 @@ def prompt_of(path: str, body: dict[str, Any]) -> str | list[int]:
     """The prompt to route by: rendered chat messages, or the completions prompt; 400 when missing."""
     if path == CHAT:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages \
-                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        if (not isinstance(messages, list) or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
             raise bad_request("`messages` must be a non-empty array of objects with a `role`.", "messages",
                               "missing_messages")
         return render_chat(messages)
@@ -133,7 +133,7 @@ class Parsed(NamedTuple):
 
 
 class RequestReader:
-    """Reads the gateway's requests: who asks, for which engines, what (the module's docstring)."""
+    """Reads each request of the gateway: who asks, for which engines, what (see the module docstring)."""
 
     def __init__(self, node: Any, cfg: GatewayConfig, stats: GatewayStats) -> None:
         self.node = node  # its users, its engines (the control plane's) and its node-wide counters
@@ -169,7 +169,7 @@ class RequestReader:
         raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
                        "model", "unknown_model")
 
-    async def parse(self, request: web.Request, path: str, t0: float) -> Parsed:
+    async def read_request(self, request: web.Request, path: str, t0: float) -> Parsed:
         tenant = self.tenant(request)
         slo_ms = float(self.cfg.ttft_slo_ms)
         if SLO_HEADER in request.headers:

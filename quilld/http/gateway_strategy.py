@@ -157,7 +157,8 @@ class Strategies:
         first = self.s.control.engines.engines.get(order[0]) if order else None
         return self.ways.get(first.kv_transfer if first is not None else "pool", self.ways["pool"])
 
-    async def serve(self, req: Parsed, prompt: Prompt, choice: Choice | None, relay: Relay) -> None:
+    async def carry_out(self, req: Parsed, prompt: Prompt, choice: Choice | None, relay: Relay) -> None:
+        """Serve `req` by `choice` with its strategy (the decode engine alone when no prefill engine answered)."""
         instead = await self.pick(choice).serve(req, prompt, choice, relay)
         if instead is not None:  # no prefill engine answered: the decode engine prefills too
             await self.colocated.serve(req, prompt, instead, relay)

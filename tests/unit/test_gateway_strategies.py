@@ -85,7 +85,7 @@ def run(strategies: Strategies, s: Serving, req: Parsed | None = None) -> tuple[
 
     async def go() -> Choice | None:
         choice = await s.decider.choose(req, prompt, set())
-        await strategies.serve(req, prompt, choice, relay)
+        await strategies.carry_out(req, prompt, choice, relay)
         legs = asyncio.all_tasks() - {asyncio.current_task()}  # a Mooncake prefill leg may run on
         await asyncio.gather(*legs, return_exceptions=True)
         await asyncio.sleep(0)  # its done callback
