@@ -64,8 +64,8 @@ HBM, unless the engine publishes KV events (they stay the authority).
 Roles. With prefill and decode engines (EngineConfig.role), a prefill engine never
 answers a client itself, and a decision that pairs two engines is served as
 vLLM's disaggregated-serving proxy serves it, the KV moved as the prefill engine's
-`kv_transfer` says (gateway_strategy.py); a decision for one engine is served as above. A model whose
-engines are all prefill engines is a 503 (`no_decode_engine`).
+`kv_transfer` says (gateway_strategy.py); a decision for one engine is served as
+above. A model whose engines are all prefill engines is a 503 (`no_decode_engine`).
 """
 
 from __future__ import annotations
