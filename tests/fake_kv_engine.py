@@ -6,7 +6,7 @@
         [fake_engine.py's options]
 
 As vLLM with a KV connector pointed at quilld, it answers vLLM's disaggregated-serving
-proxy protocol (what the gateway sends, quilld/http/gateway_disagg.py):
+proxy protocol (what the gateway sends, quilld/http/gateway_strategy.py):
 
 - a request with `kv_transfer_params.do_remote_decode` true is a prefill: the engine
   hashes the prompt as quilld's gateway does (quilld/http/prompt_blocks.py: character

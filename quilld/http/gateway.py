@@ -5,12 +5,25 @@ GET /v1/models (the union of the engines' models) and /v1/models/{model}, and
 GET /v1/quillcache/stats (`Gateway.info()` as JSON). Errors are OpenAI-shaped
 (quilld/http/gateway_request.py).
 
-Per request: the API key gives the tenant, the model picks the engines, the
-prompt becomes block hashes (quilld/http/prompt_blocks.py), the router scores
-the engines, and the chosen one is asked with one pooled aiohttp session. The
-`x-quillcache-*` decision headers go out with the engine's status and headers,
-before the first body byte; the body is relayed chunk by chunk (SSE events
-whole, so a failure never leaves half an event).
+A request is one pipeline, one stage a module, each testable alone (`Gateway.completion`):
+
+1. parse (gateway_request.py): the API key gives the tenant, the model picks the
+   engines, the body is checked;
+2. the engine family's tokens and hashes (gateway_prompt.py): the prompt as each
+   family of engines hashes it, computed when a stage first asks for that family;
+3. the decision (gateway_decide.py): the router scores the engines, the best healthy
+   one (or a pair of a prefill and a decode engine) is chosen;
+4. one relay strategy per way of moving KV, behind one small interface
+   (gateway_strategy.py): co-located, through the pool, engine to engine (NIXL),
+   both legs at once (Mooncake);
+5. the answer and its headers (gateway_answer.py, gateway_relay.py): each engine leg
+   over one pooled aiohttp session; the `x-quillcache-*` decision headers
+   (gateway_upstream.py) go out with the engine's status and headers, before the
+   first body byte; the body is relayed chunk by chunk (SSE events whole, so a
+   failure never leaves half an event).
+
+What the gateway keeps of engines between requests (cooldowns, leases, the blocks it
+recorded) is gateway_engines.py's.
 
 Identity. The tenant is the user whose password is the bearer API key (when
 quilld has users; `default` otherwise). A request for `base:adapter`, where no
@@ -50,57 +63,41 @@ HBM, unless the engine publishes KV events (they stay the authority).
 
 Roles. With prefill and decode engines (EngineConfig.role), a prefill engine never
 answers a client itself, and a decision that pairs two engines is served as
-vLLM's disaggregated-serving proxy serves it, with a handoff checked in the pool
-(gateway_disagg.py); a decision for one engine is served as above. A model whose
-engines are all prefill engines is a 503 (`no_decode_engine`).
+vLLM's disaggregated-serving proxy serves it, the KV moved as the prefill engine's
+`kv_transfer` says (gateway_strategy.py); a decision for one engine is served as
+above. A model whose engines are all prefill engines is a 503 (`no_decode_engine`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
-import secrets
 import time
-from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import Histogram
-from yarl import URL
 
-from quilld.config import EngineConfig
-from quilld.http.gateway_disagg import Disaggregation
-from quilld.http.gateway_relay import Relay
-from quilld.http.gateway_request import (CHAT, COMPLETIONS, ApiError, Parsed, bad_request, decode_tokens, drop_owned,
-                                        prompt_of, read_body)
-from quilld.http.gateway_stats import GatewayStats
-from quilld.http.gateway_upstream import (REQUEST_ID_HEADER, Choice, UpstreamFailed, answer_ok, decision_headers,
-                                          describe, engine_headers, upstream_headers, upstream_url)
 from quilld.context.listeners import http_budget, soft_nofile
+from quilld.http.gateway_answer import Legs
+from quilld.http.gateway_decide import Decider
+from quilld.http.gateway_engines import EngineBook
+from quilld.http.gateway_prompt import PromptHashing
+from quilld.http.gateway_relay import Relay
+from quilld.http.gateway_request import CHAT, COMPLETIONS, ApiError, RequestReader
+from quilld.http.gateway_stats import GatewayStats
+from quilld.http.gateway_strategy import Serving, Strategies
+from quilld.http.gateway_upstream import REQUEST_ID_HEADER
 from quilld.http.listener import Listener
 from quilld.http.perimeter import from_this_origin, loopback_only
-from quilld.index.engine_prompts import EngineBlocks, NotCovered, caller_salt
-from quilld.http.prompt_blocks import Family, PromptHasher, TokenizerUnavailable, family
-from quilld.index.affinity import SessionIdTooLong, check_session_id
-from quilld.index.pairing import NoDecodeEngine
-from quilld.index.router import Candidate, Decision
-from quilld.model import IdentityScope
-from quilld.scopes import NO_SCOPE, ScopeLimit
+from quilld.http.prompt_blocks import TokenizerUnavailable
 
 log = logging.getLogger("quilld.gateway")
 
-ENGINE_COOLDOWN = 3.0  # seconds a failed engine is passed over while others are left
 MAX_BODY = 64 * 1024 * 1024  # largest request body (long prompts, inline images)
-UPSTREAM_KEEPALIVE = 4.0  # below uvicorn's 5 s, so a pooled connection is never one the engine is closing
 SHUTDOWN_TIMEOUT = 2.0  # seconds open streams get at shutdown before they are cancelled
 WATCHDOG_TICKS = 8  # byte deadlines are checked this often per first_byte_timeout_ms (at least once a second)
-SLO_HEADER = "x-quillcache-ttft-slo-ms"
-SESSION_HEADER = "x-quillcache-session"
 
 
 class Gateway:
@@ -109,21 +106,19 @@ class Gateway:
         self.node = node
         self.cfg = node.cfg.gateway
         self.control = node.control
-        self.hasher = PromptHasher(self.cfg.chunk_chars)
-        self.engine_prompts = node.control.engine_prompts  # engines' own block hashes (engine_prompts.py)
-        self._fallback_said: set = set()  # engine families whose first fallback was logged
         self.stats = GatewayStats(ttft, handoff)
-        self.disaggregation = Disaggregation(self)
-        self.cooling: dict[str, float] = {}  # engine id -> monotonic time its cooldown ends
-        self._urls: dict[tuple[str, str], URL] = {}  # (engine base URL, path) -> parsed upstream URL
-        self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
-        self._rid = itertools.count(1)
-        self.session: aiohttp.ClientSession | None = None
+        counts = self.stats.counts
+        self.book = EngineBook(node.control, self.cfg.recorded_blocks, counts)
+        # the stages, in the order a request meets them
+        self.reader = RequestReader(node, self.cfg, self.stats)
+        self.hashing = PromptHashing(self.cfg.chunk_chars, node.control.engine_prompts, node.scopes,
+                                     lambda: node.salt_key(), counts)
+        self.decider = Decider(node.control, node, self.book)
+        self.legs = Legs(self.cfg, self.stats, self.book)
+        self.strategies = Strategies(Serving(self.cfg, node.control, node, self.stats, self.book, self.decider,
+                                             self.legs))
         self._listener: Listener | None = None
         self._handlers: set[asyncio.Task] = set()  # completion requests being served
-        self._reading: dict[Relay, aiohttp.ClientResponse] = {}  # answers being relayed, for the watchdog
-        self._leases: set[str] = set()  # in-flight leases, renewed so a long stream keeps counting
-        self._recorded: dict[str, OrderedDict] = {}  # engine -> (tag, block hash) it recorded, oldest first
         self._watch_task: asyncio.Task | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -133,10 +128,7 @@ class Gateway:
         if cap < c.max_connections:
             log.warning("gateway: at most %d connections (gateway.max_connections is %d): the HTTP listeners "
                         "hold at most a quarter of the descriptor limit", cap, c.max_connections)
-        self.session = aiohttp.ClientSession(  # at most as many connections to engines as from clients
-            connector=aiohttp.TCPConnector(limit=cap, keepalive_timeout=UPSTREAM_KEEPALIVE),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_ms / 1000),
-            auto_decompress=False, skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
+        self.legs.open(cap)  # at most as many connections to engines as from clients
         self._listener = Listener("gateway", "gateway", build_app(self), self.node.listeners["gateway"], cap,
                                   c.header_timeout_ms / 1000, c.body_timeout_ms / 1000, _answer,
                                   handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
@@ -161,191 +153,26 @@ class Gateway:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
             self._watch_task = None
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        await self.legs.close()
+
+    async def _watchdog(self) -> None:
+        """Renew the legs' leases, and close the engine response of every relay whose engine missed its
+        byte deadline.
+
+        The first body byte is due first_byte_timeout_ms after the request was
+        sent, each later chunk first_byte_timeout_ms after the one before. One
+        timer for all streams, checked WATCHDOG_TICKS times a timeout (at least
+        once a second), instead of a timer per chunk read.
+        """
+        loop = asyncio.get_running_loop()
+        tick = min(1.0, self.cfg.first_byte_timeout_ms / 1000 / WATCHDOG_TICKS)
+        while True:
+            await asyncio.sleep(tick)
+            self.book.renew()
+            self.legs.check_deadlines(loop.time())
 
     def info(self) -> list[tuple[str, int | float | str]]:
-        now = time.monotonic()
-        return self.stats.info(self.cfg.ttft_slo_ms, sum(1 for t in self.cooling.values() if t > now))
-
-    # -- identity and parsing -------------------------------------------------------
-    def tenant(self, request: web.Request) -> str:
-        users = self.node.users
-        if not users.required:
-            return "default"
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
-                           "invalid_request_error", "invalid_api_key", counter="unauthorized")
-        user = users.user_for_token(key)
-        if user is None:
-            self.node.stats["auth_failures"] += 1
-            raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key",
-                           counter="unauthorized")
-        return user
-
-    def resolve_model(self, model: str) -> tuple[str, str]:
-        """(engines' model, adapter) for a requested model name; 404 when no engine serves it."""
-        engines = self.control.engines
-        if engines.for_model(model):
-            return model, ""
-        base, sep, adapter = model.rpartition(":")
-        if sep and base and adapter and engines.for_model(base):
-            return base, adapter
-        raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
-                       "model", "unknown_model")
-
-    async def parse(self, request: web.Request, path: str, t0: float) -> Parsed:
-        tenant = self.tenant(request)
-        slo_ms = float(self.cfg.ttft_slo_ms)
-        if SLO_HEADER in request.headers:
-            try:
-                slo_ms = float(request.headers[SLO_HEADER])
-            except ValueError:
-                slo_ms = -1.0
-            if not 0 < slo_ms < float("inf"):
-                raise bad_request(f"{SLO_HEADER} must be a positive number of milliseconds")
-        raw = await request.read()
-        body = read_body(raw)
-        base, adapter = self.resolve_model(body["model"])
-        prompt = prompt_of(path, body)
-        dropped = drop_owned(body)  # every engine request is built from this body: none carries them
-        if dropped:
-            self.stats.dropped(dropped, tenant)
-        if adapter or dropped:
-            raw = json.dumps(dict(body, model=adapter or body["model"])).encode()
-        session = request.headers.get(SESSION_HEADER) or None
-        if session is not None:  # kept per tenant by the control plane: tenants' sessions never meet
-            try:
-                check_session_id(session)
-            except SessionIdTooLong as e:
-                raise bad_request(f"{SESSION_HEADER}: {e.message}", SESSION_HEADER, "session_id_too_long") from None
-        return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
-                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session, body)
-
-    # -- routing ----------------------------------------------------------------
-    def _cool(self, engine_id: str) -> None:
-        self.cooling[engine_id] = time.monotonic() + ENGINE_COOLDOWN
-
-    def scope_tag(self, req: Parsed, fam: Family, blocks: list[int]) -> tuple[IdentityScope, bytes]:
-        """The request's identity for engines of family `fam`, and the scope tag its `blocks` are
-        looked up and recorded under: the engines' own scope for their own hashes (a request of
-        another identity is salted, engine_prompts.py), else the request's."""
-        scope = IdentityScope(req.tenant, req.model, fam.tokenizer, req.adapter)
-        if isinstance(blocks, EngineBlocks):  # where the engines' KV events record them
-            return scope, self.node.scopes.tag(IdentityScope(fam.tenant, req.model, fam.tokenizer, req.adapter))
-        try:
-            return scope, self.node.scopes.tag(scope, capped=True)
-        except ScopeLimit:  # over the tenant's cap: routed without this scope's cache, nothing recorded
-            return scope, self.node.scopes.find(scope)
-
-    async def prompt_blocks(self, req: Parsed, fam: Family, hashes: dict[Family, list[int]]) -> list[int]:
-        blocks = hashes.get(fam)
-        if blocks is None:
-            if fam.hashing is not None:
-                blocks = await self._engine_blocks(req, fam)
-            if blocks is None:
-                blocks = await self.hasher.blocks(req.prompt, fam)
-            hashes[fam] = blocks
-        return blocks
-
-    async def _engine_blocks(self, req: Parsed, fam: Family) -> EngineBlocks | None:
-        """The prompt in the engines' own block hashes, computed off the loop; None when not covered."""
-        salt = caller_salt(self.node.salt_key, fam.tenant, IdentityScope(req.tenant, req.model, "", req.adapter),
-                           fam.tokenizer)
-        try:
-            blocks = await asyncio.to_thread(self.engine_prompts.hashes, fam.hashing, req.path == CHAT,
-                                             req.fields, salt, req.adapter)
-        except NotCovered as e:
-            self.stats.counts["engine_hash_fallbacks"] += 1
-            if fam.hashing not in self._fallback_said:
-                self._fallback_said.add(fam.hashing)
-                log.warning("gateway: %s: routing on quilld's own prompt hashes instead of the engine's (%s); "
-                            "said once per engine family", fam.tokenizer, e.message)
-            return None
-        self.stats.counts["engine_hashed"] += 1
-        return blocks
-
-    def salted_body(self, req: Parsed, blocks: list[int]) -> bytes | None:
-        """The body sent to an engine for `blocks`: the request's with their cache_salt; None: as it is."""
-        salt = getattr(blocks, "salt", None)
-        if salt is None:
-            return None
-        body = json.loads(req.body)
-        body["cache_salt"] = salt
-        return json.dumps(body).encode()
-
-    async def choose(self, req: Parsed, tried: set[str], hashes: dict[Family, list[int]]) -> Choice | None:
-        """The next engine to try: healthy before cooling, the router's pick, then by cost. Prefill
-        engines (role prefill) never answer a request themselves; a model with only those is a 503."""
-        groups: dict[Family, set[str]] = defaultdict(set)
-        served = self.control.engines.for_model(req.model)
-        for e in served:
-            if e.id not in tried and e.role != "prefill":
-                groups[family(e)].add(e.id)
-        if served and all(e.role == "prefill" for e in served):
-            raise ApiError(503, NoDecodeEngine(req.model).message, "service_unavailable", "no_decode_engine",
-                           counter="unavailable")
-        now = time.monotonic()
-        best: tuple | None = None
-        for fam, ids in groups.items():
-            blocks = await self.prompt_blocks(req, fam, hashes)
-            scope, tag = self.scope_tag(req, fam, blocks)
-            per_block = self.hasher.tokens_per_block(fam)
-            cluster = self.node.cluster  # in a cluster, the blocks' residencies from the directory's owners
-            view = None if cluster is None else await cluster.route_view(tag, blocks)
-            d = self.control.route(scope, tag, blocks, req.decode_tokens / per_block,
-                                   session=None if tried else req.session,  # a retry may leave it
-                                   block_tokens=per_block, view=view)
-            split = not tried and d.pair is not None and d.pair.prefill is not None  # gateway_disagg.py orders
-            for c in d.candidates:                                                    # its engines itself
-                if c.engine not in ids:
-                    continue
-                cooling = self.cooling.get(c.engine, 0.0) > now and not (split and c.engine == d.engine)
-                key = (cooling, c.engine != d.engine, c.cost, c.engine)
-                if best is None or key < best[0]:
-                    best = (key, c, d, tag, blocks, per_block, view)
-        if best is None:
-            return None
-        _, c, d, tag, blocks, per_block, view = best
-        engine = self.control.engines.get(c.engine)
-        if c.engine != d.engine:  # not the router's pick (it failed or cools down)
-            d = self._decision_for(engine, c, d, tag, blocks, view)
-        uncached = int(round(max(0.0, len(blocks) - c.credit) * per_block))
-        return Choice(engine, d, tag, blocks, uncached, self.salted_body(req, blocks))
-
-    def _decision_for(self, engine: EngineConfig, c: Candidate, d: Decision, tag: bytes,
-                      blocks: list[int], view=None) -> Decision:
-        """Decision `d` with `engine` (its candidate `c`) chosen instead: `c`'s cost and the engine's own plan
-        (and, with roles, the engine alone: it prefills and decodes)."""
-        pair = None if d.pair is None else replace(d.pair, decode=engine.id, prefill=None, prefill_url=None,
-                                                   prefill_lease=None)
-        return Decision(engine.id, c.cost, d.candidates, self.control.plan_for(engine.id, tag, blocks, view),
-                        engine.url, None, pair)
-
-    def _record(self, choice: Choice) -> None:
-        """The engine prefilled the prompt (or loaded its KV): its blocks are in that engine's HBM now."""
-        self.record(choice.engine, choice.tag, choice.blocks)
-
-    def record(self, engine: EngineConfig, tag: bytes, blocks: list[int]) -> None:
-        """`engine` holds the prompt's `blocks` (of scope `tag`) in its HBM now."""
-        if engine.kv_events or self.control.engines.engines.get(engine.id) is not engine:
-            return  # its events are the authority, or it was removed or replaced meanwhile
-        if tag == NO_SCOPE:
-            return
-        control, engine_id = self.control, engine.id
-        self.stats.counts["residencies_recorded"] += control.record(engine_id, tag, blocks)
-        # a bounded LRU of what was recorded: the engine evicts too, and nothing says what
-        recorded = self._recorded.setdefault(engine_id, OrderedDict())
-        for h in reversed(blocks):  # leading blocks last: a prefix is forgotten from its tail
-            recorded[(tag, h)] = None
-            recorded.move_to_end((tag, h))
-        while len(recorded) > self.cfg.recorded_blocks:
-            (old_tag, old_h), _ = recorded.popitem(last=False)
-            control.unrecord(engine_id, old_tag, old_h)
-            self.stats.counts["residencies_forgotten"] += 1
+        return self.stats.info(self.cfg.ttft_slo_ms, self.book.cooling_now())
 
     # -- the request --------------------------------------------------------------
     async def completion(self, request: web.Request, path: str) -> web.StreamResponse:
@@ -353,7 +180,7 @@ class Gateway:
         counts = self.stats.counts
         counts["requests"] += 1
         try:
-            req = await self.parse(request, path, t0)
+            req = await self.reader.read_request(request, path, t0)  # 1. parse
         except ApiError as e:
             counts[e.counter] += 1
             return e.response()
@@ -362,7 +189,9 @@ class Gateway:
         task = asyncio.current_task()
         self._handlers.add(task)
         try:
-            await self._relay(req, relay)
+            prompt = self.hashing.prompt(req)  # 2. the engine family's tokens and hashes, as stages ask
+            choice = await self.decider.choose(req, prompt, set())  # 3. the decision
+            await self.strategies.carry_out(req, prompt, choice, relay)  # 4. its way of moving KV, 5. the answer
         except ApiError as e:  # nothing was sent: no engine can answer this request
             counts[e.counter] += 1
             self._settle_missed(relay)
@@ -391,166 +220,8 @@ class Gateway:
         return relay.resp
 
     def _settle_missed(self, relay: Relay) -> None:
-        if not relay.settled:
-            relay.settled = True
+        if relay.settle():
             self.stats.missed()
-
-    async def _relay(self, req: Parsed, relay: Relay) -> None:
-        """Try engines, best first, until one answers or the attempts run out."""
-        counts = self.stats.counts
-        engines = self.control.engines
-        tried: set[str] = set()
-        hashes: dict[Family, list[int]] = {}
-        for attempt in range(self.cfg.max_attempts):
-            choice = await self.choose(req, tried, hashes)
-            if choice is None:
-                break
-            pair = choice.decision.pair
-            if not tried and pair is not None and pair.prefill is not None:  # a prefill engine, then this one
-                choice = await self.disaggregation.serve(req, choice, relay, hashes, tried)
-                if choice is None:
-                    return
-            tried.add(choice.engine.id)
-            if attempt:
-                counts["retries"] += 1
-            lease = relay.lease = engines.acquire(choice.engine.id, "request", choice.uncached_tokens)
-            self._leases.add(lease)
-            try:
-                await self._attempt(req, choice, relay)
-                return
-            except UpstreamFailed as e:
-                counts["upstream_errors"] += 1
-                relay.failures.append(f"{choice.engine.id}: {e.reason}")
-                if e.cool:
-                    self._cool(choice.engine.id)
-                log.warning("request %s: engine %s failed before its first byte (%s)", req.request_id,
-                            choice.engine.id, e.reason)
-            finally:
-                self._leases.discard(lease)
-                engines.release(lease)
-                relay.lease = None
-        self._settle_missed(relay)
-        if relay.resp is not None:  # headers went out with an engine that failed before its first byte
-            counts["unavailable"] += 1
-            await relay.fail("no engine could answer: " + "; ".join(relay.failures))
-
-    async def _attempt(self, req: Parsed, choice: Choice, relay: Relay) -> None:
-        """Ask one engine and relay its answer; UpstreamFailed while nothing reached the client's body."""
-        deadline = asyncio.get_running_loop().time() + self.cfg.first_byte_timeout_ms / 1000
-        upstream = await self._ask(req, choice, relay, deadline)
-        try:
-            ok = await self._answer(req, choice, relay, upstream)
-            if await self._stream(req, choice, relay, upstream, ok, deadline):
-                await self._finish(req, choice, relay, ok)
-        finally:
-            self._reading.pop(relay, None)
-            _let_go(upstream)
-
-    async def _ask(self, req: Parsed, choice: Choice, relay: Relay, deadline: float) -> aiohttp.ClientResponse:
-        """Send the request to the engine; its status and headers are due by `deadline` (loop time)."""
-        headers = engine_headers(upstream_headers(relay.request.headers, req.request_id), choice.engine)
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await self.session.post(self._url(choice.engine.url, req.path),
-                                               data=req.body if choice.body is None else choice.body, headers=headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise UpstreamFailed(describe(e)) from None
-
-    async def _answer(self, req: Parsed, choice: Choice, relay: Relay, upstream: aiohttp.ClientResponse) -> bool:
-        """Judge the engine's status and, for the first answer, send the client its status and headers
-        with the decision's; True for a 2xx."""
-        ok = answer_ok(upstream.status, relay.resp is not None)
-        if relay.resp is None:
-            headers = decision_headers(choice.decision, req.request_id, choice.fallback)
-            await relay.prepare(upstream, headers | choice.headers if choice.headers else headers)
-            if not ok:  # the engine refused the request itself: relayed as is, not counted for goodput
-                self.stats.counts["upstream_client_errors"] += 1
-                relay.settled = True
-        return ok
-
-    async def _stream(self, req: Parsed, choice: Choice, relay: Relay, upstream: aiohttp.ClientResponse, ok: bool,
-                      deadline: float) -> bool:
-        """Relay the engine's body as it comes, each wait bounded by the watchdog.
-
-        False when the engine broke off after bytes reached the client (the client's answer is ended).
-        """
-        content, loop = upstream.content, asyncio.get_running_loop()
-        limit = self.cfg.first_byte_timeout_ms / 1000
-        relay.stalled, relay.pending = False, b""  # nothing of an earlier attempt carries over
-        self._reading[relay] = upstream  # the watchdog bounds each wait for the engine's bytes
-        while True:
-            relay.deadline = loop.time() + limit if relay.started else deadline
-            try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, OSError) as e:
-                chunk, error = b"", describe(e)
-            else:
-                error = ""
-            relay.deadline = 0.0
-            if relay.stalled or error:
-                why = f"no byte for {self.cfg.first_byte_timeout_ms} ms" if relay.stalled else error
-                if not relay.started:
-                    raise UpstreamFailed(why)
-                await self._broken(req, choice, relay, why)
-                return False
-            if not chunk:
-                return True
-            if await relay.forward(chunk):
-                self._first_byte(req, choice, ok, relay)
-
-    async def _finish(self, req: Parsed, choice: Choice, relay: Relay, ok: bool) -> None:
-        """The engine's answer ended: its held-back tail goes out, then the end of the client's body."""
-        if await relay.flush():
-            self._first_byte(req, choice, ok, relay)
-        if not relay.started and ok:
-            raise UpstreamFailed("the answer ended before its first byte")
-        await relay.resp.write_eof()
-        if ok:
-            self.stats.counts["completed"] += 1
-
-    async def _broken(self, req: Parsed, choice: Choice, relay: Relay, why: str) -> None:
-        self.stats.counts["stream_errors"] += 1
-        log.warning("request %s: engine %s failed mid-answer (%s)", req.request_id, choice.engine.id, why)
-        await relay.fail(f"engine {choice.engine.id} failed mid-answer: {why}")
-
-    async def _watchdog(self) -> None:
-        """Close the engine response of every relay whose engine missed its byte deadline.
-
-        The first body byte is due first_byte_timeout_ms after the request was
-        sent, each later chunk first_byte_timeout_ms after the one before. One
-        timer for all streams, checked WATCHDOG_TICK times a timeout (at least
-        once a second), instead of a timer per chunk read.
-        """
-        loop = asyncio.get_running_loop()
-        tick = min(1.0, self.cfg.first_byte_timeout_ms / 1000 / WATCHDOG_TICKS)
-        renew = self.control.engines.renew
-        while True:
-            await asyncio.sleep(tick)
-            for lease in self._leases:
-                renew(lease)
-            now = loop.time()
-            for relay, upstream in list(self._reading.items()):
-                if relay.deadline and now > relay.deadline:
-                    relay.stalled = True
-                    upstream.close()
-
-    def _url(self, base: str, path: str) -> URL:
-        url = self._urls.get((base, path))
-        if url is None:
-            if len(self._urls) > 1024:  # engines come and go: never let it grow without bound
-                self._urls.clear()
-            url = self._urls[(base, path)] = URL(upstream_url(base, path))
-        return url
-
-    def _first_byte(self, req: Parsed, choice: Choice, ok: bool, relay: Relay) -> None:
-        if not ok:
-            return
-        self.stats.first_byte((time.perf_counter() - req.t0) * 1000, req.slo_ms)
-        relay.settled = True
-        self.cooling.pop(choice.engine.id, None)  # tried as a last resort and it answered: healthy again
-        if relay.lease is not None:
-            self.control.engines.prefilled(relay.lease)  # its prefill is done: no longer queued prefill work
-        self._record(choice)
 
     # -- the other endpoints: their answers once the API key is checked -----------------
     def models(self, request: web.Request) -> web.Response:
@@ -559,21 +230,12 @@ class Gateway:
             {"id": name, "object": "model", "created": 0, "owned_by": "quillcache"} for name in names]})
 
     def model(self, request: web.Request) -> web.Response:
-        base, adapter = self.resolve_model(request.match_info["model"])
+        base, adapter = self.reader.resolve_model(request.match_info["model"])
         return web.json_response({"id": request.match_info["model"], "object": "model", "created": 0,
                                   "owned_by": "quillcache", **({"parent": base} if adapter else {})})
 
     def own_stats(self, request: web.Request) -> web.Response:
         return web.json_response(dict(self.info()))
-
-
-def _let_go(upstream: aiohttp.ClientResponse) -> None:
-    """Return a read answer's connection to the pool; one cancelled or failed mid-body is dropped
-    instead, so the engine sees the request go."""
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -591,7 +253,7 @@ def authorized(answer: Callable[[Gateway, web.Request], web.Response]) \
     async def handler(request: web.Request) -> web.Response:
         gateway = request.app[GATEWAY]
         try:
-            gateway.tenant(request)
+            gateway.reader.tenant(request)
             return answer(gateway, request)
         except ApiError as e:
             gateway.stats.counts[e.counter] += 1

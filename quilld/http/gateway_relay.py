@@ -46,6 +46,13 @@ class Relay:
         self.stalled = False  # the engine missed that deadline and its response was closed
         self.lease: str | None = None  # the attempt's whole-request lease: its prefill ends at the first byte
 
+    def settle(self) -> bool:
+        """The request's goodput outcome is known now; True when it was not before (count it then)."""
+        if self.settled:
+            return False
+        self.settled = True
+        return True
+
     async def prepare(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> None:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for name in FORWARDED_HEADERS:

@@ -1,4 +1,11 @@
-"""Reading an OpenAI request: its errors, in OpenAI's shape, and the body's checks.
+"""The first stage of a gateway request: reading it, with its errors in OpenAI's shape.
+
+`RequestReader.parse` turns the client's request into a `Parsed`: the API key gives the
+tenant (the user whose password it is, when quilld has users; `default` otherwise), the
+model picks the engines (`base:adapter`, where no engine serves a model of that exact name,
+is LoRA `adapter` on the engines of `base`, sent to them as `"model": "adapter"`), the body is
+checked, the TTFT budget (`x-quillcache-ttft-slo-ms`) and the session
+(`x-quillcache-session`, at most 256 bytes) are read, and the request gets its id.
 
 Errors answer `{"error": {"message", "type", "param", "code"}}` with the status
 OpenAI uses: 400 malformed, 401 bad API key, 404 unknown model, 503 no engine.
@@ -7,12 +14,18 @@ The fields the gateway owns (OWNED_FIELDS) are taken out of a client's body here
 
 from __future__ import annotations
 
+import itertools
+import json
+import secrets
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from quilld.config import GatewayConfig
+from quilld.http.gateway_stats import GatewayStats
 from quilld.http.perimeter import parse_json
 from quilld.http.prompt_blocks import completion_prompt, render_chat
+from quilld.index.affinity import SessionIdTooLong, check_session_id
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Fields of a request body the gateway owns: a client's are dropped before any engine sees them.
@@ -21,6 +34,8 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # engine's prefix cache, and only the gateway knows whose request it is (it sets its own for
 # requests of another identity than the engine's, quilld/index/engine_prompts.py).
 OWNED_FIELDS = ("kv_transfer_params", "cache_salt")
+SLO_HEADER = "x-quillcache-ttft-slo-ms"
+SESSION_HEADER = "x-quillcache-session"
 
 
 class ApiError(Exception):
@@ -69,8 +84,8 @@ def prompt_of(path: str, body: dict[str, Any]) -> str | list[int]:
     """The prompt to route by: rendered chat messages, or the completions prompt; 400 when missing."""
     if path == CHAT:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages \
-                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        if (not isinstance(messages, list) or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
             raise bad_request("`messages` must be a non-empty array of objects with a `role`.", "messages",
                               "missing_messages")
         return render_chat(messages)
@@ -115,3 +130,69 @@ class Parsed(NamedTuple):
     request_id: str
     session: str | None = None  # x-quillcache-session: requests of one session stay on one engine
     fields: dict[str, Any] | None = None  # the request's JSON object (engine_prompts.py reads its prompt)
+
+
+class RequestReader:
+    """Reads each request of the gateway: who asks, for which engines, what (see the module docstring)."""
+
+    def __init__(self, node: Any, cfg: GatewayConfig, stats: GatewayStats) -> None:
+        self.node = node  # its users, its engines (the control plane's) and its node-wide counters
+        self.cfg = cfg
+        self.stats = stats
+        self._rid_prefix = secrets.token_hex(4)  # request ids: this run's prefix + a counter
+        self._rid = itertools.count(1)
+
+    def tenant(self, request: web.Request) -> str:
+        users = self.node.users
+        if not users.required:
+            return "default"
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>`.",
+                           "invalid_request_error", "invalid_api_key", counter="unauthorized")
+        user = users.user_for_token(key)
+        if user is None:
+            self.node.stats["auth_failures"] += 1
+            raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key",
+                           counter="unauthorized")
+        return user
+
+    def resolve_model(self, model: str) -> tuple[str, str]:
+        """(engines' model, adapter) for a requested model name; 404 when no engine serves it."""
+        engines = self.node.control.engines
+        if engines.for_model(model):
+            return model, ""
+        base, sep, adapter = model.rpartition(":")
+        if sep and base and adapter and engines.for_model(base):
+            return base, adapter
+        raise ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
+                       "model", "unknown_model")
+
+    async def read_request(self, request: web.Request, path: str, t0: float) -> Parsed:
+        tenant = self.tenant(request)
+        slo_ms = float(self.cfg.ttft_slo_ms)
+        if SLO_HEADER in request.headers:
+            try:
+                slo_ms = float(request.headers[SLO_HEADER])
+            except ValueError:
+                slo_ms = -1.0
+            if not 0 < slo_ms < float("inf"):
+                raise bad_request(f"{SLO_HEADER} must be a positive number of milliseconds")
+        raw = await request.read()
+        body = read_body(raw)
+        base, adapter = self.resolve_model(body["model"])
+        prompt = prompt_of(path, body)
+        dropped = drop_owned(body)  # every engine request is built from this body: none carries them
+        if dropped:
+            self.stats.dropped(dropped, tenant)
+        if adapter or dropped:
+            raw = json.dumps(dict(body, model=adapter or body["model"])).encode()
+        session = request.headers.get(SESSION_HEADER) or None
+        if session is not None:  # kept per tenant by the control plane: tenants' sessions never meet
+            try:
+                check_session_id(session)
+            except SessionIdTooLong as e:
+                raise bad_request(f"{SESSION_HEADER}: {e.message}", SESSION_HEADER, "session_id_too_long") from None
+        return Parsed(path, raw, base, adapter, tenant, prompt, decode_tokens(body), slo_ms, t0,
+                      f"{self._rid_prefix}{next(self._rid) & 0xFFFFFFFF:08x}", session, body)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from quilld.config import Config, EngineConfig, GroupConfig
-from quilld.http.gateway import Gateway, Parsed
-from quilld.http.gateway_request import CHAT
+from quilld.http.gateway import Gateway
+from quilld.http.gateway_request import CHAT, Parsed
 from quilld.http.gateway_upstream import (UpstreamFailed, answer_ok, decision_headers, describe, upstream_headers,
                                           upstream_url)
 from quilld.index.control import ControlPlane, chain_hashes
@@ -85,7 +85,8 @@ def hot_and_cold() -> Gateway:
 
 
 def choose(gw: Gateway, tried: set[str], req: Parsed | None = None):
-    return asyncio.run(gw.choose(req or request(), tried, {}))
+    req = req or request()
+    return asyncio.run(gw.decider.choose(req, gw.hashing.prompt(req), tried))
 
 
 def test_the_first_attempt_goes_to_the_routers_pick_with_its_decision():
@@ -112,7 +113,7 @@ def test_a_retry_gets_the_next_engine_with_its_own_plan_and_cost():
 
 def test_a_cooling_engine_is_tried_only_when_no_other_is_left():
     gw = hot_and_cold()
-    gw._cool("hot")
+    gw.book.cool("hot")
     first = choose(gw, set())
     assert first.engine.id == "cold" and first.decision.engine == "cold"
     assert decision_headers(first.decision, "rid")["x-quillcache-plan"] == "hits=0 fetches=0 recomputes=4"
