@@ -279,7 +279,7 @@ class EngineConfig:
     # sha256 algos can be reproduced). A secret: never logged or shown, like api_key. The config file
     # and the API may give it as `hash_seed_file = "path"` or `hash_seed = "env:NAME"` (engine_from)
     hash_seed: str = field(default="", repr=False)
-    # how KV moves when it prefills for another engine (gateway_disagg.py): "pool", its connector
+    # how KV moves when it prefills for another engine (gateway_strategy.py): "pool", its connector
     # writes the pool under the engine's block hashes and the gateway waits for what is missing;
     # "nixl", engine to engine (vLLM's NixlConnector, P2P): the decode leg goes at once, no pool wait;
     # "mooncake", engine to engine (vLLM's MooncakeConnector): both legs at once, the decode engine
