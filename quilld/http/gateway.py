@@ -41,7 +41,7 @@ what others asked.
 Load and failures. The engine's in-flight count is taken before the upstream
 call and given back when the request ends, however it ends. An engine that
 refuses, resets, answers 5xx/429 or sends no byte within
-`first_byte_timeout_ms` cools down for `ENGINE_COOLDOWN` seconds (gateway_engines.py) (it is tried
+`first_byte_timeout_ms` cools down for `gateway_engines.ENGINE_COOLDOWN` seconds (it is tried
 only when no other engine is left) and the request moves to the next-best
 engine, up to `max_attempts`. That holds until the first body byte reached the
 client; if the engine had already answered headers, they (and the decision
