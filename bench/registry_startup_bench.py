@@ -3,7 +3,7 @@
 (one member, started here); then one more node started, timed from its spawn until every node's
 NODES lists it alive (the join a node pays at start), and until it serves (its RESP port answers).
 
-    python bench/registry_startup_bench.py [--rounds 5]
+    python bench/registry_startup_bench.py [--rounds 5] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 from etcd_cluster import EtcdCluster  # noqa: E402
+from plot import Panel, add_flag, ratio, save  # noqa: E402
 from procs import free_gossip_port, start_quilld, stop_process  # noqa: E402
 
 FAST_GOSSIP = {"QUILLD_CLUSTER_PROBE_INTERVAL_MS": "200", "QUILLD_CLUSTER_PROBE_TIMEOUT_MS": "80",
@@ -72,6 +74,7 @@ def one_round(mode: str, tmp: Path, etcd: EtcdCluster) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    add_flag(ap)
     args = ap.parse_args()
     got: dict[str, list[tuple[float, float]]] = {"gossip": [], "etcd": []}
     with tempfile.TemporaryDirectory(prefix="quill-start-") as tmp, EtcdCluster(Path(tmp), members=1) as etcd:
@@ -80,10 +83,21 @@ def main() -> None:
                 work = Path(tmp) / f"{mode}-{r}"
                 work.mkdir()
                 got[mode].append(one_round(mode, work, etcd))
+    medians = {mode: (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
+               for mode, rows in got.items()}
     print(f"mode   | serves after (median of {args.rounds}) | in every view after")
-    for mode, rows in got.items():
-        print(f"{mode:6} | {statistics.median(r[0] for r in rows):8.2f} s | "
-              f"{statistics.median(r[1] for r in rows):8.2f} s")
+    for mode, (served, seen) in medians.items():
+        print(f"{mode:6} | {served:8.2f} s | {seen:8.2f} s")
+    if args.plot:
+        plot(args.plot, medians, args.rounds)
+
+
+def plot(path: str, medians: dict[str, tuple[float, float]], rounds: int) -> None:
+    """A fourth node's start in each mode: serving, and in every view (labels: etcd over gossip)."""
+    what = ["serves", "in every view"]
+    panel = Panel("a node's start-up", what, {mode: list(m) for mode, m in medians.items()}, "s",
+                  [ratio(medians["etcd"][i], medians["gossip"][i]) for i in (0, 1)])
+    save(path, [panel], "gossip against etcd: a node joining three", f"medians of {rounds} rounds; labels etcd / gossip")
 
 
 if __name__ == "__main__":

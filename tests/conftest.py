@@ -371,3 +371,19 @@ def cluster(tmp_path):
         yield c
     finally:
         c.stop_all()
+
+
+@pytest.fixture
+def topo():
+    """A bridge and its hosts in network namespaces (tests/netns.py), torn down at the end; a
+    machine that cannot make them fails the test (CI runs as root), never skips it."""
+    from netns import NetnsUnavailable, Topology
+
+    try:
+        t = Topology()
+    except NetnsUnavailable as e:
+        pytest.fail(f"this test needs network namespaces (root and iproute2; CI runs as root): {e}")
+    try:
+        yield t
+    finally:
+        t.destroy()

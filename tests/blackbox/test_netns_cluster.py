@@ -24,7 +24,6 @@ import time
 import pytest
 import redis
 
-from netns import NetnsUnavailable, Topology
 from netns_cluster import NetnsCluster, Node
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,18 +43,6 @@ tokenizer = "{TOKENIZER}"
 block_size = 16
 """ for i, e in enumerate(("vllm-0", "vllm-1")))
 SETTLE_TIMEOUT = 30.0  # replication and pool asks on a loaded machine: a bound, not a speed claim
-
-
-@pytest.fixture
-def topo():
-    try:
-        t = Topology()
-    except NetnsUnavailable as e:
-        pytest.fail(f"this test needs network namespaces (root and iproute2; CI runs as root): {e}")
-    try:
-        yield t
-    finally:
-        t.destroy()
 
 
 @pytest.fixture

@@ -19,25 +19,12 @@ import pytest
 import redis
 
 from history_check import Fault, Op, check
-from netns import NetnsUnavailable, Topology
 from netns_cluster import NetnsCluster
 
 pytestmark = pytest.mark.timeout(300)
 
 CONVERGE_S = 10.0  # after a heal, one value everywhere within this (the bound)
 SEE_DEAD_S = 30.0
-
-
-@pytest.fixture
-def topo():
-    try:
-        t = Topology()
-    except NetnsUnavailable as e:
-        pytest.fail(f"this test needs network namespaces (root and iproute2; CI runs as root): {e}")
-    try:
-        yield t
-    finally:
-        t.destroy()
 
 
 @pytest.fixture

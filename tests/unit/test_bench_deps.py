@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHES = sorted(p for p in (ROOT / "bench").glob("*_bench.py")) + [ROOT / "bench" / "vs_redis.py",
                                                                      ROOT / "bench" / "index_study.py"]
 LOCAL = {"plot", "procs", "index_trace", "vs_redis", "vllm_schema", "netns", "netns_cluster", "quilld", "quillclient",
-         "quillwire", "vllm_configs"}
+         "quillwire", "vllm_configs", "etcd_cluster"}
 OPTIONAL = {"mooncake",  # --mooncake only, never a dependency (get_into_bench.py says how to install it)
             "sglang", "torch",  # SGLang's own classes when installed (docs/connectors.md); replayed without them
             "vllm"}  # vllm_tier_bench.py, vllm_connector_bench.py: imported when they run (.ci/run installs vLLM)
@@ -30,7 +30,7 @@ OPTIONAL = {"mooncake",  # --mooncake only, never a dependency (get_into_bench.p
 DISTRIBUTION_OF = {"blart": "blart-py", "zmq": "pyzmq"}
 # what the benches import from tests/: it must not need the test extra either
 FROM_TESTS = [ROOT / "tests" / "procs.py", ROOT / "tests" / "vllm_schema.py", ROOT / "tests" / "netns.py",
-              ROOT / "tests" / "netns_cluster.py", ROOT / "tests" / "vllm_configs.py"]
+              ROOT / "tests" / "netns_cluster.py", ROOT / "tests" / "vllm_configs.py", ROOT / "tests" / "etcd_cluster.py"]
 
 _NO_PYTEST = """
 import os, runpy, sys

@@ -212,6 +212,12 @@ def test_etcd_registry_bench_draws_each_phase_and_etcd_s_cost(saved):
     assert join.series["max"] == [0.5] and cost.series == {"CPU (cores x 100)": [3.0], "RSS (MiB)": [31.0]}
 
 
+def test_registry_startup_bench_puts_the_modes_side_by_side(saved):
+    bench("registry_startup_bench").plot("x.png", {"gossip": (0.5, 0.6), "etcd": (0.7, 0.9)}, 3)
+    (panel,) = saved[-1]["panels"]
+    assert panel.series == {"gossip": [0.5, 0.6], "etcd": [0.7, 0.9]} and panel.labels == ["1.40x", "1.50x"]
+
+
 def test_cluster_route_bench_puts_the_cluster_beside_one_node(saved):
     bench("cluster_route_bench").plot("x.png", [("single node", 0.2, 3.6), ("12 hosts", 1.0, 4.8)], 12, 0.74)
     (panel,) = saved[-1]["panels"]
