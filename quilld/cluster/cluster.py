@@ -142,6 +142,8 @@ class Cluster:
         self.link.start()
         if self.cfg.registry == "etcd":
             self.membership = EtcdRegistry(self.node_id, self.meta(), self.cfg, self._on_event)
+            self.engines.election = self.membership  # each engine's home, one at a time, under a lease
+            self.membership.on_homes = self.engines.kick
         else:
             self.membership = Gossip(self.node_id, self.node_cfg.server.bind, self.cfg.gossip_port, self.meta(),
                                      self.cfg, self._on_event)

@@ -90,6 +90,7 @@ class EngineSync:
         # engine -> the version registered in the control plane (the config file's, from the start)
         self.applied: dict[str, Version] = {e: entry.version for e, entry in self.table.entries.items()}
         self.homes: dict[str, str] = {}  # engine -> its home, as last settled here
+        self.election: Any = None  # with etcd: the registry that elects each engine's home (_elected)
         self.stats: Counter[str] = Counter()
         self._fresh: set[str] = set()  # engines registered here whose first settle must not adopt
         self._pulled: dict[str, str] = {}  # peer -> the digest its table had when we last pulled it
@@ -301,6 +302,8 @@ class EngineSync:
                 await self.control.add_engine(entry.config, follow=False, rank=rank)
                 self.applied[engine_id] = entry.version
             home = home_of(engine_id, entry.origin, self.members)
+            if self.election is not None:
+                home = self._elected(engine_id, home)
             prev = None if replaced else self.homes.get(engine_id)
             fresh = engine_id in self._fresh
             self._fresh.discard(engine_id)
@@ -317,6 +320,20 @@ class EngineSync:
                 self.directory.drop_authority(engine_id)  # its entries stay with their owners
                 self.stats["engine_homes_left"] += 1
                 log.info("engines: %s's home is now %s; this node stopped consuming its KV events", engine_id, home)
+
+    def _elected(self, engine_id: str, wanted: str | None) -> str | None:
+        """With etcd (`election`, etcd_registry.py): the home is the node that holds the engine's
+        home key, exactly one at a time. The node the rule wants claims it when nobody holds it; a
+        holder the rule no longer wants gives it up (and stays home until the key is gone). None:
+        nobody holds it yet (a claim is on its way)."""
+        held = self.election.home_holder(engine_id)
+        if held is not None and held not in self.members:
+            held = None  # a dead node's key goes with its lease
+        if wanted == self.node_id and held is None:
+            self.election.claim_home(engine_id)
+        elif held == self.node_id and wanted != self.node_id:
+            self.election.release_home(engine_id)
+        return held
 
     async def _unregister(self, engine_id: str) -> int:
         self.applied.pop(engine_id, None)

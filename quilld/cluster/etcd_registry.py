@@ -11,6 +11,16 @@ died; `left`: it stopped). The events are those of gossip (swim.Event), so the c
 (cluster.py) treats both registries alike: the directory's ownership follows these members,
 and `revision` says which etcd revision the view was last brought to.
 
+Each engine's home is elected under the same leases:
+
+    <etcd_prefix>/homes/<engine id>  ->  <node id>
+
+created only where absent (a transaction), under the claiming node's lease: exactly one node
+holds an engine's home at a time, and a home whose node died is free once its lease runs out.
+The node the engines' rule picks (engines_sync.py: the registering node while alive, else a
+rendezvous choice) claims it; a holder the rule no longer picks gives it up; the others follow
+whoever holds the key (`home_holder`).
+
 The meta a node writes is the same as its gossip meta. Its addresses, directory epoch, engine
 table summary and capacity are written as soon as they change; what changes every second (use,
 loads, the directory's figures) at most every META_WRITE_S, so a busy cluster does not write
@@ -62,6 +72,10 @@ def node_key(prefix: str, node_id: str) -> bytes:
     return f"{prefix}/nodes/{node_id}".encode()
 
 
+def home_key(prefix: str, engine_id: str) -> bytes:
+    return f"{prefix}/homes/{engine_id}".encode()
+
+
 def parse_endpoint(url: str) -> tuple[str, int]:
     """`http://host:port`, `host:port` or `host` (port 2379) -> (host, port)."""
     rest = url.split("://", 1)[-1].rstrip("/")
@@ -96,6 +110,9 @@ class EtcdRegistry:
         self._members: dict[str, Member] = {node_id: Member(node_id, ("", 0), 0, State.ALIVE, self._meta,
                                                             time.monotonic())}
         self._raw: dict[str, tuple[int, bytes]] = {}  # node -> (create revision, value) last applied
+        self.homes: dict[str, str] = {}  # engine -> the node that holds its home key
+        self.on_homes: Callable[[], None] | None = None  # told when an engine's home key changes
+        self._claims: set[asyncio.Task] = set()
         self._client: Any = None
         self._endpoint = 0
         self._lease: Any = None
@@ -120,6 +137,46 @@ class EtcdRegistry:
         if due and (self._writer is None or self._writer.done()):
             self._writer = asyncio.create_task(self._write_meta(), name="etcd-meta")
 
+    def home_holder(self, engine_id: str) -> str | None:
+        """The node that holds the engine's home key now (None: nobody, or etcd not read yet)."""
+        return self.homes.get(engine_id)
+
+    def claim_home(self, engine_id: str) -> None:
+        """Take the engine's home if nobody holds it (in the background: the watch says who won)."""
+        self._in_background(self._claim(engine_id))
+
+    def release_home(self, engine_id: str) -> None:
+        """Give the engine's home up, if this node holds it."""
+        self._in_background(self._release(engine_id))
+
+    def _in_background(self, coro) -> None:
+        if self._closing or self._client is None or self._lease is None:
+            coro.close()
+            return
+        task = asyncio.ensure_future(coro)
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    async def _claim(self, engine_id: str) -> None:
+        client, key = self._client, home_key(self.prefix, engine_id)
+        try:
+            ok, _ = await asyncio.wait_for(client.transaction(
+                compare=[client.transactions.create(key) == 0],
+                success=[client.transactions.put(key, self.node_id.encode(), self._lease)], failure=[]),
+                CALL_TIMEOUT_S)
+            self.stats["registry_home_claims" if ok else "registry_home_claims_lost"] += 1
+        except Exception as e:  # etcd gone: the loop reads the homes afresh on its return
+            log.debug("cluster: claiming %s's home in etcd failed: %s", engine_id, describe(e))
+
+    async def _release(self, engine_id: str) -> None:
+        client, key = self._client, home_key(self.prefix, engine_id)
+        try:
+            await asyncio.wait_for(client.transaction(
+                compare=[client.transactions.value(key) == self.node_id.encode()],
+                success=[client.transactions.delete(key)], failure=[]), CALL_TIMEOUT_S)
+        except Exception as e:
+            log.debug("cluster: giving %s's home up in etcd failed: %s", engine_id, describe(e))
+
     async def start(self) -> None:
         """Register and read the members (waiting FIRST_SYNC_WAIT_S at most: etcd may be down; the
         node then serves alone and joins once it answers)."""
@@ -135,7 +192,7 @@ class EtcdRegistry:
     async def stop(self, leave: bool = True) -> None:
         """Say `left`, revoke the lease (when `leave`), close the client."""
         self._closing = True
-        for task in (self._task, self._writer):
+        for task in (self._task, self._writer, *self._claims):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -193,6 +250,10 @@ class EtcdRegistry:
 
     async def _register(self) -> None:
         """A lease, when this node has none (or it expired), and the node's key under it."""
+        if self._lease is not None:  # back after etcd was gone: is the lease still there?
+            reply = await asyncio.wait_for(self._client.refresh_lease(self._lease.id), CALL_TIMEOUT_S)
+            if reply is None or reply.TTL <= 0:
+                self._lease = None  # it ran out meanwhile (etcd was down longer, or restarted without it)
         if self._lease is None:
             self._lease = await asyncio.wait_for(self._client.lease(self.cfg.etcd_lease_ttl_s), CALL_TIMEOUT_S)
             self.stats["registry_registrations"] += 1
@@ -208,6 +269,8 @@ class EtcdRegistry:
             await asyncio.wait_for(self._client.put(node_key(self.prefix, self.node_id), self._value("alive", meta),
                                                     lease=self._lease), CALL_TIMEOUT_S)
         except Exception as e:
+            if "lease not found" in str(e):
+                self._lease = None  # gone from etcd: the loop takes a new one and writes again
             if self._writer is not None and asyncio.current_task() is self._writer:
                 log.debug("cluster: writing this node's meta to etcd failed: %s", e)
                 return  # the loop notices etcd is gone and writes it again on its return
@@ -222,13 +285,21 @@ class EtcdRegistry:
     async def _resync(self) -> None:
         """Read every node's key: the members not there any more are dead (or left), the new ones
         joined, the changed ones updated; the watch goes on from this revision."""
-        got = await asyncio.wait_for(self._client.get_prefix(f"{self.prefix}/nodes/".encode()), CALL_TIMEOUT_S)
+        got = await asyncio.wait_for(self._client.get_prefix(f"{self.prefix}/".encode()), CALL_TIMEOUT_S)
         self.revision = got.header.revision
         seen = set()
+        homes: dict[str, str] = {}
         for kv in got:
+            engine_id = self._engine_of(kv.key)
+            if engine_id is not None:
+                homes[engine_id] = kv.value.decode(errors="replace")
+                continue
             node_id = self._apply_put(kv)
             if node_id is not None:
                 seen.add(node_id)
+        if homes != self.homes:
+            self.homes = homes
+            self._homes_changed()
         for node_id, m in list(self._members.items()):
             if node_id != self.node_id and node_id not in seen and m.state in (State.ALIVE, State.SUSPECT):
                 self._change(node_id, State.DEAD, m.meta, m.incarnation)
@@ -237,7 +308,7 @@ class EtcdRegistry:
 
     async def _watch_and_keep_alive(self) -> None:
         watch = await asyncio.wait_for(
-            self._client.watch_prefix(f"{self.prefix}/nodes/".encode(), start_revision=self.revision + 1),
+            self._client.watch_prefix(f"{self.prefix}/".encode(), start_revision=self.revision + 1),
             CALL_TIMEOUT_S)
         keeper = asyncio.create_task(self._keep_alive(), name="etcd-lease")
         watcher = asyncio.create_task(self._follow(watch), name="etcd-watch")
@@ -256,7 +327,14 @@ class EtcdRegistry:
     async def _follow(self, watch: Any) -> None:
         async for ev in watch:
             self.revision = max(self.revision, ev.kv.mod_revision)
-            if ev.kind == "PUT":
+            engine_id = self._engine_of(ev.kv.key)
+            if engine_id is not None:
+                if ev.kind == "PUT":
+                    self.homes[engine_id] = ev.kv.value.decode(errors="replace")
+                else:
+                    self.homes.pop(engine_id, None)
+                self._homes_changed()
+            elif ev.kind == "PUT":
                 self._apply_put(ev.kv)
             else:
                 node_id = self._node_of(ev.kv.key)
@@ -279,6 +357,14 @@ class EtcdRegistry:
                 await self._write_meta()  # the changing part, now and then
 
     # -- members -------------------------------------------------------------------------------------
+    def _engine_of(self, key: bytes) -> str | None:
+        head = f"{self.prefix}/homes/".encode()
+        return key[len(head):].decode(errors="replace") if key.startswith(head) else None
+
+    def _homes_changed(self) -> None:
+        if self.on_homes is not None:
+            self.on_homes()
+
     def _node_of(self, key: bytes) -> str | None:
         head = f"{self.prefix}/nodes/".encode()
         if not key.startswith(head):

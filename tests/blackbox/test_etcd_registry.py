@@ -108,6 +108,23 @@ def admin(q, method: str, path: str, body=None) -> tuple[int, dict]:
             return e.code, json.loads(e.read() or b"null")
 
 
+def etcd_get(etcd: EtcdCluster, key: str) -> str | None:
+    """One key read from etcd as an operator would (etcdctl get), through the same client."""
+    import asyncio
+
+    import aetcd
+
+    async def read():
+        client = aetcd.Client(host="127.0.0.1", port=etcd.client_ports[etcd.names[0]], timeout=5)
+        await client.connect()
+        try:
+            got = await client.get(key.encode())
+            return None if got is None else got.value.decode()
+        finally:
+            await client.close()
+    return asyncio.run(read())
+
+
 def test_six_nodes_share_data_see_kills_within_the_ttl_and_rehome_an_engine(nodes):
     names = [f"n{i}" for i in range(6)]
     t0 = time.monotonic()
@@ -127,6 +144,8 @@ def test_six_nodes_share_data_see_kills_within_the_ttl_and_rehome_an_engine(node
                       timeout=10), "not every node learned of e1"
     homes = {n: admin(nodes.procs[n], "GET", "/v1/engines")[1]["engines"][0]["home"] for n in names}
     assert set(homes.values()) == {"n1"}, homes
+    home_key = f"{nodes.prefix}/homes/e1"  # the election: one key, held under the home's lease
+    assert wait_until(lambda: etcd_get(nodes.etcd, home_key) == "n1", timeout=10), etcd_get(nodes.etcd, home_key)
     killed = time.monotonic()
     nodes.kill("n1")
     nodes.kill("n4")
@@ -141,6 +160,8 @@ def test_six_nodes_share_data_see_kills_within_the_ttl_and_rehome_an_engine(node
 
     assert wait_until(one_home, timeout=TTL + 10, interval=0.05), "e1 has no single new home"
     rehomed = time.monotonic() - killed
+    new_home = admin(nodes.procs["n0"], "GET", "/v1/engines")[1]["engines"][0]["home"]
+    assert wait_until(lambda: etcd_get(nodes.etcd, home_key) == new_home, timeout=5), etcd_get(nodes.etcd, home_key)
     print(f"e1 homed again {rehomed:.2f} s after its home was killed")
     assert rehomed <= TTL + 2
     assert nodes.client("n5").get("small") == small  # n0's values are still found
@@ -190,7 +211,8 @@ def test_the_etcd_leader_killed_and_etcd_down_cost_no_read_or_write(nodes, etcd)
         back = time.monotonic()
         etcd.start_all()
         assert wait_until(lambda: all(nodes.client(n).info("cluster")["cluster_registry_state"] == "connected"
-                                      for n in names), timeout=30), "the nodes did not reconnect"
+                                      for n in names), timeout=30), \
+            "the nodes did not reconnect:\n" + "\n".join(nodes.procs[n].log_path.read_text()[-2000:] for n in names)
         print(f"\nnodes connected again {time.monotonic() - back:.1f} s after etcd was started again")
         wait_views(nodes, {n: "alive" for n in names}, 10, "three alive after etcd came back")
     finally:
