@@ -394,7 +394,8 @@ async def nodes(request: web.Request) -> web.Response:
         for m in cluster.members_list():
             me = m.node_id == node.node_id
             members.append({"id": m.node_id, "state": m.state.name.lower(), "incarnation": m.incarnation,
-                            "gossip": f"{m.addr[0]}:{m.addr[1]}", "self": me,
+                            "gossip": f"{m.addr[0]}:{m.addr[1]}" if cluster.cfg.registry == "gossip" else None,
+                            "self": me,
                             "state_s": round(cluster.state_age(m), 1),
                             **(m.meta or {}), **(_own_figures(node) if me else {})})
     for m in members:

@@ -150,6 +150,8 @@ def test_six_nodes_share_data_see_kills_within_the_ttl_and_rehome_an_engine(node
     nodes.kill("n1")
     nodes.kill("n4")
     took = wait_views(nodes, {"n1": "dead", "n4": "dead"}, TTL + 10, "the killed nodes dead everywhere")
+    listed = {m["id"]: m["state"] for m in admin(nodes.procs["n2"], "GET", "/v1/nodes")[1]["nodes"]}
+    assert listed == {n: "dead" if n in ("n1", "n4") else "alive" for n in names}, listed  # as NODES says
     print(f"two nodes killed: dead in every view {took:.2f} s later (TTL {TTL} s)")
     assert took <= TTL + 2, f"the kills took {took:.1f} s to reach every view (TTL {TTL} s)"
 
