@@ -53,6 +53,7 @@ def counters(ctx: NodeContext, tenant: str | None = None) -> dict[str, int]:
         "payload_timeouts": clients.stats["payload_timeouts"],
         "expired_keys": st["expired"],
         "evicted_keys": st["evictions"],
+        "evicted_chain_tails": st["evictions_chain_tail"],  # of those: a chain's tail taken before its head
         "unfilled_refused": st["unfilled_refused"],
         "keyspace_hits": hits,
         "keyspace_misses": misses,

@@ -75,6 +75,7 @@ HELP = {
     "payload_timeouts": "Connections closed because a value's payload stalled.",
     "expired_keys": "Keys removed by their TTL.",
     "evicted_keys": "Values evicted for space.",
+    "evicted_chain_tails": "Evictions that took a chain's tail instead of its least recently used head (chains.py).",
     "unfilled_refused": "Reservations refused by the caps on unfilled payloads.",
     "keyspace_hits": "Lookups that found their key.",
     "keyspace_misses": "Lookups that did not.",

@@ -65,6 +65,7 @@ from quilld.model import CacheTier, Pending, Pinned
 from quilld.scopes import TAG_LEN, ScopeRegistry
 from quilld.tiers.arena import NO_SPACE, DramArena
 from quilld.tiers.block import Block, BlockState, page_extent
+from quilld.tiers.chains import Chains
 from quilld.tiers.eviction import Frequencies, victim
 from quilld.tiers.expiry import Expiry, now_ms
 from quilld.tiers.listing import Listing
@@ -126,6 +127,7 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         # are "tracked": the listener hears where each one is placed and when it goes, so the
         # node can mirror them into the residency index (ROUTE credit) and the cluster's log.
         self.tracked: dict[bytes, int | bytes | None] = {}  # full key -> its block hash or None
+        self.chains = Chains()  # which blocks follow which: LRU eviction takes a chain's tail first
         # placed(fk, tier, nbytes, bhash): written; moved(...): the same value now in another tier
         # (or recovered at start); removed(fk, bhash): gone from this node, for whatever reason
         self.listener: Any = None
@@ -452,10 +454,11 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
         return self.arena.view(block.handle, block.length)
 
     def publish(self, tag: bytes, key: bytes, value: bytes | Block, keep_ttl: bool = False,
-                bhash: int | bytes | None = None) -> None:
+                bhash: int | bytes | None = None, parent: int | bytes | None = None) -> None:
         """Make `value` the visible value of `key`, replacing (and releasing) any old one.
 
-        `bhash` names the engine block the value holds; ROUTE then credits it.
+        `bhash` names the engine block the value holds; ROUTE then credits it. `parent` names
+        the block before it in its chain (chains.py: eviction keeps the chain's head).
         """
         fk = tag + key
         data = self.data
@@ -505,6 +508,11 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
             self.block_count += 1
         data[fk] = value
         self.writes += 1
+        chains = self.chains
+        if chains.block_of and fk in chains.block_of:
+            chains.removed(fk)  # an overwrite: the old block's links go
+        if bhash is not None:
+            chains.added(fk, tag, bhash, parent)
         if table is not None and value.__class__ is Block:
             table.add(fk, value)
         if self.touched is not None:
@@ -592,6 +600,8 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
     def _removed(self, fk: bytes) -> None:
         if self.lookup_table is not None:  # before its value is released
             self.lookup_table.drop(fk)
+        if self.chains.block_of:
+            self.chains.removed(fk)
         tag = fk[:TAG_LEN]
         if self._scope_keys:
             keys = self._scope_keys.get(tag)
@@ -741,6 +751,15 @@ class Keyspace(ValueParts, Renames, TierMoves, TtlVerbs, Listing):
                 return False
             self._evict(fk, data.pop(fk))
             return True
+        chains = self.chains
+        if chains.parent or chains.orphans:  # blocks in chains: a chain's tail before its head
+            front = next(iter(data), None)
+            if front is not None:
+                fk = chains.victim(front, lambda k: k in data and _evictable(data[k]))
+                if fk != front:
+                    self._evict(fk, data.pop(fk))
+                    self.stats["evictions_chain_tail"] += 1
+                    return True
         for _ in range(len(data)):
             fk, value = data.popitem(last=False)
             if type(value) is Block and value.pins:

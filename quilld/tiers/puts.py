@@ -44,7 +44,7 @@ PUT_OVERHEAD = 512
 
 class Put:
     __slots__ = ("handle", "tag", "key", "tenant", "block", "nbytes", "deadline",
-                 "starts", "ends", "writers", "dead", "bhash", "in_place", "lease_s", "charge")
+                 "starts", "ends", "writers", "dead", "bhash", "parent", "in_place", "lease_s", "charge")
 
     def __init__(self, handle: bytes, tag: bytes, key: bytes, tenant: str, block: Block | None,
                  nbytes: int, deadline: float) -> None:
@@ -60,6 +60,7 @@ class Put:
         self.writers = 0  # DATA payloads being received into the block right now
         self.dead = False  # aborted or expired while a writer was active
         self.bhash: int | bytes | None = None  # the engine block hash it holds (PUT2PHASE BEGIN ... HASH)
+        self.parent: int | bytes | None = None  # the block before it in its chain (... PARENT)
         self.in_place = False  # written through the client's mapping of the arena (SHM): COMMIT needs the CRC
         self.lease_s = 0.0
         self.charge = len(key) + PUT_OVERHEAD  # counted with the tenant's unfilled reservations while open
@@ -111,7 +112,8 @@ class TwoPhasePuts:
         self.aborted = 0
 
     def begin(self, tag: bytes, key: bytes, tenant: str, nbytes: int, lease_ms: int | None,
-              bhash: int | bytes | None = None, in_place: bool = False, handle: bytes | None = None) -> bytes | None:
+              bhash: int | bytes | None = None, in_place: bool = False, handle: bytes | None = None,
+              parent: int | bytes | None = None) -> bytes | None:
         """A new handle, or None when the key is already complete (idempotent success).
         `in_place`: the client writes the bytes itself (see `region`), COMMIT carries the CRC.
         `handle`: one the client chose (HANDLE_FORM), so it can pipeline DATA and COMMIT right
@@ -138,6 +140,7 @@ class TwoPhasePuts:
         else:
             self.store.hold_unfilled(tenant, put.charge)
         put.bhash = bhash
+        put.parent = parent
         put.in_place = in_place
         put.lease_s = lease / 1000
         self.open[handle] = put
@@ -207,10 +210,10 @@ class TwoPhasePuts:
             value = bytes(view)
             if put.block is not None:
                 store.discard(put.block)
-            store.publish(put.tag, put.key, value, bhash=put.bhash)
+            store.publish(put.tag, put.key, value, bhash=put.bhash, parent=put.parent)
         else:
             put.block.crc = crc  # verified above (or None: computed when first needed)
-            store.publish(put.tag, put.key, put.block, bhash=put.bhash)
+            store.publish(put.tag, put.key, put.block, bhash=put.bhash, parent=put.parent)
         store.scopes.drop(put.tag)  # the published key holds the scope now (dropped after: no gap)
         self.committed += 1
 

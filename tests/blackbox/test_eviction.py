@@ -119,3 +119,30 @@ def test_mget_of_blocks_releases_their_pins(small):
     tiers = r.info("tiers")
     assert tiers["dram_held_bytes"] == 0 and tiers["dram_pinned_unlinked"] == 0
     assert r.info("memory")["used_memory"] < MiB
+
+
+def put_chained(r: redis.Redis, key: str, block_hash: int, parent: int | None, payload: bytes) -> None:
+    """One block stored with its engine hash and its parent's (PUT2PHASE BEGIN ... HASH h PARENT p)."""
+    extra = ["HASH", block_hash] + ([] if parent is None else ["PARENT", parent])
+    handle = r.execute_command("PUT2PHASE", "BEGIN", key, len(payload), *extra)
+    r.execute_command("PUT2PHASE", "DATA", handle, 0, payload)
+    r.execute_command("PUT2PHASE", "COMMIT", handle)
+
+
+def test_a_chain_written_past_the_arena_keeps_its_head(small):
+    """A KV prefix is only worth its first blocks: 1.5x the arena of one chain (each block naming
+    its parent) leaves a prefix from block 0, as long as fits, not the chain's last blocks; plain
+    keys written after it are still evicted least recently used first."""
+    r = redis.Redis(port=small.port)
+    block = 1024 * 1024
+    count = CAPACITY * 3 // 2 // block
+    for i in range(count):
+        put_chained(r, f"chain:{i}", 1000 + i, None if i == 0 else 1000 + i - 1, bytes([i % 256]) * block)
+    present = [r.exists(f"chain:{i}") == 1 for i in range(count)]
+    prefix = present.index(False) if False in present else count
+    fits = int(CAPACITY * 0.8) // block  # under the low watermark, and a block or so of slack
+    print(f"\n{count} chained 1 MiB blocks into a {CAPACITY >> 20} MiB arena: blocks 0..{prefix - 1} kept "
+          f"({sum(present)} in all), {r.info('stats')['evicted_chain_tails']} chain tails evicted")
+    assert prefix >= fits * 3 // 4, present
+    assert r.get("chain:0") == bytes([0]) * block  # the head, byte for byte
+    assert sum(present[prefix:]) <= 2  # past the prefix, at most the newest block or two (orphans go first)

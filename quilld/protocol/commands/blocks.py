@@ -112,7 +112,7 @@ def _put2phase_begin(c, args):
         if cluster is not None:
             cluster.link.note_parent(c.tag, bhash, parent)
     puts = c.puts
-    handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place, handle)
+    handle = puts.begin(c.tag, bytes(args[2]), c.user, nbytes, lease, bhash, in_place, handle, parent=parent)
     if handle is None:
         return EXISTS
     return [handle, puts.region(puts.open[handle])] if in_place else handle

@@ -261,19 +261,21 @@ def cmd_shm_reserve(c, args):
     if any(not 0 <= n <= limit for n in sizes):
         raise CommandError(f"block size must be within 0..{limit} bytes")
     hashes: list = [None] * len(sizes)
+    parents: list = [None] * len(sizes)
     if chained:
         cluster = c.ctx.cluster
         for n, i in enumerate(range(first, len(args), step)):
             hashes[n] = parse_block_hash(text(args[i + 2]))
             if len(args[i + 3]):
-                parent = parse_block_hash(text(args[i + 3]))
+                parents[n] = parent = parse_block_hash(text(args[i + 3]))
                 if cluster is not None:
                     cluster.link.note_parent(c.tag, hashes[n], parent)
     puts, tag, user = c.puts, c.tag, c.user
     out: list = []
     for n, i in enumerate(range(first, len(args), step)):
         try:
-            handle = puts.begin(tag, bytes(args[i]), user, sizes[n], lease, hashes[n], in_place=True)
+            handle = puts.begin(tag, bytes(args[i]), user, sizes[n], lease, hashes[n], in_place=True,
+                                parent=parents[n])
         except OutOfMemory:
             if not out:
                 raise
