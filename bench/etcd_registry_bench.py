@@ -6,8 +6,8 @@ are spread over --workers processes (each an event loop, as each node has its ow
 gRPC client per CLIENT_SHARE members, so that a thousand fit on this machine.
 Measured from the fault to each live member's view:
 
-- start: N members registered, in waves of START_WAVE, until every one's view lists all N (the
-  start-up of a whole cluster, wall clock);
+- start: N members registered in a rolling start (waves of START_WAVE, each in every earlier
+  member's view before the next starts), until every one's view lists all N (wall clock);
 - a 5 % crash: that many members stop renewing their leases at once (as kill -9 leaves them);
   from then until every live member lists every one of them dead;
 - a 10 % join: that many new members start at once; until every earlier member lists them alive;
@@ -224,8 +224,9 @@ def run(n: int, etcd: EtcdCluster, ttl: int, workers: int, rng: random.Random) -
     try:
         first = [f"m{i:05d}" for i in range(n)]
         t0 = time.monotonic()
-        for i in range(0, n, START_WAVE):  # waves, as a real cluster's nodes come up
-            co.all({"cmd": "make", "names": first[i:i + START_WAVE]})
+        for i in range(0, n, START_WAVE):  # a rolling start: each wave in every view before the next
+            wave = first[i:i + START_WAVE]
+            co.phase({m: "alive" for m in wave}, first[:i], {"cmd": "make", "names": wave})
         co.phase({m: "alive" for m in first}, first, {"cmd": "noop"})
         started_all = time.monotonic() - t0
         pid = etcd.procs[etcd.names[0]].pid
