@@ -353,8 +353,6 @@ class EtcdRegistry:
             if reply is None or reply.TTL <= 0:
                 self._lease = None
                 raise ConnectionError("this node's etcd lease expired")
-            if self._meta != self._written and time.monotonic() - self._written_at >= META_WRITE_S:
-                await self._write_meta()  # the changing part, now and then
 
     # -- members -------------------------------------------------------------------------------------
     def _engine_of(self, key: bytes) -> str | None:

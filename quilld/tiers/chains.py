@@ -28,9 +28,9 @@ class Chains:
         self.block_of: dict[bytes, tuple[bytes, Any]] = {}  # full key -> (scope tag, block hash)
         self.parent: dict[bytes, bytes] = {}  # full key -> its parent's full key (both here)
         self.kids: dict[bytes, dict[bytes, None]] = {}  # full key -> its children here, oldest first
-        self.orphans: dict[bytes, None] = {}  # blocks whose named parent is not here, oldest first
+        # blocks whose named parent is not here, oldest first -> that parent's (scope tag, hash)
+        self.orphans: dict[bytes, tuple[bytes, Any]] = {}
         self.waiting: dict[tuple[bytes, Any], dict[bytes, None]] = {}  # absent parent -> orphans naming it
-        self.awaits: dict[bytes, tuple[bytes, Any]] = {}  # orphan -> the absent parent it names
 
     def added(self, fk: bytes, tag: bytes, bhash: Any, parent: Any) -> None:
         """`fk` (of scope `tag`) now holds block `bhash`, whose parent is `parent` (None: a head)."""
@@ -48,13 +48,11 @@ class Chains:
             self._link(fk, pfk)
 
     def _orphan(self, fk: bytes, parent: tuple[bytes, Any]) -> None:
-        self.orphans[fk] = None
-        self.awaits[fk] = parent
+        self.orphans[fk] = parent
         self.waiting.setdefault(parent, {})[fk] = None
 
     def _link(self, fk: bytes, pfk: bytes) -> None:
         self.orphans.pop(fk, None)
-        self.awaits.pop(fk, None)
         self.parent[fk] = pfk
         self.kids.setdefault(pfk, {})[fk] = None
 
@@ -65,8 +63,7 @@ class Chains:
             return
         if self.key_of.get(block) == fk:
             del self.key_of[block]
-        self.orphans.pop(fk, None)
-        awaited = self.awaits.pop(fk, None)
+        awaited = self.orphans.pop(fk, None)
         if awaited is not None:
             waiting = self.waiting.get(awaited)
             if waiting is not None:
